@@ -1,0 +1,4 @@
+"""Pure functions (no state, no I/O)."""
+from . import zo
+
+__all__ = ["zo"]

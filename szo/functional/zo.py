@@ -1,0 +1,150 @@
+"""Pure zeroth-order gradient estimators (no state, no I/O).
+
+Paper eq. (3)-(5). All estimators are written as two halves:
+
+* a *probe plan* (which points to evaluate), and
+* a *combination* of the measured losses into a gradient estimate,
+
+so that the same math serves the pure functions below (used by tests and by anyone who
+wants an estimator on a plain function), the in-place optimizer ``szo.optim.SZO``, and
+the batched perturbation engine, which evaluates a whole plan in one pass.
+
+Directions are given as the columns of ``directions`` (``[d, k]``, e.g. the subspace
+basis P, or the identity for full-space CGE).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "cge_coefficients",
+    "rge_coefficients",
+    "forward_difference_coefficients",
+    "check_loss",
+    "cge",
+    "rge",
+    "one_point",
+    "sample_gaussian",
+]
+
+LossFn = Callable[[torch.Tensor], "float | torch.Tensor"]
+
+
+def check_loss(value: "float | torch.Tensor", where: str = "closure") -> float:
+    """Turn a loss into a Python float, rejecting non-scalars and non-finite values."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{where} must return a scalar loss, got a tensor of shape {tuple(value.shape)}; "
+                "reduce it (e.g. .mean()) before returning"
+            )
+        value = float(value.detach())
+    elif isinstance(value, (int, float)):
+        value = float(value)
+    else:
+        raise ValueError(f"{where} must return a scalar loss (float or 1-element tensor), got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where} returned a non-finite loss ({value}); the parameters were restored")
+    return value
+
+
+def cge_coefficients(loss_plus: torch.Tensor, loss_minus: torch.Tensor, mu: float) -> torch.Tensor:
+    """Central differences ``(L(theta + mu v_i) - L(theta - mu v_i)) / (2 mu)`` for each direction i.
+
+    The CGE gradient estimate is ``directions @ coefficients`` (eq. 3 / SZO-CGE in eq. 5).
+    """
+    return (loss_plus - loss_minus) / (2.0 * mu)
+
+
+def rge_coefficients(loss_plus: torch.Tensor, loss_minus: torch.Tensor, z: torch.Tensor, mu: float) -> torch.Tensor:
+    """RGE in the coordinates of ``directions``: ``(1/q) sum_j (L+_j - L-_j)/(2 mu) z_j``.
+
+    ``z`` is ``[q, k]``; the estimate in parameter space is ``directions @ result`` (eq. 4 / 5).
+    """
+    diffs = (loss_plus - loss_minus) / (2.0 * mu)
+    return (diffs.to(z.dtype)[:, None] * z).mean(dim=0)
+
+
+def forward_difference_coefficients(
+    loss_plus: torch.Tensor, loss_center: float, z: torch.Tensor, mu: float
+) -> torch.Tensor:
+    """One-sided ("one-point", paper App. F / Table 13) estimate ``(1/q) sum_j (L+_j - L(theta))/mu z_j``.
+
+    It needs q + 1 forward passes per step instead of 2q.
+    """
+    diffs = (loss_plus - loss_center) / mu
+    return (diffs.to(z.dtype)[:, None] * z).mean(dim=0)
+
+
+def sample_gaussian(q: int, k: int, generator: torch.Generator | None, dtype=torch.float32) -> torch.Tensor:
+    """``q`` draws of ``z ~ N(0, I_k)`` from an explicit generator (CPU), shape ``[q, k]``."""
+    return torch.randn(q, k, generator=generator, dtype=dtype)
+
+
+def _validate(theta: torch.Tensor, directions: torch.Tensor, mu: float) -> None:
+    if mu <= 0:
+        raise ValueError(f"mu must be > 0, got {mu}")
+    if directions.dim() != 2 or directions.shape[0] != theta.numel():
+        raise ValueError(
+            f"directions must be [d, k] with d = theta.numel() = {theta.numel()}, got {tuple(directions.shape)}"
+        )
+    if directions.shape[1] == 0:
+        raise ValueError("directions must have at least one column (k >= 1)")
+
+
+def cge(loss_fn: LossFn, theta: torch.Tensor, directions: torch.Tensor, mu: float) -> torch.Tensor:
+    """CGE along the columns of ``directions`` (eq. 3 with ``e_i``, SZO-CGE with ``v_i``): 2k evaluations."""
+    _validate(theta, directions, mu)
+    k = directions.shape[1]
+    lp = torch.empty(k, dtype=torch.float64)
+    lm = torch.empty(k, dtype=torch.float64)
+    for i in range(k):
+        v = directions[:, i]
+        lp[i] = check_loss(loss_fn(theta + mu * v), "loss_fn")
+        lm[i] = check_loss(loss_fn(theta - mu * v), "loss_fn")
+    return directions @ cge_coefficients(lp, lm, mu).to(directions.dtype)
+
+
+def rge(
+    loss_fn: LossFn,
+    theta: torch.Tensor,
+    directions: torch.Tensor,
+    mu: float,
+    q: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """RGE with ``z ~ N(0, I_k)`` mapped through ``directions`` (eq. 4, SZO-RGE in eq. 5): 2q evaluations."""
+    _validate(theta, directions, mu)
+    if q < 1:
+        raise ValueError(f"q must be >= 1, got {q}")
+    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype)
+    lp = torch.empty(q, dtype=torch.float64)
+    lm = torch.empty(q, dtype=torch.float64)
+    for j in range(q):
+        u = directions @ z[j]
+        lp[j] = check_loss(loss_fn(theta + mu * u), "loss_fn")
+        lm[j] = check_loss(loss_fn(theta - mu * u), "loss_fn")
+    return directions @ rge_coefficients(lp, lm, z, mu)
+
+
+def one_point(
+    loss_fn: LossFn,
+    theta: torch.Tensor,
+    directions: torch.Tensor,
+    mu: float,
+    q: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One-sided estimate (paper App. F): q + 1 evaluations."""
+    _validate(theta, directions, mu)
+    if q < 1:
+        raise ValueError(f"q must be >= 1, got {q}")
+    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype)
+    center = check_loss(loss_fn(theta), "loss_fn")
+    lp = torch.empty(q, dtype=torch.float64)
+    for j in range(q):
+        lp[j] = check_loss(loss_fn(theta + mu * (directions @ z[j])), "loss_fn")
+    return directions @ forward_difference_coefficients(lp, center, z, mu)

@@ -1,0 +1,71 @@
+"""Optimizers: SZO (forward-only, in a trajectory subspace) and the paper's baselines.
+
+>>> from szo.optim import SZO
+>>> opt = SZO(model.parameters(), subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge", model=model)
+>>> loss = opt.step(lambda: loss_fn(model(x), y))
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .bn import BNStatsFreezer, bn_layers
+from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
+from .zo import FullSpaceZO
+
+__all__ = [
+    "SZO",
+    "BPSubspace",
+    "FullSpaceZO",
+    "SubspaceOptimizer",
+    "BNStatsFreezer",
+    "bn_layers",
+    "check_layout",
+    "METHODS",
+    "SUBSPACE_METHODS",
+    "build_optimizer",
+]
+
+METHODS = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")
+SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
+
+
+def build_optimizer(
+    method: str,
+    model: nn.Module,
+    *,
+    subspace=None,
+    lr: float,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    mu: float = 1.0,
+    q: int = 1,
+    coords_per_step: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
+
+    ``zo-cge`` perturbs ``coords_per_step`` random coordinates per step (default: the
+    subspace's k when a subspace is given, so it spends the same 2k forwards per step as
+    SZO-CGE, else all d coordinates).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    params = list(model.parameters())
+    if method == "bp":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if method in SUBSPACE_METHODS:
+        if subspace is None:
+            raise ValueError(f"method {method!r} needs a subspace (build one with `szo subspace build`)")
+        if weight_decay:
+            raise ValueError(f"method {method!r} uses no weight decay (paper App. G); got weight_decay={weight_decay}")
+        if method == "bp-subspace":
+            return BPSubspace(params, subspace, lr=lr, momentum=momentum, model=model)
+        estimator = {"szo-cge": "cge", "szo-rge": "rge", "szo-1pt": "one-point"}[method]
+        return SZO(params, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q, model=model,
+                   generator=generator)
+    # full-space ZO
+    if method == "zo-cge" and coords_per_step is None and subspace is not None:
+        coords_per_step = int(subspace.basis.shape[1])
+    return FullSpaceZO(params, estimator=method.split("-")[1], mu=mu, lr=lr, momentum=momentum, q=q,
+                       coords_per_step=coords_per_step, model=model, generator=generator)

@@ -1,0 +1,77 @@
+"""Frozen BatchNorm running statistics across the perturbed forwards of one step.
+
+Paper Sec. 6 / App. G: "we keep the running statistics of batch norm layers before each
+perturbation on training step t the same". Exactly what happens here:
+
+1. ``snapshot()`` before the first probe of a step stores every BN layer's
+   ``running_mean``, ``running_var`` and ``num_batches_tracked``.
+2. Before each probe, ``restore()`` puts those values back, so all 2k (or 2q) perturbed
+   forwards see identical running statistics. (In train mode BN normalises with the batch
+   statistics anyway; the running statistics are what evaluation later uses.)
+3. After each probe, ``accumulate()`` adds the running statistics that probe produced.
+4. ``commit()`` at the end of the step sets the running statistics to the *mean over the
+   probes* and ``num_batches_tracked`` to snapshot + 1. Because a BN update is affine in
+   the batch statistics, this equals one ordinary BN update with the probes' mean batch
+   statistics, i.e. to first order in mu the update an unperturbed forward would make,
+   without paying for that extra forward.
+
+If the model is in eval mode, or has no BN layers, all of this is a no-op.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["BNStatsFreezer", "bn_layers"]
+
+
+def bn_layers(model: nn.Module) -> list[_BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+class BNStatsFreezer:
+    """Keeps BN running statistics identical for every probe of one optimizer step."""
+
+    def __init__(self, model: nn.Module | None):
+        self.layers = bn_layers(model) if model is not None else []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._sum: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._count = 0
+
+    @property
+    def active(self) -> bool:
+        return any(m.training for m in self.layers)
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        self._saved = [
+            (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in self.layers
+        ]
+        self._sum = [(torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var)) for m in self.layers]
+        self._count = 0
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for m, (mean, var, n) in zip(self.layers, self._saved):
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+            m.num_batches_tracked.copy_(n)
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        for m, (s_mean, s_var) in zip(self.layers, self._sum):
+            s_mean.add_(m.running_mean)
+            s_var.add_(m.running_var)
+        self._count += 1
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Running stats := mean over probes (one BN update per step); or the snapshot if no probe ran."""
+        if self._count == 0 or not self.active:
+            self.restore()
+            return
+        for m, (s_mean, s_var), (_, _, n) in zip(self.layers, self._sum, self._saved):
+            m.running_mean.copy_(s_mean / self._count)
+            m.running_var.copy_(s_var / self._count)
+            m.num_batches_tracked.copy_(n + 1)

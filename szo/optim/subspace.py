@@ -1,0 +1,330 @@
+"""Optimizers that move the parameters inside a trajectory subspace: SZO and BP-Subspace.
+
+Both keep the subspace coordinates ``c`` (``theta = theta_0 + P (c - c_0)``, ``c_0 = 0``) and
+apply paper eq. (6) to them:
+
+    c_{t+1} = c_t - lr_t * g_t + momentum * (c_t - c_{t-1})
+
+Because P has orthonormal columns and every gradient estimate lies in span(P), this is
+exactly eq. (6) in parameter space (``theta_{t+1} = theta_t - lr g + beta (theta_t - theta_{t-1})``
+with ``g = P g_c``); tests/optim/test_szo.py checks the equivalence. Only k numbers of
+optimizer state are kept (``c`` and ``delta = c_t - c_{t-1}``), which is what an on-chip
+implementation would store.
+
+The parameter layout (flat order = the order of the ``params`` given, which for
+``model.parameters()`` is ``named_parameters()`` order) must match the subspace's layout.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..functional import zo as F
+from .bn import BNStatsFreezer
+
+__all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout"]
+
+ESTIMATORS = ("cge", "rge", "one-point")
+
+
+def _layout_entries(layout) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for e in layout:
+        if isinstance(e, dict):
+            out.append((str(e["name"]), tuple(int(s) for s in e["shape"])))
+        else:
+            name, shape = e
+            out.append((str(name), tuple(int(s) for s in shape)))
+    return out
+
+
+def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None = None) -> None:
+    """Raise one clear ValueError if the subspace does not fit these parameters."""
+    d = sum(p.numel() for p in params)
+    basis = subspace.basis
+    if basis.dim() != 2:
+        raise ValueError(f"subspace basis must be [d, k], got shape {tuple(basis.shape)}")
+    if basis.shape[1] < 1:
+        raise ValueError("subspace has k = 0 directions; build it with k >= 1")
+    layout = getattr(subspace, "layout", None)
+    if layout:
+        entries = _layout_entries(layout)
+        if model is not None:
+            found = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        else:
+            found = [(entries[i][0] if i < len(entries) else f"param[{i}]", tuple(p.shape)) for i, p in enumerate(params)]
+        for i, (exp, got) in enumerate(zip(entries, found)):
+            if exp != got:
+                raise ValueError(
+                    f"subspace layout does not match the model at parameter #{i}: subspace has "
+                    f"{exp[0]} {list(exp[1])}, model has {got[0]} {list(got[1])}"
+                )
+        if len(entries) != len(found):
+            raise ValueError(
+                f"subspace layout has {len(entries)} parameters, the model has {len(found)}"
+                + (f"; first extra: {(entries + found)[min(len(entries), len(found))][0]}")
+            )
+    if basis.shape[0] != d:
+        raise ValueError(f"subspace dimension d = {basis.shape[0]} does not match the parameters' d = {d}")
+
+
+class SubspaceOptimizer(torch.optim.Optimizer):
+    """Shared machinery: basis views per parameter, coordinate state, the eq. (6) update."""
+
+    forward_only = False
+
+    def __init__(self, params: Iterable[torch.Tensor], subspace, defaults: dict, model: nn.Module | None = None):
+        params = list(params)
+        if len(params) == 0:
+            raise ValueError("optimizer got an empty parameter list")
+        if isinstance(params[0], dict):
+            raise ValueError("subspace optimizers take one flat list of parameters (no param groups)")
+        lr, momentum = defaults["lr"], defaults["momentum"]
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        check_layout(subspace, params, model)
+        super().__init__(params, defaults)
+        self.model = model
+        basis = subspace.basis.detach()
+        dev, dt = params[0].device, params[0].dtype
+        # P^T stored row-contiguous: one direction v_i is a contiguous row of length d.
+        bt = basis.t()
+        self._Pt = (bt if bt.is_contiguous() else bt.contiguous()).to(device=dev, dtype=dt)
+        self.k = self._Pt.shape[0]
+        # per-parameter views into P^T: [k, numel]
+        self._Pt_views = []
+        off = 0
+        for p in params:
+            n = p.numel()
+            self._Pt_views.append(self._Pt[:, off : off + n])
+            off += n
+        # Optimizer state lives here rather than in self.state: torch casts per-parameter
+        # state to the parameter dtype on load, and c / delta are kept in float64.
+        self.subspace_state: dict = {
+            "c": torch.zeros(self.k, dtype=torch.float64),
+            "delta": torch.zeros(self.k, dtype=torch.float64),
+            "step": 0,
+        }
+
+    # ----- helpers -------------------------------------------------------------------
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        return self.param_groups[0]["params"]
+
+    @property
+    def _anchor(self) -> dict:
+        return self.subspace_state
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        pass
+
+    def state_dict(self):
+        sd = super().state_dict()
+        st = self.subspace_state
+        sd["subspace"] = {"c": st["c"].clone(), "delta": st["delta"].clone(), "step": st["step"], **self._extra_state()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = dict(state_dict.pop("subspace", {}))
+        super().load_state_dict(state_dict)
+        if extra:
+            c, delta = extra.pop("c"), extra.pop("delta")
+            if c.shape != (self.k,):
+                raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {self.k}")
+            self.subspace_state = {"c": c.to(torch.float64), "delta": delta.to(torch.float64), "step": int(extra.pop("step"))}
+            self._load_extra_state(extra)
+
+    @property
+    def coordinates(self) -> torch.Tensor:
+        """Current subspace coordinates c (float64 [k]); theta = theta_0 + P c."""
+        return self._anchor["c"].clone()
+
+    @torch.no_grad()
+    def _add_direction(self, coeffs: torch.Tensor, scale: float = 1.0) -> None:
+        """theta += scale * P @ coeffs, parameter by parameter."""
+        coeffs = coeffs.to(self._Pt.dtype).to(self._Pt.device)
+        for p, pt in zip(self._params, self._Pt_views):
+            p.add_((coeffs @ pt).view_as(p), alpha=scale)
+
+    @torch.no_grad()
+    def _apply_update(self, g_c: torch.Tensor) -> None:
+        """Eq. (6) in coordinates, then theta += P (c_{t+1} - c_t)."""
+        group = self.param_groups[0]
+        st = self._anchor
+        new_delta = -group["lr"] * g_c.to(torch.float64) + group["momentum"] * st["delta"]
+        st["c"] += new_delta
+        st["delta"] = new_delta
+        st["step"] += 1
+        self._add_direction(new_delta)
+
+
+class SZO(SubspaceOptimizer):
+    """Subspace zeroth-order optimizer (paper eq. 5-6, Algorithm 1).
+
+    Use it like ``torch.optim.LBFGS``::
+
+        opt = SZO(model.parameters(), subspace, mu=1.0, lr=1.0, momentum=0.9,
+                  estimator="cge", model=model)
+        def closure():
+            return loss_fn(model(x), y)          # forward only; called under no_grad
+        loss = opt.step(closure)
+
+    * ``estimator="cge"``: 2k probes ``theta +/- mu v_i`` along the basis vectors.
+    * ``estimator="rge"``: 2q probes ``theta +/- mu P z_j``, ``z_j ~ N(0, I_k)`` from ``generator``.
+    * ``estimator="one-point"``: q + 1 probes, one-sided differences (paper App. F).
+
+    Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
+    copying back the saved values (bit-exact restore). If ``model`` is given, BN running
+    statistics are frozen across the probes (see ``szo.optim.bn``). ``step`` returns the mean
+    of the probe losses (a cheap, unbiased-to-first-order estimate of the loss at theta)
+    as a tensor.
+    """
+
+    forward_only = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        subspace,
+        *,
+        mu: float = 1.0,
+        lr: float = 1.0,
+        momentum: float = 0.9,
+        estimator: str = "cge",
+        q: int = 1,
+        model: nn.Module | None = None,
+        generator: torch.Generator | None = None,
+        freeze_bn: bool = True,
+    ):
+        if not mu > 0:
+            raise ValueError(f"mu must be > 0, got {mu}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        if estimator != "cge" and (not isinstance(q, int) or q < 1):
+            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        super().__init__(params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model)
+        self.estimator = estimator
+        self.q = q
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.bn = BNStatsFreezer(model if freeze_bn else None)
+        self.forward_passes = 0
+        self.last_losses: torch.Tensor | None = None
+
+    @property
+    def forwards_per_step(self) -> int:
+        return {"cge": 2 * self.k, "rge": 2 * self.q, "one-point": self.q + 1}[self.estimator]
+
+    def probe_plan(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Directions in coordinate space for this step: ``U [m, k]`` and ``z`` (None for CGE).
+
+        Probes are ``theta + mu * P @ U[j]``. For CGE/RGE ``U = [+D; -D]`` (first half plus,
+        second half minus); for one-point ``U = [0; Z]``.
+        """
+        if self.estimator == "cge":
+            eye = torch.eye(self.k, dtype=torch.float64)
+            return torch.cat([eye, -eye]), None
+        z = F.sample_gaussian(self.q, self.k, self.generator, dtype=torch.float64)
+        if self.estimator == "rge":
+            return torch.cat([z, -z]), z
+        return torch.cat([torch.zeros(1, self.k, dtype=torch.float64), z]), z
+
+    def combine(self, losses: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """Gradient estimate in coordinates from the probe losses (same order as ``probe_plan``)."""
+        mu = self.param_groups[0]["mu"]
+        if self.estimator == "cge":
+            return F.cge_coefficients(losses[: self.k], losses[self.k :], mu)
+        if self.estimator == "rge":
+            return F.rge_coefficients(losses[: self.q], losses[self.q :], z, mu)
+        return F.forward_difference_coefficients(losses[1:], float(losses[0]), z, mu)
+
+    @torch.no_grad()
+    def evaluate_plan(self, closure: Callable[[], torch.Tensor], U: torch.Tensor) -> torch.Tensor:
+        """Loss at ``theta + mu P U[j]`` for each row, parameters restored exactly afterwards."""
+        mu = self.param_groups[0]["mu"]
+        params = self._params
+        saved = [p.detach().clone() for p in params]
+        losses = torch.empty(U.shape[0], dtype=torch.float64)
+        self.bn.snapshot()
+        try:
+            for j in range(U.shape[0]):
+                self.bn.restore()
+                u = U[j].to(self._Pt.dtype)
+                if bool(u.any()):
+                    for p, s, pt in zip(params, saved, self._Pt_views):
+                        torch.add(s, (u @ pt).view_as(p), alpha=mu, out=p.data)
+                else:
+                    for p, s in zip(params, saved):
+                        p.data.copy_(s)
+                value = closure()
+                self.forward_passes += 1
+                losses[j] = F.check_loss(value, f"closure (probe {j + 1}/{U.shape[0]})")
+                self.bn.accumulate()
+        except BaseException:
+            self.bn.restore()
+            raise
+        finally:
+            for p, s in zip(params, saved):
+                p.data.copy_(s)
+        self.bn.commit()
+        return losses
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
+        U, z = self.probe_plan()
+        losses = self.evaluate_plan(closure, U)
+        self.last_losses = losses
+        g_c = self.combine(losses, z)
+        self._apply_update(g_c)
+        return torch.tensor(float(losses.mean()) if self.estimator != "one-point" else float(losses[0]))
+
+    # the RGE generator is part of the optimizer state so checkpoints resume bit-exactly
+    def _extra_state(self) -> dict:
+        return {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        if "generator_state" in extra:
+            self.generator.set_state(extra["generator_state"].to(torch.uint8))
+        self.forward_passes = int(extra.get("forward_passes", 0))
+
+
+class BPSubspace(SubspaceOptimizer):
+    """BP-Subspace baseline: the BPTT gradient projected onto P, then the same eq. (6) update.
+
+    ``loss.backward(); opt.step()`` as with any torch optimizer; gradient ``g_c = P^T grad``.
+    """
+
+    forward_only = False
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        subspace,
+        *,
+        lr: float = 1.0,
+        momentum: float = 0.9,
+        model: nn.Module | None = None,
+    ):
+        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        g_c = torch.zeros(self.k, dtype=self._Pt.dtype, device=self._Pt.device)
+        for p, pt in zip(self._params, self._Pt_views):
+            if p.grad is not None:
+                g_c += pt @ p.grad.reshape(-1)
+        self._apply_update(g_c.to(torch.float64).cpu())
+        return loss

@@ -1,0 +1,150 @@
+"""Full-space zeroth-order baselines (no subspace): DeepZero-style CGE and Gaussian RGE in R^d.
+
+These are the methods the paper shows failing on SNNs (Sec. 3, Figure 1). For a fair
+comparison at a fixed forward-pass budget, CGE perturbs ``coords_per_step`` coordinates
+drawn uniformly without replacement each step (sparse CGE as in DeepZero; ``None`` = all d
+coordinates, 2d forwards per step), and RGE uses ``q`` Gaussian directions ``z ~ N(0, I_d)``.
+The update is eq. (6) in parameter space (velocity form heavy ball).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..functional import zo as F
+from .bn import BNStatsFreezer
+
+__all__ = ["FullSpaceZO"]
+
+
+class FullSpaceZO(torch.optim.Optimizer):
+    """Forward-only full-space ZO optimizer (``estimator="cge"`` or ``"rge"``)."""
+
+    forward_only = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        estimator: str = "cge",
+        mu: float = 5e-3,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        q: int = 1,
+        coords_per_step: int | None = None,
+        model: nn.Module | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if estimator not in ("cge", "rge"):
+            raise ValueError(f"unknown estimator {estimator!r}; valid: cge, rge")
+        if not mu > 0:
+            raise ValueError(f"mu must be > 0, got {mu}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if estimator == "rge" and (not isinstance(q, int) or q < 1):
+            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
+        self.d = sum(p.numel() for p in params)
+        if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
+            raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
+        self.estimator = estimator
+        self.q = q
+        self.coords_per_step = coords_per_step
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.bn = BNStatsFreezer(model)
+        self.forward_passes = 0
+        anchor = self.state[params[0]]
+        anchor["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
+
+    @property
+    def _params(self):
+        return self.param_groups[0]["params"]
+
+    @property
+    def forwards_per_step(self) -> int:
+        if self.estimator == "rge":
+            return 2 * self.q
+        return 2 * (self.coords_per_step or self.d)
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self._params])
+
+    @torch.no_grad()
+    def _load(self, vec: torch.Tensor) -> None:
+        off = 0
+        for p in self._params:
+            n = p.numel()
+            p.copy_(vec[off : off + n].view_as(p))
+            off += n
+
+    @torch.no_grad()
+    def _loss_at(self, closure, vec: torch.Tensor, j: int, m: int) -> float:
+        self.bn.restore()
+        self._load(vec)
+        value = closure()
+        self.forward_passes += 1
+        out = F.check_loss(value, f"closure (probe {j + 1}/{m})")
+        self.bn.accumulate()
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("FullSpaceZO.step needs a closure that runs a forward pass and returns the loss")
+        group = self.param_groups[0]
+        mu = group["mu"]
+        theta = self._flat()
+        grad = torch.zeros_like(theta)
+        losses = []
+        self.bn.snapshot()
+        try:
+            if self.estimator == "cge":
+                n = self.coords_per_step or self.d
+                idx = (
+                    torch.randperm(self.d, generator=self.generator)[:n]
+                    if n < self.d
+                    else torch.arange(self.d)
+                ).to(theta.device)
+                probe = theta.clone()
+                for j, i in enumerate(idx.tolist()):
+                    probe[i] = theta[i] + mu
+                    lp = self._loss_at(closure, probe, 2 * j, 2 * n)
+                    probe[i] = theta[i] - mu
+                    lm = self._loss_at(closure, probe, 2 * j + 1, 2 * n)
+                    probe[i] = theta[i]
+                    grad[i] = (lp - lm) / (2 * mu)
+                    losses += [lp, lm]
+            else:
+                for j in range(self.q):
+                    z = torch.randn(self.d, generator=self.generator).to(theta)
+                    lp = self._loss_at(closure, theta + mu * z, 2 * j, 2 * self.q)
+                    lm = self._loss_at(closure, theta - mu * z, 2 * j + 1, 2 * self.q)
+                    grad.add_(z, alpha=(lp - lm) / (2 * mu) / self.q)
+                    losses += [lp, lm]
+        except BaseException:
+            self.bn.restore()
+            self._load(theta)
+            raise
+        self.bn.commit()
+        vel = self.state[self._params[0]]["velocity"]
+        vel.mul_(group["momentum"]).add_(grad, alpha=-group["lr"])
+        self._load(theta + vel)
+        return torch.tensor(sum(losses) / len(losses))
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["zo"] = {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("zo", {})
+        super().load_state_dict(state_dict)
+        if "generator_state" in extra:
+            self.generator.set_state(extra["generator_state"].to(torch.uint8))
+        self.forward_passes = int(extra.get("forward_passes", 0))
