@@ -66,12 +66,31 @@ class BNStatsFreezer:
         self._count += 1
 
     @torch.no_grad()
-    def commit(self) -> None:
-        """Running stats := mean over probes (one BN update per step); or the snapshot if no probe ran."""
-        if self._count == 0 or not self.active:
+    def commit(self, distributed: bool = False, process_group=None) -> int:
+        """Running stats := mean over probes (one BN update per step); or the snapshot if no probe ran.
+
+        With ``distributed`` (torch.distributed, ``process_group`` or the default group), the sums and probe counts of all ranks are
+        all-reduced first, so every rank ends with the same running statistics. Returns the
+        number of bytes this rank sent in that all-reduce (0 without one).
+        """
+        sent = 0
+        count = self._count
+        if distributed and self.layers and self.active:
+            import torch.distributed as dist
+
+            flat = torch.cat([torch.cat([a, b]) for a, b in self._sum] + [torch.tensor([float(count)])])
+            dist.all_reduce(flat, group=process_group)  # one message: sums of all layers + probe count
+            sent = flat.numel() * flat.element_size()
+            count = int(flat[-1].item())
+            off = 0
+            for a, b in self._sum:
+                a.copy_(flat[off : off + a.numel()]); off += a.numel()  # noqa: E702
+                b.copy_(flat[off : off + b.numel()]); off += b.numel()  # noqa: E702
+        if count == 0 or not self.active:
             self.restore()
-            return
+            return sent
         for m, (s_mean, s_var), (_, _, n) in zip(self.layers, self._sum, self._saved):
-            m.running_mean.copy_(s_mean / self._count)
-            m.running_var.copy_(s_var / self._count)
+            m.running_mean.copy_(s_mean / count)
+            m.running_var.copy_(s_var / count)
             m.num_batches_tracked.copy_(n + 1)
+        return sent

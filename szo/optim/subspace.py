@@ -27,6 +27,7 @@ from .bn import BNStatsFreezer
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout"]
 
 ESTIMATORS = ("cge", "rge", "one-point")
+DISTRIBUTED_MODES = (None, "data", "perturbation")
 
 
 def _layout_entries(layout) -> list[tuple[str, tuple[int, ...]]]:
@@ -203,7 +204,11 @@ class SZO(SubspaceOptimizer):
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
         freeze_bn: bool = True,
+        distributed: str | None = None,
+        process_group=None,
     ):
+        if distributed not in DISTRIBUTED_MODES:
+            raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
         if not mu > 0:
             raise ValueError(f"mu must be > 0, got {mu}")
         if estimator not in ESTIMATORS:
@@ -217,6 +222,14 @@ class SZO(SubspaceOptimizer):
         self.bn = BNStatsFreezer(model if freeze_bn else None)
         self.forward_passes = 0
         self.last_losses: torch.Tensor | None = None
+        # torch.distributed: "data" = every rank evaluates all probes on its shard of the
+        # batch, losses are averaged; "perturbation" = every rank evaluates a slice of the
+        # probes on the full batch. Either way only the m probe losses (and BN statistics)
+        # cross the network; every rank applies the identical update (same RGE generator
+        # seed on all ranks), so parameters stay in sync without broadcasting weights.
+        self.distributed = distributed
+        self.process_group = process_group
+        self.bytes_communicated = 0
 
     @property
     def forwards_per_step(self) -> int:
@@ -251,10 +264,17 @@ class SZO(SubspaceOptimizer):
         mu = self.param_groups[0]["mu"]
         params = self._params
         saved = [p.detach().clone() for p in params]
-        losses = torch.empty(U.shape[0], dtype=torch.float64)
+        losses = torch.zeros(U.shape[0], dtype=torch.float64)
+        rows = range(U.shape[0])
+        if self.distributed is not None:
+            import torch.distributed as dist
+
+            rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+            if self.distributed == "perturbation":
+                rows = range(rank, U.shape[0], world)
         self.bn.snapshot()
         try:
-            for j in range(U.shape[0]):
+            for j in rows:
                 self.bn.restore()
                 u = U[j].to(self._Pt.dtype)
                 if bool(u.any()):
@@ -273,7 +293,15 @@ class SZO(SubspaceOptimizer):
         finally:
             for p, s in zip(params, saved):
                 p.data.copy_(s)
-        self.bn.commit()
+        if self.distributed is not None:
+            # k (or q) loss values per step: never a gradient or a weight tensor
+            dist.all_reduce(losses, group=self.process_group)
+            self.bytes_communicated += losses.numel() * losses.element_size()
+            if self.distributed == "data":
+                losses /= world
+            self.bytes_communicated += self.bn.commit(True, self.process_group)
+        else:
+            self.bn.commit()
         return losses
 
     @torch.no_grad()
