@@ -1,0 +1,118 @@
+"""``SpikingModel``: the base of every model in the zoo.
+
+Handles input encoding (static image -> repeated over ``T``), neuron-state reset after each
+forward, and the flat-parameter view used by the subspace optimizers (order =
+``named_parameters()``, BN running statistics excluded because they are buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+
+import torch
+from spikingjelly.activation_based import functional
+from torch import nn
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class SpikingModel(nn.Module):
+    """Base class. Subclasses build layers in ``__init__`` and implement ``forward_seq``."""
+
+    def __init__(self, *, num_classes: int, T: int, model_name: str) -> None:
+        super().__init__()
+        self.num_classes = _positive_int("num_classes", num_classes)
+        self.T = _positive_int("T", T)
+        self.model_name = model_name
+        self._persist_depth = 0
+
+    # ------------------------------------------------------------------ forward
+    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
+        """Map ``[T, N, C, H, W]`` to logits ``[T, N, num_classes]``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward_seq")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[N, C, H, W]`` (repeated over ``self.T``) or ``[T, N, C, H, W]`` (used as is).
+
+        Returns ``[T, N, num_classes]``. Neuron state is reset afterwards unless inside
+        ``persistent_state()``.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 4:
+            x_seq = x.unsqueeze(0).repeat(self.T, 1, 1, 1, 1)
+        elif x.dim() == 5:
+            x_seq = x
+        else:
+            raise ValueError(
+                f"input must be [N, C, H, W] (static image) or [T, N, C, H, W] "
+                f"(sequence), got shape {tuple(x.shape)}"
+            )
+        try:
+            return self.forward_seq(x_seq)
+        finally:
+            if self._persist_depth == 0:
+                functional.reset_net(self)
+
+    # -------------------------------------------------------------------- state
+    def reset_state(self) -> None:
+        """Reset all neuron membrane potentials."""
+        functional.reset_net(self)
+
+    @contextlib.contextmanager
+    def persistent_state(self) -> Iterator[SpikingModel]:
+        """Keep neuron state across ``forward`` calls (streaming); reset on exit."""
+        self._persist_depth += 1
+        try:
+            yield self
+        finally:
+            self._persist_depth -= 1
+            if self._persist_depth == 0:
+                functional.reset_net(self)
+
+    # ------------------------------------------------------------ flat params
+    def param_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every parameter in ``named_parameters()`` order."""
+        return [(n, tuple(p.shape)) for n, p in self.named_parameters()]
+
+    def num_params(self) -> int:
+        """Total parameter count ``d`` (trainable or not)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flat_params(self) -> torch.Tensor:
+        """A new detached float32 1-D tensor ``[d]`` of all parameters (layout order)."""
+        params = [p.detach().reshape(-1) for p in self.parameters()]
+        if not params:
+            return torch.empty(0, dtype=torch.float32)
+        return torch.cat(params).to(torch.float32)
+
+    @torch.no_grad()
+    def load_flat_params(self, vec: torch.Tensor) -> None:
+        """Copy a flat vector ``[d]`` (layout order) into the parameters in place."""
+        params = list(self.parameters())
+        d = sum(p.numel() for p in params)
+        if not isinstance(vec, torch.Tensor):
+            raise ValueError(f"vec must be a 1-D torch.Tensor of length {d}, got {type(vec).__name__}")
+        if vec.dim() != 1 or vec.numel() != d:
+            raise ValueError(f"vec must be 1-D of length d={d}, got shape {tuple(vec.shape)}")
+        if not (vec.is_floating_point()):
+            raise ValueError(f"vec must be floating point, got dtype {vec.dtype}")
+        if not params:
+            return
+        ref = params[0]
+        if vec.device != ref.device or vec.dtype != ref.dtype:
+            vec = vec.to(device=ref.device, dtype=ref.dtype)
+        chunks = vec.split([p.numel() for p in params])
+        torch._foreach_copy_(params, [c.view_as(p) for c, p in zip(chunks, params)])
+
+    def fingerprint(self) -> str:
+        """sha256 hex of ``json.dumps([model_name, [[name, shape], ...]])``."""
+        layout = [[n, list(s)] for n, s in self.param_layout()]
+        return hashlib.sha256(json.dumps([self.model_name, layout]).encode()).hexdigest()

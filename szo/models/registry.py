@@ -1,0 +1,58 @@
+"""timm-style model registry: ``@register_model`` factories, ``create(name, ...)``, ``names()``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, TypeVar
+
+from szo.models.base import SpikingModel
+
+F = TypeVar("F", bound=Callable[..., SpikingModel])
+
+_REGISTRY: dict[str, Callable[..., SpikingModel]] = {}
+
+
+def register_model(fn: F) -> F:
+    """Register a model factory under its function name (decorator)."""
+    name = fn.__name__
+    if name in _REGISTRY and _REGISTRY[name] is not fn:
+        raise ValueError(f"model {name!r} is already registered")
+    _REGISTRY[name] = fn
+    return fn
+
+
+def names() -> list[str]:
+    """Sorted names of all registered models."""
+    return sorted(_REGISTRY)
+
+
+def create(
+    name: str,
+    *,
+    num_classes: int | None = None,
+    T: int | None = None,
+    activation: str = "lif",
+    **kw: Any,
+) -> SpikingModel:
+    """Build a registered model; ``None`` for ``num_classes`` / ``T`` means the model's default."""
+    try:
+        factory = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model {name!r}; valid names: {names()}") from None
+    if num_classes is not None:
+        kw["num_classes"] = num_classes
+    if T is not None:
+        kw["T"] = T
+    kw["activation"] = activation
+    try:
+        inspect.signature(factory).bind(**kw)
+    except TypeError:
+        valid = [p for p in inspect.signature(factory).parameters]
+        raise ValueError(
+            f"model {name!r} got unexpected argument(s) {sorted(kw)}; valid: {valid}"
+        ) from None
+    model = factory(**kw)
+    if not isinstance(model, SpikingModel):
+        raise TypeError(f"factory {name!r} returned {type(model).__name__}, not a SpikingModel")
+    model.model_name = name
+    return model

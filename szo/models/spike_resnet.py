@@ -1,0 +1,152 @@
+"""Spiking ResNets (tdBN style, SpikingJelly multi-step layers).
+
+BasicBlock: ``out = sn2(bn2(conv2(sn1(bn1(conv1(x))))) + shortcut(x))``; Bottleneck is the
+1x1-3x3-1x1 analogue. The residual add is explicit in ``forward`` so a fixed-point
+converter can map it to an integer current sum. Head: global average pool -> flatten ->
+Linear, giving ``[T, N, num_classes]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from spikingjelly.activation_based import layer
+from torch import nn
+
+from szo.models.base import SpikingModel
+from szo.models.neurons import make_neuron
+from szo.models.registry import register_model
+
+
+def conv_bn(in_ch: int, out_ch: int, kernel_size: int, stride: int = 1) -> nn.Sequential:
+    """Multi-step ``Conv2d(bias=False) -> BatchNorm2d`` with 'same' padding."""
+    return nn.Sequential(
+        layer.Conv2d(in_ch, out_ch, kernel_size, stride=stride, padding=kernel_size // 2,
+                     bias=False, step_mode="m"),
+        layer.BatchNorm2d(out_ch, step_mode="m"),
+    )
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 conv-BN layers with a residual current added before the second neuron."""
+
+    expansion = 1
+
+    def __init__(self, in_ch: int, planes: int, stride: int, activation: str) -> None:
+        super().__init__()
+        out_ch = planes * self.expansion
+        self.conv1 = conv_bn(in_ch, planes, 3, stride)
+        self.sn1 = make_neuron(activation)
+        self.conv2 = conv_bn(planes, out_ch, 3)
+        self.shortcut: nn.Module = (
+            conv_bn(in_ch, out_ch, 1, stride) if stride != 1 or in_ch != out_ch else nn.Identity()
+        )
+        self.sn2 = make_neuron(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv2(self.sn1(self.conv1(x)))
+        out = out + self.shortcut(x)  # residual: integer current sum in fixed point
+        return self.sn2(out)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce -> 3x3 (stride) -> 1x1 expand, residual added before the last neuron."""
+
+    expansion = 4
+
+    def __init__(self, in_ch: int, planes: int, stride: int, activation: str) -> None:
+        super().__init__()
+        out_ch = planes * self.expansion
+        self.conv1 = conv_bn(in_ch, planes, 1)
+        self.sn1 = make_neuron(activation)
+        self.conv2 = conv_bn(planes, planes, 3, stride)
+        self.sn2 = make_neuron(activation)
+        self.conv3 = conv_bn(planes, out_ch, 1)
+        self.shortcut: nn.Module = (
+            conv_bn(in_ch, out_ch, 1, stride) if stride != 1 or in_ch != out_ch else nn.Identity()
+        )
+        self.sn3 = make_neuron(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv3(self.sn2(self.conv2(self.sn1(self.conv1(x)))))
+        out = out + self.shortcut(x)  # residual: integer current sum in fixed point
+        return self.sn3(out)
+
+
+class SpikeResNet(SpikingModel):
+    """Spiking ResNet; ``stem="cifar"`` (3x3 s1, no pool) or ``"imagenet"`` (7x7 s2 + maxpool)."""
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: tuple[int, ...],
+        widths: tuple[int, ...],
+        *,
+        stem: str,
+        num_classes: int,
+        T: int,
+        in_channels: int = 3,
+        activation: str = "lif",
+        model_name: str = "spike_resnet",
+    ) -> None:
+        super().__init__(num_classes=num_classes, T=T, model_name=model_name)
+        if len(layers) != len(widths) or not layers:
+            raise ValueError(f"layers {layers} and widths {widths} must be non-empty and equal length")
+        in_channels = int(in_channels)
+        if in_channels < 1:
+            raise ValueError(f"in_channels must be >= 1, got {in_channels}")
+        if stem == "cifar":
+            self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3), make_neuron(activation))
+        elif stem == "imagenet":
+            self.stem = nn.Sequential(
+                conv_bn(in_channels, widths[0], 7, 2),
+                make_neuron(activation),
+                layer.MaxPool2d(3, stride=2, padding=1, step_mode="m"),
+            )
+        else:
+            raise ValueError(f"unknown stem {stem!r}; valid: ['cifar', 'imagenet']")
+        stages: list[nn.Module] = []
+        in_ch = widths[0]
+        for i, (n, w) in enumerate(zip(layers, widths)):
+            blocks = []
+            for j in range(n):
+                stride = 2 if (i > 0 and j == 0) else 1
+                blocks.append(block(in_ch, w, stride, activation))
+                in_ch = w * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.pool = layer.AdaptiveAvgPool2d((1, 1), step_mode="m")
+        self.flatten = layer.Flatten(step_mode="m")
+        self.fc = layer.Linear(in_ch, num_classes, step_mode="m")
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(x_seq))
+        return self.fc(self.flatten(self.pool(x)))
+
+
+@register_model
+def spike_resnet20(num_classes: int = 10, T: int = 4, activation: str = "lif",
+                   in_channels: int = 3) -> SpikeResNet:
+    """CIFAR ResNet20 (3x3 BasicBlocks, 16-32-64), ~0.27M params."""
+    return SpikeResNet(BasicBlock, (3, 3, 3), (16, 32, 64), stem="cifar", num_classes=num_classes,
+                       T=T, in_channels=in_channels, activation=activation, model_name="spike_resnet20")
+
+
+@register_model
+def spike_resnet18(num_classes: int = 100, T: int = 4, activation: str = "lif",
+                   in_channels: int = 3) -> SpikeResNet:
+    """CIFAR-style ResNet18 (3x3 stem, no maxpool, 64-128-256-512), ~11.22M params."""
+    return SpikeResNet(BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512), stem="cifar",
+                       num_classes=num_classes, T=T, in_channels=in_channels,
+                       activation=activation, model_name="spike_resnet18")
+
+
+@register_model
+def spike_resnet50(num_classes: int = 1000, T: int = 4, activation: str = "lif",
+                   in_channels: int = 3) -> SpikeResNet:
+    """ImageNet ResNet50 (7x7 s2 stem + maxpool, Bottleneck 3-4-6-3), ~25.56M params."""
+    return SpikeResNet(Bottleneck, (3, 4, 6, 3), (64, 128, 256, 512), stem="imagenet",
+                       num_classes=num_classes, T=T, in_channels=in_channels,
+                       activation=activation, model_name="spike_resnet50")
