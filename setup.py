@@ -16,7 +16,7 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     "test": ["pytest>=7"],
     "dvs": ["tonic>=1.4"],
-    "corruptions": ["imagecorruptions>=1.1.2"],
+    "corruptions": ["imagecorruptions-imaug>=1.1.5"],
     "cuda": ["spikingjelly[triton]>=2.0"],
 }
 
