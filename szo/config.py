@@ -1,0 +1,350 @@
+"""Recipe configs: YAML defaults + ``--set a.b=value`` overrides -> one validated, resolved dict.
+
+A recipe is a YAML mapping (``yaml.safe_load``) with the sections below; a recipe may start
+with ``extends: OTHER`` to take another recipe's values as its defaults. Values given with
+``--set`` are parsed with ``yaml.safe_load`` (``--set train.epochs=3``, ``--set
+data.data_dir=null``, ``--set model.kwargs={width: 8}``). Unknown keys and invalid choices
+raise ``ValueError`` with one line that lists what is valid.
+
+The resolved config (defaults filled in, ``train.lr: null`` replaced by the method's
+default) is what ``write_config`` stores as ``run_dir/config.yaml``; ``szo recipe
+RUN_DIR/config.yaml`` re-runs it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from szo.io import atomic_write_text
+
+__all__ = [
+    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS",
+    "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides",
+    "parse_override", "validate", "resolve", "write_config", "method_label",
+]
+
+_FREE = object()  # marks a free-form mapping (model.kwargs, data.kwargs)
+KINDS = ("bp", "subspace", "tta")
+# Recipe kinds run by other modules: kind -> (module, resolve function, run function,
+# extra top-level keys with defaults). The shared sections keep their meaning; the module's
+# resolve function checks its own section and ``method`` choices.
+EXTERNAL_KINDS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "tta": ("szo.adapt.cli", "resolve_tta", "run_recipe", {"setting": "both", "tta": _FREE}),
+}
+MODES = ("scratch", "continual")
+METHODS = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")  # = szo.optim.METHODS
+SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
+DEVICES = ("cpu", "cuda")
+SCHEDULERS = ("cosine", "constant")
+REFERENCES = ("first", "last")
+
+_STAGE = {
+    "epochs": 1, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "scheduler": "cosine",
+    "eval_every": 1, "max_steps_per_epoch": None, "checkpoint_every_steps": None,
+}
+
+# Every valid key with its default. A recipe only lists what differs.
+DEFAULTS: dict[str, Any] = {
+    "name": None,
+    "description": "",
+    "kind": "bp",            # bp: BPTT (+ trajectory + subspace); subspace: train in a subspace
+    "mode": "scratch",       # subspace recipes: scratch (reference = first sample) | continual
+    "method": "szo-cge",     # subspace stage optimizer (szo.optim.build_optimizer)
+    "seed": 0,
+    "device": "cpu",
+    "progress": True,
+    "model": {"name": None, "T": None, "activation": "lif", "kwargs": _FREE},
+    "data": {"name": None, "data_dir": None, "download": False, "augment": None, "batch_size": 128,
+             "test_batch_size": 256, "num_workers": 0, "kwargs": _FREE},
+    "loss": {"name": "tet", "lamb": 0.05, "phi": 1.0},
+    "bptt": dict(_STAGE, lr=0.1, weight_decay=1.0e-4),
+    "trajectory": {"every": "epoch", "record_initial": True},
+    "subspace": {"name": None, "k": 20, "window": None, "reference": "first", "root": None},
+    "train": dict(_STAGE, lr=None, weight_decay=0.0),
+    "szo": {"mu": 1.0, "q": 1, "coords_per_step": None},
+}
+
+# type rules: key path -> (types, nullable)
+_INT, _FLOAT, _BOOL, _STR = (int,), (float, int), (bool,), (str,)
+_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    "name": (_STR, False), "description": (_STR, False), "kind": (_STR, False), "mode": (_STR, False),
+    "method": (_STR, False), "seed": (_INT, False), "device": (_STR, False), "progress": (_BOOL, False),
+    "model.name": (_STR, False), "model.T": (_INT, True), "model.activation": (_STR, False),
+    "data.name": (_STR, False), "data.data_dir": (_STR, True), "data.download": (_BOOL, False),
+    "data.augment": (_BOOL, True), "data.batch_size": (_INT, False), "data.test_batch_size": (_INT, False),
+    "data.num_workers": (_INT, False),
+    "loss.name": (_STR, False), "loss.lamb": (_FLOAT, False), "loss.phi": (_FLOAT, False),
+    "trajectory.every": ((str, int), False), "trajectory.record_initial": (_BOOL, False),
+    "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
+    "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
+    "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
+}
+for _s in ("bptt", "train"):
+    _TYPES.update({
+        f"{_s}.epochs": (_INT, False), f"{_s}.lr": (_FLOAT, _s == "train"), f"{_s}.momentum": (_FLOAT, False),
+        f"{_s}.weight_decay": (_FLOAT, False), f"{_s}.scheduler": (_STR, False), f"{_s}.eval_every": (_INT, False),
+        f"{_s}.max_steps_per_epoch": (_INT, True), f"{_s}.checkpoint_every_steps": (_INT, True),
+    })
+_POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
+             "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
+             "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps"}
+
+
+# ----------------------------------------------------------------------------- recipes
+def _recipe_dir():
+    return resources.files("szo._recipes")
+
+
+def recipe_names() -> list[str]:
+    """Names of the recipes shipped in the package (``szo._recipes/*.yaml``)."""
+    return sorted(p.name[: -len(".yaml")] for p in _recipe_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_path(name: str):
+    """The shipped YAML of recipe ``name`` (an importlib.resources Traversable)."""
+    if name not in recipe_names():
+        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(recipe_names())}")
+    return _recipe_dir() / f"{name}.yaml"
+
+
+def _read_yaml(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where}: invalid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _raw_recipe(name_or_path: str | os.PathLike, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        data, key = _read_yaml(p.read_text(encoding="utf-8"), str(p)), str(p.resolve())
+    else:
+        name = str(name_or_path)
+        data, key = _read_yaml(recipe_path(name).read_text(encoding="utf-8"), f"recipe {name}"), name
+        data.setdefault("name", name)
+    if key in _seen:
+        raise ValueError(f"recipe 'extends' cycle: {' -> '.join(_seen + (key,))}")
+    base = data.pop("extends", None)
+    if base is not None:
+        parent = _raw_recipe(base, _seen + (key,))
+        parent.pop("name", None)
+        parent.pop("description", None)
+        data = _deep_merge(parent, data)
+    return data
+
+
+# ----------------------------------------------------------------------------- overrides
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b=value"`` -> ``("a.b", yaml.safe_load(value))``."""
+    if "=" not in item:
+        raise ValueError(f"--set expects key=value (e.g. train.epochs=3), got {item!r}")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    if not key:
+        raise ValueError(f"--set expects key=value, got {item!r}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def _defaults(kind: Any) -> dict[str, Any]:
+    if kind not in KINDS:
+        raise ValueError(f"invalid kind {kind!r}; valid: {', '.join(KINDS)}")
+    if kind in EXTERNAL_KINDS:
+        return {**DEFAULTS, **EXTERNAL_KINDS[kind][3]}
+    return DEFAULTS
+
+
+def _get(tree: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _check_key(dotted: str, defaults: Mapping[str, Any] = DEFAULTS) -> None:
+    parts = dotted.split(".")
+    node: Any = defaults
+    for i, part in enumerate(parts):
+        if node is _FREE:
+            return
+        if not isinstance(node, dict) or part not in node:
+            parent = ".".join(parts[:i])
+            if isinstance(node, dict):
+                where = f"under '{parent}'" if parent else "at the top level"
+                raise ValueError(f"unknown key '{dotted}'; valid keys {where}: {', '.join(node)}")
+            raise ValueError(f"unknown key '{dotted}': '{parent}' is a value, not a section")
+        node = node[part]
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str | tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``cfg`` with ``key=value`` overrides applied (keys checked against DEFAULTS)."""
+    cfg = copy.deepcopy(cfg)
+    items = [parse_override(i) if isinstance(i, str) else i for i in overrides]
+    kind = dict(items).get("kind", cfg.get("kind", DEFAULTS["kind"]))
+    defaults = _defaults(kind)
+    for key, value in items:
+        _check_key(key, defaults)
+        parts = key.split(".")
+        node = cfg
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+def _fill(defaults: Mapping[str, Any], given: Mapping[str, Any], prefix: str = "",
+          root: Mapping[str, Any] = DEFAULTS) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in given.items():
+        _check_key(prefix + k, root)
+    for k, d in defaults.items():
+        if d is _FREE:
+            v = given.get(k) or {}
+            if not isinstance(v, dict):
+                raise ValueError(f"'{prefix + k}' must be a mapping, got {v!r}")
+            out[k] = copy.deepcopy(v)
+        elif isinstance(d, dict):
+            v = given.get(k) or {}
+            if not isinstance(v, dict):
+                raise ValueError(f"'{prefix + k}' must be a section (mapping) with keys {', '.join(d)}, got {v!r}")
+            out[k] = _fill(d, v, prefix + k + ".", root)
+        else:
+            out[k] = copy.deepcopy(given.get(k, d))
+    return out
+
+
+def _choice(cfg: Mapping[str, Any], key: str, valid: Iterable[str]) -> None:
+    valid = list(valid)
+    v = _get(cfg, key)
+    if v not in valid:
+        raise ValueError(f"invalid {key} {v!r}; valid: {', '.join(map(str, valid))}")
+
+
+def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill defaults, check every key, type and choice; returns the full config."""
+    kind = cfg.get("kind", DEFAULTS["kind"])
+    root = _defaults(kind)
+    full = _fill(root, cfg, root=root)
+    for key, (types, nullable) in _TYPES.items():
+        v = _get(full, key)
+        if v is None:
+            if nullable:
+                continue
+            raise ValueError(f"'{key}' must be set (got null)")
+        if float in types and isinstance(v, str):  # YAML 1.1 reads 1e-4 as a string
+            try:
+                v = float(v)
+            except ValueError:
+                raise ValueError(f"'{key}' must be a number, got {v!r}") from None
+        if isinstance(v, bool) and bool not in types:
+            raise ValueError(f"'{key}' must be {'/'.join(t.__name__ for t in types)}, got {v!r}")
+        if not isinstance(v, types):
+            raise ValueError(f"'{key}' must be {'/'.join(t.__name__ for t in types)}, got {v!r}")
+        if float in types:
+            v = float(v)
+        if key in _POSITIVE and v < 1:
+            raise ValueError(f"'{key}' must be >= 1, got {v!r}")
+        sec, _, leaf = key.rpartition(".")
+        (_get(full, sec) if sec else full)[leaf] = v
+    from szo import data as szo_data
+    from szo import models as szo_models
+    from szo.losses import LOSSES
+
+    _choice(full, "mode", MODES)
+    if kind not in EXTERNAL_KINDS:
+        _choice(full, "method", METHODS)
+    dev = full["device"]
+    if not (dev in DEVICES or (isinstance(dev, str) and dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ValueError(f"invalid device {dev!r}; valid: cpu, cuda, cuda:N")
+    _choice(full, "model.name", szo_models.names())
+    _choice(full, "model.activation", ("lif", "relu"))
+    _choice(full, "data.name", szo_data.names())
+    _choice(full, "loss.name", list(LOSSES))
+    _choice(full, "bptt.scheduler", SCHEDULERS)
+    _choice(full, "train.scheduler", SCHEDULERS)
+    _choice(full, "subspace.reference", REFERENCES)
+    ev = full["trajectory"]["every"]
+    if ev != "epoch" and (isinstance(ev, str) or ev < 1):
+        raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")
+    for s in ("bptt", "train"):
+        if not 0.0 <= full[s]["momentum"] < 1.0:
+            raise ValueError(f"'{s}.momentum' must be in [0, 1), got {full[s]['momentum']}")
+    if not 0.0 <= full["loss"]["lamb"] <= 1.0:
+        raise ValueError(f"'loss.lamb' must be in [0, 1], got {full['loss']['lamb']}")
+    if full["szo"]["mu"] <= 0:
+        raise ValueError(f"'szo.mu' must be > 0, got {full['szo']['mu']}")
+    if full["subspace"]["name"] is None and (full["kind"] == "subspace"):
+        raise ValueError("a subspace recipe needs 'subspace.name' (the store entry to train in)")
+    if kind in EXTERNAL_KINDS:
+        import importlib
+
+        mod, resolve_fn, _, _ = EXTERNAL_KINDS[kind]
+        return getattr(importlib.import_module(mod), resolve_fn)(full)
+    if full["kind"] == "subspace" and full["method"] in SUBSPACE_METHODS and full["train"]["weight_decay"]:
+        raise ValueError(f"method {full['method']!r} uses no weight decay (paper App. G); set train.weight_decay=0")
+    if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
+        raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
+    return full
+
+
+def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``validate`` plus defaults that depend on other values (``train.lr: null`` -> method default:
+    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP)."""
+    full = validate(cfg)
+    if full["kind"] in EXTERNAL_KINDS:
+        return full
+    if full["train"]["lr"] is None:
+        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else 1.0
+    return full
+
+
+def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str | tuple[str, Any]] = ()) -> dict[str, Any]:
+    """Shipped recipe name or a YAML path, ``extends`` resolved, overrides applied, validated, resolved."""
+    raw = _raw_recipe(name_or_path)
+    return resolve(apply_overrides(raw, overrides))
+
+
+load_config = load_recipe
+
+
+def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    atomic_write_text(path, yaml.safe_dump(dict(cfg), sort_keys=False, default_flow_style=False))
+
+
+_LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
+           "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
+
+
+def method_label(method: str, q: int | None = None, activation: str = "lif") -> str:
+    """Paper-style column name: ``SZO-RGE(q=1)``, ``BP-Subspace``; ``(ANN)`` for relu twins."""
+    label = _LABELS.get(method, method)
+    if method in ("szo-rge", "szo-1pt", "zo-rge") and q is not None:
+        label += f"(q={q})"
+    if activation == "relu":
+        label += " (ANN)"
+    return label

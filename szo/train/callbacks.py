@@ -1,0 +1,89 @@
+"""Trainer callbacks.
+
+Epoch convention everywhere: ``epoch`` is the number of *completed* epochs at that moment
+(0 before training, 1 after the first epoch); ``step`` is the number of completed optimizer
+steps since the start of the run (global, not per epoch).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from szo.io import atomic_write_text
+
+__all__ = ["Callback", "MetricsLogger", "TrajectoryCallback", "read_metrics"]
+
+
+class Callback:
+    """Base class; override what you need. Exceptions propagate (they stop training)."""
+
+    def on_train_start(self, *, epoch: int, step: int, resumed: bool) -> None:
+        """Before the first step (also after a resume: ``resumed=True``)."""
+
+    def on_step_end(self, step: int, epoch: int, loss: float) -> None:
+        """After each optimizer step."""
+
+    def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
+        """After each epoch's evaluation; ``metrics`` is the metrics.jsonl record."""
+
+    def on_train_end(self, summary: dict[str, Any]) -> None:
+        """After the last epoch, with the results.json summary."""
+
+
+class MetricsLogger(Callback):
+    """Appends one JSON line per epoch to ``path`` (flush + fsync after each line)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def reset(self, records: Iterable[dict[str, Any]] = ()) -> None:
+        """Atomically rewrite the file with ``records`` (a resumed run replays its history)."""
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
+        self.append(metrics)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (a torn last line from a crash is ignored)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
+
+
+class TrajectoryCallback(Callback):
+    """Feeds a ``szo.trajectory.TrajectoryRecorder`` (weight samples for the subspace).
+
+    The initial sample is taken on a fresh start only; on resume the recorder's manifest
+    already lists it.
+    """
+
+    def __init__(self, recorder: Any):
+        self.recorder = recorder
+
+    def on_train_start(self, *, epoch: int, step: int, resumed: bool) -> None:
+        if not resumed:
+            self.recorder.on_train_start()
+
+    def on_step_end(self, step: int, epoch: int, loss: float) -> None:
+        self.recorder.on_step_end(step, epoch)
+
+    def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
+        self.recorder.on_epoch_end(epoch, step, test_acc=metrics.get("test_acc"))

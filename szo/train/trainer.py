@@ -1,0 +1,321 @@
+"""One training loop for every method: ``loss = optimizer.step(closure)``.
+
+* Forward-only optimizers (``optimizer.forward_only is True``: SZO-CGE/RGE, full-space ZO)
+  get a closure that runs a no-grad forward on the current batch and returns the loss; the
+  optimizer calls it once per probe and counts the calls in ``optimizer.forward_passes``.
+* Every other optimizer (``torch.optim.SGD`` for BP, ``BPSubspace``) gets a closure that
+  does ``zero_grad``, forward, ``backward`` and returns the loss: 1 FP + 1 BP per step.
+
+Train loss / accuracy of an epoch are averaged over the closure calls of its steps, i.e.
+for forward-only optimizers over the perturbed probes (no extra unperturbed forward is spent
+on bookkeeping).
+
+Resume semantics (``resume=True``): the run continues from ``run_dir/checkpoints/last.pt``,
+written at every epoch end and every ``checkpoint_every_steps`` steps. A mid-epoch
+checkpoint stores the generator state at the start of that epoch and the generator state
+after its last completed step. On resume the epoch's batch order is redrawn from the
+epoch-start state (the same permutation as before), the already-completed batches are
+skipped without being loaded, and the generator is set to the post-step state, so that RGE
+directions and later epochs see the same random numbers. A resumed run therefore
+reproduces the uninterrupted run exactly (same data order, same directions, same
+parameters). The loader must shuffle with the run generator passed to ``fit``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+from tqdm.auto import tqdm
+
+from szo.io import atomic_write_json
+from szo.train.callbacks import Callback, MetricsLogger
+from szo.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+
+__all__ = ["fit", "evaluate"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _epoch_loader(loader: DataLoader, batches: Sequence[list[int]], generator: torch.Generator) -> DataLoader:
+    """A DataLoader over an explicit list of index batches, with ``loader``'s data settings."""
+    kw: dict[str, Any] = dict(
+        batch_sampler=batches,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+        generator=generator,
+    )
+    if loader.num_workers > 0:
+        kw["prefetch_factor"] = loader.prefetch_factor
+        kw["multiprocessing_context"] = loader.multiprocessing_context
+    return DataLoader(loader.dataset, **kw)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
+             progress: bool = False) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``model`` in eval mode over ``loader``."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0
+    try:
+        for x, y in tqdm(loader, desc="eval", leave=False, disable=not progress):
+            x, y = x.to(device), y.to(device)
+            out = model(x)
+            n = y.shape[0]
+            loss_sum += float(loss_fn(out, y)) * n
+            correct += int((out.mean(0).argmax(1) == y).sum())
+            seen += n
+    finally:
+        model.train(was_training)
+    if seen == 0:
+        raise ValueError("the test loader yielded no samples")
+    return loss_sum / seen, correct / seen
+
+
+def fit(
+    model: nn.Module,
+    train_loader: DataLoader,
+    test_loader: Iterable | None,
+    optimizer: torch.optim.Optimizer,
+    *,
+    epochs: int,
+    loss_fn: LossFn,
+    scheduler: Any = None,
+    device: str | torch.device = "cpu",
+    run_dir: str | os.PathLike,
+    callbacks: Sequence[Callback] = (),
+    generator: torch.Generator,
+    resume: bool = False,
+    start_epoch: int = 0,
+    eval_every: int = 1,
+    progress: bool = True,
+    max_steps_per_epoch: int | None = None,
+    checkpoint_every_steps: int | None = None,
+    info: dict[str, Any] | None = None,
+    plot: bool = True,
+) -> dict[str, Any]:
+    """Train ``model`` for ``epochs`` epochs (total, counted from 0) and return the summary.
+
+    Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
+    results.json (the summary) and training_curve.png. ``scheduler`` is stepped once per
+    epoch. ``start_epoch`` numbers the first epoch of a fresh run (ignored on resume).
+    ``info`` (e.g. method, recipe, k) is merged into the summary.
+    """
+    _positive_int("epochs", epochs)
+    _positive_int("eval_every", eval_every)
+    _positive_int("max_steps_per_epoch", max_steps_per_epoch, allow_none=True)
+    _positive_int("checkpoint_every_steps", checkpoint_every_steps, allow_none=True)
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if not isinstance(train_loader, DataLoader):
+        raise ValueError(f"train_loader must be a torch DataLoader, got {type(train_loader).__name__}")
+    if isinstance(train_loader.sampler, RandomSampler) and train_loader.sampler.generator is not generator:
+        raise ValueError("train_loader must shuffle with the run generator passed to fit "
+                         "(make_loader(..., shuffle=True, generator=generator)) so runs are reproducible")
+    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
+        raise ValueError(f"start_epoch must be an int in [0, epochs), got {start_epoch!r}")
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = checkpoint_path(run_dir)
+    logger = MetricsLogger(run_dir / "metrics.jsonl")
+    forward_only = bool(getattr(optimizer, "forward_only", False))
+    model.to(device)
+
+    # ---------------------------------------------------------------- state
+    history: list[dict[str, Any]] = []
+    epoch, step, fp, bp = start_epoch, 0, 0, 0
+    train_time, wall_time = 0.0, 0.0
+    mid: dict[str, Any] | None = None
+    resumed = False
+    if ckpt_path.exists():
+        if not resume:
+            raise ValueError(f"{run_dir} already holds a checkpoint ({ckpt_path}); "
+                             f"pass resume=True (--resume) or use another run directory")
+        st = load_checkpoint(ckpt_path)
+        model.load_state_dict(st["model"])
+        optimizer.load_state_dict(st["optimizer"])
+        if scheduler is not None and st.get("scheduler") is not None:
+            scheduler.load_state_dict(st["scheduler"])
+        generator.set_state(st["generator"])
+        epoch, step, fp, bp = int(st["epoch"]), int(st["step"]), int(st["fp"]), int(st["bp"])
+        train_time, wall_time = float(st["train_time_s"]), float(st["wall_time_s"])
+        history = list(st["history"])
+        mid = st.get("in_epoch")
+        resumed = True
+    logger.reset(history)
+
+    def checkpoint(in_epoch: dict[str, Any] | None) -> None:
+        save_checkpoint(ckpt_path, {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "generator": generator.get_state(),
+            "epoch": epoch, "step": step, "fp": fp, "bp": bp,
+            "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
+            "history": history, "in_epoch": in_epoch,
+        })
+
+    cbs: list[Callback] = [logger, *callbacks]
+    for cb in cbs:
+        cb.on_train_start(epoch=epoch, step=step, resumed=resumed)
+
+    t_wall0 = time.perf_counter()
+    x_cur: dict[str, torch.Tensor] = {}
+    acc_buf: dict[str, Any] = {}
+
+    def _record(out: torch.Tensor) -> None:
+        m = out.detach().mean(0)
+        acc_buf["sum"] = m if acc_buf.get("sum") is None else acc_buf["sum"] + m
+
+    def closure() -> torch.Tensor:
+        x, y = x_cur["x"], x_cur["y"]
+        if forward_only:
+            with torch.no_grad():
+                out = model(x)
+                loss = loss_fn(out, y)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+        _record(out)
+        return loss
+
+    # ---------------------------------------------------------------- loop
+    while epoch < epochs:
+        if mid is not None:
+            generator.set_state(mid["generator_epoch_start"])
+        gen_epoch_start = generator.get_state()
+        batches = list(train_loader.batch_sampler)
+        if max_steps_per_epoch is not None:
+            batches = batches[:max_steps_per_epoch]
+        if not batches:
+            raise ValueError("the train loader yields no batches (dataset smaller than batch_size with drop_last?)")
+        done = int(mid["batches_done"]) if mid is not None else 0
+        loss_sum = float(mid["loss_sum"]) if mid is not None else 0.0
+        correct = int(mid["correct"]) if mid is not None else 0
+        seen = int(mid["seen"]) if mid is not None else 0
+        epoch_train_time = float(mid["epoch_train_time_s"]) if mid is not None else 0.0
+        it = iter(_epoch_loader(train_loader, batches[done:], generator))
+        if mid is not None:
+            generator.set_state(mid["generator"])
+        mid = None
+        lr = float(optimizer.param_groups[0]["lr"])
+        model.train()
+        bar = tqdm(total=len(batches), initial=done, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
+                   disable=not progress, dynamic_ncols=True)
+        t_last = time.perf_counter()
+        for x, y in it:
+            x_cur["x"], x_cur["y"] = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            acc_buf["sum"] = None
+            fp_before = int(getattr(optimizer, "forward_passes", 0))
+            loss_t = optimizer.step(closure)
+            if forward_only:
+                fp += int(getattr(optimizer, "forward_passes", 0)) - fp_before
+            else:
+                fp += 1
+                bp += 1
+            loss = float(loss_t.detach()) if isinstance(loss_t, torch.Tensor) else float(loss_t)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"training loss is {loss} at step {step + 1} (epoch {epoch + 1}); "
+                                         f"lower the learning rate")
+            n = int(y.shape[0])
+            loss_sum += loss * n
+            correct += int((acc_buf["sum"].argmax(1) == x_cur["y"]).sum()) if acc_buf["sum"] is not None else 0
+            seen += n
+            step += 1
+            done += 1
+            dt = time.perf_counter() - t_last
+            train_time += dt
+            epoch_train_time += dt
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.3f}", refresh=False)
+            for cb in cbs:
+                cb.on_step_end(step, epoch, loss)
+            if checkpoint_every_steps is not None and step % checkpoint_every_steps == 0 and done < len(batches):
+                checkpoint({
+                    "generator_epoch_start": gen_epoch_start, "generator": generator.get_state(),
+                    "batches_done": done, "loss_sum": loss_sum, "correct": correct, "seen": seen,
+                    "epoch_train_time_s": epoch_train_time,
+                })
+            t_last = time.perf_counter()
+        bar.close()
+        if scheduler is not None:
+            scheduler.step()
+        epoch += 1
+        test_loss = test_acc = None
+        eval_time = 0.0
+        if test_loader is not None and (epoch % eval_every == 0 or epoch == epochs):
+            t0 = time.perf_counter()
+            test_loss, test_acc = evaluate(model, test_loader, loss_fn, device)
+            eval_time = time.perf_counter() - t0
+        record = {
+            "epoch": epoch, "step": step,
+            "train_loss": loss_sum / seen, "train_acc": correct / seen,
+            "test_loss": test_loss, "test_acc": test_acc, "lr": lr,
+            "epoch_train_time_s": epoch_train_time, "eval_time_s": eval_time,
+            "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
+            "fp": fp, "bp": bp,
+        }
+        history.append(record)
+        if progress:
+            tqdm.write(f"epoch {epoch}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
+                       + (f" | test acc {test_acc:.4f}" if test_acc is not None else "")
+                       + f" | lr {lr:.4g} | #FP {fp} #BP {bp}")
+        for cb in cbs:
+            cb.on_epoch_end(epoch, step, record)
+        checkpoint(None)
+
+    wall_time += time.perf_counter() - t_wall0
+    summary = summarize(history, model=model, optimizer=optimizer, info=info)
+    summary["wall_time_min"] = wall_time / 60.0
+    atomic_write_json(run_dir / "results.json", summary)
+    if plot:
+        from szo.plots import plot_training_curve
+
+        plot_training_curve(history, run_dir / "training_curve.png", title=str((info or {}).get("name", run_dir.name)))
+    for cb in cbs:
+        cb.on_train_end(summary)
+    return summary
+
+
+def summarize(history: Sequence[dict[str, Any]], *, model: nn.Module | None = None,
+              optimizer: Any = None, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """results.json: best / final test accuracy, converged epoch (= epoch of the best test
+    accuracy, paper Table 3) with its training time and #FP / #BP, totals, d and k."""
+    evals = [r for r in history if r.get("test_acc") is not None]
+    best = max(evals, key=lambda r: r["test_acc"]) if evals else None  # first epoch reaching the max
+    last = history[-1] if history else {}
+    out: dict[str, Any] = {
+        "epochs": last.get("epoch", 0), "steps": last.get("step", 0),
+        "best_test_acc": best["test_acc"] if best else None,
+        "final_test_acc": evals[-1]["test_acc"] if evals else None,
+        "converged_epoch": best["epoch"] if best else None,
+        "converged_time_min": best["train_time_s"] / 60.0 if best else None,
+        "converged_fp": best["fp"] if best else None,
+        "converged_bp": best["bp"] if best else None,
+        "fp": last.get("fp", 0), "bp": last.get("bp", 0),
+        "train_time_min": last.get("train_time_s", 0.0) / 60.0,
+    }
+    if model is not None:
+        out["d"] = int(sum(p.numel() for p in model.parameters()))
+    k = getattr(optimizer, "k", None)
+    out["k"] = int(k) if isinstance(k, int) else None
+    out.update(info or {})
+    return out

@@ -1,0 +1,412 @@
+"""Record a training trajectory (flat weight vectors) to disk, and read it back.
+
+Directory format (version 1, see docs/architecture.md)::
+
+    TRAJ_DIR/manifest.json
+    TRAJ_DIR/sample_000000.safetensors      # one tensor "theta": float32 [d]
+
+Every sample file is written atomically *before* the manifest that lists it; the manifest
+is then rewritten atomically. A sample file that the manifest does not list is an
+interrupted write: it is ignored by readers and overwritten when recording resumes.
+
+The recorder works with any ``nn.Module``: the flat vector is ``named_parameters()`` order
+(each parameter flattened row-major), the fingerprint is ``model.fingerprint()`` when the
+model has one, else the sha256 of ``json.dumps([model_name, [[name, shape], ...]])`` (the
+same formula as ``SpikingModel.fingerprint``). Memory use is O(d): samples never stay in RAM.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .io import atomic_write_bytes, atomic_write_json, sha256_file
+
+__all__ = [
+    "TrajectoryRecorder",
+    "Trajectory",
+    "TrajectoryMismatchError",
+    "TrajectoryIntegrityError",
+    "parse_epoch_window",
+    "model_layout",
+    "model_fingerprint",
+    "FORMAT",
+    "VERSION",
+]
+
+FORMAT = "szo-trajectory"
+VERSION = 1
+MANIFEST = "manifest.json"
+SAMPLE_RE = re.compile(r"^sample_\d{6,}\.safetensors$")
+# temp files left by a kill inside szo.io.atomic_write_bytes: ".<name>.<random>.tmp"
+_TMP_RE = re.compile(r"^\.(sample_\d{6,}\.safetensors|manifest\.json)\..*\.tmp$")
+
+
+class TrajectoryMismatchError(ValueError):
+    """The trajectory directory belongs to another model / layout / format."""
+
+
+class TrajectoryIntegrityError(ValueError):
+    """A manifest or sample file is missing, truncated or does not match its sha256."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def model_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every parameter in ``named_parameters()`` order."""
+    return [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+
+
+def model_fingerprint(model: nn.Module, model_name: str) -> str:
+    """``model.fingerprint()`` if it exists, else sha256 of ``[model_name, layout]`` JSON."""
+    fp = getattr(model, "fingerprint", None)
+    if callable(fp):
+        return str(fp())
+    layout = [[n, list(s)] for n, s in model_layout(model)]
+    return hashlib.sha256(json.dumps([model_name, layout]).encode()).hexdigest()
+
+
+def flat_vector(model: nn.Module) -> torch.Tensor:
+    """A new float32 CPU vector ``[d]`` of the parameters in ``named_parameters()`` order."""
+    parts = [p.detach().reshape(-1).to("cpu", torch.float32) for _, p in model.named_parameters()]
+    if not parts:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+
+def parse_epoch_window(window: Any) -> tuple[int, int] | None:
+    """``None``, ``(start, end)`` or ``"start-end"`` (inclusive) -> ``(start, end)`` or None."""
+    if window is None:
+        return None
+    if isinstance(window, str):
+        m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", window)
+        if not m:
+            raise ValueError(f"epoch window must look like 'START-END' (e.g. '80-100'), got {window!r}")
+        start, end = int(m.group(1)), int(m.group(2))
+    elif isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in window
+    ):
+        start, end = int(window[0]), int(window[1])
+    else:
+        raise ValueError(
+            f"epoch window must be None, a (start, end) pair of ints or a 'START-END' string, got {window!r}"
+        )
+    if start < 0 or end < start:
+        raise ValueError(f"epoch window needs 0 <= start <= end, got ({start}, {end})")
+    return start, end
+
+
+def _layout_json(layout: Sequence[tuple[str, tuple[int, ...]]]) -> list[dict]:
+    return [{"name": n, "shape": list(s)} for n, s in layout]
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TrajectoryIntegrityError(f"no trajectory manifest at {path}") from None
+    try:
+        man = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TrajectoryIntegrityError(f"trajectory manifest {path} is not valid JSON ({e})") from None
+    _validate_manifest(man, path)
+    return man
+
+
+def _validate_manifest(man: Any, path: Path) -> None:
+    if not isinstance(man, dict):
+        raise TrajectoryIntegrityError(f"trajectory manifest {path} must be a JSON object")
+    if man.get("format") != FORMAT:
+        raise TrajectoryMismatchError(f"{path}: format is {man.get('format')!r}, expected {FORMAT!r}")
+    if man.get("version") != VERSION:
+        raise TrajectoryMismatchError(f"{path}: version {man.get('version')!r} is not supported (supported: {VERSION})")
+    required = {"model": str, "fingerprint": str, "d": int, "dtype": str, "layout": list, "samples": list}
+    for key, typ in required.items():
+        if not isinstance(man.get(key), typ):
+            raise TrajectoryIntegrityError(f"{path}: field {key!r} missing or not a {typ.__name__}")
+    for i, s in enumerate(man["samples"]):
+        if not isinstance(s, dict) or not all(k in s for k in ("index", "file", "epoch", "step", "sha256")):
+            raise TrajectoryIntegrityError(f"{path}: sample #{i} lacks index/file/epoch/step/sha256")
+        if s["index"] != i or not isinstance(s["file"], str) or not SAMPLE_RE.match(s["file"]):
+            raise TrajectoryIntegrityError(f"{path}: sample #{i} has a bad index or file name {s.get('file')!r}")
+
+
+# ----------------------------------------------------------------------------- recorder
+class TrajectoryRecorder:
+    """Training-loop callback that writes flat weight vectors into a trajectory directory.
+
+    Args:
+        directory: the trajectory directory (created if missing; resumed if it has a manifest).
+        model: any ``nn.Module``; the flat order is ``named_parameters()``.
+        model_name: name stored in the manifest (default ``model.model_name`` or the class name).
+        every: ``"epoch"`` (record in ``on_epoch_end``) or an int n (record in ``on_step_end``
+            when ``step % n == 0``).
+        epochs: optional inclusive epoch window ``(start, end)`` or ``"start-end"``; samples
+            outside it are skipped (the initial weights too, unless epoch 0 is inside).
+        record_initial: record the weights at ``on_train_start`` as epoch 0 / step 0.
+
+    Epoch convention: ``on_epoch_end(epoch=e)`` is called with the number of completed
+    epochs, so the initial weights are epoch 0 and the weights after the first epoch are 1.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        model: nn.Module,
+        *,
+        model_name: str | None = None,
+        every: str | int = "epoch",
+        epochs: Any = None,
+        record_initial: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if every != "epoch" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be 'epoch' or a positive int (optimizer steps), got {every!r}")
+        self.directory = Path(directory)
+        self.model = model
+        self.model_name = str(model_name or getattr(model, "model_name", None) or type(model).__name__)
+        self.every = every
+        self.window = parse_epoch_window(epochs)
+        self.record_initial = bool(record_initial)
+        self.layout = model_layout(model)
+        self.d = sum(int(torch.Size(s).numel()) for _, s in self.layout)
+        self.fingerprint = model_fingerprint(model, self.model_name)
+        self._manifest = self._open_directory()
+        self._recorded = {(int(s["epoch"]), int(s["step"])) for s in self._manifest["samples"]}
+
+    # ---- directory handling
+    def _fresh_manifest(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": self.model_name,
+            "fingerprint": self.fingerprint,
+            "d": self.d,
+            "dtype": "float32",
+            "layout": _layout_json(self.layout),
+            "samples": [],
+        }
+
+    def _open_directory(self) -> dict:
+        d = self.directory
+        if d.exists() and not d.is_dir():
+            raise TrajectoryMismatchError(f"trajectory path {d} exists and is not a directory")
+        if not (d / MANIFEST).exists():
+            if d.exists():
+                others = sorted(p.name for p in d.iterdir() if not (SAMPLE_RE.match(p.name) or _TMP_RE.match(p.name)))
+                if others:
+                    raise TrajectoryMismatchError(
+                        f"{d} is not empty and has no {MANIFEST} (found {others[:5]}); "
+                        "use an empty or new directory, or an existing trajectory directory"
+                    )
+            d.mkdir(parents=True, exist_ok=True)
+            return self._fresh_manifest()
+        man = _read_manifest(d)
+        expected = self._fresh_manifest()
+        for key in ("fingerprint", "model", "d", "dtype", "layout"):
+            if man[key] != expected[key]:
+                what = self._describe_layout_diff(man["layout"]) if key in ("layout", "d", "fingerprint") else ""
+                raise TrajectoryMismatchError(
+                    f"trajectory directory {d} was recorded for another model: {key} is "
+                    f"{_short(man[key])} there, {_short(expected[key])} for this model{what}. "
+                    "Record into a new directory."
+                )
+        return man
+
+    def _describe_layout_diff(self, other: list) -> str:
+        mine = _layout_json(self.layout)
+        for i, (a, b) in enumerate(zip(other, mine)):
+            if a != b:
+                return f" (first differing parameter #{i}: {a['name']} {a['shape']} there vs {b['name']} {b['shape']} here)"
+        if len(other) != len(mine):
+            return f" ({len(other)} parameters there vs {len(mine)} here)"
+        return ""
+
+    # ---- callbacks
+    def _in_window(self, epoch: int) -> bool:
+        return self.window is None or self.window[0] <= epoch <= self.window[1]
+
+    def on_train_start(self, epoch: int = 0, step: int = 0) -> Path | None:
+        """Record the initial weights (as ``epoch``/``step``) when ``record_initial``."""
+        if not self.record_initial or not self._in_window(epoch):
+            return None
+        return self.record(epoch, step)
+
+    def on_step_end(self, step: int, epoch: int) -> Path | None:
+        """Record every ``every`` optimizer steps (only when ``every`` is an int)."""
+        if self.every == "epoch" or step % self.every != 0 or not self._in_window(epoch):
+            return None
+        return self.record(epoch, step)
+
+    def on_epoch_end(self, epoch: int, step: int, test_acc: float | None = None) -> Path | None:
+        """Record after each epoch (only when ``every == "epoch"``)."""
+        if self.every != "epoch" or not self._in_window(epoch):
+            return None
+        return self.record(epoch, step, test_acc)
+
+    def record(self, epoch: int, step: int, test_acc: float | None = None) -> Path | None:
+        """Write the current weights as a new sample; no-op (returns None) if (epoch, step) exists."""
+        for name, v in (("epoch", epoch), ("step", step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if (epoch, step) in self._recorded:
+            return None
+        theta = flat_vector(self.model)
+        if theta.numel() != self.d:
+            raise TrajectoryMismatchError(
+                f"model now has d = {theta.numel()} parameters, the trajectory was started with d = {self.d}"
+            )
+        from safetensors.torch import save
+
+        index = len(self._manifest["samples"])
+        fname = f"sample_{index:06d}.safetensors"
+        data = save({"theta": theta}, metadata={"epoch": str(epoch), "step": str(step), "fingerprint": self.fingerprint})
+        del theta
+        digest = hashlib.sha256(data).hexdigest()
+        atomic_write_bytes(self.directory / fname, data)  # 1) the sample (overwrites an orphan)
+        del data
+        entry: dict[str, Any] = {"index": index, "file": fname, "epoch": epoch, "step": step,
+                                 "test_acc": None if test_acc is None else float(test_acc), "sha256": digest}
+        samples = self._manifest["samples"]
+        samples.append(entry)
+        try:
+            self._write_manifest()  # 2) then the manifest that lists it
+        except BaseException:
+            samples.pop()
+            raise
+        self._recorded.add((epoch, step))
+        return self.directory / fname
+
+    def _write_manifest(self) -> None:
+        atomic_write_json(self.directory / MANIFEST, self._manifest)
+
+    def __len__(self) -> int:
+        return len(self._manifest["samples"])
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+# ----------------------------------------------------------------------------- reader
+class Trajectory:
+    """Read-only view of a trajectory directory.
+
+    ``traj[i]`` loads sample i as a float32 tensor ``[d]``; its sha256 is checked the first
+    time it is read (``verify=True`` checks every file up front).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, verify: bool = False) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise TrajectoryIntegrityError(f"trajectory directory {self.directory} does not exist")
+        self.manifest = _read_manifest(self.directory)
+        self._samples: list[dict] = list(self.manifest["samples"])
+        self._verified: set[str] = set()
+        if verify:
+            self.verify()
+
+    @classmethod
+    def _subset(cls, parent: "Trajectory", samples: list[dict]) -> "Trajectory":
+        t = cls.__new__(cls)
+        t.directory, t.manifest, t._samples, t._verified = parent.directory, parent.manifest, samples, parent._verified
+        return t
+
+    @property
+    def d(self) -> int:
+        return int(self.manifest["d"])
+
+    @property
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(e["name"], tuple(e["shape"])) for e in self.manifest["layout"]]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def model(self) -> str:
+        return self.manifest["model"]
+
+    @property
+    def samples(self) -> list[dict]:
+        """Metadata of the (selected) samples: index, file, epoch, step, test_acc, sha256."""
+        return [dict(s) for s in self._samples]
+
+    @property
+    def epochs(self) -> list[int]:
+        return [int(s["epoch"]) for s in self._samples]
+
+    def path(self, i: int) -> Path:
+        """Path of the file of (selected) sample i."""
+        return self.directory / self._samples[self._index(i)]["file"]
+
+    def _index(self, i: int) -> int:
+        n = len(self._samples)
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise IndexError(f"sample index {i!r} out of range for a trajectory of {n} samples")
+        return i % n
+
+    def verify_sample(self, i: int) -> None:
+        """Check sample i's file against the manifest sha256 (cached once verified)."""
+        s = self._samples[self._index(i)]
+        if s["file"] in self._verified:
+            return
+        p = self.directory / s["file"]
+        if not p.exists():
+            raise TrajectoryIntegrityError(f"sample file {p} listed in the manifest is missing")
+        got = sha256_file(p)
+        if got != s["sha256"]:
+            raise TrajectoryIntegrityError(
+                f"sample file {p} is corrupt: sha256 {got[:16]}... does not match the manifest's {s['sha256'][:16]}..."
+            )
+        self._verified.add(s["file"])
+
+    def verify(self) -> None:
+        """Check every (selected) sample file against its sha256."""
+        for i in range(len(self)):
+            self.verify_sample(i)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from safetensors.torch import load
+
+        self.verify_sample(i)
+        p = self.path(i)
+        try:
+            t = load(p.read_bytes())["theta"]
+        except Exception as e:  # noqa: BLE001 - any parse failure is an integrity problem
+            raise TrajectoryIntegrityError(f"cannot read sample file {p}: {e}") from None
+        if t.dtype != torch.float32 or t.shape != (self.d,):
+            raise TrajectoryIntegrityError(f"{p}: 'theta' is {t.dtype} {list(t.shape)}, expected float32 [{self.d}]")
+        return t
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def select(self, window: Any) -> "Trajectory":
+        """The samples whose epoch is inside the inclusive window ``(start, end)`` / ``"start-end"``."""
+        w = parse_epoch_window(window)
+        if w is None:
+            return Trajectory._subset(self, list(self._samples))
+        chosen = [s for s in self._samples if w[0] <= int(s["epoch"]) <= w[1]]
+        if not chosen:
+            raise ValueError(
+                f"no samples of {self.directory} in epoch window {w[0]}-{w[1]}; "
+                f"recorded epochs span {min(self.epochs, default='-')}-{max(self.epochs, default='-')}"
+            )
+        return Trajectory._subset(self, chosen)
+
+    def __repr__(self) -> str:
+        return f"Trajectory({str(self.directory)!r}, model={self.model!r}, N={len(self)}, d={self.d})"

@@ -1,0 +1,91 @@
+import importlib.resources as resources
+
+import pytest
+import yaml
+
+from szo.config import apply_overrides, load_recipe, parse_override, recipe_names, write_config
+
+SHIPPED = ["digits-bp", "digits-scratch", "digits-continual", "cifar10-bp", "cifar10-scratch", "cifar100-bp",
+           "cifar100-scratch", "cifar100-continual", "imagenet-bp", "imagenet-scratch", "imagenet-continual",
+           "dvs-gesture-bp", "dvs-gesture-scratch"]
+
+
+def test_recipes_found_via_importlib_resources():
+    files = {p.name for p in resources.files("szo._recipes").iterdir()}
+    assert {f"{n}.yaml" for n in SHIPPED} <= files
+    assert set(SHIPPED) <= set(recipe_names())
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_every_recipe_loads_and_validates(name):
+    cfg = load_recipe(name)
+    assert cfg["name"] == name and cfg["model"]["name"] and cfg["data"]["name"]
+
+
+def test_paper_hyperparameters():
+    c = load_recipe("cifar10-scratch")
+    assert (c["model"]["name"], c["subspace"]["k"], c["train"]["epochs"], c["train"]["lr"], c["szo"]["mu"],
+            c["train"]["momentum"], c["train"]["weight_decay"], c["data"]["batch_size"]) == \
+        ("spike_resnet20", 60, 40, 1.0, 1.0, 0.9, 0.0, 128)
+    assert c["bptt"]["lr"] == 0.1 and c["bptt"]["weight_decay"] == 1e-4 and c["subspace"]["window"] == "0-149"
+    c = load_recipe("cifar100-continual")
+    assert (c["mode"], c["bptt"]["epochs"], c["subspace"]["window"], c["subspace"]["k"], c["subspace"]["reference"],
+            c["train"]["epochs"]) == ("continual", 100, "80-100", 20, "last", 20)
+    c = load_recipe("imagenet-bp")
+    assert (c["data"]["batch_size"], c["bptt"]["epochs"], c["model"]["name"]) == (512, 100, "spike_resnet50")
+    c = load_recipe("dvs-gesture-scratch")
+    assert (c["model"]["T"], c["data"]["batch_size"], c["subspace"]["k"]) == (20, 16, 20)
+
+
+def test_overrides_parse_yaml_values():
+    c = load_recipe("digits-scratch", ["train.epochs=3", "szo.mu=0.5", "data.data_dir=null", "progress=false",
+                                       "method=szo-rge", "szo.q=10", "train.lr=1e-3", "model.kwargs={width: 8}"])
+    assert c["train"]["epochs"] == 3 and c["szo"]["mu"] == 0.5 and c["data"]["data_dir"] is None
+    assert c["progress"] is False and c["method"] == "szo-rge" and c["szo"]["q"] == 10
+    assert c["train"]["lr"] == pytest.approx(1e-3) and c["model"]["kwargs"] == {"width": 8}
+    assert parse_override("a.b= 3 ") == ("a.b", 3)
+    # method default learning rates: 1 for subspace / ZO methods (App. G), bptt.lr for full-space BP
+    assert load_recipe("digits-scratch")["train"]["lr"] == 1.0
+    assert load_recipe("digits-scratch", ["method=bp"])["train"]["lr"] == 0.1
+
+
+def test_unknown_key_lists_valid_keys_one_line():
+    with pytest.raises(ValueError) as e:
+        load_recipe("digits-bp", ["train.epoch=3"])
+    msg = str(e.value)
+    assert "\n" not in msg and "unknown key 'train.epoch'" in msg
+    assert "valid keys under 'train': epochs, lr" in msg
+    with pytest.raises(ValueError, match="valid keys at the top level: name"):
+        apply_overrides({}, ["trian.epochs=1"])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("method=sgd", "valid: bp, bp-subspace, szo-cge"),
+    ("loss.name=mse", "valid: tet, ce, entropy"),
+    ("device=tpu", "valid: cpu, cuda"),
+    ("data.name=mnist", "valid: .*digits"),
+    ("model.name=resnet", "valid: .*spike_convnet"),
+    ("train.epochs=0", ">= 1"),
+    ("train.epochs=two", "must be int"),
+    ("kind=gan", "valid: bp, subspace"),
+    ("train.weight_decay=0.1", "no weight decay"),
+])
+def test_invalid_choices(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_recipe("digits-scratch", [override])
+
+
+def test_unknown_recipe_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown recipe 'nope'; valid recipes: .*digits-bp"):
+        load_recipe("nope")
+
+
+def test_yaml_file_with_extends_and_resolved_config_roundtrip(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("extends: digits-scratch\nname: mine\ntrain: {epochs: 2}\n")
+    c = load_recipe(p)
+    assert c["name"] == "mine" and c["train"]["epochs"] == 2 and c["subspace"]["k"] == 20
+    write_config(c, tmp_path / "config.yaml")
+    again = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert again == c
+    assert load_recipe(tmp_path / "config.yaml") == c
