@@ -1,0 +1,44 @@
+"""Explained-variance plot of a subspace (paper Figure 2): per-component bars + cumulative line."""
+from __future__ import annotations
+
+import io
+import os
+from typing import Sequence
+
+from szo.io import atomic_write_bytes
+
+__all__ = ["plot_explained_variance"]
+
+
+def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *, title: str | None = None) -> None:
+    """Write a PNG of the explained-variance ratio of each component and their cumulative sum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    r = np.asarray([float(x) for x in ratios], dtype=float)
+    if r.ndim != 1 or r.size == 0:
+        raise ValueError("ratios must be a non-empty sequence of numbers")
+    idx = np.arange(1, r.size + 1)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    try:
+        ax.bar(idx, 100 * r, color="#4c72b0", label="per component")
+        ax.set_xlabel("principal component")
+        ax.set_ylabel("explained variance (%)")
+        ax2 = ax.twinx()
+        ax2.plot(idx, 100 * np.cumsum(r), color="#dd8452", marker="o", markersize=3, label="cumulative")
+        ax2.set_ylabel("cumulative explained variance (%)")
+        ax2.set_ylim(0, 105)
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, loc="center right")
+        if title:
+            ax.set_title(title)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -1,0 +1,346 @@
+"""A directory of named subspaces: ``root/NAME/{basis.safetensors, manifest.json}``.
+
+Saving writes the whole entry into ``root/.NAME.tmp-<pid>/`` and renames the directory into
+place (``os.replace``); an overwrite renames the old entry away first, renames the new one
+in, then deletes the old one (and puts it back if the second rename fails). A crash leaves
+the old entry or none, never a mix. Loading checks every tensor's sha256, dtype and shape
+against the manifest, and (with ``model=``) the parameter layout against the model.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from szo.io import atomic_write_json
+
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    STORAGE_DTYPES,
+    TENSOR_NAMES,
+    Subspace,
+    SubspaceIntegrityError,
+    layout_from_json,
+    layout_to_json,
+    validate_manifest,
+)
+
+__all__ = ["SubspaceStore", "SubspaceNotFoundError", "LayoutMismatchError", "default_root"]
+
+BASIS_FILE = "basis.safetensors"
+MANIFEST_FILE = "manifest.json"
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+_ST_DTYPE_INV = {v: k for k, v in _ST_DTYPE.items()}
+_WRITE_CHUNK = 64 << 20
+
+
+class SubspaceNotFoundError(ValueError):
+    """No entry of that name in the store."""
+
+
+class LayoutMismatchError(ValueError):
+    """The subspace was built for a model with another parameter layout."""
+
+
+def default_root() -> Path:
+    """``$SZO_SUBSPACE_ROOT`` or ``./subspaces``."""
+    return Path(os.environ.get("SZO_SUBSPACE_ROOT") or "subspaces")
+
+
+def _raw_bytes(t: torch.Tensor):
+    """A flat uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, str]:
+    """Stream tensors into a safetensors file without a full in-memory copy; return sha256 per tensor."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    off = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    hashes = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for name, t in tensors.items():
+            raw = _raw_bytes(t)
+            h = hashlib.sha256()
+            for a in range(0, raw.size, _WRITE_CHUNK):
+                piece = raw[a : a + _WRITE_CHUNK]
+                h.update(piece)
+                f.write(piece)
+            hashes[name] = h.hexdigest()
+        f.flush()
+        os.fsync(f.fileno())
+    return hashes
+
+
+def _sha256_tensor(t: torch.Tensor) -> str:
+    raw = _raw_bytes(t)
+    h = hashlib.sha256()
+    for a in range(0, raw.size, _WRITE_CHUNK):
+        h.update(raw[a : a + _WRITE_CHUNK])
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dtype_arg(dtype: Any, what: str) -> torch.dtype:
+    if isinstance(dtype, str) and dtype in STORAGE_DTYPES:
+        return STORAGE_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in STORAGE_DTYPES.values():
+        return dtype
+    raise ValueError(f"{what} must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
+
+
+class SubspaceStore:
+    """Named subspaces under one root directory (default ``$SZO_SUBSPACE_ROOT`` or ``./subspaces``)."""
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+
+    # ---- names and paths
+    @staticmethod
+    def _check_name(name: Any) -> str:
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+            raise ValueError(
+                f"invalid subspace name {name!r}: use 1-200 characters from letters, digits, '_', '-', '.', "
+                "not starting with '.' or '-', without '..' or path separators"
+            )
+        return name
+
+    def path(self, name: str) -> Path:
+        """Directory of entry ``name``."""
+        return self.root / self._check_name(name)
+
+    def exists(self, name: str) -> bool:
+        return (self.path(name) / MANIFEST_FILE).is_file()
+
+    def list(self) -> list[str]:
+        """Names of the stored entries, sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST_FILE).is_file())
+
+    def summaries(self) -> list[dict]:
+        """One dict per entry: name, model, k, N, d, storage_dtype, explained variance (sum), created."""
+        out = []
+        for name in self.list():
+            try:
+                m = self.info(name)
+            except SubspaceIntegrityError as e:
+                out.append({"name": name, "error": str(e)})
+                continue
+            out.append({"name": name, "model": m["model"], "k": m["k"], "N": m["N"], "d": m["d"],
+                        "storage_dtype": m["storage_dtype"], "explained_variance": float(sum(m["explained_variance_ratio"])),
+                        "created": m["created"]})
+        return out
+
+    def _require(self, name: str) -> Path:
+        p = self.path(name)
+        if not (p / MANIFEST_FILE).is_file():
+            avail = self.list()
+            raise SubspaceNotFoundError(
+                f"no subspace named {name!r} in {self.root}; available: {', '.join(avail) if avail else '(none)'}"
+            )
+        return p
+
+    def info(self, name: str) -> dict:
+        """The validated manifest of entry ``name`` (no tensors are read)."""
+        p = self._require(name) / MANIFEST_FILE
+        try:
+            man = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SubspaceIntegrityError(f"{p} is not valid JSON ({e}); the entry is corrupt") from None
+        return validate_manifest(man, str(p))
+
+    # ---- save
+    def save(self, name: str, subspace: Subspace, *, storage_dtype: Any = torch.float32, overwrite: bool = False) -> Path:
+        """Write ``subspace`` as entry ``name`` (basis stored in ``storage_dtype``); returns its directory."""
+        final = self.path(name)
+        sdt = _dtype_arg(storage_dtype, "storage_dtype")
+        if not isinstance(subspace, Subspace):
+            raise ValueError(f"subspace must be a subspace_store.Subspace, got {type(subspace).__name__}")
+        if final.exists() and not overwrite:
+            raise ValueError(f"subspace {name!r} already exists in {self.root}; pass overwrite=True (CLI: --overwrite)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            tensors = {
+                "basis": subspace.basis.detach().cpu().to(sdt),
+                "mean": subspace.mean.detach().cpu().to(torch.float32),
+                "reference": subspace.reference.detach().cpu().to(torch.float32),
+                "eigenvalues": subspace.eigenvalues.detach().cpu().to(torch.float64),
+                "explained_variance_ratio": subspace.explained_variance_ratio.detach().cpu().to(torch.float64),
+            }
+            hashes = _write_safetensors(tmp / BASIS_FILE, tensors, {"format": FORMAT, "version": str(FORMAT_VERSION)})
+            prov = dict(subspace.provenance)
+            total = prov.get("total_variance")
+            if total is None:
+                ratio = subspace.explained_variance_ratio.double()
+                total = float(subspace.eigenvalues.double()[0] / ratio[0]) if float(ratio[0]) > 0 else 0.0
+            manifest = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "k": subspace.k,
+                "N": int(prov.get("N") or 0),
+                "d": subspace.d,
+                "model": subspace.model,
+                "fingerprint": subspace.fingerprint,
+                "layout": layout_to_json(subspace.layout),
+                "storage_dtype": str(sdt).replace("torch.", ""),
+                "eigenvalues": [float(x) for x in tensors["eigenvalues"]],
+                "explained_variance_ratio": [float(x) for x in tensors["explained_variance_ratio"]],
+                "total_variance": float(total),
+                "provenance": prov,
+                "tensors": {n: {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "sha256": hashes[n]}
+                            for n, t in tensors.items()},
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            }
+            del tensors
+            atomic_write_json(tmp / MANIFEST_FILE, manifest)
+            _fsync_dir(tmp)
+            self._swap_in(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(self.root)
+        return final
+
+    def _swap_in(self, tmp: Path, final: Path) -> None:
+        if not final.exists():
+            os.replace(tmp, final)
+            return
+        old = self.root / f".{final.name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(old, final)  # roll back: the old entry stays
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+    # ---- load
+    def load(self, name: str, model: nn.Module | None = None, *, dtype: Any = torch.float32, verify: bool = True) -> Subspace:
+        """Read entry ``name``; basis converted to ``dtype``. With ``model``, check its parameter layout."""
+        want = _dtype_arg(dtype, "dtype")
+        man = self.info(name)
+        where = self.path(name) / BASIS_FILE
+        if model is not None:
+            check_model_layout(man, model, name)
+        from safetensors import safe_open
+
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            with safe_open(str(where), framework="pt") as f:
+                keys = set(f.keys())
+                missing = [n for n in TENSOR_NAMES if n not in keys]
+                if missing:
+                    raise SubspaceIntegrityError(f"{where} lacks tensors {missing}; the entry is corrupt")
+                for n in TENSOR_NAMES:
+                    tensors[n] = f.get_tensor(n)
+        except SubspaceIntegrityError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises on truncated / malformed files
+            raise SubspaceIntegrityError(f"cannot read {where} (truncated or corrupt file): {e}") from None
+        for n, t in tensors.items():
+            spec = man["tensors"][n]
+            if _ST_DTYPE.get(t.dtype) != spec["dtype"] or list(t.shape) != list(spec["shape"]):
+                raise SubspaceIntegrityError(
+                    f"{where}: tensor {n!r} is {_ST_DTYPE.get(t.dtype)} {list(t.shape)}, "
+                    f"the manifest says {spec['dtype']} {spec['shape']}"
+                )
+            if verify and _sha256_tensor(t) != spec["sha256"]:
+                raise SubspaceIntegrityError(f"{where}: tensor {n!r} does not match its sha256 (file tampered or corrupt)")
+        if list(tensors["basis"].shape) != [man["d"], man["k"]]:
+            raise SubspaceIntegrityError(f"{where}: basis shape {list(tensors['basis'].shape)} != [d, k] = [{man['d']}, {man['k']}]")
+        basis = tensors.pop("basis")
+        if basis.dtype != want:
+            basis = basis.to(want)
+        return Subspace(
+            basis=basis,
+            mean=tensors["mean"],
+            reference=tensors["reference"],
+            eigenvalues=tensors["eigenvalues"],
+            explained_variance_ratio=tensors["explained_variance_ratio"],
+            layout=layout_from_json(man["layout"]),
+            fingerprint=man["fingerprint"],
+            model=man["model"],
+            provenance=dict(man["provenance"]),
+        )
+
+    # ---- delete
+    def delete(self, name: str) -> None:
+        """Remove entry ``name`` (renamed away first, so it disappears atomically)."""
+        p = self._require(name)
+        gone = self.root / f".{name}.del-{os.getpid()}"
+        if gone.exists():
+            shutil.rmtree(gone)
+        os.replace(p, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def __contains__(self, name: str) -> bool:
+        return self.exists(name)
+
+    def __repr__(self) -> str:
+        return f"SubspaceStore({str(self.root)!r})"
+
+
+def check_model_layout(manifest_or_subspace: Any, model: nn.Module, name: str = "subspace") -> None:
+    """Raise LayoutMismatchError naming the first parameter whose name/shape differs from the model's."""
+    if isinstance(manifest_or_subspace, Subspace):
+        layout, d = manifest_or_subspace.layout, manifest_or_subspace.d
+    else:
+        layout, d = layout_from_json(manifest_or_subspace["layout"]), int(manifest_or_subspace["d"])
+    found = [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+    if layout is None:
+        got = sum(torch.Size(s).numel() for _, s in found)
+        if got != d:
+            raise LayoutMismatchError(f"subspace {name!r} has d = {d}, the model has d = {got} parameters")
+        return
+    for i, (exp, got) in enumerate(zip(layout, found)):
+        if exp != got:
+            raise LayoutMismatchError(
+                f"subspace {name!r} does not fit this model: parameter #{i} is {exp[0]} {list(exp[1])} "
+                f"in the subspace but {got[0]} {list(got[1])} in the model"
+            )
+    if len(layout) != len(found):
+        i = min(len(layout), len(found))
+        extra = layout[i][0] + " (only in the subspace)" if len(layout) > len(found) else found[i][0] + " (only in the model)"
+        raise LayoutMismatchError(
+            f"subspace {name!r} does not fit this model: {len(layout)} parameters in the subspace, "
+            f"{len(found)} in the model; first extra: {extra}"
+        )

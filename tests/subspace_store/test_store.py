@@ -1,0 +1,164 @@
+"""SubspaceStore: round trip, integrity, layout checks, crash-safe saves, reduced-precision storage."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import subspace_store.store as store_mod
+from subspace_store import (
+    LayoutMismatchError,
+    Subspace,
+    SubspaceIntegrityError,
+    SubspaceNotFoundError,
+    SubspaceStore,
+    build_subspace,
+)
+
+
+def model(out: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, out))
+
+
+def make_subspace(m: nn.Module, n: int = 12, k: int = 5, seed: int = 0) -> Subspace:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    vecs = [base + torch.randn(base.shape, generator=g) * (1 + i) * 0.01 for i in range(n)]
+    sub = build_subspace(vecs, k, progress=False)
+    sub.layout = [(name, tuple(p.shape)) for name, p in m.named_parameters()]
+    sub.model, sub.fingerprint = "mlp", "f" * 64
+    return sub
+
+
+def test_round_trip_bit_exact(tmp_path):
+    m = model()
+    sub = make_subspace(m)
+    st = SubspaceStore(tmp_path)
+    st.save("mlp-k5", sub)
+    assert st.list() == ["mlp-k5"] and st.exists("mlp-k5") and "mlp-k5" in st
+    got = st.load("mlp-k5", model=m)
+    for f in ("basis", "mean", "reference", "eigenvalues", "explained_variance_ratio"):
+        assert torch.equal(getattr(got, f), getattr(sub, f)), f
+    assert got.layout == sub.layout and got.model == "mlp" and got.provenance["N"] == 12
+    info = st.info("mlp-k5")
+    assert info["k"] == 5 and info["N"] == 12 and info["d"] == sub.d and info["storage_dtype"] == "float32"
+    assert set(info["tensors"]) == {"basis", "mean", "reference", "eigenvalues", "explained_variance_ratio"}
+    assert info["created"].endswith("+00:00")
+    with pytest.raises(ValueError, match="already exists"):
+        st.save("mlp-k5", sub)
+    st.delete("mlp-k5")
+    assert st.list() == [] and not st.exists("mlp-k5")
+
+
+def test_env_default_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SZO_SUBSPACE_ROOT", str(tmp_path / "r"))
+    assert SubspaceStore().root == tmp_path / "r"
+
+
+def test_layout_mismatch_names_parameter(tmp_path):
+    st = SubspaceStore(tmp_path)
+    st.save("s", make_subspace(model(3)))
+    with pytest.raises(LayoutMismatchError, match=r"parameter #2 is 2\.weight \[3, 30\] in the subspace but 2\.weight \[4, 30\] in the model"):
+        st.load("s", model=model(4))
+
+
+@pytest.mark.parametrize("name", ["", "..", "../x", "a/b", ".hidden", "a..b", "a\\b", None])
+def test_invalid_names(tmp_path, name):
+    with pytest.raises(ValueError, match="invalid subspace name"):
+        SubspaceStore(tmp_path).save(name, make_subspace(model()))
+
+
+def test_unknown_name_lists_available(tmp_path):
+    st = SubspaceStore(tmp_path)
+    st.save("alpha", make_subspace(model()))
+    with pytest.raises(SubspaceNotFoundError, match="available: alpha"):
+        st.load("beta")
+
+
+def test_tampered_byte_detected(tmp_path):
+    st = SubspaceStore(tmp_path)
+    st.save("s", make_subspace(model()))
+    f = tmp_path / "s" / "basis.safetensors"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    f.write_bytes(bytes(b))
+    with pytest.raises(SubspaceIntegrityError, match="sha256"):
+        st.load("s")
+
+
+def test_truncated_file_detected(tmp_path):
+    st = SubspaceStore(tmp_path)
+    st.save("s", make_subspace(model()))
+    f = tmp_path / "s" / "basis.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size - 100])
+    with pytest.raises(SubspaceIntegrityError, match="truncated or corrupt"):
+        st.load("s")
+    (tmp_path / "s" / "manifest.json").write_text('{"format": "szo-subspace", "version": 1}')
+    with pytest.raises(SubspaceIntegrityError, match="missing or has the wrong type"):
+        st.load("s")
+
+
+def test_crash_mid_save_keeps_old_entry(tmp_path, monkeypatch):
+    st = SubspaceStore(tmp_path)
+    old = make_subspace(model(), seed=0)
+    st.save("s", old)
+
+    def die(*a, **k):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(store_mod, "_write_safetensors", die)
+    with pytest.raises(KeyboardInterrupt):
+        st.save("s", make_subspace(model(), seed=1), overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        st.save("fresh", make_subspace(model(), seed=1))
+    monkeypatch.undo()
+    assert st.list() == ["s"] and sorted(os.listdir(tmp_path)) == ["s"]  # no temp dirs left
+    assert torch.equal(st.load("s").basis, old.basis)
+
+    # failure of the second rename (new entry into place) rolls the old entry back
+    real, calls = os.replace, []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("disk gone")
+        return real(src, dst)
+
+    monkeypatch.setattr(store_mod.os, "replace", flaky)
+    with pytest.raises(OSError):
+        st.save("s", make_subspace(model(), seed=2), overwrite=True)
+    monkeypatch.undo()
+    assert torch.equal(st.load("s").basis, old.basis)
+    assert sorted(os.listdir(tmp_path)) == ["s"]
+
+    new = make_subspace(model(), seed=3)
+    st.save("s", new, overwrite=True)
+    assert torch.equal(st.load("s").basis, new.basis)
+
+
+@pytest.mark.parametrize("sdt,u", [(torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)])
+def test_reduced_precision_storage_bound(tmp_path, sdt, u):
+    m = model()
+    sub = make_subspace(m)
+    st = SubspaceStore(tmp_path)
+    st.save("s", sub, storage_dtype=sdt)
+    assert st.info("s")["storage_dtype"] == str(sdt).replace("torch.", "")
+    got = st.load("s", model=m)  # converted back to float32
+    assert got.basis.dtype == torch.float32 and torch.equal(got.reference, sub.reference)
+    P, Q = sub.basis.double(), got.basis.double()
+    # round to nearest: relative error <= unit roundoff u; below the normal range (fp16) absolute <= 2^-25
+    bound = P.abs() * u + 2.0**-25
+    assert ((Q - P).abs() <= bound).all()
+    assert (Q - P).abs().max() > 0  # really stored in reduced precision
+    # column norms of the error are <= u, so |Q^T Q - I| <= 2u + u^2
+    err = (Q.T @ Q - torch.eye(sub.k, dtype=torch.float64)).abs().max()
+    assert err <= 2 * u + u * u
+    assert (tmp_path / "s" / "basis.safetensors").stat().st_size < sub.d * sub.k * 4
+
+
+def test_storage_dtype_validated(tmp_path):
+    with pytest.raises(ValueError, match="storage_dtype must be one of"):
+        SubspaceStore(tmp_path).save("s", make_subspace(model()), storage_dtype=torch.int8)
