@@ -1,0 +1,147 @@
+"""``szo`` command line.
+
+    szo recipe --list
+    szo recipe NAME|FILE.yaml [--set key=value ...] [--out DIR] [--device cpu|cuda] [--resume]
+    szo demo digits [--out DIR]
+    szo report RUN_DIR [RUN_DIR ...] [--out DIR]
+    szo subspace build|ls|show|rm ...          (subspace_store.cli)
+
+Other packages add commands through ``_REGISTRARS``: each module is imported lazily and its
+``register(subparsers)`` adds a parser whose ``func(args) -> int`` runs it; a module may
+also define ``register_demo(demo_subparsers)`` to add ``szo demo NAME``. A registrar module
+that does not exist (yet) is skipped; errors inside an importable one propagate.
+
+Bad input (unknown recipe / key / choice, missing data) prints one line ``error: ...`` and
+exits with status 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+__all__ = ["main", "build_parser"]
+
+_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli"]
+
+
+def _import_registrar(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # skip only if the registrar module itself (or its package) is missing
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            return None
+        raise
+
+
+def _cmd_recipe(args: argparse.Namespace) -> int:
+    from szo.config import recipe_names
+
+    if args.list:
+        from szo.config import load_recipe
+
+        for n in recipe_names():
+            print(f"{n:<22} {load_recipe(n)['description']}")
+        return 0
+    if not args.name:
+        raise ValueError(f"give a recipe name or --list; valid recipes: {', '.join(recipe_names())}")
+    from szo.config import load_recipe
+    from szo.pipeline import run_recipe
+
+    cfg = load_recipe(args.name, args.set or [])
+    out = args.out or f"runs/{cfg['name']}"
+    if args.device:
+        cfg["device"] = args.device
+    s = run_recipe(cfg, out, device=args.device, resume=args.resume)
+    acc = s.get("best_test_acc") if isinstance(s, dict) else None
+    if acc is None:
+        print(f"{cfg['name']} done in {out}")
+        return 0
+    print(f"{cfg['name']} [{s.get('label')}] done in {out}: max test acc "
+          f"{'-' if acc is None else f'{100 * acc:.2f}%'} at epoch {s.get('converged_epoch')}, "
+          f"#FP {s.get('fp')}, #BP {s.get('bp')}")
+    return 0
+
+
+def _cmd_demo_digits(args: argparse.Namespace) -> int:
+    from szo.pipeline import run_demo_digits
+
+    run_demo_digits(args.out, device=args.device, full_space=not args.no_full_space)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from szo.report import collect_runs, render, write_report
+
+    runs = collect_runs(args.run_dirs)
+    print(render(runs))
+    if args.out:
+        paths = write_report(runs, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="szo", description="Forward-only (zeroth-order) SNN training in trajectory subspaces")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    r = sub.add_parser("recipe", help="run a shipped recipe (szo recipe --list) or a recipe YAML file")
+    r.add_argument("name", nargs="?", help="recipe name or path to a recipe .yaml")
+    r.add_argument("--list", action="store_true", help="list the shipped recipes")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    r.add_argument("--out", help="run directory (default runs/NAME)")
+    r.add_argument("--device", help="cpu | cuda | cuda:N (default: the recipe's)")
+    r.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    r.set_defaults(func=_cmd_recipe)
+
+    d = sub.add_parser("demo", help="self-contained demos (szo demo digits)")
+    dsub = d.add_subparsers(dest="demo", metavar="DEMO")
+    dsub.required = True
+    dd = dsub.add_parser("digits", help="digits quickstart: BPTT -> subspace -> BP-Subspace / SZO-CGE / SZO-RGE + table")
+    dd.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    dd.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    dd.add_argument("--no-full-space", action="store_true", help="skip the full-space ZO-CGE comparison runs")
+    dd.set_defaults(func=_cmd_demo_digits)
+
+    rp = sub.add_parser("report", help="paper-style tables and plots from run directories")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (searched recursively)")
+    rp.add_argument("--out", help="write report.md, report.json and accuracy.png here")
+    rp.set_defaults(func=_cmd_report)
+
+    for name in _REGISTRARS:
+        mod = _import_registrar(name)
+        if mod is None:
+            continue
+        if hasattr(mod, "register"):
+            mod.register(sub)
+        if hasattr(mod, "register_demo"):
+            mod.register_demo(dsub)
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``szo`` console script; returns the exit status."""
+    from szo.data import DataNotFoundError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, DataNotFoundError, FileNotFoundError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

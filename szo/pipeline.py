@@ -1,0 +1,249 @@
+"""Run a recipe end to end: BPTT (+ trajectory) -> subspace -> training in the subspace.
+
+``run_recipe(cfg, out_dir)``:
+
+* ``kind: bp`` recipes run the BPTT stage in ``out_dir`` (trajectory in ``out_dir/trajectory``,
+  final model ``out_dir/model.safetensors`` with BN buffers), build the subspace
+  (``subspace.k / window / reference``) and save it in the store
+  (``subspace.root`` or ``$SZO_SUBSPACE_ROOT`` or ``./subspaces``); its provenance records
+  ``source_model`` (the model file) and ``source_run``.
+* ``kind: subspace`` recipes first run that BPTT stage in ``out_dir/bptt`` if the store has
+  no ``subspace.name`` yet, then train in the subspace in ``out_dir`` with ``method``:
+  scratch runs start at the subspace reference (first trajectory sample) with fresh BN
+  statistics; continual runs load the pretrained model (``provenance["source_model"]``,
+  parameters and BN buffers) and set the parameters to the reference (last sample).
+
+Every run dir holds config.yaml (resolved), metrics.jsonl, checkpoints/, results.json and
+training_curve.png. Model initialisation draws from torch's global RNG inside
+``torch.random.fork_rng`` seeded with ``cfg.seed`` (the caller's RNG state is untouched);
+everything else (data order, RGE directions) uses the run's own ``torch.Generator``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from szo.config import method_label, write_config
+from szo.io import atomic_save_safetensors
+
+__all__ = ["run_recipe", "run_demo_digits", "run_bptt_stage", "run_subspace_stage", "build_store_subspace", "build_model",
+           "subspace_store_for"]
+
+
+def _device(cfg: Mapping[str, Any], device: str | None) -> str:
+    dev = device or cfg["device"]
+    if str(dev).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {dev!r} requested but CUDA is not available here; valid: cpu")
+    return str(dev)
+
+
+def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
+    """The recipe's model; init drawn under ``fork_rng`` seeded with ``cfg['seed']``."""
+    from szo import models
+    from szo.data import dataset_info
+
+    info = dataset_info(cfg["data"]["name"])
+    m = cfg["model"]
+    kw = dict(m["kwargs"])
+    kw.setdefault("in_channels", info.in_channels)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(cfg["seed"]))
+        return models.create(m["name"], num_classes=info.num_classes, T=m["T"] or info.default_T,
+                             activation=m["activation"], **kw)
+
+
+def _loaders(cfg: Mapping[str, Any], generator: torch.Generator):
+    from szo.data import get_dataset, make_loader
+
+    d = cfg["data"]
+    common = dict(data_dir=d["data_dir"], download=d["download"], **d["kwargs"])
+    train = get_dataset(d["name"], "train", augment=d["augment"], **common)
+    test = get_dataset(d["name"], "test", augment=False if d["augment"] is not None else None, **common)
+    return (make_loader(train, d["batch_size"], shuffle=True, generator=generator, num_workers=d["num_workers"]),
+            make_loader(test, d["test_batch_size"], shuffle=False, num_workers=d["num_workers"]))
+
+
+def _scheduler(opt: torch.optim.Optimizer, stage: Mapping[str, Any]):
+    if stage["scheduler"] == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=stage["epochs"])
+    return None
+
+
+def subspace_store_for(cfg: Mapping[str, Any]):
+    from subspace_store import SubspaceStore
+
+    return SubspaceStore(cfg["subspace"]["root"])
+
+
+def _loss(cfg: Mapping[str, Any]):
+    from szo.losses import get_loss
+
+    lc = cfg["loss"]
+    return get_loss(lc["name"], **({"lamb": lc["lamb"], "phi": lc["phi"]} if lc["name"] == "tet" else {}))
+
+
+def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
+    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge") else None
+    return {"recipe": cfg["name"], "label": method_label(method, q, cfg["model"]["activation"]), "method": method,
+            "mode": mode, "dataset": cfg["data"]["name"], "model": cfg["model"]["name"],
+            "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
+            "name": f"{cfg['name']} {method_label(method, q, cfg['model']['activation'])}"}
+
+
+def build_store_subspace(cfg: Mapping[str, Any], bptt_dir: str | os.PathLike, *, overwrite: bool = False,
+                         progress: bool = True):
+    """Build ``cfg.subspace`` from the trajectory in ``bptt_dir`` and save it in the store."""
+    from subspace_store import build_subspace
+
+    bptt_dir = Path(bptt_dir).resolve()
+    s = cfg["subspace"]
+    sub = build_subspace(bptt_dir / "trajectory", s["k"], window=s["window"], reference=s["reference"],
+                         progress=progress)
+    sub.provenance["source_model"] = str(bptt_dir / "model.safetensors")
+    sub.provenance["source_run"] = str(bptt_dir)
+    store = subspace_store_for(cfg)
+    store.save(s["name"], sub, overwrite=overwrite)
+    return sub
+
+
+def run_bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
+                   resume: bool = False, build: bool = True) -> dict[str, Any]:
+    """BPTT with the trajectory recorder, final model as safetensors, then (``build``) the subspace."""
+    from szo.optim import build_optimizer
+    from szo.train import TrajectoryCallback, fit
+    from szo.trajectory import TrajectoryRecorder
+
+    run_dir = Path(run_dir)
+    store = subspace_store_for(cfg)
+    name = cfg["subspace"]["name"]
+    if build and name is not None and store.exists(name) and not resume:
+        raise ValueError(f"subspace {name!r} already exists in {store.root}; remove it "
+                         f"(szo subspace rm {name}) or pass --set subspace.name=OTHER")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.yaml")
+    g = torch.Generator().manual_seed(int(cfg["seed"]))
+    train, test = _loaders(cfg, g)
+    model = build_model(cfg).to(device)
+    st = cfg["bptt"]
+    opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
+    rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
+                             every=cfg["trajectory"]["every"], record_initial=cfg["trajectory"]["record_initial"])
+    summary = fit(model, train, test, opt, epochs=st["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, st),
+                  device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(rec)], generator=g, resume=resume,
+                  eval_every=st["eval_every"], progress=cfg["progress"], max_steps_per_epoch=st["max_steps_per_epoch"],
+                  checkpoint_every_steps=st["checkpoint_every_steps"], info=_info(cfg, "bp", "bptt", model))
+    atomic_save_safetensors(run_dir / "model.safetensors", model.state_dict(),
+                            {"model": cfg["model"]["name"], "fingerprint": model.fingerprint()})
+    if build and name is not None and not store.exists(name):
+        build_store_subspace(cfg, run_dir, progress=cfg["progress"])
+    return summary
+
+
+def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
+                       resume: bool = False) -> dict[str, Any]:
+    """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual)."""
+    from safetensors.torch import load_file
+
+    from szo.optim import build_optimizer
+    from szo.train import fit
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.yaml")
+    g = torch.Generator().manual_seed(int(cfg["seed"]))
+    train, test = _loaders(cfg, g)
+    model = build_model(cfg)
+    sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
+    if cfg["mode"] == "continual":
+        src = sub.provenance.get("source_model")
+        if not src or not Path(src).is_file():
+            raise ValueError(f"continual training needs the pretrained model: subspace {cfg['subspace']['name']!r} "
+                             f"has provenance source_model={src!r}, which is not a file")
+        model.load_state_dict(load_file(src))
+    model.load_flat_params(sub.reference)
+    model.to(device)
+    tr, sz = cfg["train"], cfg["szo"]
+    opt = build_optimizer(cfg["method"], model, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
+                          weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
+                          coords_per_step=sz["coords_per_step"], generator=g)
+    info = _info(cfg, cfg["method"], cfg["mode"], model)
+    info.update(subspace=cfg["subspace"]["name"], k=sub.k)
+    return fit(model, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
+               device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
+               progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
+               checkpoint_every_steps=tr["checkpoint_every_steps"], info=info)
+
+
+def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str | None = None,
+               resume: bool = False) -> dict[str, Any]:
+    """Run a resolved recipe config (``szo.config.load_recipe``); returns the last stage's summary."""
+    from szo.config import EXTERNAL_KINDS
+
+    dev = _device(cfg, device)
+    out = Path(out_dir)
+    if cfg["kind"] in EXTERNAL_KINDS:  # e.g. kind: tta -> szo.adapt.cli.run_recipe
+        import importlib
+
+        mod, _, run_fn, _ = EXTERNAL_KINDS[cfg["kind"]]
+        return getattr(importlib.import_module(mod), run_fn)(cfg, out, device=dev)
+    if cfg["kind"] == "bp":
+        return run_bptt_stage(cfg, out, device=dev, resume=resume)
+    store = subspace_store_for(cfg)
+    if not store.exists(cfg["subspace"]["name"]):
+        run_bptt_stage(cfg, out / "bptt", device=dev, resume=resume)
+    return run_subspace_stage(cfg, out, device=dev, resume=resume)
+
+
+def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,
+                    progress: bool = True) -> dict[str, Any]:
+    """The digits quickstart (``make demo``): BPTT with trajectory -> k=20 subspace -> BP-Subspace,
+    SZO-CGE, SZO-RGE(q=1), SZO-RGE(q=k/2) from scratch, a continual SZO-CGE run in a last-epochs
+    subspace, optionally full-space ZO-CGE (SNN and its ReLU ANN twin, same 2k forwards per step),
+    then the Table 1/3-style report. Re-running continues: finished runs are kept, interrupted
+    ones resume from their checkpoints. Returns {run name: summary}."""
+    import json
+    import time
+
+    from szo.config import load_recipe
+    from szo.report import collect_runs, render, write_report
+
+    out = Path(out_dir)
+    base = [f"subspace.root={(out / 'subspaces').resolve()}", f"progress={str(progress).lower()}", f"device={device}"]
+    t0 = time.perf_counter()
+    summaries: dict[str, Any] = {}
+
+    def stage(name: str, fn) -> None:
+        res = out / name / "results.json"
+        if res.is_file():
+            summaries[name] = json.loads(res.read_text(encoding="utf-8"))
+            print(f"[demo] {name}: already done ({res})")
+            return
+        print(f"[demo] {name} ...", flush=True)
+        summaries[name] = fn(out / name)
+        s = summaries[name]
+        print(f"[demo] {name}: max test acc {100 * s['best_test_acc']:.2f}% (epoch {s['converged_epoch']}), "
+              f"#FP {s['fp']}, #BP {s['bp']}, {time.perf_counter() - t0:.0f} s elapsed", flush=True)
+
+    bp_cfg = load_recipe("digits-bp", base)
+    stage("bp", lambda d: run_recipe(bp_cfg, d, device=device, resume=True))
+    k = int(bp_cfg["subspace"]["k"])
+    runs = [("bp-subspace", ["method=bp-subspace"]), ("szo-cge", ["method=szo-cge"]),
+            ("szo-rge-q1", ["method=szo-rge", "szo.q=1"]), (f"szo-rge-q{k // 2}", ["method=szo-rge", f"szo.q={k // 2}"])]
+    if full_space:
+        runs += [("zo-cge", ["method=zo-cge"]), ("zo-cge-ann", ["method=zo-cge", "model.activation=relu"])]
+    for name, sets in runs:
+        cfg = load_recipe("digits-scratch", base + sets)
+        stage(name, lambda d, cfg=cfg: run_subspace_stage(cfg, d, device=device, resume=True))
+    cont = load_recipe("digits-continual", base)
+    if not subspace_store_for(cont).exists(cont["subspace"]["name"]):
+        build_store_subspace(cont, out / "bp", progress=progress)  # the same BPTT run, last-epochs window
+    stage("continual-szo-cge", lambda d: run_subspace_stage(cont, d, device=device, resume=True))
+    runs_found = collect_runs([out / n for n in summaries])
+    md = render(runs_found)
+    write_report(runs_found, out)
+    print(md)
+    print(f"[demo] done in {time.perf_counter() - t0:.0f} s; report: {out / 'report.md'}, plot: {out / 'accuracy.png'}")
+    return summaries

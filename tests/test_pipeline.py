@@ -1,0 +1,81 @@
+"""End to end on digits with a tiny model: BPTT + trajectory -> subspace -> SZO / continual."""
+import json
+
+import pytest
+import torch
+import yaml
+
+from szo.config import load_recipe
+from szo.pipeline import build_store_subspace, run_recipe, subspace_store_for
+from szo.report import collect_runs, render
+
+TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
+
+
+@pytest.fixture(scope="module")
+def bp_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    sets = TINY + [f"subspace.root={root / 'subspaces'}", "bptt.epochs=2", "bptt.max_steps_per_epoch=6",
+                   "trajectory.every=1", "subspace.k=6", "bptt.lr=0.5"]
+    cfg = load_recipe("digits-bp", sets)
+    s = run_recipe(cfg, root / "bp")
+    return root, sets, s
+
+
+def test_bptt_stage_outputs(bp_run):
+    root, sets, s = bp_run
+    d = root / "bp"
+    for f in ("config.yaml", "metrics.jsonl", "results.json", "training_curve.png", "model.safetensors",
+              "checkpoints/last.pt", "trajectory/manifest.json"):
+        assert (d / f).exists(), f
+    assert yaml.safe_load((d / "config.yaml").read_text())["bptt"]["epochs"] == 2
+    assert s["fp"] == s["bp"] == 12 and s["mode"] == "bptt" and s["label"] == "BP"
+    man = json.loads((d / "trajectory" / "manifest.json").read_text())
+    assert len(man["samples"]) == 13  # initial + every step
+    sub = subspace_store_for(load_recipe("digits-bp", sets)).load("digits-convnet-k20")
+    assert sub.k == 6 and sub.provenance["source_model"] == str((d / "model.safetensors").resolve())
+    # a second fresh BPTT run must not silently replace the stored subspace
+    with pytest.raises(ValueError, match="already exists"):
+        run_recipe(load_recipe("digits-bp", sets), root / "bp2")
+
+
+def test_scratch_szo_cge_in_subspace(bp_run):
+    root, sets, _ = bp_run
+    cfg = load_recipe("digits-scratch", sets + ["train.epochs=2", "train.max_steps_per_epoch=4", "method=szo-cge"])
+    s = run_recipe(cfg, root / "cge")
+    assert s["fp"] == 2 * 4 * 2 * 6 and s["bp"] == 0 and s["k"] == 6 and s["label"] == "SZO-CGE"
+    assert not (root / "cge" / "bptt").exists()  # the subspace was in the store already
+    # the model started at the reference and moved only inside the subspace
+    ck = torch.load(root / "cge" / "checkpoints" / "last.pt", weights_only=True)
+    from szo.pipeline import build_model
+
+    m = build_model(cfg)
+    m.load_state_dict(ck["model"])
+    sub = subspace_store_for(cfg).load("digits-convnet-k20")
+    delta = m.flat_params().double() - sub.reference.double()
+    resid = delta - sub.basis.double() @ (sub.basis.double().T @ delta)
+    assert delta.norm() > 0 and resid.norm() < 1e-4 * delta.norm() + 1e-5
+
+
+def test_continual_and_rge_and_report(bp_run):
+    root, sets, _ = bp_run
+    cont = load_recipe("digits-continual", sets + ["subspace.window=1-2", "subspace.k=4", "train.epochs=1",
+                                                   "train.max_steps_per_epoch=3"])
+    build_store_subspace(cont, root / "bp", progress=False)
+    s = run_recipe(cont, root / "cont")
+    assert s["mode"] == "continual" and s["fp"] == 3 * 2 * 4
+    rge = load_recipe("digits-scratch", sets + ["method=szo-rge", "szo.q=2", "train.epochs=1",
+                                                "train.max_steps_per_epoch=3"])
+    s = run_recipe(rge, root / "rge")
+    assert s["fp"] == 3 * 2 * 2 and s["label"] == "SZO-RGE(q=2)"
+    md = render(collect_runs([root]))
+    assert "SZO-RGE(q=2)" in md and "| digits | spike_convnet |" in md
+
+
+def test_subspace_recipe_runs_missing_bptt_stage(tmp_path):
+    sets = TINY + [f"subspace.root={tmp_path / 'subspaces'}", "bptt.epochs=1", "bptt.max_steps_per_epoch=5",
+                   "trajectory.every=1", "subspace.k=3", "train.epochs=1", "train.max_steps_per_epoch=2",
+                   "method=bp-subspace"]
+    s = run_recipe(load_recipe("digits-scratch", sets), tmp_path / "run")
+    assert (tmp_path / "run" / "bptt" / "model.safetensors").is_file()
+    assert s["fp"] == s["bp"] == 2 and s["label"] == "BP-Subspace"
