@@ -1,0 +1,282 @@
+"""``szo adapt ...`` and the ``kind: tta`` recipe stage.
+
+Recipe (``recipes/*-tta.yaml``): the shared sections (``model``, ``data`` = the clean source
+data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo.q``, ``seed``,
+``device``, ``progress``) mean what they mean for ``kind: bp`` recipes; ``method`` is one of
+``szo.adapt.METHODS`` or ``all``; ``setting`` is ``reset`` | ``continual`` | ``both``; the
+``tta`` section (``TTA_DEFAULTS``) holds the rest. :func:`run_recipe` runs
+
+1. the source model: ``tta.source_run`` (a run directory with ``checkpoints/last.pt`` and a
+   trajectory) or, with ``tta.train_source: true``, BPTT training here with ``szo.train.fit`` + trajectory recorder;
+2. the adaptation subspace (``szo.adapt.subspace``): a store entry ``subspace.name`` if given,
+   else fine-tuning on ``tta.finetune.corruption`` (or ``tta.finetune.trajectory``) + PCA;
+3. ``szo.adapt.runner.run_tta`` -> ``OUT/tta_results.json``, ``tta_table_*.md``,
+   ``tta_summary.md``, ``tta_accuracy.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from szo.io import atomic_save_safetensors, atomic_write_json
+
+from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, check_choice
+
+__all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source_run"]
+
+#: the ``tta`` section of a ``kind: tta`` recipe, with defaults (paper Sec. 6.3 / App. G)
+TTA_DEFAULTS: dict[str, Any] = {
+    "data": "digits-c",          # corrupted test set (szo.data name)
+    "severity": 5,
+    "batch_size": 100,           # App. G: 100 for CIFAR-C, 500 for ImageNet-C
+    "data_dir": None,
+    "download": False,
+    "kwargs": {},                # extra get_dataset keywords of the corrupted set
+    "corruptions": None,         # null = the 15 in table order
+    "lr_reset": 1.0,             # App. G (subspace methods)
+    "lr_continual": 0.1,
+    "momentum": 0.9,
+    "predict": "before",
+    "tent_optimizer": "adam",    # Tent's CIFAR setting; sgd (lr 2.5e-4 @ batch 64) for ImageNet
+    "tent_lr": 1.0e-3,
+    "tent_momentum": 0.9,
+    "max_batches": None,
+    "source_run": None,          # run dir with checkpoints/last.pt (+ trajectory/)
+    "train_source": False,       # with source_run null: BPTT-train the source here (digits-size only)
+    "source_trajectory": None,   # default: <source_run>/trajectory
+    "n_source": 20,              # last source-trajectory samples in the PCA
+    "finetune": {
+        "trajectory": None,      # existing fine-tuning trajectory (needed for *-c sets without train split)
+        "corruption": "gaussian_noise",
+        "severity": 1,
+        "epochs": 10,
+        "samples": 20,
+        "lr": 0.01,
+        "momentum": 0.9,
+        "batch_size": 64,
+    },
+}
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for key, v in (over or {}).items():
+        if key not in base:
+            raise ValueError(f"unknown key '{where}{key}'; valid: {', '.join(base)}")
+        if isinstance(base[key], dict) and base[key] and isinstance(v, Mapping):
+            out[key] = _merge(base[key], v, f"{where}{key}.")
+        else:
+            out[key] = v
+    return out
+
+
+def resolve_tta(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with the ``tta`` section filled and the TTA choices checked (ValueError)."""
+    full = copy.deepcopy(dict(cfg))
+    full["tta"] = _merge(TTA_DEFAULTS, full.get("tta") or {}, "tta.")
+    full.setdefault("method", "all")
+    full.setdefault("setting", "both")
+    from .runner import resolve_methods, resolve_settings
+
+    resolve_methods(full["method"])
+    resolve_settings(full["setting"])
+    t = full["tta"]
+    check_choice("tta.predict", t["predict"], PREDICT)
+    check_choice("tta.tent_optimizer", t["tent_optimizer"], TENT_OPTIMIZERS)
+    for key in ("lr_reset", "lr_continual", "tent_lr", "momentum", "tent_momentum"):
+        t[key] = float(t[key])
+    for key in ("batch_size", "severity", "n_source"):
+        if isinstance(t[key], bool) or not isinstance(t[key], int) or t[key] < 1:
+            raise ValueError(f"'tta.{key}' must be a positive int, got {t[key]!r}")
+    t["finetune"]["lr"] = float(t["finetune"]["lr"])
+    return full
+
+
+# --------------------------------------------------------------------------- source model
+def _model_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    from szo.data import dataset_info
+
+    m = cfg["model"]
+    kw = dict(m.get("kwargs") or {})
+    kw["num_classes"] = dataset_info(cfg["tta"]["data"]).num_classes
+    if m.get("T") is not None:
+        kw["T"] = m["T"]
+    kw["activation"] = m.get("activation", "lif")
+    return kw
+
+
+def train_source(cfg: Mapping[str, Any], run_dir: Path, device: str) -> tuple[torch.nn.Module, Path]:
+    """BPTT-train the source model on the clean ``data`` set, recording its trajectory."""
+    from szo.data import get_dataset, make_loader
+    from szo.losses import get_loss
+    from szo.models import create
+    from szo.train import TrajectoryCallback, fit
+    from szo.trajectory import TrajectoryRecorder
+
+    b, d, lo = cfg["bptt"], cfg["data"], cfg.get("loss", {"name": "tet"})
+    gen = torch.Generator().manual_seed(int(cfg.get("seed", 0)))
+    torch.manual_seed(int(cfg.get("seed", 0)))  # model initialisation
+    model = create(cfg["model"]["name"], **_model_kwargs(cfg)).to(device)
+    kw = dict(d.get("kwargs") or {})
+    train = get_dataset(d["name"], "train", data_dir=d.get("data_dir"), download=d.get("download", False), **kw)
+    test = get_dataset(d["name"], "test", data_dir=d.get("data_dir"), download=d.get("download", False), **kw)
+    train_loader = make_loader(train, int(d.get("batch_size", 64)), shuffle=True, generator=gen)
+    test_loader = make_loader(test, int(d.get("test_batch_size", 256)), shuffle=False)
+    epochs = int(b["epochs"])
+    opt = torch.optim.SGD(model.parameters(), lr=float(b["lr"]), momentum=float(b.get("momentum", 0.9)),
+                          weight_decay=float(b.get("weight_decay", 0.0)))
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+             if b.get("scheduler", "cosine") == "cosine" else None)
+    tr = cfg.get("trajectory", {})
+    recorder = TrajectoryRecorder(run_dir / "trajectory", model, every=tr.get("every", "epoch"),
+                                  record_initial=bool(tr.get("record_initial", True)))
+    loss_kw = {k: v for k, v in lo.items() if k in ("lamb", "phi")} if lo.get("name") == "tet" else {}
+    fit(model, train_loader, test_loader, opt, epochs=epochs, loss_fn=get_loss(lo.get("name", "tet"), **loss_kw),
+        scheduler=sched, device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(recorder)], generator=gen,
+        progress=bool(cfg.get("progress", True)), info={"name": f"{cfg.get('name', 'tta')}-source"})
+    return model, run_dir / "trajectory"
+
+
+def load_source_run(run_dir: str | os.PathLike, model_name: str, model_kwargs: Mapping[str, Any],
+                    device: str = "cpu") -> torch.nn.Module:
+    """A source model from ``run_dir/checkpoints/last.pt`` (``torch.load(weights_only=True)``)."""
+    from szo.models import create
+    from szo.train import checkpoint_path, load_checkpoint
+
+    model = create(model_name, **dict(model_kwargs))
+    state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")
+    model.load_state_dict(state["model"], strict=True)
+    return model.to(device)
+
+
+# --------------------------------------------------------------------------- recipe stage
+def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str = "cpu") -> dict[str, Any]:
+    """Run a ``kind: tta`` recipe into ``out_dir``; returns the TTA results dict."""
+    cfg = resolve_tta(cfg)
+    t, out = cfg["tta"], Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seed = int(cfg.get("seed", 0))
+    progress = bool(cfg.get("progress", True))
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    # 1. source model + its trajectory
+    if t["source_run"] is None:
+        if not t["train_source"]:
+            raise ValueError("this recipe needs a source model: set tta.source_run=RUN_DIR (a BPTT run with "
+                             "checkpoints/last.pt and trajectory/), or tta.train_source=true to train it here")
+        source, src_traj = train_source(cfg, out / "source", device)
+    else:
+        source = load_source_run(t["source_run"], cfg["model"]["name"], _model_kwargs(cfg), device)
+        src_traj = Path(t["source_trajectory"] or Path(t["source_run"]) / "trajectory")
+    source.eval()
+    atomic_save_safetensors(out / "source_model.safetensors", source.state_dict(),
+                            {"model": cfg["model"]["name"], "model_kwargs": json.dumps(_model_kwargs(cfg))})
+    timings["source_s"] = time.perf_counter() - t0
+    # 2. adaptation subspace
+    t1 = time.perf_counter()
+    from .runner import resolve_methods, run_tta
+
+    methods_need_sub = any(m in ("bp-subspace", "szo-cge", "szo-rge") for m in resolve_methods(cfg["method"]))
+    sub = None
+    sub_cfg = cfg.get("subspace") or {}
+    if methods_need_sub:
+        from subspace_store import SubspaceStore
+
+        if sub_cfg.get("name"):
+            sub = SubspaceStore(sub_cfg.get("root")).load(sub_cfg["name"], model=source)
+        else:
+            from .subspace import build_adaptation_subspace
+
+            ft = t["finetune"]
+            loss_name = (cfg.get("loss") or {}).get("name", "tet")
+            sub = build_adaptation_subspace(
+                source, src_traj, dataset_name=t["data"], adapt_trajectory=ft["trajectory"], run_dir=out / "finetune",
+                k=int(sub_cfg.get("k", 20)), n_source=t["n_source"], corruption=ft["corruption"],
+                severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
+                momentum=ft["momentum"], batch_size=ft["batch_size"], loss=loss_name, data_dir=t["data_dir"],
+                dataset_kwargs=t["kwargs"], seed=seed, device=device, progress=progress)
+            SubspaceStore(out / "subspaces").save("adapt", sub, overwrite=True)
+    timings["subspace_s"] = time.perf_counter() - t1
+    # 3. TTA
+    t2 = time.perf_counter()
+    szo_cfg = cfg.get("szo") or {}
+    res = run_tta(
+        source, sub, t["data"], cfg["method"], cfg["setting"], severity=t["severity"], batch_size=t["batch_size"],
+        lr_reset=t["lr_reset"], lr_continual=t["lr_continual"], data_dir=t["data_dir"], seed=seed, out_dir=out,
+        corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
+        q=int(szo_cfg.get("q", 10)), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
+        tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
+        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress,
+        info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})
+    timings["tta_s"] = time.perf_counter() - t2
+    timings["total_s"] = time.perf_counter() - t0
+    res["timings"] = timings
+    atomic_write_json(out / "tta_results.json", res)
+    return res
+
+
+# --------------------------------------------------------------------------- CLI
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``szo adapt`` to the ``szo`` CLI."""
+    p = subparsers.add_parser(
+        "adapt", help="test-time adaptation on a corrupted test set (paper Sec. 6.3)",
+        description="Adapt a trained source model on the 15 corruptions with none / bn / tent / bp-subspace / "
+                    "szo-cge / szo-rge in the reset and/or continual setting; writes the paper's tables.")
+    p.add_argument("--source", required=True, help="source run directory (checkpoints/last.pt)")
+    p.add_argument("--model", required=True, help="model name of the source run (szo.models.names())")
+    p.add_argument("--T", type=int, default=None, help="time steps of the source model")
+    p.add_argument("--subspace", default=None, help="adaptation subspace: store entry name")
+    p.add_argument("--subspace-root", default=None, help="subspace store root (default $SZO_SUBSPACE_ROOT or ./subspaces)")
+    p.add_argument("--data", default="digits-c", help="corrupted data set (digits-c, cifar10-c, cifar100-c, imagenet-c)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--severity", type=int, default=5)
+    p.add_argument("--method", default="all", help=f"all or comma list of: {', '.join(METHODS)}")
+    p.add_argument("--setting", default="both", help=f"both or one of: {', '.join(SETTINGS)}")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--lr-reset", type=float, default=1.0)
+    p.add_argument("--lr-continual", type=float, default=0.1)
+    p.add_argument("--mu", type=float, default=1.0)
+    p.add_argument("--q", type=int, default=10)
+    p.add_argument("--predict", default="before", choices=PREDICT)
+    p.add_argument("--tent-optimizer", default="adam", choices=TENT_OPTIMIZERS)
+    p.add_argument("--tent-lr", type=float, default=1e-3)
+    p.add_argument("--max-batches", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="output directory for the tables")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """``szo adapt`` entry point."""
+    from szo.data import dataset_info
+
+    from .runner import resolve_methods, run_tta
+
+    kw: dict[str, Any] = {"num_classes": dataset_info(args.data).num_classes}
+    if args.T is not None:
+        kw["T"] = args.T
+    source = load_source_run(args.source, args.model, kw, args.device)
+    sub = None
+    if any(m in ("bp-subspace", "szo-cge", "szo-rge") for m in resolve_methods(args.method)):
+        if args.subspace is None:
+            raise ValueError("methods bp-subspace / szo-cge / szo-rge need --subspace NAME "
+                             "(build it with the *-tta recipe or szo.adapt.subspace.build_adaptation_subspace)")
+        from subspace_store import SubspaceStore
+
+        sub = SubspaceStore(args.subspace_root).load(args.subspace, model=source)
+    res = run_tta(source, sub, args.data, args.method, args.setting, severity=args.severity,
+                  batch_size=args.batch_size, lr_reset=args.lr_reset, lr_continual=args.lr_continual,
+                  data_dir=args.data_dir, seed=args.seed, out_dir=args.out, mu=args.mu, q=args.q,
+                  predict=args.predict, tent_optimizer=args.tent_optimizer, tent_lr=args.tent_lr,
+                  device=args.device, max_batches=args.max_batches)
+    print((Path(args.out) / "tta_summary.md").read_text())
+    return 0 if res else 1

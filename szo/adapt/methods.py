@@ -1,0 +1,378 @@
+"""Test-time adaptation methods as small wrappers around a model and its optimizer (Tent style).
+
+Every method is an :class:`Adapter`: ``adapter(x)`` predicts on an unlabeled test batch and
+adapts the model on it with the entropy loss (Wang et al., 2020); ``adapter.reset()`` puts
+the parameters, the BN running statistics and the optimizer state back to the source
+state, bit-exactly, from copies saved at construction (nothing is reloaded from disk).
+
+Methods (``METHODS``):
+
+* ``none`` -- the source model in eval mode (BN uses its running statistics).
+* ``bn`` -- BN layers normalise with the test-batch statistics (Schneider et al., 2020);
+  no parameter changes.
+* ``tent`` -- Tent: BN uses batch statistics, BP on the BN affine parameters only
+  (:func:`configure_model`, :func:`collect_params`, :func:`check_model`). Optimizer as in
+  Tent's code: Adam(lr=1e-3, betas=(0.9, 0.999)) by default (Tent's CIFAR-10/100-C
+  setting), or SGD(momentum=0.9) (Tent's ImageNet-C setting, lr 2.5e-4 at batch 64).
+* ``bp-subspace`` -- the BPTT entropy gradient of all parameters projected on P
+  (``szo.optim.BPSubspace``), SGD with momentum in the subspace.
+* ``szo-cge`` / ``szo-rge`` -- ``szo.optim.SZO``: 2k (CGE) or 2q (RGE, q=10) forward probes
+  in the subspace, BN statistics frozen across the probes of a step, forward passes only.
+
+All adapting methods (everything except ``none``) put the BN layers in train mode: they
+normalise with the test batch's statistics, and their running statistics keep tracking
+the test data (they are state of the adapted model, restored by ``reset``), as in the
+paper's SZO where the running statistics are held identical across the probes of a step.
+The rest of the model stays in eval mode.
+
+Prediction timing (``predict``): ``"before"`` (default) returns the outputs of the model as
+it was when the batch arrived, i.e. before the batch's own update. This is Tent's protocol
+(the output of the forward used for the update is the prediction) and costs BP methods
+nothing extra; for SZO the probes are perturbed, so ``"before"`` costs one extra clean
+forward per batch (2k + 1 forwards for CGE, 2q + 1 for RGE). ``"after"`` predicts with the
+updated model: one extra forward for every adapting method. ``"before"`` is the default
+because it is the same protocol for every method and it is the fair online setting (no
+prediction benefits from an update computed on its own batch). Clean prediction forwards
+leave the BN running statistics unchanged (snapshot / restore), so each batch makes
+exactly one BN running-statistics update whatever ``predict`` is.
+
+Counters: ``forward_passes`` and ``backward_passes`` count model forwards / backwards over
+all batches (one per batch, i.e. per call to the network, not per sample).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from szo.losses import entropy_loss
+from szo.optim import SZO, BPSubspace
+from szo.optim.bn import BNStatsFreezer
+
+__all__ = [
+    "METHODS",
+    "SETTINGS",
+    "PREDICT",
+    "METHOD_LABELS",
+    "USES_BP",
+    "TENT_OPTIMIZERS",
+    "check_choice",
+    "configure_model",
+    "configure_bn",
+    "collect_params",
+    "check_model",
+    "Adapter",
+    "NoAdapt",
+    "BNAdapt",
+    "Tent",
+    "BPSubspaceAdapt",
+    "SZOAdapt",
+    "build_adapter",
+]
+
+METHODS = ("none", "bn", "tent", "bp-subspace", "szo-cge", "szo-rge")
+SETTINGS = ("reset", "continual")
+PREDICT = ("before", "after")
+TENT_OPTIMIZERS = ("adam", "sgd")
+#: column / row names used in the paper's Table 2 and Tables 5-10
+METHOD_LABELS = {
+    "none": "No adapt.",
+    "bn": "BN",
+    "tent": "Tent (BP)",
+    "bp-subspace": "BP-Subspace",
+    "szo-cge": "SZO-CGE",
+    "szo-rge": "SZO-RGE",
+}
+#: whether the method back-propagates (the "BP" column of Tables 5-10)
+USES_BP = {"none": False, "bn": False, "tent": True, "bp-subspace": True, "szo-cge": False, "szo-rge": False}
+
+LossFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def check_choice(kind: str, value: object, valid: Sequence[str]) -> str:
+    """Return ``value`` if it is one of ``valid``, else raise one ValueError listing them."""
+    if not isinstance(value, str) or value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}")
+    return value
+
+
+# --------------------------------------------------------------------------- Tent's helpers
+def _bn_modules(model: nn.Module) -> list[_BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+def configure_bn(model: nn.Module) -> nn.Module:
+    """Eval mode everywhere except BN layers, which use test-batch statistics; no gradients."""
+    model.eval()
+    model.requires_grad_(False)
+    for m in _bn_modules(model):
+        m.train()
+    return model
+
+
+def configure_model(model: nn.Module) -> nn.Module:
+    """Tent: BN layers use batch statistics, only BN affine weight / bias require grad."""
+    configure_bn(model)
+    for m in _bn_modules(model):
+        if m.affine:
+            m.weight.requires_grad_(True)
+            m.bias.requires_grad_(True)
+    return model
+
+
+def collect_params(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    """Tent: the affine weight and bias of every BN layer, with their names."""
+    params, names = [], []
+    for mname, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and m.affine:
+            for pname, p in (("weight", m.weight), ("bias", m.bias)):
+                params.append(p)
+                names.append(f"{mname}.{pname}" if mname else pname)
+    return params, names
+
+
+def check_model(model: nn.Module) -> None:
+    """Tent: the model must be configured by :func:`configure_model` (raises ValueError)."""
+    bns = _bn_modules(model)
+    if not bns:
+        raise ValueError("Tent needs a model with BatchNorm layers; this model has none")
+    if not all(m.training for m in bns):
+        raise ValueError("Tent needs every BN layer in train mode (batch statistics); call configure_model")
+    grads = [p.requires_grad for p in model.parameters()]
+    if not any(grads):
+        raise ValueError("Tent needs the BN affine parameters to require grad; call configure_model")
+    if all(grads):
+        raise ValueError("Tent adapts the BN affine parameters only, but every parameter requires grad; "
+                         "call configure_model")
+    bn_params = {id(p) for p in collect_params(model)[0]}
+    others = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in bn_params]
+    if others:
+        raise ValueError(f"Tent adapts the BN affine parameters only; these also require grad: {others[:5]}")
+
+
+# --------------------------------------------------------------------------- adapters
+class Adapter:
+    """Predict-and-adapt wrapper: holds ``model`` (adapted in place) and its ``optimizer``."""
+
+    method: str = ""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.predict = check_choice("predict", predict, PREDICT)
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.forward_passes = 0
+        self.backward_passes = 0
+        self.batches = 0
+        self.last_loss: float | None = None
+        self._bn_guard = BNStatsFreezer(model)
+        # the source state: parameters AND buffers (BN running stats), optimizer state
+        self._model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+
+    @property
+    def uses_bp(self) -> bool:
+        return USES_BP[self.method]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Predict on ``x`` and adapt on it; returns detached outputs ``[T, N, C]``."""
+        out = self._forward_and_adapt(x)
+        self.batches += 1
+        return out.detach()
+
+    __call__ = forward
+
+    def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _forward_and_adapt")
+
+    @torch.no_grad()
+    def _clean_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A prediction forward that leaves BN running statistics unchanged."""
+        self._bn_guard.snapshot()
+        try:
+            out = self.model(x)
+        finally:
+            self._bn_guard.restore()
+        self.forward_passes += 1
+        return out
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Back to the source parameters, BN buffers and optimizer state (bit-exact copies)."""
+        for k, v in self.model.state_dict().items():
+            v.copy_(self._model_state[k])
+        if self.optimizer is not None and self._opt_state is not None:
+            gen = getattr(self.optimizer, "generator", None)
+            gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
+            fps = getattr(self.optimizer, "forward_passes", None)
+            self.optimizer.load_state_dict(copy.deepcopy(self._opt_state))
+            # random directions keep coming from the run's stream (fresh after a reset)
+            if gen_state is not None:
+                gen.set_state(gen_state)
+            if fps is not None:
+                self.optimizer.forward_passes = fps
+
+    def counts(self) -> dict[str, int]:
+        return {"fp": self.forward_passes, "bp": self.backward_passes, "batches": self.batches}
+
+
+class NoAdapt(Adapter):
+    """The source model, eval mode (running BN statistics), no adaptation."""
+
+    method = "none"
+
+    def __init__(self, model: nn.Module, *, predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
+        model.eval()
+        model.requires_grad_(False)
+        super().__init__(model, None, predict=predict, loss_fn=loss_fn)
+
+    @torch.no_grad()
+    def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_passes += 1
+        return self.model(x)
+
+
+class BNAdapt(Adapter):
+    """Test-batch BN statistics (Schneider et al., 2020); parameters never change."""
+
+    method = "bn"
+
+    def __init__(self, model: nn.Module, *, predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
+        configure_bn(model)
+        if not _bn_modules(model):
+            raise ValueError("method 'bn' needs a model with BatchNorm layers; this model has none")
+        super().__init__(model, None, predict=predict, loss_fn=loss_fn)
+
+    @torch.no_grad()
+    def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        # one forward: normalises with batch statistics and updates the running statistics
+        self.forward_passes += 1
+        return self.model(x)
+
+
+class _GradientAdapter(Adapter):
+    """One BP step on the entropy loss per batch (Tent, BP-Subspace)."""
+
+    @torch.enable_grad()
+    def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        opt = self.optimizer
+        if opt is None:
+            raise ValueError(f"{type(self).__name__} was built without an optimizer")
+        opt.zero_grad(set_to_none=True)
+        out = self.model(x)
+        loss = self.loss_fn(out)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.forward_passes += 1
+        self.backward_passes += 1
+        self.last_loss = float(loss.detach())
+        if self.predict == "after":
+            out = self._clean_forward(x)
+        return out
+
+
+class Tent(_GradientAdapter):
+    """Tent: entropy minimisation on the BN affine parameters (Wang et al., 2020)."""
+
+    method = "tent"
+
+    def __init__(self, model: nn.Module, *, optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9,
+                 predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
+        check_choice("Tent optimizer", optimizer, TENT_OPTIMIZERS)
+        if not lr > 0:
+            raise ValueError(f"Tent lr must be > 0, got {lr}")
+        configure_model(model)
+        check_model(model)
+        params, _ = collect_params(model)
+        if optimizer == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+        else:
+            opt = torch.optim.SGD(params, lr=lr, momentum=momentum)
+        super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
+
+
+class BPSubspaceAdapt(_GradientAdapter):
+    """Entropy BPTT gradient of all parameters projected on the subspace (eq. 6 update)."""
+
+    method = "bp-subspace"
+
+    def __init__(self, model: nn.Module, subspace, *, lr: float, momentum: float = 0.9,
+                 predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
+        configure_bn(model)
+        model.requires_grad_(True)
+        opt = BPSubspace(model.parameters(), subspace, lr=lr, momentum=momentum, model=model)
+        super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
+
+
+class SZOAdapt(Adapter):
+    """SZO: forward-only entropy minimisation in the subspace (CGE: 2k probes, RGE: 2q)."""
+
+    def __init__(self, model: nn.Module, subspace, *, estimator: str = "cge", lr: float, mu: float = 1.0,
+                 momentum: float = 0.9, q: int = 10, generator: torch.Generator | None = None,
+                 predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
+        check_choice("SZO estimator", estimator, ("cge", "rge"))
+        configure_bn(model)
+        opt = SZO(model.parameters(), subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q,
+                  model=model, generator=generator)
+        super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
+        self.method = f"szo-{estimator}"
+
+    def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        opt = self.optimizer
+        if not isinstance(opt, SZO):
+            raise ValueError(f"{type(self).__name__} needs an SZO optimizer, got {type(opt).__name__}")
+        out = self._clean_forward(x) if self.predict == "before" else None
+        before = opt.forward_passes
+        loss = opt.step(lambda: self.loss_fn(self.model(x)))
+        self.forward_passes += opt.forward_passes - before
+        self.last_loss = float(loss)
+        if out is None:
+            out = self._clean_forward(x)
+        return out
+
+
+def build_adapter(
+    method: str,
+    model: nn.Module,
+    *,
+    subspace=None,
+    lr: float | None = None,
+    momentum: float = 0.9,
+    mu: float = 1.0,
+    q: int = 10,
+    predict: str = "before",
+    tent_optimizer: str = "adam",
+    tent_lr: float = 1e-3,
+    tent_momentum: float = 0.9,
+    generator: torch.Generator | None = None,
+    loss_fn: LossFn = entropy_loss,
+) -> Adapter:
+    """The :class:`Adapter` for one of ``METHODS`` around ``model`` (adapted in place).
+
+    ``lr`` / ``momentum`` are the subspace methods' (bp-subspace, szo-*); Tent has its own
+    ``tent_optimizer`` / ``tent_lr`` / ``tent_momentum``. Subspace methods need ``subspace``.
+    """
+    check_choice("method", method, METHODS)
+    check_choice("predict", predict, PREDICT)
+    if method == "none":
+        return NoAdapt(model, predict=predict, loss_fn=loss_fn)
+    if method == "bn":
+        return BNAdapt(model, predict=predict, loss_fn=loss_fn)
+    if method == "tent":
+        return Tent(model, optimizer=tent_optimizer, lr=tent_lr, momentum=tent_momentum, predict=predict,
+                    loss_fn=loss_fn)
+    if subspace is None:
+        raise ValueError(f"method {method!r} needs an adaptation subspace (szo.adapt.subspace.build_adaptation_subspace)")
+    if lr is None:
+        raise ValueError(f"method {method!r} needs lr (paper App. G: 1.0 for reset, 0.1 for continual)")
+    if method == "bp-subspace":
+        return BPSubspaceAdapt(model, subspace, lr=lr, momentum=momentum, predict=predict, loss_fn=loss_fn)
+    return SZOAdapt(model, subspace, estimator=method.split("-")[1], lr=lr, mu=mu, momentum=momentum, q=q,
+                    generator=generator, predict=predict, loss_fn=loss_fn)

@@ -1,0 +1,266 @@
+"""Run test-time adaptation over the 15 corruptions for several methods and settings.
+
+For every (setting, method) pair a private copy of the source model is wrapped in its
+:class:`~szo.adapt.methods.Adapter` and fed the corruptions in table order, each corruption's
+test set once in batches (the same batch order for every method and setting: each corruption's
+loader is shuffled by its own generator seeded from ``seed`` and the corruption's name).
+
+* ``reset``: ``adapter.reset()`` before every corruption (source parameters, BN statistics and
+  optimizer state again);
+* ``continual``: one pass over the 15 corruptions in order, never reset.
+
+``none`` and ``bn`` change no parameter and predict from the current batch alone, so their
+predictions cannot depend on the setting; they are run once and their numbers reported
+under every setting (``"shared_with"`` in the JSON names the setting they were run in).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, build_adapter, check_choice
+from .tables import write_tables
+
+__all__ = ["run_tta", "resolve_methods", "resolve_settings", "load_source_model", "SETTING_FREE_METHODS"]
+
+#: methods whose predictions do not depend on the setting (no parameter change, batch-local)
+SETTING_FREE_METHODS = ("none", "bn")
+
+
+def resolve_methods(methods: str | Sequence[str]) -> list[str]:
+    """``"all"``, one name, a comma list or a list -> method names in ``METHODS`` order."""
+    if isinstance(methods, str):
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    methods = list(methods)
+    if not methods:
+        raise ValueError(f"no method given; valid: all, {', '.join(METHODS)}")
+    if "all" in methods:
+        return list(METHODS)
+    for m in methods:
+        check_choice("method", m, ("all", *METHODS))
+    return [m for m in METHODS if m in methods]
+
+
+def resolve_settings(settings: str | Sequence[str]) -> list[str]:
+    """``"both"``, one name, a comma list or a list -> setting names (reset first)."""
+    if isinstance(settings, str):
+        settings = [s.strip() for s in settings.split(",") if s.strip()]
+    settings = list(settings)
+    if not settings:
+        raise ValueError(f"no setting given; valid: both, {', '.join(SETTINGS)}")
+    if "both" in settings:
+        return list(SETTINGS)
+    for s in settings:
+        check_choice("setting", s, ("both", *SETTINGS))
+    return [s for s in SETTINGS if s in settings]
+
+
+def load_source_model(source: nn.Module | Mapping[str, Any]) -> nn.Module:
+    """The source model: an ``nn.Module`` as is, or ``{"model": name, "model_kwargs": {...},
+    "state_dict": {...}}`` built with ``szo.models.create`` and loaded (strict)."""
+    if isinstance(source, nn.Module):
+        return source
+    if not isinstance(source, Mapping) or "model" not in source or "state_dict" not in source:
+        raise ValueError("source_model_state must be an nn.Module or a mapping with keys "
+                         "'model' (registered name), 'state_dict' and optional 'model_kwargs'")
+    from szo.models import create
+
+    model = create(str(source["model"]), **dict(source.get("model_kwargs") or {}))
+    model.load_state_dict(source["state_dict"], strict=True)
+    return model
+
+
+def _model_name(model: nn.Module) -> str:
+    return str(getattr(model, "model_name", type(model).__name__))
+
+
+def _per_batch(method: str, predict: str, k: int | None, q: int) -> tuple[int, int]:
+    """(#FP, #BP) per batch of one method (network calls on the whole batch)."""
+    extra = 1 if predict == "after" else 0
+    if method in ("none", "bn"):
+        return 1, 0
+    if method in ("tent", "bp-subspace"):
+        return 1 + extra, 1
+    probes = 2 * (k or 0) if method == "szo-cge" else 2 * q
+    return probes + 1, 0  # + one clean prediction forward (before or after the step)
+
+
+def run_tta(
+    source_model_state: nn.Module | Mapping[str, Any],
+    subspace: Any,
+    dataset_name: str,
+    methods: str | Sequence[str],
+    settings: str | Sequence[str],
+    *,
+    severity: int = 5,
+    batch_size: int,
+    lr_reset: float = 1.0,
+    lr_continual: float = 0.1,
+    data_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    out_dir: str | os.PathLike,
+    corruptions: Sequence[str] | None = None,
+    mu: float = 1.0,
+    momentum: float = 0.9,
+    q: int = 10,
+    predict: str = "before",
+    tent_optimizer: str = "adam",
+    tent_lr: float = 1e-3,
+    tent_momentum: float = 0.9,
+    device: str | torch.device = "cpu",
+    max_batches: int | None = None,
+    dataset_kwargs: Mapping[str, Any] | None = None,
+    get_data: Callable[[str], Dataset] | None = None,
+    download: bool = False,
+    progress: bool = True,
+    plot: bool = True,
+    info: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Adapt and evaluate every (method, setting) on ``dataset_name`` severity ``severity``.
+
+    Args:
+        source_model_state: the source model (see :func:`load_source_model`); never modified.
+        subspace: the adaptation subspace (``subspace_store.Subspace``) for bp-subspace / szo-*;
+            may be None if no subspace method is run.
+        methods / settings: names, ``"all"`` / ``"both"``, comma lists or lists.
+        lr_reset / lr_continual: learning rate of the subspace methods per setting (App. G).
+        corruptions: default ``szo.data.CORRUPTIONS`` (the 15, table order).
+        predict: ``"before"`` | ``"after"`` (see ``szo.adapt.methods``).
+        max_batches: adapt on at most this many batches per corruption (quick checks).
+        get_data: ``corruption -> Dataset`` to use instead of ``szo.data.get_dataset``.
+
+    Returns the results dict (also written as ``tta_results.json`` with the markdown tables and
+    ``tta_accuracy.png`` in ``out_dir``).
+    """
+    methods = resolve_methods(methods)
+    settings = resolve_settings(settings)
+    check_choice("predict", predict, PREDICT)
+    check_choice("Tent optimizer", tent_optimizer, TENT_OPTIMIZERS)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    needs_subspace = [m for m in methods if m in ("bp-subspace", "szo-cge", "szo-rge")]
+    if needs_subspace and subspace is None:
+        raise ValueError(f"methods {needs_subspace} need an adaptation subspace; build one with "
+                         "szo.adapt.subspace.build_adaptation_subspace or drop them")
+    if corruptions is None:
+        from szo.data import CORRUPTIONS
+
+        corruptions = list(CORRUPTIONS)
+    corruptions = list(corruptions)
+    if not corruptions:
+        raise ValueError("no corruption given")
+    if get_data is None:
+        from szo.data import get_dataset
+
+        kw = dict(dataset_kwargs or {})
+
+        def get_data(c: str) -> Dataset:
+            return get_dataset(dataset_name, "test", data_dir=data_dir, download=download, corruption=c,
+                               severity=severity, **kw)
+
+    source = load_source_model(source_model_state)
+    source_state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    k = int(subspace.basis.shape[1]) if subspace is not None else None
+    datasets: dict[str, Dataset] = {}
+
+    def data(c: str) -> Dataset:
+        if c not in datasets:
+            datasets[c] = get_data(c)
+        return datasets[c]
+
+    results: dict[str, dict[str, Any]] = {s: {} for s in settings}
+    for setting in settings:
+        lr = lr_reset if setting == "reset" else lr_continual
+        for method in methods:
+            if method in SETTING_FREE_METHODS and setting != settings[0]:
+                shared = dict(results[settings[0]][method])
+                shared["shared_with"] = settings[0]
+                results[setting][method] = shared
+                continue
+            model = copy.deepcopy(source).to(device)  # one private copy per (setting, method) run
+            gen = torch.Generator().manual_seed(int(seed) + 1)  # RGE directions
+            adapter = build_adapter(method, model, subspace=subspace, lr=lr, momentum=momentum, mu=mu, q=q,
+                                    predict=predict, tent_optimizer=tent_optimizer, tent_lr=tent_lr,
+                                    tent_momentum=tent_momentum, generator=gen)
+            per_c: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            t0 = time.perf_counter()
+            for ci, c in enumerate(corruptions):
+                if setting == "reset" and ci > 0:
+                    adapter.reset()
+                loader = torch.utils.data.DataLoader(
+                    data(c), batch_size=batch_size, shuffle=True,
+                    generator=torch.Generator().manual_seed(int(seed) * 1000003 + zlib.crc32(c.encode())))
+                correct = seen = 0
+                total = len(loader) if max_batches is None else min(len(loader), max_batches)
+                bar = tqdm(total=total, desc=f"{setting}/{method}/{c}", leave=False, disable=not progress,
+                           dynamic_ncols=True)
+                for b, (x, y) in enumerate(loader):
+                    if max_batches is not None and b >= max_batches:
+                        break
+                    x, y = x.to(device), y.to(device)
+                    out = adapter(x)
+                    correct += int((out.mean(0).argmax(1) == y).sum())
+                    seen += int(y.shape[0])
+                    bar.update(1)
+                    bar.set_postfix(acc=f"{correct / seen:.3f}", refresh=False)
+                bar.close()
+                if seen == 0:
+                    raise ValueError(f"corruption {c!r} of {dataset_name!r} yielded no test samples")
+                per_c[c] = correct / seen
+                counts[c] = seen
+            elapsed = time.perf_counter() - t0
+            fpb, bpb = _per_batch(method, predict, k, q)
+            results[setting][method] = {
+                "per_corruption": per_c,
+                "average": sum(per_c.values()) / len(per_c),
+                "samples": counts,
+                "fp": adapter.forward_passes,
+                "bp": adapter.backward_passes,
+                "batches": adapter.batches,
+                "fp_per_batch": fpb,
+                "bp_per_batch": bpb,
+                "lr": tent_lr if method == "tent" else (lr if method in needs_subspace else None),
+                "time_s": elapsed,
+            }
+            if adapter.forward_passes != fpb * adapter.batches or adapter.backward_passes != bpb * adapter.batches:
+                raise RuntimeError(f"{method}: counted {adapter.forward_passes} FP / {adapter.backward_passes} BP "
+                                   f"over {adapter.batches} batches, expected {fpb} / {bpb} per batch")
+            if progress:
+                tqdm.write(f"[tta] {setting:9s} {method:12s} avg acc {100 * results[setting][method]['average']:6.2f}%"
+                           f"  #FP {adapter.forward_passes} #BP {adapter.backward_passes}  ({elapsed:.1f}s)")
+            del adapter, model
+    # the source model is untouched: guard against an accidental in-place change
+    for name, v in source.state_dict().items():
+        if not torch.equal(v, source_state[name]):
+            raise RuntimeError(f"the source model changed during adaptation ({name}); this is a bug")
+
+    out = {
+        "dataset": dataset_name,
+        "model": _model_name(source),
+        "severity": severity,
+        "corruptions": corruptions,
+        "methods": methods,
+        "settings": settings,
+        "results": results,
+        "config": {
+            "batch_size": batch_size, "lr_reset": lr_reset, "lr_continual": lr_continual, "mu": mu,
+            "momentum": momentum, "q": q, "k": k, "predict": predict, "tent_optimizer": tent_optimizer,
+            "tent_lr": tent_lr, "tent_momentum": tent_momentum, "seed": seed, "max_batches": max_batches,
+            **dict(info or {}),
+        },
+    }
+    write_tables(out, Path(out_dir), plot=plot)
+    return out

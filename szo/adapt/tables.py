@@ -1,0 +1,134 @@
+"""TTA result tables in the layout of the paper (Table 2; Appendix E, Tables 5-10) and a chart.
+
+``results`` is the dict written by :func:`szo.adapt.runner.run_tta` (``tta_results.json``)::
+
+    {"dataset": "digits-c", "model": "spike_convnet", "severity": 5,
+     "corruptions": [... 15 names in table order ...],
+     "methods": [...], "settings": [...],
+     "results": {setting: {method: {"per_corruption": {corruption: acc}, "average": acc,
+                                     "fp": int, "bp": int, ...}}}}
+
+Accuracies are fractions in [0, 1] in the JSON and percentages (2 decimals) in the tables.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from szo.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+from .methods import METHOD_LABELS, USES_BP
+
+__all__ = ["SHORT_NAMES", "method_label", "corruption_table", "summary_table", "plot_accuracy",
+           "write_tables"]
+
+#: column headers of Tables 5-10 (imagecorruptions / Hendrycks & Dietterich names)
+SHORT_NAMES = {
+    "gaussian_noise": "Gauss.", "shot_noise": "Shot", "impulse_noise": "Impul.",
+    "defocus_blur": "Defoc.", "glass_blur": "Glass", "motion_blur": "Motion", "zoom_blur": "Zoom",
+    "snow": "Snow", "frost": "Frost", "fog": "Fog", "brightness": "Brit.",
+    "contrast": "Contr.", "elastic_transform": "Elas.", "pixelate": "Pix.", "jpeg_compression": "JPEG",
+}
+
+def method_label(method: str, q: int | None = None) -> str:
+    """Paper name of a method (``SZO-RGE (q=10)``)."""
+    label = METHOD_LABELS.get(method, method)
+    if method == "szo-rge" and q is not None:
+        label = f"{label} (q={q})"
+    return label
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100.0 * v:.2f}"
+
+
+def _md(rows: list[list[str]]) -> str:
+    head, body = rows[0], rows[1:]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines) + "\n"
+
+
+def corruption_table(results: Mapping[str, Any], setting: str) -> str:
+    """Markdown table like Tables 5-10: one row per method, 15 corruption columns + average."""
+    if setting not in results["results"]:
+        raise ValueError(f"no results for setting {setting!r}; valid: {', '.join(results['results'])}")
+    corruptions = list(results["corruptions"])
+    q = results.get("config", {}).get("q")
+    rows = [["Method", "BP", *[SHORT_NAMES.get(c, c) for c in corruptions], "Average Acc."]]
+    for method, r in results["results"][setting].items():
+        rows.append([method_label(method, q), "✓" if USES_BP.get(method, False) else "X",
+                     *[_pct(r["per_corruption"].get(c)) for c in corruptions], _pct(r["average"])])
+    title = (f"Accuracy (%) on {results['dataset']} ({results.get('model', '?')}) with corruption severity "
+             f"level {results['severity']} under *{setting.capitalize()}* setting.\n\n")
+    return title + _md(rows)
+
+
+def summary_table(results: Mapping[str, Any]) -> str:
+    """Markdown table like Table 2: rows = settings, columns = methods (average accuracy)."""
+    q = results.get("config", {}).get("q")
+    methods = list(results["methods"])
+    rows = [["Setting", "Dataset", "Model", *[method_label(m, q) for m in methods]]]
+    for setting, per_method in results["results"].items():
+        rows.append([setting.capitalize(), str(results["dataset"]), str(results.get("model", "?")),
+                     *[_pct(per_method[m]["average"]) if m in per_method else "-" for m in methods]])
+    cost = [["Method", "#FP per batch", "#BP per batch", *[f"#FP ({s})" for s in results["results"]],
+             *[f"#BP ({s})" for s in results["results"]]]]
+    for m in methods:
+        any_r = next(r[m] for r in results["results"].values() if m in r)
+        cost.append([method_label(m, q), str(any_r["fp_per_batch"]), str(any_r["bp_per_batch"]),
+                     *[str(r[m]["fp"]) if m in r else "-" for r in results["results"].values()],
+                     *[str(r[m]["bp"]) if m in r else "-" for r in results["results"].values()]])
+    title = (f"Accuracy (%) on unsupervised model adaptation on {results['dataset']} "
+             f"(severity {results['severity']}).\n\n")
+    return title + _md(rows) + "\nForward / backward passes (network calls on a batch):\n\n" + _md(cost)
+
+
+def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """PNG: accuracy per corruption for every method, one panel per setting."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corruptions = list(results["corruptions"])
+    settings = list(results["results"])
+    q = results.get("config", {}).get("q")
+    fig, axes = plt.subplots(len(settings), 1, figsize=(11, 3.6 * len(settings)), squeeze=False)
+    xs = range(len(corruptions))
+    for ax, setting in zip(axes[:, 0], settings):
+        for method, r in results["results"][setting].items():
+            ys = [100.0 * r["per_corruption"][c] for c in corruptions]
+            ax.plot(xs, ys, marker="o", ms=3, label=f"{method_label(method, q)} ({100.0 * r['average']:.1f})")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([SHORT_NAMES.get(c, c) for c in corruptions], rotation=45, ha="right")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(f"{results['dataset']} severity {results['severity']}: {setting}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path = Path(path)
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def write_tables(results: Mapping[str, Any], out_dir: str | os.PathLike, *, plot: bool = True) -> dict[str, Path]:
+    """Write ``tta_results.json``, ``tta_table_<setting>.md``, ``tta_summary.md`` and ``tta_accuracy.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {"json": out / "tta_results.json", "summary": out / "tta_summary.md"}
+    atomic_write_json(paths["json"], results)
+    for setting in results["results"]:
+        p = out / f"tta_table_{setting}.md"
+        atomic_write_text(p, corruption_table(results, setting))
+        paths[f"table_{setting}"] = p
+    atomic_write_text(paths["summary"], summary_table(results))
+    if plot:
+        paths["png"] = plot_accuracy(results, out / "tta_accuracy.png")
+    return paths

@@ -1,0 +1,372 @@
+"""Corrupted test sets for test-time adaptation (paper Sec. 6.3, App. E tables 5-10).
+
+* ``cifar10-c`` / ``cifar100-c`` (Hendrycks & Dietterich, official release):
+  ``<data_dir>/CIFAR-10-C/<corruption>.npy`` (uint8 ``[5 * B, 32, 32, 3]``: severities 1..5
+  stacked, severity ``s`` = rows ``(s-1)*B : s*B``) and ``labels.npy`` (``[5 * B]``). The
+  official files have ``B = 10000``; szo infers ``B = len / 5`` so smaller files in the same
+  layout (tests) work. Loaded with ``np.load(mmap_mode='r', allow_pickle=False)``; normalized
+  with the clean CIFAR statistics.
+* ``imagenet-c``: ``<data_dir>/<corruption>/<severity>/<class folders>`` (ImageFolder),
+  ``Resize(256)`` + ``CenterCrop(224)``.
+* ``digits-c``: the 15 corruptions applied to the scikit-learn digits split (test by default)
+  with the ``imagecorruptions`` package. It wants RGB uint8 images of at least 32x32, so each
+  8x8 digit (pixel / 16 -> uint8) is upscaled to 32x32 (nearest), copied to 3 channels,
+  corrupted, converted back to gray (PIL ``"L"``, ITU-R 601 luma) and resized to the model
+  input (area interpolation to ``8*upscale`` when that is <= 32, the 32x32 image itself at
+  ``upscale=4``), then standardized with the *clean* digits train statistics (what a source
+  model expects). Every image is seeded on its own from ``(seed, corruption, severity,
+  index)``: the global ``np.random`` state is saved, seeded, and restored around the call, and
+  corruptions that take a ``seed`` argument (glass blur, impulse noise in imagecorruptions-imaug)
+  get one too. The 32x32 gray results are cached as ``.npy`` (atomic writes) under
+  ``cache_dir`` (default ``$XDG_CACHE_HOME/szo/digits-c`` or ``~/.cache/szo/digits-c``), keyed by
+  a format version, the imagecorruptions version, the seeds and the split.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from szo.data.registry import DataNotFoundError, default_data_dir
+from szo.io import atomic_write_bytes
+
+__all__ = [
+    "CORRUPTIONS",
+    "SEVERITIES",
+    "DIGITS_C_VERSION",
+    "CifarCorrupted",
+    "get_cifar10_c",
+    "get_cifar100_c",
+    "get_imagenet_c",
+    "get_digits_c",
+    "digits_c_images",
+    "generate_digits_c",
+    "default_cache_dir",
+]
+
+# The 15 standard corruptions, in the column order of the paper's tables 5-10.
+CORRUPTIONS: tuple[str, ...] = (
+    "gaussian_noise", "shot_noise", "impulse_noise",
+    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
+    "snow", "frost", "fog",
+    "brightness", "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+)
+SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
+DIGITS_C_VERSION = "digits-c-v1"
+_CORRUPT_SIZE = 32  # imagecorruptions needs >= 32x32
+
+_CIFAR_C = {
+    "cifar10-c": ("CIFAR-10-C", "https://zenodo.org/record/2535967", "cifar10"),
+    "cifar100-c": ("CIFAR-100-C", "https://zenodo.org/record/3555552", "cifar100"),
+}
+IMAGENET_C_URL = "https://zenodo.org/record/2235448"
+
+
+def _check_corruption(corruption: Any) -> str:
+    if corruption not in CORRUPTIONS:
+        raise ValueError(f"unknown corruption {corruption!r}; valid: {list(CORRUPTIONS)}")
+    return corruption
+
+
+def _check_severity(severity: Any) -> int:
+    if isinstance(severity, bool) or not isinstance(severity, (int, np.integer)) or int(severity) not in SEVERITIES:
+        raise ValueError(f"severity must be one of {list(SEVERITIES)}, got {severity!r}")
+    return int(severity)
+
+
+def _check_test_only(name: str, split: str, augment: bool | None) -> None:
+    if split != "test":
+        raise ValueError(f"{name} has only the 'test' split, got {split!r}")
+    if augment:
+        raise ValueError(f"{name} is a test set; augment must be None or False")
+
+
+# --------------------------------------------------------------------------- CIFAR-C
+class CifarCorrupted(Dataset):
+    """One (corruption, severity) block of a CIFAR-C ``.npy`` file, memory-mapped.
+
+    Items: ``(x float32 [3, 32, 32] normalized with mean/std, y int)``. The block size is
+    inferred as ``len(file) / 5`` (10000 for the official files).
+    """
+
+    def __init__(self, data_path: Path, labels_path: Path, severity: int,
+                 mean: Sequence[float], std: Sequence[float]) -> None:
+        severity = _check_severity(severity)
+        data = np.load(data_path, mmap_mode="r", allow_pickle=False)
+        labels = np.load(labels_path, mmap_mode="r", allow_pickle=False)
+        if data.ndim != 4 or data.shape[1:] != (32, 32, 3) or data.dtype != np.uint8:
+            raise ValueError(f"{data_path}: expected uint8 [5*B, 32, 32, 3], got {data.dtype} {list(data.shape)}")
+        if data.shape[0] == 0 or data.shape[0] % len(SEVERITIES):
+            raise ValueError(f"{data_path}: {data.shape[0]} rows is not 5 severity blocks of equal size")
+        if labels.ndim != 1 or labels.shape[0] != data.shape[0] or labels.dtype.kind not in "iu":
+            raise ValueError(
+                f"{labels_path}: expected integer labels [{data.shape[0]}] matching {data_path.name}, "
+                f"got {labels.dtype} {list(labels.shape)}")
+        self.block = data.shape[0] // len(SEVERITIES)
+        lo = (severity - 1) * self.block
+        self.data = data[lo:lo + self.block]
+        self.targets = labels[lo:lo + self.block]
+        self.severity = severity
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return self.block
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        img = torch.from_numpy(np.array(self.data[index]))  # HWC uint8, copied out of the mmap
+        x = img.permute(2, 0, 1).to(torch.float32).div_(255.0)
+        return (x - self.mean) / self.std, int(self.targets[index])
+
+
+def _get_cifar_c(name: str, split: str, data_dir: str | os.PathLike | None, download: bool,
+                 augment: bool | None, corruption: Any, severity: Any) -> CifarCorrupted:
+    from szo.data import vision
+
+    _check_test_only(name, split, augment)
+    corruption, severity = _check_corruption(corruption), _check_severity(severity)
+    folder_name, url, clean = _CIFAR_C[name]
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    folder = root / folder_name
+    how = f"Download {folder_name}.tar from {url} and extract it into {root}"
+    if download:
+        raise DataNotFoundError(f"{folder_name} cannot be downloaded by szo. {how}.")
+    data_path, labels_path = folder / f"{corruption}.npy", folder / "labels.npy"
+    missing = [p.name for p in (data_path, labels_path) if not p.is_file()]
+    if missing:
+        raise DataNotFoundError(
+            f"{folder_name} not found: expected directory {folder} with <corruption>.npy for "
+            f"{', '.join(CORRUPTIONS)} and labels.npy (missing: {', '.join(missing)}). {how}.")
+    mean = vision.CIFAR10_MEAN if clean == "cifar10" else vision.CIFAR100_MEAN
+    std = vision.CIFAR10_STD if clean == "cifar10" else vision.CIFAR100_STD
+    return CifarCorrupted(data_path, labels_path, severity, mean, std)
+
+
+def get_cifar10_c(split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
+                  augment: bool | None = None, corruption: str = "gaussian_noise", severity: int = 5,
+                  **kw: Any) -> CifarCorrupted:
+    """CIFAR-10-C ``corruption`` at ``severity`` (default: the paper's tables, severity 5)."""
+    if kw:
+        raise ValueError(f"unknown option(s) {sorted(kw)} for cifar10-c; valid: ['corruption', 'severity']")
+    return _get_cifar_c("cifar10-c", split, data_dir, download, augment, corruption, severity)
+
+
+def get_cifar100_c(split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
+                   augment: bool | None = None, corruption: str = "gaussian_noise", severity: int = 5,
+                   **kw: Any) -> CifarCorrupted:
+    """CIFAR-100-C ``corruption`` at ``severity`` (normalized with CIFAR-100 statistics)."""
+    if kw:
+        raise ValueError(f"unknown option(s) {sorted(kw)} for cifar100-c; valid: ['corruption', 'severity']")
+    return _get_cifar_c("cifar100-c", split, data_dir, download, augment, corruption, severity)
+
+
+# --------------------------------------------------------------------------- ImageNet-C
+def get_imagenet_c(split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
+                   augment: bool | None = None, corruption: str = "gaussian_noise", severity: int = 5,
+                   **kw: Any) -> Dataset:
+    """ImageNet-C from ``<data_dir>/<corruption>/<severity>/<class folders>``.
+
+    Default ``data_dir``: ``$SZO_DATA_DIR/ImageNet-C`` (or ``./data/ImageNet-C``).
+    """
+    from szo.data import vision
+
+    if kw:
+        raise ValueError(f"unknown option(s) {sorted(kw)} for imagenet-c; valid: ['corruption', 'severity']")
+    _check_test_only("imagenet-c", split, augment)
+    corruption, severity = _check_corruption(corruption), _check_severity(severity)
+    root = Path(data_dir) if data_dir is not None else default_data_dir() / "ImageNet-C"
+    how = f"Download the ImageNet-C tar files from {IMAGENET_C_URL} and extract them into {root}."
+    if download:
+        raise DataNotFoundError(f"ImageNet-C cannot be downloaded by szo. {how}")
+    return vision.image_folder(root / corruption / str(severity), vision.imagenet_transform(False),
+                               f"ImageNet-C {corruption} severity {severity}", how)
+
+
+# --------------------------------------------------------------------------- digits-c
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/szo/digits-c`` or ``~/.cache/szo/digits-c``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "szo" / "digits-c"
+
+
+_INSTALL_HINT = ("digits-c needs the imagecorruptions package (the maintained fork imagecorruptions-imaug, "
+                 "which imports on current setuptools / scikit-image): pip install 'szo[corruptions]'")
+
+
+def _imagecorruptions_tag() -> str:
+    """Installed distribution and version (cache key), read from metadata without importing it."""
+    for dist in ("imagecorruptions-imaug", "imagecorruptions"):
+        try:
+            return f"{dist}-{importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise ImportError(_INSTALL_HINT)
+
+
+def _imagecorruptions() -> tuple[dict[str, Callable[..., Any]], Callable[..., np.ndarray]]:
+    """(corruption functions by name, ``corrupt``) or a clear ImportError."""
+    try:
+        import imagecorruptions
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    return imagecorruptions.corruption_dict, imagecorruptions.corrupt
+
+
+def _image_seeds(seed: int, corruption: str, severity: int, index: int) -> tuple[int, int]:
+    """Two uint32 seeds for one image: for np.random's global state and for a ``seed=`` kwarg."""
+    ss = np.random.SeedSequence([seed, CORRUPTIONS.index(corruption), severity, index])
+    a, b = ss.generate_state(2)
+    return int(a), int(b)
+
+
+def _to_uint8_32(images01: np.ndarray) -> np.ndarray:
+    """[n, 8, 8] in [0, 1] -> [n, 32, 32] uint8 (nearest upscale)."""
+    u8 = np.rint(np.clip(images01, 0.0, 1.0) * 255.0).astype(np.uint8)
+    r = _CORRUPT_SIZE // u8.shape[-1]
+    return np.ascontiguousarray(u8.repeat(r, axis=1).repeat(r, axis=2))
+
+
+def corrupt_images(images01: np.ndarray, corruption: str, severity: int, seed: int,
+                   indices: Sequence[int]) -> np.ndarray:
+    """Corrupt digits ``images01`` ``[n, 8, 8]`` (in [0, 1]) whose split positions are ``indices``.
+
+    Returns gray uint8 ``[n, 32, 32]``; image ``i`` depends only on ``(seed, corruption, severity,
+    indices[i])`` and its pixels.
+    """
+    from PIL import Image
+
+    corruption, severity = _check_corruption(corruption), _check_severity(severity)
+    funcs, corrupt = _imagecorruptions()
+    takes_seed = "seed" in inspect.signature(funcs[corruption]).parameters
+    big = _to_uint8_32(images01)
+    out = np.empty(big.shape, dtype=np.uint8)
+    saved = np.random.get_state()
+    try:
+        for i, (img, index) in enumerate(zip(big, indices)):
+            np_seed, kw_seed = _image_seeds(seed, corruption, severity, int(index))
+            np.random.seed(np_seed)
+            kw = {"seed": kw_seed} if takes_seed else {}
+            rgb = corrupt(np.stack([img] * 3, axis=-1), corruption_name=corruption, severity=severity, **kw)
+            out[i] = np.asarray(Image.fromarray(np.asarray(rgb, dtype=np.uint8)).convert("L"))
+    finally:
+        np.random.set_state(saved)
+    return out
+
+
+def _check_indices(indices: Any, n: int) -> np.ndarray | None:
+    if indices is None:
+        return None
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= n:
+        raise ValueError(f"indices must be a non-empty 1-D sequence of ints in [0, {n}), got {indices!r}")
+    return idx.astype(np.int64)
+
+
+def _cache_path(cache_dir: Path, tag: str, split: str, split_seed: int, seed: int, corruption: str,
+                severity: int, idx: np.ndarray | None) -> Path:
+    suffix = "" if idx is None else "-idx" + hashlib.sha256(idx.tobytes()).hexdigest()[:16]
+    return (cache_dir / f"{DIGITS_C_VERSION}-{tag}" / f"split{split_seed}-seed{seed}" / split
+            / f"{corruption}-s{severity}{suffix}.npy")
+
+
+def digits_c_images(
+    corruption: str, severity: int, *, split: str = "test", seed: int = 0, split_seed: int = 0,
+    cache_dir: str | os.PathLike | None = None, indices: Sequence[int] | None = None, cache: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Corrupted digits as gray uint8 ``[n, 32, 32]`` and labels ``[n]``, cached on disk.
+
+    ``indices`` selects images of the split (default: all); a subset holds exactly the same
+    images as the corresponding rows of the full split.
+    """
+    from szo.data import digits
+
+    corruption, severity = _check_corruption(corruption), _check_severity(severity)
+    x01, y = digits.load_split(split, split_seed)
+    seed = digits._check_seed(seed)
+    idx = _check_indices(indices, len(y))
+    sel = np.arange(len(y)) if idx is None else idx
+    path = None
+    if cache:
+        path = _cache_path(Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+                           _imagecorruptions_tag(), split,
+                           split_seed, seed, corruption, severity, idx)
+        if path.is_file():
+            try:
+                arr = np.load(path, allow_pickle=False)
+                if arr.dtype == np.uint8 and arr.shape == (len(sel), _CORRUPT_SIZE, _CORRUPT_SIZE):
+                    return arr, y[sel]
+            except (ValueError, OSError):
+                pass  # unreadable cache entry: regenerate and overwrite it atomically
+    arr = corrupt_images(x01[sel], corruption, severity, seed, sel)
+    if path is not None:
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=False)
+        atomic_write_bytes(path, buf.getvalue())
+    return arr, y[sel]
+
+
+def _to_model_input(gray32: np.ndarray, upscale: int, upscale_mode: str, split_seed: int) -> torch.Tensor:
+    from szo.data import digits
+
+    upscale = digits._check_upscale(upscale, upscale_mode)
+    size = digits.IMAGE_SIZE[0] * upscale
+    x = torch.from_numpy(gray32).unsqueeze(1).to(torch.float32).div_(255.0)
+    if size < _CORRUPT_SIZE:
+        x = F.interpolate(x, size=(size, size), mode="area")
+    elif size > _CORRUPT_SIZE:
+        kw = {"align_corners": False} if upscale_mode == "bilinear" else {}
+        x = F.interpolate(x, size=(size, size), mode=upscale_mode, **kw)
+    mean, std = digits.train_stats(split_seed)
+    return (x - mean) / std
+
+
+def get_digits_c(
+    split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
+    augment: bool | None = None, corruption: str = "gaussian_noise", severity: int = 5, seed: int = 0,
+    split_seed: int = 0, upscale: int = 1, upscale_mode: str = "nearest",
+    cache_dir: str | os.PathLike | None = None, indices: Sequence[int] | None = None, cache: bool = True,
+    **kw: Any,
+) -> Dataset:
+    """digits-c: items ``(x float32 [1, 8*upscale, 8*upscale], y int)`` for one corruption/severity.
+
+    ``split="test"`` is the corrupted test set; ``split="train"`` corrupts the train split (for
+    building a corruption subspace, as the paper does with Gaussian noise). ``data_dir`` and
+    ``download`` are ignored (generated locally).
+    """
+    from szo.data.digits import ImageTensorDataset
+
+    if kw:
+        raise ValueError(
+            f"unknown option(s) {sorted(kw)} for digits-c; valid: ['corruption', 'severity', 'seed', "
+            "'split_seed', 'upscale', 'upscale_mode', 'cache_dir', 'indices', 'cache']")
+    if augment:
+        raise ValueError("digits-c has no augmentation; augment must be None or False")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be one of ['train', 'test'], got {split!r}")
+    gray, y = digits_c_images(corruption, severity, split=split, seed=seed, split_seed=split_seed,
+                              cache_dir=cache_dir, indices=indices, cache=cache)
+    return ImageTensorDataset(_to_model_input(gray, upscale, upscale_mode, split_seed), torch.from_numpy(y.copy()))
+
+
+def generate_digits_c(
+    *, split: str = "test", seed: int = 0, split_seed: int = 0, cache_dir: str | os.PathLike | None = None,
+    corruptions: Sequence[str] = CORRUPTIONS, severities: Sequence[int] = SEVERITIES,
+) -> dict[str, float]:
+    """Fill the digits-c cache for every (corruption, severity); returns seconds per corruption."""
+    seconds: dict[str, float] = {}
+    for c in corruptions:
+        t0 = time.perf_counter()
+        for s in severities:
+            digits_c_images(c, s, split=split, seed=seed, split_seed=split_seed, cache_dir=cache_dir)
+        seconds[c] = time.perf_counter() - t0
+    return seconds
