@@ -1,0 +1,441 @@
+"""Float szo model -> fixed-point (Loihi-style) network: a backend, not a fork of the models.
+
+:func:`to_fixed` traces the model's ``forward_seq`` with ``torch.fx`` (every supported layer
+is a leaf; containers and residual blocks are traced through, so explicit ``+`` becomes an
+integer current sum) and returns a :class:`FixedPointNetwork` that
+
+* holds the *same* float parameter tensors as the source model under the same names
+  (``named_parameters()`` / ``flat_params()`` layout identical), so ``szo.optim.SZO`` and any
+  flat-parameter code work unchanged: the float parameters are the master copy;
+* re-quantises them on every forward (``W = Q(theta)``: BN folded with its running
+  statistics, 8-bit mantissa with a per-layer exponent, 13-bit bias mantissa with exponent);
+* runs the forward on int64 tensors holding values of the documented widths, saturating
+  (never wrapping) every narrowing and counting every saturation per layer;
+* returns float logits ``[T, N, num_classes]`` (readout current / 2**12).
+
+Integer products and sums are exact: convolutions / matmuls run in float32 only when the
+bound ``max|w| * max|x| * fan_in <= 2**24`` (every partial sum is an integer below 2**24,
+exactly representable), else in float64 (exact to 2**53), else they raise; TF32 is disabled.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from spikingjelly.activation_based import neuron as sj_neuron
+from torch import fx, nn
+
+from szo.hw.fixed import (
+    ACT_SHIFT,
+    STATE_SHIFT,
+    Precision,
+    SaturationCounter,
+    int_range,
+    quantize_bias,
+    quantize_weight,
+    saturate,
+    shift,
+)
+from szo.hw.neuron import FixedCubaLIF
+from szo.models.base import SpikingModel
+
+__all__ = ["BACKENDS", "FLOAT32_EXACT", "FLOAT64_EXACT", "FixedPointNetwork", "SUPPORTED_LAYERS",
+           "UnsupportedLayerError", "backend", "exact_float_kernels", "to_fixed"]
+
+BACKENDS: tuple[str, ...] = ("float", "fixed")
+FLOAT32_EXACT: int = 1 << 24  # every integer of magnitude <= 2**24 is exact in float32
+FLOAT64_EXACT: int = 1 << 53
+
+SUPPORTED_LAYERS: tuple[type, ...] = (
+    nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d,
+    nn.Flatten, nn.Identity, nn.Dropout, sj_neuron.LIFNode,
+)
+_SUPPORTED_NAMES = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in SUPPORTED_LAYERS)
+
+
+class UnsupportedLayerError(ValueError):
+    """A layer or operation the converter cannot map to the fixed-point backend."""
+
+
+def _unsupported(path: str, what: str, why: str = "") -> UnsupportedLayerError:
+    return UnsupportedLayerError(
+        f"cannot convert layer {path!r} ({what}) to fixed point{': ' + why if why else ''}; "
+        f"supported layer types: {_SUPPORTED_NAMES}; supported functions: residual '+' of currents/spikes"
+    )
+
+
+@contextlib.contextmanager
+def exact_float_kernels() -> Iterator[None]:
+    """Disable TF32 (10-bit mantissa) for matmul and cuDNN while the integer kernels run."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def kernel_dtype(bound: int) -> torch.dtype:
+    """float32 when every partial sum is exact in float32, else float64; raise beyond 2**53."""
+    if bound <= FLOAT32_EXACT:
+        return torch.float32
+    if bound <= FLOAT64_EXACT:
+        return torch.float64
+    raise OverflowError(f"integer kernel bound {bound} exceeds 2**53; no exact float kernel")
+
+
+class _Tracer(fx.Tracer):
+    """Leaves: supported layers and any module without children; containers are traced through."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, nn.Sequential):
+            return False
+        return isinstance(m, SUPPORTED_LAYERS) or next(m.children(), None) is None
+
+
+@dataclass
+class _Val:
+    """An integer activation flowing between layers."""
+
+    data: torch.Tensor  # int64 [T, N, ...]
+    kind: str  # "act": spikes / graded / pooled sums (frac fractional bits); "current": state units
+    frac: int = 0
+    mult: float = 1.0  # pending factor (1/k^2 from sum pooling), folded into the next synapse
+    binary: bool = False  # 0/1 spikes
+    counts: bool = False  # sums of spikes (events per element = the value)
+
+    def events(self) -> torch.Tensor:
+        """Per-element number of input events (spikes) this tensor stands for."""
+        return self.data.abs() if self.counts else (self.data != 0).to(torch.int64)
+
+
+def _fold_bn(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """BN(conv(x)) with running statistics -> conv'(x): W' = W g/sqrt(v+eps), b' = (b - m) g/sqrt(v+eps) + beta."""
+    w = weight.detach().to(torch.float64)
+    b = None if bias is None else bias.detach().to(torch.float64)
+    if bn is None:
+        return w, b
+    inv = 1.0 / torch.sqrt(bn.running_var.to(torch.float64) + bn.eps)
+    g = bn.weight.detach().to(torch.float64) if bn.weight is not None else torch.ones_like(inv)
+    beta = bn.bias.detach().to(torch.float64) if bn.bias is not None else torch.zeros_like(inv)
+    scale = g * inv
+    w = w * scale.view(-1, *([1] * (w.dim() - 1)))
+    b0 = b if b is not None else torch.zeros_like(scale)
+    return w, (b0 - bn.running_mean.to(torch.float64)) * scale + beta
+
+
+class FixedPointNetwork(SpikingModel):
+    """Integer forward of a converted szo model; float master parameters in the source layout."""
+
+    def __init__(self, model: SpikingModel, precision: Precision | None = None, *,
+                 verify_exact: bool = False) -> None:
+        if not isinstance(model, SpikingModel):
+            raise ValueError(f"to_fixed needs a szo SpikingModel, got {type(model).__name__}")
+        super().__init__(num_classes=model.num_classes, T=model.T, model_name=model.model_name)
+        if precision is not None and not isinstance(precision, Precision):
+            raise ValueError(f"precision must be a szo.hw.fixed.Precision, got {type(precision).__name__}")
+        self.precision = precision or Precision()
+        self.verify_exact = bool(verify_exact)
+        if model._parameters:
+            raise _unsupported("<root>", type(model).__name__, "parameters registered directly on the model")
+        for name, child in model.named_children():
+            self.add_module(name, child)  # same objects: the float params are shared, not copied
+        object.__setattr__(self, "source", model)
+        if [n for n, _ in self.named_parameters()] != [n for n, _ in model.named_parameters()]:
+            raise ValueError("internal: fixed-point network parameter layout differs from the source model")
+        self.graph = self._trace(model)
+        self.counter = SaturationCounter()
+        self.last_stats: dict[str, dict[str, Any]] = {}
+        self.last_readout_sum: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ conversion
+    def _trace(self, model: SpikingModel) -> fx.Graph:
+        if type(model).forward_seq is SpikingModel.forward_seq:
+            raise ValueError(f"{type(model).__name__} does not implement forward_seq; cannot convert")
+        root = self
+
+        class _Root(nn.Module):
+            def forward(self, x_seq):  # noqa: D401
+                return model.forward_seq(x_seq)
+
+        wrapper = _Root()
+        for name, child in root.named_children():
+            wrapper.add_module(name, child)
+        try:
+            graph = _Tracer().trace(wrapper)
+        except Exception as exc:  # fx raises many types; one clear message
+            raise UnsupportedLayerError(
+                f"cannot trace {type(model).__name__}.forward_seq with torch.fx ({type(exc).__name__}: {exc}); "
+                f"the fixed-point converter needs a static layer graph of: {_SUPPORTED_NAMES}"
+            ) from exc
+        modules = dict(self.named_modules())
+        users: dict[fx.Node, list[fx.Node]] = {n: list(n.users) for n in graph.nodes}
+        self._fused: dict[str, str] = {}  # synapse path -> BN path folded into it
+        self._bn_alias: dict[str, str] = {}
+        for node in graph.nodes:
+            if node.op == "call_module":
+                m = modules[node.target]
+                path, tname = node.target, f"{type(m).__module__}.{type(m).__qualname__}"
+                if not isinstance(m, SUPPORTED_LAYERS):
+                    raise _unsupported(path, tname)
+                if isinstance(m, nn.BatchNorm2d):
+                    src = node.args[0]
+                    ok = (isinstance(src, fx.Node) and src.op == "call_module"
+                          and isinstance(modules[src.target], (nn.Conv2d, nn.Linear)) and len(users[src]) == 1)
+                    if not ok:
+                        raise _unsupported(path, tname, "BatchNorm must directly follow a Conv2d/Linear to be folded")
+                    if not m.track_running_stats or m.running_var is None:
+                        raise _unsupported(path, tname, "BatchNorm without running statistics cannot be folded")
+                    self._fused[src.target] = path
+                    self._bn_alias[path] = src.target
+                if isinstance(m, sj_neuron.LIFNode):
+                    if m.decay_input:
+                        raise _unsupported(path, tname, "decay_input=True is not a CUBA neuron; use decay_input=False")
+                    if m.v_reset not in (None, 0.0):
+                        raise _unsupported(path, tname, f"v_reset={m.v_reset}; valid: None (soft) or 0.0 (hard)")
+                if isinstance(m, nn.Flatten) and (m.start_dim, m.end_dim) != (1, -1):
+                    raise _unsupported(path, tname, "only Flatten(start_dim=1, end_dim=-1)")
+                if isinstance(m, nn.AvgPool2d) and (m.ceil_mode or (m.padding and not m.count_include_pad)
+                                                    or m.divisor_override):
+                    raise _unsupported(path, tname, "only AvgPool2d without ceil_mode/divisor_override")
+                if isinstance(m, nn.MaxPool2d) and (m.ceil_mode or m.return_indices):
+                    raise _unsupported(path, tname, "only MaxPool2d without ceil_mode/return_indices")
+            elif node.op == "call_function" or node.op == "call_method":
+                if not (node.target in (operator.add, torch.add) or node.target == "add"):
+                    raise _unsupported(str(node.name), f"{node.op} {getattr(node.target, '__name__', node.target)}")
+            elif node.op == "get_attr":
+                raise _unsupported(str(node.target), "direct parameter use in forward")
+        return graph
+
+    # --------------------------------------------------------------- quantisation
+    def quantized_layers(self) -> dict[str, dict[str, Any]]:
+        """Current ``W = Q(theta)`` of every synapse: ``w_int``, exponent ``e``, ``bias_int`` (no side effects)."""
+        modules = dict(self.named_modules())
+        out = {}
+        for path, m in modules.items():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                bn = modules[self._fused[path]] if path in self._fused else None
+                w, b = _fold_bn(m.weight, m.bias, bn)
+                w_int, e, _ = quantize_weight(w, self.precision)
+                out[path] = {"w_int": w_int, "exp": e,
+                             "bias_int": None if b is None else quantize_bias(b * (1 << STATE_SHIFT), self.precision)[0]}
+        return out
+
+    # -------------------------------------------------------------------- forward
+    def reset_counters(self) -> None:
+        self.counter.reset()
+
+    def saturation_counts(self) -> dict[str, dict[str, int]]:
+        return self.counter.as_dict()
+
+    @torch.no_grad()
+    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
+        if not x_seq.is_floating_point():
+            raise ValueError(f"input must be a float tensor (it is quantised to {self.precision.input_bits}-bit "
+                             f"graded spikes with {ACT_SHIFT} fractional bits), got {x_seq.dtype}")
+        modules = dict(self.named_modules())
+        env: dict[fx.Node, _Val] = {}
+        self.last_stats = {}
+        result = None
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                lo, hi = int_range(self.precision.input_bits)
+                q = torch.round(x_seq.to(torch.float64) * (1 << ACT_SHIFT)).to(torch.int64)  # round to nearest
+                env[node] = _Val(saturate(q, self.precision.input_bits, self.counter, "input", "input"),
+                                 "act", frac=ACT_SHIFT)
+            elif node.op == "call_module":
+                env[node] = self._call(node.target, modules[node.target], env[node.args[0]], modules)
+            elif node.op in ("call_function", "call_method"):
+                env[node] = self._add(node.name, env[node.args[0]], env[node.args[1]])
+            elif node.op == "output":
+                result = env[node.args[0]]
+        if result is None:
+            raise RuntimeError("internal: traced graph has no output node")
+        if result.kind == "current":
+            acc = saturate(result.data.sum(0), self.precision.readout_bits, self.counter, "readout", "accumulator")
+            self.last_readout_sum = acc  # integer readout accumulated over T
+            return result.data.to(torch.float32) / (1 << STATE_SHIFT)  # de-scale to float logits
+        self.last_readout_sum = None
+        return result.data.to(torch.float32) * (2.0 ** -result.frac) * result.mult
+
+    def _call(self, path: str, m: nn.Module, x: _Val, modules: dict[str, nn.Module]) -> _Val:
+        tname = f"{type(m).__module__}.{type(m).__qualname__}"
+        if isinstance(m, nn.BatchNorm2d):
+            return x  # folded into the preceding synapse (checked at conversion)
+        if isinstance(m, (nn.Identity, nn.Dropout)):
+            return x
+        if isinstance(m, nn.Flatten):
+            return _Val(x.data.flatten(2), x.kind, x.frac, x.mult, x.binary, x.counts)
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            if x.kind != "act":
+                raise _unsupported(path, tname, "input is a current (no neuron between two synapses)")
+            return self._synapse(path, m, modules[self._fused[path]] if path in self._fused else None, x)
+        if isinstance(m, sj_neuron.LIFNode):
+            if x.kind != "current":
+                raise _unsupported(path, tname, "a neuron needs a synaptic current input (Conv2d/Linear before it)")
+            reset = "subtract" if m.v_reset is None else "zero"
+            n = FixedCubaLIF(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset, self.precision, self.counter, path)
+            spikes, _, _ = n.run(x.data)
+            self.last_stats[path] = {"type": "neuron", "neurons": int(x.data[0, 0].numel()),
+                                     "spikes": int(spikes.sum()), "T": int(x.data.shape[0]),
+                                     "N": int(x.data.shape[1]), "voltage_decay_int": n.voltage_decay_int,
+                                     "threshold_int": n.threshold_int, "reset": reset}
+            return _Val(spikes, "act", 0, 1.0, binary=True)
+        if isinstance(m, (nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d)):
+            return self._pool(path, tname, m, x)
+        raise _unsupported(path, tname)  # unreachable: checked at conversion
+
+    def _pool(self, path: str, tname: str, m: nn.Module, x: _Val) -> _Val:
+        if x.kind != "act":
+            raise _unsupported(path, tname, "pooling of currents; pool spikes instead")
+        T, N = x.data.shape[:2]
+        flat = x.data.flatten(0, 1)
+        if isinstance(m, nn.AdaptiveAvgPool2d):
+            H, W = flat.shape[-2:]
+            oh, ow = (m.output_size, m.output_size) if isinstance(m.output_size, int) else m.output_size
+            oh, ow = oh or H, ow or W
+            if H % oh or W % ow:
+                raise _unsupported(path, tname, f"input {H}x{W} is not a multiple of output {oh}x{ow}")
+            k, s, p = (H // oh, W // ow), (H // oh, W // ow), 0
+        else:
+            k, s, p = m.kernel_size, m.stride, m.padding
+        kh, kw = (k, k) if isinstance(k, int) else k
+        if isinstance(m, nn.MaxPool2d):
+            if not x.binary:
+                raise _unsupported(path, tname, "max pooling is mapped only for binary spikes (an OR neuron)")
+            # max of 0/1 spikes = OR: a sum-pool synapse into a neuron with threshold 0 and full decay
+            y = F.max_pool2d(flat.to(torch.float32), k, s, p, dilation=m.dilation).to(torch.int64)
+            self.last_stats[path] = {"type": "maxpool", "events": int(flat.sum()),
+                                     "synops": self._conv_synops(x.events().flatten(0, 1), 1, (kh, kw), s, p, 1, 1),
+                                     "neurons": int(y[0].numel()), "T": int(T), "N": int(N)}
+            return _Val(y.view(T, N, *y.shape[1:]), "act", 0, 1.0, binary=True)
+        bound = int(flat.abs().max()) * kh * kw if flat.numel() else 0
+        dt = kernel_dtype(bound)
+        # integer sum pooling (divisor 1): exact in dt by the bound above; 1/(kh*kw) is folded downstream
+        y = F.avg_pool2d(flat.to(dt), k, s, p, divisor_override=1).round().to(torch.int64)
+        self.last_stats[path] = {"type": "sumpool", "kernel": [kh, kw], "bound": bound, "kernel_dtype": str(dt)}
+        return _Val(y.view(T, N, *y.shape[1:]), "act", x.frac, x.mult / (kh * kw), binary=False,
+                    counts=x.binary or x.counts)
+
+    @staticmethod
+    def _conv_synops(ev: torch.Tensor, c_out: int, k: tuple[int, int], stride: Any, padding: Any,
+                     dilation: Any, groups: int) -> int:
+        """Exact number of (input event, target neuron) pairs of a convolution."""
+        TN, C, H, W = ev.shape
+        g = ev.view(TN, groups, C // groups, H, W).sum(2).to(torch.float64)
+        ones = torch.ones(groups, 1, *k, dtype=torch.float64)
+        pairs = F.conv2d(g, ones, None, stride, padding, dilation, groups)
+        return int(pairs.sum().round()) * (c_out // groups)
+
+    def _synapse(self, path: str, m: nn.Module, bn: nn.Module | None, x: _Val) -> _Val:
+        P = self.precision
+        w, b = _fold_bn(m.weight, m.bias, bn)
+        w_int, e, n_w = quantize_weight(w * x.mult, P)  # pooling's 1/k^2 folded into W before quantising
+        self.counter.add(path, "weight", n_w)
+        bias_int = None
+        if b is not None:
+            bias_int, _, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
+            self.counter.add(path, "bias", n_b)
+        T, N = x.data.shape[:2]
+        xin = x.data.flatten(0, 1)
+        if isinstance(m, nn.Conv2d):
+            fan_in = (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+        else:
+            fan_in = m.in_features
+        xmax = int(xin.abs().max()) if xin.numel() else 0
+        bound = int(w_int.abs().max()) * xmax * fan_in
+        dt = kernel_dtype(bound)
+        with exact_float_kernels():
+            if isinstance(m, nn.Conv2d):
+                acc = F.conv2d(xin.to(dt), w_int.to(dt), None, m.stride, m.padding, m.dilation, m.groups)
+            else:
+                acc = F.linear(xin.to(dt), w_int.to(dt))
+        acc = acc.round().to(torch.int64)  # integral already: every partial sum is exact (bound above)
+        if self.verify_exact:
+            ref = self._int64_reference(m, xin, w_int)
+            if not torch.equal(acc, ref):
+                raise RuntimeError(f"{path}: float kernel result differs from the int64 reference")
+        cur = shift(acc, e - x.frac + STATE_SHIFT)  # into state units: exact left shift, or toward-zero right shift
+        if bias_int is not None:
+            cur = cur + bias_int.view(1, -1, *([1] * (cur.dim() - 2)))
+        cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
+        ev = x.events()
+        if isinstance(m, nn.Conv2d):
+            synops = self._conv_synops(ev.flatten(0, 1), m.out_channels, m.kernel_size, m.stride, m.padding,
+                                       m.dilation, m.groups)
+        else:
+            synops = int(ev.sum()) * m.out_features
+        self.last_stats[path] = {
+            "type": type(m).__name__.lower(), "bn_folded": self._fused.get(path), "weights": int(w_int.numel()),
+            "out_channels": int(w_int.shape[0]), "fan_in": fan_in, "weight_exp": e, "events": int(ev.sum()),
+            "synops": synops, "bound": bound, "kernel_dtype": str(dt), "T": int(T), "N": int(N),
+            "has_bias": bias_int is not None,
+        }
+        return _Val(cur.view(T, N, *cur.shape[1:]), "current")
+
+    @staticmethod
+    def _int64_reference(m: nn.Module, xin: torch.Tensor, w_int: torch.Tensor) -> torch.Tensor:
+        """Pure int64 (CPU) convolution / matmul, for verification."""
+        xin, w_int = xin.cpu(), w_int.cpu()
+        if isinstance(m, nn.Linear):
+            return xin @ w_int.t()
+        N, C, H, W = xin.shape
+        kh, kw = m.kernel_size
+        if m.groups != 1:
+            raise ValueError("int64 reference supports groups=1 only")
+        cols = F.unfold(xin.to(torch.float64), (kh, kw), m.dilation, m.padding, m.stride)
+        cols = cols.round().to(torch.int64)  # unfold only copies values: exact
+        out = w_int.view(w_int.shape[0], -1) @ cols  # [N, C_out, L] in int64
+        oh = (H + 2 * m.padding[0] - m.dilation[0] * (kh - 1) - 1) // m.stride[0] + 1
+        ow = (W + 2 * m.padding[1] - m.dilation[1] * (kw - 1) - 1) // m.stride[1] + 1
+        return out.view(N, -1, oh, ow)
+
+    def _add(self, name: str, a: _Val, b: _Val) -> _Val:
+        """Residual: integer current sum; spikes enter through a one-to-one synapse of weight 1.0."""
+        def as_current(v: _Val, which: str) -> torch.Tensor:
+            if v.kind == "current":
+                return v.data
+            if not v.binary:
+                raise _unsupported(name, "add", "only currents or binary spikes can be summed")
+            self.last_stats[f"{name}.{which}"] = {"type": "identity", "events": int(v.data.sum()),
+                                                  "synops": int(v.data.sum()), "weights": 0}
+            return v.data << STATE_SHIFT  # spike (1.0) -> current 1.0 = 2**12 state units
+        s = as_current(a, "a") + as_current(b, "b")
+        return _Val(saturate(s, self.precision.state_bits, self.counter, name, "current"), "current")
+
+
+def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, precision: Precision | None = None,
+             verify_exact: bool = False) -> FixedPointNetwork:
+    """Convert a szo model to the fixed-point backend (sharing its float parameters).
+
+    ``weight_bits`` (default 8) is a shortcut for ``Precision(weight_bits=...)``.
+    """
+    if precision is None:
+        precision = Precision(weight_bits=8 if weight_bits is None else weight_bits)
+    elif weight_bits is not None and weight_bits != precision.weight_bits:
+        raise ValueError(f"weight_bits={weight_bits} conflicts with precision.weight_bits={precision.weight_bits}")
+    return FixedPointNetwork(model, precision, verify_exact=verify_exact)
+
+
+def backend(model: SpikingModel, kind: str = "fixed", **kw: Any) -> nn.Module:
+    """``"float"``: the model itself; ``"fixed"``: :func:`to_fixed` (same interface and parameter layout)."""
+    if kind == "float":
+        if kw:
+            raise ValueError(f"backend 'float' takes no options, got {sorted(kw)}")
+        return model
+    if kind == "fixed":
+        return to_fixed(model, **kw)
+    raise ValueError(f"unknown backend {kind!r}; valid: {list(BACKENDS)}")
+
+
+def synops_per_forward(stats: dict[str, dict[str, Any]]) -> int:
+    """Total synaptic operations of the last forward (all samples in the batch)."""
+    return sum(int(s.get("synops", 0)) for s in stats.values())
+

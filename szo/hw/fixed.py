@@ -1,0 +1,202 @@
+"""Loihi-style fixed-point number formats: precision as data, named shifts, saturating ops.
+
+Every integer quantity in ``szo.hw`` is an ``int64`` torch tensor holding a value that fits
+the bit width stated here; the wider host type only makes the arithmetic exact, every
+narrowing is an explicit :func:`saturate` (clamp, never wrap) that is counted.
+
+Units (the same as SpikingJelly ``lava_exchange.CubaLIFNode`` with its default ``scale=1<<6``
+and lava-dl's ``cuba.Neuron``):
+
+* current / voltage state: integer ``u`` means ``u / 2**STATE_SHIFT`` (``s_scale = 4096``);
+* decays: integer ``d`` means a fraction ``d / 2**DECAY_SHIFT`` lost per step (``p_scale``);
+* threshold: ``vth_int = round(v_th * 2**STATE_SHIFT)`` = Loihi ``vThMant << VTH_SHIFT``;
+* weights: an 8-bit mantissa ``w`` with a per-layer exponent ``e``: ``W = w * 2**e``;
+* graded input activations: integer ``a`` means ``a / 2**ACT_SHIFT`` (the ``2**6`` scale).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = [
+    "ACT_SHIFT",
+    "DECAY_SHIFT",
+    "STATE_SHIFT",
+    "VTH_SHIFT",
+    "WGT_SHIFT",
+    "Precision",
+    "SaturationCounter",
+    "decay_to_int",
+    "int_range",
+    "quantize_bias",
+    "quantize_weight",
+    "right_shift_to_zero",
+    "saturate",
+    "shift",
+    "threshold_to_int",
+]
+
+DECAY_SHIFT: int = 12
+"""Decays are 12-bit fractions of ``2**12`` (lava ``p_scale = 1 << 12``)."""
+WGT_SHIFT: int = 6
+"""Loihi adds ``w_mant << (WGT_SHIFT + wgtExp)`` to the current (lava ``w_scale = 1 << 6``)."""
+ACT_SHIFT: int = 6
+"""Graded input activations carry 6 fractional bits (activations scaled by ``2**6``)."""
+STATE_SHIFT: int = 12
+"""Current/voltage carry 12 fractional bits (lava ``s_scale = scale << 6 = 1 << 12``)."""
+VTH_SHIFT: int = 6
+"""Loihi threshold ``vth_int = vThMant << VTH_SHIFT`` (so ``vThMant = v_th * 2**6``)."""
+
+
+def int_range(bits: int, signed: bool = True) -> tuple[int, int]:
+    """Inclusive ``(lo, hi)`` of a ``bits``-wide integer."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
+        raise ValueError(f"bits must be an int in [1, 63], got {bits!r}")
+    if signed:
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bit widths of every stored or computed quantity (Loihi-1/2 CUBA neuron defaults)."""
+
+    weight_bits: int = 8  # signed synaptic weight mantissa
+    weight_exp_min: int = -12  # W = w * 2**e, e >= -STATE_SHIFT keeps the spike->current shift a left shift
+    weight_exp_max: int = 1  # Loihi wgtExp in [-8, 7] relative to WGT_SHIFT; e = wgtExp - 6 <= 1
+    state_bits: int = 24  # current and voltage registers (saturating)
+    decay_bits: int = DECAY_SHIFT  # current/voltage decays on a 4096 scale
+    input_bits: int = 16  # graded input spike payload (signed, ACT_SHIFT fractional bits)
+    bias_mant_bits: int = 13  # Loihi bias = bias_mant << bias_exp
+    bias_exp_max: int = 7
+    readout_bits: int = 32  # integer readout accumulator over T
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bits", "state_bits", "decay_bits", "input_bits", "bias_mant_bits", "readout_bits"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 48:
+                raise ValueError(f"Precision.{name} must be an int in [2, 48], got {v!r}")
+        if self.decay_bits != DECAY_SHIFT:
+            raise ValueError(f"Precision.decay_bits must be {DECAY_SHIFT} (the Loihi decay scale), got {self.decay_bits}")
+        if not -STATE_SHIFT <= self.weight_exp_min <= self.weight_exp_max <= 16:
+            raise ValueError(
+                f"need {-STATE_SHIFT} <= weight_exp_min <= weight_exp_max <= 16, "
+                f"got [{self.weight_exp_min}, {self.weight_exp_max}]"
+            )
+        if not 0 <= self.bias_exp_max <= 16:
+            raise ValueError(f"Precision.bias_exp_max must be in [0, 16], got {self.bias_exp_max}")
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class SaturationCounter:
+    """Counts clamped elements per ``(layer, quantity)``; never silent, never wrapping."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def add(self, layer: str, quantity: str, n: int) -> None:
+        if n:
+            self._counts[layer][quantity] += int(n)
+
+    def total(self) -> int:
+        return sum(sum(d.values()) for d in self._counts.values())
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: dict(v) for k, v in self._counts.items()}
+
+    def reset(self) -> None:
+        self._counts.clear()
+
+
+def _check_int(x: torch.Tensor, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what} needs an int32/int64 tensor, got {got}")
+
+
+def saturate(x: torch.Tensor, bits: int, counter: SaturationCounter | None = None,
+             layer: str = "", quantity: str = "") -> torch.Tensor:
+    """Clamp a signed integer tensor to ``bits`` (two's complement range); count clamped elements."""
+    _check_int(x, "saturate")
+    lo, hi = int_range(bits)
+    if counter is not None:
+        counter.add(layer, quantity, int(((x < lo) | (x > hi)).sum()))
+    return x.clamp(lo, hi)  # saturate, never wrap
+
+
+def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``sign(x) * (|x| >> bits)``: arithmetic right shift rounding toward zero (-7 >> 1 = -3)."""
+    _check_int(x, "right_shift_to_zero")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
+        raise ValueError(f"shift must be a non-negative int, got {bits!r}")
+    return (torch.sign(x) * (torch.abs(x) >> bits)).to(x.dtype)  # round toward zero, as Loihi
+
+
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x * 2**n``: left shift (exact) for ``n >= 0``, right shift toward zero for ``n < 0``."""
+    _check_int(x, "shift")
+    return x << n if n >= 0 else right_shift_to_zero(x, -n)
+
+
+def decay_to_int(decay: float, bits: int = DECAY_SHIFT) -> int:
+    """A decay fraction in [0, 1] -> nearest integer on the ``2**bits`` scale (lava step_quantize)."""
+    if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be a float in [0, 1] (fraction lost per step), got {decay!r}")
+    # torch.round (half to even) is what lava_exchange's step_quantize uses
+    return int(torch.round(torch.tensor(decay * (1 << bits), dtype=torch.float64)))
+
+
+def threshold_to_int(v_threshold: float) -> int:
+    """Threshold in state units; must be a multiple of ``2**-VTH_SHIFT`` (Loihi vThMant << 6)."""
+    mant = v_threshold * (1 << VTH_SHIFT)
+    if not math.isfinite(mant) or mant <= 0 or mant != round(mant):
+        raise ValueError(
+            f"v_threshold must be a positive multiple of 2**-{VTH_SHIFT} (Loihi vThMant << {VTH_SHIFT}), got {v_threshold!r}"
+        )
+    return int(round(mant)) << (STATE_SHIFT - VTH_SHIFT)
+
+
+def quantize_weight(w: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, int, int]:
+    """Float weights -> ``(w_int, e, n_saturated)`` with ``W ~= w_int * 2**e``, ``w_int`` signed ``weight_bits``.
+
+    ``e`` is the smallest exponent in ``[weight_exp_min, weight_exp_max]`` for which the largest
+    weight fits (per-layer exponent, lava ``quantize_8b`` with a power-of-two scale). Rounding is
+    to nearest (ties to even); weights beyond the range at ``weight_exp_max`` saturate.
+    """
+    lo, hi = int_range(precision.weight_bits)
+    w = w.detach().to(torch.float64)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("weights contain NaN or Inf; cannot quantise")
+    amax = float(w.abs().max()) if w.numel() else 0.0
+    if amax == 0.0:
+        e = precision.weight_exp_min
+    else:
+        e = math.ceil(math.log2(amax / hi))
+        if amax / 2.0**e > hi:  # guard log2 rounding
+            e += 1
+        e = min(max(e, precision.weight_exp_min), precision.weight_exp_max)
+    q = torch.round(w * 2.0 ** (-e))  # exact: scaling by a power of two, then round to nearest
+    n_sat = int(((q < lo) | (q > hi)).sum())
+    return q.clamp(lo, hi).to(torch.int64), e, n_sat  # saturate out-of-range weights
+
+
+def quantize_bias(b_state: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, int, int]:
+    """Bias in state units (float) -> ``(bias_int, exp, n_sat)`` with bias = mant << exp (Loihi biasMant/biasExp).
+
+    Returns the effective integer ``mant << exp`` (what is added to the current each step).
+    """
+    lo, hi = int_range(precision.bias_mant_bits)
+    b = b_state.detach().to(torch.float64)
+    amax = float(b.abs().max()) if b.numel() else 0.0
+    exp = 0
+    while exp < precision.bias_exp_max and amax / 2.0**exp > hi:
+        exp += 1
+    mant = torch.round(b / 2.0**exp)  # round to nearest (ties to even)
+    n_sat = int(((mant < lo) | (mant > hi)).sum())
+    return mant.clamp(lo, hi).to(torch.int64) << exp, exp, n_sat  # saturate the mantissa

@@ -1,0 +1,237 @@
+"""``szo hw-report``: on-chip memory, synaptic operations and energy of SZO on a Loihi-class chip.
+
+Synaptic operations are *measured*: the fixed-point network is run on a batch and every layer
+counts its input events (spikes, graded non-zero inputs, or pooled spike counts) times their
+exact fan-out. One SZO-CGE step costs ``2k`` forwards (paper Sec. 4.2), so its synaptic
+operations are ``2k`` times the per-forward count. Hardware figures are data
+(:class:`ChipModel`), each with its source; see docs/hardware.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from szo.hw.convert import FixedPointNetwork, to_fixed
+from szo.hw.fixed import Precision
+from szo.io import atomic_write_json, atomic_write_text
+from szo.models import SpikingModel, create, names
+
+__all__ = ["ChipModel", "LOIHI2", "hw_report", "load_target", "to_markdown", "write_report"]
+
+DATA_CHOICES: tuple[str, ...] = ("random", "digits")
+
+
+@dataclass(frozen=True)
+class ChipModel:
+    """Energy and memory figures of the target chip, with where each comes from."""
+
+    name: str = "Loihi 2 (energy per synaptic op from Loihi 1)"
+    energy_per_synop_pj: float = 23.6
+    energy_source: str = ("Davies et al., 'Loihi: A Neuromorphic Manycore Processor with On-Chip Learning', "
+                          "IEEE Micro 38(1), 2018, Table 1: energy per synaptic spike op (min) 23.6 pJ (Loihi 1, "
+                          "14 nm). Recalled, not re-checked in this session: treat as an assumption; Loihi 2 "
+                          "per-op energy is not published in the same form.")
+    energy_per_neuron_update_pj: float = 81.0
+    neuron_energy_source: str = ("Davies et al. 2018, Table 1: neuron update (active) 81 pJ (Loihi 1). Recalled, "
+                                 "not re-checked: assumption.")
+    cores: int = 128
+    core_memory_kb: float = 128.0
+    memory_source: str = ("Loihi 2: 128 neuro cores per chip (Intel Loihi 2 technology brief, 2021); 128 KB of "
+                          "flexibly partitioned SRAM per core as reported by secondary sources (e.g. "
+                          "open-neuromorphic.org, press coverage of the brief); Intel's own brief may quote a "
+                          "different figure (~192 KB): ASSUMPTION, override with --core-kb.")
+
+    @property
+    def chip_memory_bytes(self) -> int:
+        return int(self.cores * self.core_memory_kb * 1024)
+
+
+LOIHI2 = ChipModel()
+
+
+def _digits_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:  # pragma: no cover - sklearn is a dependency of the digits recipe
+        raise ValueError("--data digits needs scikit-learn (sklearn.datasets.load_digits)") from exc
+    d = load_digits()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(len(d.images), generator=g)[:n]
+    x = torch.tensor(d.images, dtype=torch.float32)[idx].unsqueeze(1) / 16.0  # pixel values 0..16 -> [0, 1]
+    return x, torch.tensor(d.target)[idx]
+
+
+def load_target(target: str | SpikingModel, *, num_classes: int | None = None, T: int | None = None
+                ) -> tuple[SpikingModel, str]:
+    """A registered model name (random init), a run directory with a checkpoint, or a model object."""
+    if isinstance(target, SpikingModel):
+        return target, target.model_name
+    p = Path(str(target))
+    if p.is_dir():
+        cfg_path = next((p / n for n in ("config.json", "config.yaml") if (p / n).exists()), None)
+        if cfg_path is None:
+            raise ValueError(f"run directory {p} has no config.json / config.yaml naming the model")
+        if cfg_path.suffix == ".json":
+            cfg = json.loads(cfg_path.read_text())
+        else:
+            import yaml
+
+            cfg = yaml.safe_load(cfg_path.read_text())
+        mcfg = cfg.get("model") if isinstance(cfg, dict) else None
+        name = mcfg.get("name") if isinstance(mcfg, dict) else mcfg
+        if not isinstance(name, str):
+            raise ValueError(f"{cfg_path}: expected 'model' (a name) or 'model.name'; valid names: {names()}")
+        kw = {k: mcfg[k] for k in ("num_classes", "T") if isinstance(mcfg, dict) and k in mcfg}
+        model = create(name, **kw)
+        ckpts = sorted((p / "checkpoints").glob("*.pt")) if (p / "checkpoints").is_dir() else []
+        if not ckpts:
+            raise ValueError(f"run directory {p} has no checkpoints/*.pt")
+        ck = torch.load(ckpts[-1], map_location="cpu", weights_only=True)
+        state = ck.get("model", ck) if isinstance(ck, dict) else None
+        if not isinstance(state, dict):
+            raise ValueError(f"{ckpts[-1]}: expected a state dict or {{'model': state_dict}}")
+        model.load_state_dict(state)
+        return model, f"{name} ({ckpts[-1]})"
+    if str(target) in names():
+        return create(str(target), num_classes=num_classes, T=T), str(target)
+    raise ValueError(f"{target!r} is neither a registered model ({names()}) nor a run directory")
+
+
+def _input_batch(model: SpikingModel, data: str, batch: int, input_size: int | None, seed: int) -> torch.Tensor:
+    if data not in DATA_CHOICES:
+        raise ValueError(f"unknown data {data!r}; valid: {list(DATA_CHOICES)}")
+    if data == "digits":
+        return _digits_batch(batch, seed)[0]
+    first = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+    c = first.in_channels if first is not None else 1
+    size = input_size or (8 if model.model_name == "spike_convnet" else 32)
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, c, size, size, generator=g)
+
+
+@torch.no_grad()
+def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 16, k: int = 40,
+              basis_bits: int = 8, coord_bits: int = 32, ref_bits: int = 16, input_size: int | None = None,
+              precision: Precision | None = None, chip: ChipModel = LOIHI2, seed: int = 0) -> dict[str, Any]:
+    """Measure one batch through the fixed-point network and tabulate memory, synops and energy."""
+    for n, v in (("batch", batch), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{n} must be a positive int, got {v!r}")
+    model, label = load_target(target)
+    model.eval()
+    net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
+    P = net.precision
+    x = _input_batch(model, data, batch, input_size, seed)
+    net.reset_counters()
+    net(x)
+    stats = net.last_stats
+    N = x.shape[0]
+    rows = []
+    for name, s in stats.items():
+        w = int(s.get("weights", 0))
+        row = {
+            "layer": name, "type": s["type"],
+            "weights": w,
+            "weight_bytes": math.ceil(w * P.weight_bits / 8) + (1 if w else 0),  # + per-layer exponent byte
+            "bias_bytes": math.ceil(s.get("out_channels", 0) * (P.bias_mant_bits + 3) / 8) if s.get("has_bias") else 0,
+            "neurons": int(s.get("neurons", 0)),
+            "neuron_state_bytes": math.ceil(int(s.get("neurons", 0)) * 2 * P.state_bits / 8),  # current + voltage
+            "events_per_sample": s.get("events", 0) / N,
+            "synops_per_sample": s.get("synops", 0) / N,
+            "spikes_per_neuron_per_step": (s["spikes"] / (s["neurons"] * s["T"] * s["N"])) if s["type"] == "neuron" else None,
+        }
+        row["bytes"] = row["weight_bytes"] + row["bias_bytes"] + row["neuron_state_bytes"]
+        row["cores"] = math.ceil(row["bytes"] / (chip.core_memory_kb * 1024)) if row["bytes"] else 0
+        rows.append(row)
+    d = net.num_params()
+    learner = {
+        "basis_P_bytes": math.ceil(d * k * basis_bits / 8),
+        "basis_scale_bytes": 4 * k,
+        "theta_ref_bytes": math.ceil(d * ref_bits / 8),
+        "coordinates_bytes": math.ceil(k * coord_bits / 8),
+        "momentum_bytes": math.ceil(k * coord_bits / 8),
+        "seed_bytes": 4,
+    }
+    synops_fwd = sum(r["synops_per_sample"] for r in rows)
+    neuron_updates_fwd = sum(r["neurons"] for r in rows) * model.T
+    forwards_per_step = 2 * k
+    totals = {
+        "weight_bytes": sum(r["weight_bytes"] for r in rows),
+        "bias_bytes": sum(r["bias_bytes"] for r in rows),
+        "neuron_state_bytes": sum(r["neuron_state_bytes"] for r in rows),
+        "inference_bytes": sum(r["bytes"] for r in rows),
+        "learner_bytes": sum(learner.values()),
+        "synops_per_forward": synops_fwd,
+        "neuron_updates_per_forward": neuron_updates_fwd,
+        "forwards_per_szo_step": forwards_per_step,
+        "synops_per_szo_step": forwards_per_step * synops_fwd,
+        "energy_per_forward_uj": (synops_fwd * chip.energy_per_synop_pj
+                                  + neuron_updates_fwd * chip.energy_per_neuron_update_pj) * 1e-6,
+    }
+    totals["total_bytes"] = totals["inference_bytes"] + totals["learner_bytes"]
+    totals["energy_per_szo_step_uj"] = forwards_per_step * totals["energy_per_forward_uj"]
+    learner_cores = math.ceil(totals["learner_bytes"] / (chip.core_memory_kb * 1024))
+    cores_needed = sum(r["cores"] for r in rows) + learner_cores
+    fit = {
+        "cores_needed": cores_needed, "cores_available": chip.cores,
+        "chip_memory_bytes": chip.chip_memory_bytes,
+        "fits_chip": cores_needed <= chip.cores and totals["total_bytes"] <= chip.chip_memory_bytes,
+        "largest_layer_bytes": max((r["bytes"] for r in rows), default=0),
+        "core_memory_bytes": int(chip.core_memory_kb * 1024),
+    }
+    return {
+        "target": label, "model": model.model_name, "d": d, "k": k, "T": model.T, "batch": N, "data": data,
+        "input_shape": list(x.shape[1:]), "precision": P.as_dict(),
+        "learner_precision": {"basis_bits": basis_bits, "coord_bits": coord_bits, "ref_bits": ref_bits},
+        "chip": asdict(chip), "layers": rows, "learner": learner, "totals": totals, "fit": fit,
+        "saturations": net.saturation_counts(),
+    }
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def to_markdown(rep: dict[str, Any]) -> str:
+    t, f, c = rep["totals"], rep["fit"], rep["chip"]
+    cols = ["layer", "type", "weights", "weight_bytes", "bias_bytes", "neurons", "neuron_state_bytes",
+            "events_per_sample", "synops_per_sample", "spikes_per_neuron_per_step", "cores"]
+    lines = [f"# hw-report: {rep['target']}", "",
+             f"d = {rep['d']}, k = {rep['k']}, T = {rep['T']}, measured on {rep['batch']} samples ({rep['data']}), "
+             f"input {rep['input_shape']}; weights {rep['precision']['weight_bits']}-bit, "
+             f"state {rep['precision']['state_bits']}-bit.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rep["layers"]:
+        lines.append("| " + " | ".join(_fmt(r[k]) for k in cols) + " |")
+    lines += ["", "## SZO learner state", "", "| item | bytes |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rep["learner"].items()]
+    lines += ["", "## Totals", "", "| quantity | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in t.items()]
+    lines += ["", "## Fit", "", f"- cores needed {f['cores_needed']} of {f['cores_available']}; total "
+              f"{t['total_bytes']} B of {f['chip_memory_bytes']} B; fits: **{f['fits_chip']}**",
+              "", "## Assumptions and sources", "",
+              f"- energy per synaptic op {c['energy_per_synop_pj']} pJ: {c['energy_source']}",
+              f"- energy per neuron update {c['energy_per_neuron_update_pj']} pJ: {c['neuron_energy_source']}",
+              f"- memory: {c['cores']} cores x {c['core_memory_kb']} KB: {c['memory_source']}",
+              "- one layer per core (no packing of layers into shared cores); conv weights stored once per layer "
+              "(weight sharing); synops = measured input events x exact fan-out.",
+              f"- saturations during the measured forward: {rep['saturations'] or 'none'}", ""]
+    return "\n".join(lines)
+
+
+def write_report(rep: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``hw_report.md`` and ``hw_report.json`` atomically."""
+    out = Path(out_dir)
+    md, js = out / "hw_report.md", out / "hw_report.json"
+    atomic_write_text(md, to_markdown(rep))
+    atomic_write_json(js, rep)
+    return md, js

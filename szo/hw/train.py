@@ -1,0 +1,215 @@
+"""SZO through the fixed-point forward: quantised basis, fixed-point coordinates, integer estimator.
+
+Two ways to train on the fixed-point backend:
+
+1. ``szo.optim.SZO`` unchanged on ``net = to_fixed(model)``: SZO perturbs ``net``'s float
+   master parameters (theta = theta_ref + P c), every forward re-quantises ``W = Q(theta)``
+   and runs in integers. Use :func:`quantized_subspace` to give it the int8/int4 basis.
+2. :class:`OnChipSZO`: the state an on-chip learner would keep, in integers. ``theta_ref``
+   stored at ``ref_bits`` (per-tensor exponent), ``P`` at ``basis_bits`` with a per-column
+   scale, coordinates ``c`` and momentum ``delta`` as ``coord_bits`` signed fixed point with
+   ``coord_frac`` fractional bits (c = c_int / 2**coord_frac), momentum factor as an 8-bit
+   fraction (``MOMENTUM_SHIFT``). Estimators: ``"cge"`` (2k probes +/- mu e_i) or
+   ``"rademacher"`` (seed-004 style: 2q probes +/- mu z, z in {-1, +1}^k from XORShift32,
+   regenerated from a 32-bit seed instead of stored). mu is an integer number of coordinate
+   LSBs. The loss is computed on the host from the integer readout (a float).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from szo.hw.convert import FixedPointNetwork, to_fixed
+from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, right_shift_to_zero, saturate
+from szo.hw.xorshift import XorShift32
+
+__all__ = ["MOMENTUM_SHIFT", "OnChipSZO", "basis_error", "dequantize_basis", "evaluate_fixed",
+           "quantize_basis", "quantized_subspace"]
+
+MOMENTUM_SHIFT: int = 8
+"""The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
+ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
+
+
+def quantize_basis(P: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P [d, k]`` -> ``(P_int [d, k] int64 in signed ``bits``, scale [k] float64)``; P ~= P_int * scale.
+
+    Symmetric per-column scale ``max|P[:, j]| / (2**(bits-1) - 1)``, round to nearest.
+    """
+    if not isinstance(P, torch.Tensor) or P.dim() != 2 or not P.is_floating_point():
+        raise ValueError(f"P must be a float [d, k] tensor, got {getattr(P, 'shape', type(P))}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
+        raise ValueError(f"basis bits must be an int in [2, 16] (e.g. 8 or 4), got {bits!r}")
+    lo, hi = int_range(bits)
+    P64 = P.detach().to(torch.float64)
+    amax = P64.abs().amax(0)
+    scale = torch.where(amax > 0, amax / hi, torch.ones_like(amax))
+    P_int = torch.round(P64 / scale).clamp(lo, hi).to(torch.int64)  # |P/scale| <= hi: the clamp never binds
+    return P_int, scale
+
+
+def dequantize_basis(P_int: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return P_int.to(torch.float64) * scale.to(torch.float64)
+
+
+def basis_error(P: torch.Tensor, bits: int = 8) -> float:
+    """Relative Frobenius error ``||P - deq(Q(P))||_F / ||P||_F`` of the quantised basis."""
+    P_int, scale = quantize_basis(P, bits)
+    P64 = P.detach().to(torch.float64)
+    return float(torch.linalg.norm(P64 - dequantize_basis(P_int, scale)) / torch.linalg.norm(P64))
+
+
+def quantized_subspace(subspace: Any, bits: int = 8) -> Any:
+    """A copy of a ``subspace_store.Subspace`` whose basis is ``deq(Q(P))`` (for ``szo.optim.SZO``)."""
+    P_int, scale = quantize_basis(subspace.basis, bits)
+    prov = dict(getattr(subspace, "provenance", {}) or {})
+    prov["basis_quantization"] = {"bits": bits, "per_column_scale": True,
+                                  "rel_frobenius_error": basis_error(subspace.basis, bits)}
+    return dataclasses.replace(subspace, basis=dequantize_basis(P_int, scale).to(subspace.basis.dtype),
+                               provenance=prov)
+
+
+@torch.no_grad()
+def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None) -> float:
+    """Top-1 accuracy of the fixed-point forward (prediction = argmax of the integer readout summed over T).
+
+    ``model``: a :class:`FixedPointNetwork` or a szo model (converted with ``to_fixed``).
+    ``loader`` yields ``(x, y)`` batches.
+    """
+    net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
+    was_training = net.training
+    net.eval()
+    correct = total = 0
+    try:
+        for batch in loader:
+            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+                raise ValueError("loader must yield (x, y) batches")
+            x, y = batch[0], batch[1]
+            out = net(x)
+            if net.last_readout_sum is not None:
+                pred = net.last_readout_sum.argmax(1)  # integer readout accumulated over T
+            else:
+                pred = out.mean(0).argmax(1)
+            correct += int((pred.cpu() == torch.as_tensor(y).cpu()).sum())
+            total += int(torch.as_tensor(y).numel())
+    finally:
+        net.train(was_training)
+    if total == 0:
+        raise ValueError("loader yielded no samples")
+    return correct / total
+
+
+class OnChipSZO:
+    """Integer-state SZO driving a (fixed-point) model's float master parameters.
+
+    ``step(closure)`` runs the probes (each: set theta = deq(theta_ref_q) + deq(P) c_probe,
+    call ``closure()``), estimates the coordinate gradient and applies the integer update
+    ``delta <- round(-lr g 2**f) + (delta * m_int >> 8)``, ``c <- sat(c + delta)``.
+    """
+
+    def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
+                 mu_lsb: int = 1 << 12, estimator: str = "cge", q: int = 1, seed: int = 1,
+                 basis_bits: int = 8, coord_bits: int = 32, coord_frac: int = 16, ref_bits: int = 16) -> None:
+        if estimator not in ON_CHIP_ESTIMATORS:
+            raise ValueError(f"unknown estimator {estimator!r}; valid: {list(ON_CHIP_ESTIMATORS)}")
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if isinstance(mu_lsb, bool) or not isinstance(mu_lsb, int) or mu_lsb < 1:
+            raise ValueError(f"mu_lsb must be a positive int (coordinate LSBs), got {mu_lsb!r}")
+        if not 8 <= coord_bits <= 48 or not 0 <= coord_frac < coord_bits:
+            raise ValueError(f"need 8 <= coord_bits <= 48 and 0 <= coord_frac < coord_bits, got {coord_bits}, {coord_frac}")
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"q must be an int >= 1, got {q!r}")
+        if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
+            raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
+        theta = model.flat_params().to(torch.float64)
+        if subspace.basis.shape[0] != theta.numel():
+            raise ValueError(f"subspace d = {subspace.basis.shape[0]} does not match the model's d = {theta.numel()}")
+        self.model = model
+        self.lr, self.momentum, self.mu_lsb = float(lr), float(momentum), mu_lsb
+        self.estimator, self.q = estimator, q
+        self.coord_bits, self.coord_frac = coord_bits, coord_frac
+        self.basis_bits, self.ref_bits = basis_bits, ref_bits
+        self.P_int, self.P_scale = quantize_basis(subspace.basis, basis_bits)
+        self._P = dequantize_basis(self.P_int, self.P_scale)  # the values the integer P stands for
+        self.k = self._P.shape[1]
+        self.theta_ref = self._quantize_ref(model, theta)
+        self.momentum_int = int(round(self.momentum * (1 << MOMENTUM_SHIFT)))
+        self.c = torch.zeros(self.k, dtype=torch.int64)
+        self.delta = torch.zeros(self.k, dtype=torch.int64)
+        self.rng = XorShift32(seed)
+        self.counter = SaturationCounter()
+        self.forward_passes = 0
+        self.step_count = 0
+        self._load(self.c)
+
+    def _quantize_ref(self, model: nn.Module, theta: torch.Tensor) -> torch.Tensor:
+        """theta_ref as ``ref_bits`` mantissas with one exponent per parameter tensor (what the chip stores)."""
+        prec = Precision(weight_bits=self.ref_bits, weight_exp_min=-12, weight_exp_max=16)
+        out, off = [], 0
+        for p in model.parameters():
+            n = p.numel()
+            w_int, e, n_sat = quantize_weight(theta[off:off + n], prec)
+            self.counter_ref_saturated = getattr(self, "counter_ref_saturated", 0) + n_sat
+            out.append(w_int.to(torch.float64) * 2.0 ** e)
+            off += n
+        return torch.cat(out)
+
+    @property
+    def forwards_per_step(self) -> int:
+        return 2 * self.k if self.estimator == "cge" else 2 * self.q
+
+    @property
+    def coordinates(self) -> torch.Tensor:
+        """c as float64 (c_int / 2**coord_frac)."""
+        return self.c.to(torch.float64) / (1 << self.coord_frac)
+
+    def _load(self, c_int: torch.Tensor) -> None:
+        theta = self.theta_ref + self._P @ (c_int.to(torch.float64) / (1 << self.coord_frac))
+        self.model.load_flat_params(theta.to(torch.float32))
+
+    def _directions(self) -> torch.Tensor:
+        if self.estimator == "cge":
+            return torch.eye(self.k, dtype=torch.int64)
+        # one 32-bit draw per step seeds the step's perturbations; they are regenerated, not stored
+        step_seed = self.rng.next()
+        g = XorShift32(step_seed)
+        return torch.stack([g.rademacher(self.k) for _ in range(self.q)])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor]) -> float:
+        if closure is None:
+            raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
+        Z = self._directions()  # [m, k] integer directions
+        plus, minus = [], []
+        for z in Z:
+            for sign, store in ((1, plus), (-1, minus)):
+                probe = saturate(self.c + sign * self.mu_lsb * z, self.coord_bits, self.counter, "coords", "probe")
+                self._load(probe)
+                store.append(float(closure()))
+                self.forward_passes += 1
+        lp, lm = torch.tensor(plus, dtype=torch.float64), torch.tensor(minus, dtype=torch.float64)
+        mu = self.mu_lsb / (1 << self.coord_frac)
+        g = ((lp - lm) / (2 * mu)) @ Z.to(torch.float64)  # coordinate gradient estimate
+        if self.estimator == "rademacher":
+            g = g / self.q
+        step_int = torch.round(-self.lr * g * (1 << self.coord_frac)).to(torch.int64)  # round to nearest LSB
+        step_int = saturate(step_int, self.coord_bits, self.counter, "coords", "step")
+        mom = right_shift_to_zero(self.delta * self.momentum_int, MOMENTUM_SHIFT)  # toward zero
+        self.delta = saturate(step_int + mom, self.coord_bits, self.counter, "coords", "delta")
+        self.c = saturate(self.c + self.delta, self.coord_bits, self.counter, "coords", "c")
+        self.step_count += 1
+        self._load(self.c)
+        return float((lp.mean() + lm.mean()) / 2)
+
+    def state_bits(self) -> dict[str, int]:
+        """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed)."""
+        d = self.P_int.shape[0]
+        return {"basis": d * self.k * self.basis_bits, "basis_scale": self.k * 32,
+                "theta_ref": d * self.ref_bits, "coords": self.k * self.coord_bits,
+                "momentum": self.k * self.coord_bits, "seed": 32}

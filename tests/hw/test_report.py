@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from szo.hw.cli import main
+from szo.hw.report import hw_report, to_markdown
+
+
+@pytest.fixture(scope="module")
+def rep():
+    return hw_report("spike_convnet", data="digits", batch=8, k=5)
+
+
+def test_totals_are_sums_of_layers(rep):
+    t, rows = rep["totals"], rep["layers"]
+    assert t["weight_bytes"] == sum(r["weight_bytes"] for r in rows)
+    assert t["neuron_state_bytes"] == sum(r["neuron_state_bytes"] for r in rows)
+    assert t["inference_bytes"] == sum(r["bytes"] for r in rows)
+    assert t["synops_per_forward"] == pytest.approx(sum(r["synops_per_sample"] for r in rows))
+    assert t["total_bytes"] == t["inference_bytes"] + t["learner_bytes"]
+    assert t["learner_bytes"] == sum(rep["learner"].values())
+
+
+def test_szo_step_is_2k_forwards(rep):
+    t = rep["totals"]
+    assert t["forwards_per_szo_step"] == 2 * rep["k"] == 10
+    assert t["synops_per_szo_step"] == pytest.approx(10 * t["synops_per_forward"])
+    assert t["energy_per_szo_step_uj"] == pytest.approx(10 * t["energy_per_forward_uj"])
+
+
+def test_memory_numbers_match_model(rep):
+    rows = {r["layer"]: r for r in rep["layers"]}
+    assert rows["conv1"]["weights"] == 16 * 9 and rows["conv1"]["weight_bytes"] == 144 + 1
+    assert rows["sn1"]["neurons"] == 16 * 64 and rows["sn1"]["neuron_state_bytes"] == 16 * 64 * 6
+    assert rep["learner"]["basis_P_bytes"] == rep["d"] * 5  # int8
+    # conv1 sees graded pixels: synops = nonzero pixels x exact fan-out (<= 9 taps x 16 channels)
+    assert 0 < rows["conv1"]["synops_per_sample"] <= rows["conv1"]["events_per_sample"] * 9 * 16
+    assert rep["totals"]["synops_per_forward"] > 0
+
+
+def test_cli_writes_markdown_and_json(tmp_path, capsys):
+    assert main(["hw-report", "spike_convnet", "--batch", "4", "--k", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "hw_report.json").read_text())
+    assert data["k"] == 3 and data["model"] == "spike_convnet"
+    md = (tmp_path / "hw_report.md").read_text()
+    assert "| conv1 |" in md and "23.6" in md
+    assert to_markdown(data) == md
+
+
+def test_bad_target_is_clear(tmp_path):
+    with pytest.raises(ValueError, match="neither a registered model"):
+        hw_report("no_such_model")
+    with pytest.raises(ValueError, match="no config.json"):
+        hw_report(str(tmp_path))
+    with pytest.raises(ValueError, match="valid: \\['random', 'digits'\\]"):
+        hw_report("spike_convnet", data="cifar")
