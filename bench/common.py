@@ -1,0 +1,97 @@
+"""Shared helpers for the benchmarks: machine description, timing, models, bases, output."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from szo.io import atomic_write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# benchmark configurations: model name, input channels, spatial size, classes
+CONFIGS = {
+    "digits": ("spike_convnet", 1, 8, 10),
+    "resnet20": ("spike_resnet20", 3, 32, 10),
+}
+
+
+def set_threads(n: int) -> None:
+    """Fix torch's intra-op threads (1 by default: on a shared 2-core box, 2 OpenMP threads
+    competing with other jobs made one forward ~30x slower in our measurement)."""
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+
+
+def machine_info() -> dict:
+    """CPU model, core count, load average, torch version and threads used."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "loadavg_1m": os.getloadavg()[0], "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return info
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> tuple[float, list[float]]:
+    """Median wall time (s) of ``reps`` calls after ``warmup`` calls; and all samples."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples), samples
+
+
+def make_model(config: str, T: int, device: torch.device, seed: int = 0):
+    """The benchmark model in train mode, plus its (in_channels, size, classes)."""
+    import szo.models as M
+
+    if config not in CONFIGS:
+        raise ValueError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
+    name, c, h, ncls = CONFIGS[config]
+    torch.manual_seed(seed)
+    model = M.create(name, num_classes=ncls, T=T, in_channels=c).to(device).train()
+    return model, (c, h, ncls)
+
+
+def make_batch(shape: tuple[int, int, int], batch: int, device: torch.device, seed: int = 0):
+    c, h, ncls = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(batch, c, h, h, generator=g) * 2.0
+    y = torch.randint(0, ncls, (batch,), generator=g)
+    return x.to(device), y.to(device)
+
+
+class RandomSubspace:
+    """A random orthonormal basis P [d, k] (stands in for a trajectory-PCA subspace)."""
+
+    def __init__(self, d: int, k: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.basis = torch.linalg.qr(torch.randn(d, k, generator=g))[0]
+        self.layout = None
+
+
+def write_result(name: str, obj: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    atomic_write_json(path, obj)
+    return path

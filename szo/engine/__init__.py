@@ -1,0 +1,17 @@
+"""Batched perturbation engine: evaluate many perturbed copies of a model in one pass.
+
+>>> from szo.engine import BatchedEvaluator
+>>> ev = BatchedEvaluator(model, tet_loss)
+>>> losses = ev.losses(x, y, (theta0, P_t, U, mu))   # == SZO.evaluate_plan, one folded forward
+"""
+from .batched import (
+    ENGINES,
+    BatchedEvaluator,
+    BatchedPlanEvaluator,
+    LoopPlanEvaluator,
+    available_memory_bytes,
+    make_plan_evaluator,
+)
+
+__all__ = ["ENGINES", "BatchedEvaluator", "BatchedPlanEvaluator", "LoopPlanEvaluator", "available_memory_bytes",
+           "make_plan_evaluator"]

@@ -1,0 +1,418 @@
+"""Batched perturbation forward: the losses of m perturbed parameter sets in one pass.
+
+One SZO step evaluates the loss of the same batch at m = 2k (CGE) or 2q (RGE) parameter
+vectors. The sequential loop (``SZO.evaluate_plan``) perturbs in place and calls the model
+m times. This engine instead runs the model *once* on a "channel-folded" tensor that
+carries all m copies side by side in the channel (feature) dimension:
+
+* ``Conv2d``: stacked weights ``[m*C_out, C_in/g, kh, kw]`` as a grouped convolution with
+  ``m*g`` groups (the first layer sees the shared input, so it is a plain convolution
+  with ``m*C_out`` output channels);
+* ``Linear``: one GEMM on a shared input, else a batched matmul over the copy axis;
+* ``BatchNorm``: one ``batch_norm`` over ``m*C`` channels -- each channel (and hence each
+  copy) is normalised with its own batch statistics, exactly as in the loop;
+* neurons (SpikingJelly LIF, ReLU), pooling, flatten, residual adds: elementwise or
+  per-channel, so they act on the folded tensor unchanged and keep one state per copy.
+
+The model's own ``forward`` runs unchanged; only the ``forward`` of the parameterised
+leaf modules is swapped for the duration of the call (and restored afterwards).
+
+BN running statistics follow ``szo.optim.BNStatsFreezer``: after the evaluation the running
+statistics are the mean over the m probes of what each probe would have produced from
+the same starting statistics, and ``num_batches_tracked`` is incremented once.
+
+``torch.func.vmap(functional_call(...))`` over stacked parameters also works with the
+SpikingJelly LIF, but the LIF's custom op (``sj_lif::forward``) has no batching rule and
+falls back to a per-copy loop, so it is not faster than the sequential loop; it is not used.
+"""
+from __future__ import annotations
+
+import os
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as Fn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..functional import zo as F
+
+__all__ = ["BatchedEvaluator", "ENGINES", "make_plan_evaluator", "LoopPlanEvaluator", "BatchedPlanEvaluator",
+           "available_memory_bytes"]
+
+ENGINES = ("loop", "batched")
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# leaf modules without parameters that act elementwise / per channel (checked by name so
+# that SpikingJelly neurons need not be imported here)
+_PARAM_TYPES = (nn.Conv2d, nn.Linear, _BatchNorm)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: CUDA ``mem_get_info`` or ``MemAvailable`` of /proc/meminfo."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _check_chunk(chunk: int | None) -> int | None:
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int (copies per pass) or None (auto), got {chunk!r}")
+    return chunk
+
+
+class _Ctx:
+    """State of one folded forward: number of copies and stacked parameters per module."""
+
+    def __init__(self, m: int):
+        self.m = m
+        self.params: dict[nn.Module, dict[str, torch.Tensor | None]] = {}
+        self.bn_sums: dict[nn.Module, list[torch.Tensor]] = {}
+
+
+def _flatten_steps(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """SpikingJelly multi-step layers take ``[T, N, ...]``: merge T and N like ``seq_to_ann_forward``."""
+    if getattr(mod, "step_mode", "s") == "m":
+        return x.flatten(0, 1), tuple(x.shape[:2])
+    return x, None
+
+
+def _unflatten_steps(y: torch.Tensor, lead: tuple[int, ...] | None) -> torch.Tensor:
+    return y if lead is None else y.view(*lead, *y.shape[1:])
+
+
+def _conv_forward(mod: nn.Conv2d, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
+    x, lead = _flatten_steps(mod, x)
+    p, m = ctx.params[mod], ctx.m
+    w = p["weight"]  # [m, C_out, C_in/g, kh, kw]
+    w = w.reshape(m * w.shape[1], *w.shape[2:])
+    b = None if p["bias"] is None else p["bias"].reshape(-1)
+    c_in, g = mod.in_channels, mod.groups
+    if x.shape[1] == c_in and m > 1:
+        if g == 1:  # shared input: one convolution with m*C_out output channels
+            y = Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, 1)
+            return _unflatten_steps(y, lead)
+        x = x.repeat(1, m, 1, 1)
+    elif x.shape[1] != m * c_in:
+        raise ValueError(f"batched engine: {type(mod).__name__} expects {c_in} or {m}*{c_in} input channels, "
+                         f"got {x.shape[1]}")
+    y = Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, m * g)
+    return _unflatten_steps(y, lead)
+
+
+def _linear_forward(mod: nn.Linear, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
+    p, m = ctx.params[mod], ctx.m
+    w, b = p["weight"], p["bias"]  # [m, O, F], [m, O]
+    f_in, f_out = mod.in_features, mod.out_features
+    lead = x.shape[:-1]
+    if x.shape[-1] == f_in and m > 1:
+        y = Fn.linear(x, w.reshape(m * f_out, f_in), None if b is None else b.reshape(-1))
+        return y
+    if x.shape[-1] != m * f_in:
+        raise ValueError(f"batched engine: Linear expects {f_in} or {m}*{f_in} input features, got {x.shape[-1]}")
+    xb = x.reshape(-1, m, f_in).transpose(0, 1)  # [m, B, F]
+    if b is None:
+        y = torch.bmm(xb, w.transpose(1, 2))
+    else:
+        y = torch.baddbmm(b.unsqueeze(1), xb, w.transpose(1, 2))  # [m, B, O]
+    return y.transpose(0, 1).reshape(*lead, m * f_out)
+
+
+def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
+    x, lead = _flatten_steps(mod, x)
+    p, m = ctx.params[mod], ctx.m
+    c = mod.num_features
+    if x.shape[1] == c and m > 1:
+        x = x.repeat(1, m, *([1] * (x.dim() - 2)))
+    elif x.shape[1] != m * c:
+        raise ValueError(f"batched engine: {type(mod).__name__} expects {c} or {m}*{c} channels, got {x.shape[1]}")
+    w = None if p["weight"] is None else p["weight"].reshape(-1)
+    b = None if p["bias"] is None else p["bias"].reshape(-1)
+    use_batch_stats = mod.training or mod.running_mean is None
+    if mod.training and mod.track_running_stats:
+        # every copy starts from the same running statistics (frozen across probes)
+        n = int(mod.num_batches_tracked) + 1
+        factor = mod.momentum if mod.momentum is not None else 1.0 / n
+        rm, rv = mod.running_mean.repeat(m), mod.running_var.repeat(m)
+        y = Fn.batch_norm(x, rm, rv, w, b, True, factor, mod.eps)
+        sums = ctx.bn_sums.get(mod)
+        per_mean, per_var = rm.view(m, c).sum(0), rv.view(m, c).sum(0)
+        if sums is None:
+            ctx.bn_sums[mod] = [per_mean, per_var]
+        else:
+            sums[0] += per_mean
+            sums[1] += per_var
+    elif use_batch_stats:
+        y = Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
+    else:
+        y = Fn.batch_norm(x, mod.running_mean.repeat(m), mod.running_var.repeat(m), w, b, False, 0.0, mod.eps)
+    return _unflatten_steps(y, lead)
+
+
+class BatchedEvaluator:
+    """Losses of one batch under many parameter vectors, evaluated as one folded forward.
+
+    ``model``: a module whose parameterised leaves are Conv2d / Linear / BatchNorm (any
+    SpikingJelly ``layer.*`` subclass of these) and whose other leaves have no parameters
+    (neurons, pooling, flatten, ...). ``loss_fn(out, y)`` maps the model output of one copy
+    to a scalar. ``chunk``: copies per pass (``None``: sized from free memory).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, chunk: int | None = None,
+                 memory_fraction: float = 0.5):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise ValueError("loss_fn must be callable as loss_fn(out, y)")
+        self.chunk = _check_chunk(chunk)
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        self.memory_fraction = memory_fraction
+        self.model = model
+        self.loss_fn = loss_fn
+        owner = {}
+        for mname, mod in model.named_modules():
+            own = list(mod.named_parameters(recurse=False))
+            if not own:
+                continue
+            if not isinstance(mod, _PARAM_TYPES):
+                raise ValueError(f"batched engine: module {mname!r} ({type(mod).__name__}) has parameters; "
+                                 "supported parameterised layers: Conv2d, Linear, BatchNorm")
+            if isinstance(mod, nn.Conv2d) and mod.padding_mode != "zeros":
+                raise ValueError(f"batched engine: {mname!r} uses padding_mode={mod.padding_mode!r}; only 'zeros'")
+            for pname, p in own:
+                owner[id(p)] = (mod, pname)
+        self.params = list(model.parameters())
+        self._owner = [owner[id(p)] for p in self.params]
+        self.modules = list(dict.fromkeys(mod for mod, _ in self._owner))
+        self.d = sum(p.numel() for p in self.params)
+        self._per_copy_cache: dict[tuple, int] = {}
+        self.forward_passes = 0
+        self.last_chunk: int | None = None
+
+    # ----------------------------------------------------------------- memory / chunks
+    @torch.no_grad()
+    def per_copy_bytes(self, x: torch.Tensor) -> int:
+        """Estimated extra memory one more copy costs: its stacked weights plus activations.
+
+        Activations: 4x the largest leaf output of one plain forward (input + output +
+        neuron state + BN temporaries are live at once), measured once per input shape.
+        """
+        key = (tuple(x.shape), x.dtype, str(x.device))
+        if key not in self._per_copy_cache:
+            biggest = [0]
+
+            def hook(_m, _i, out):
+                if isinstance(out, torch.Tensor):
+                    biggest[0] = max(biggest[0], out.numel() * out.element_size())
+
+            hs = [mod.register_forward_hook(hook) for mod in self.model.modules() if not list(mod.children())]
+            bn = [(mod, mod.training) for mod in self.modules if isinstance(mod, _BatchNorm)]
+            try:
+                for mod, _ in bn:  # do not touch running stats
+                    mod.eval()
+                self.model(x)
+            finally:
+                for h in hs:
+                    h.remove()
+                for mod, tr in bn:
+                    mod.train(tr)
+            elt = self.params[0].element_size() if self.params else 4
+            self._per_copy_cache[key] = 4 * biggest[0] + 3 * self.d * elt
+        return self._per_copy_cache[key]
+
+    def chunk_size(self, x: torch.Tensor, m: int) -> int:
+        """Copies per pass: ``chunk`` if given, else what fits in ``memory_fraction`` of free memory."""
+        if self.chunk is not None:
+            return min(self.chunk, m)
+        free = available_memory_bytes(x.device) * self.memory_fraction
+        return max(1, min(m, int(free // max(1, self.per_copy_bytes(x)))))
+
+    # ----------------------------------------------------------------- evaluation
+    def _stacked(self, thetas, lo: int, hi: int) -> list[torch.Tensor]:
+        """Per-parameter stacked values ``[hi-lo, *shape]`` for copies lo..hi-1."""
+        if isinstance(thetas, torch.Tensor):
+            block = thetas[lo:hi].to(device=self.params[0].device, dtype=self.params[0].dtype)
+            return [c.view(hi - lo, *p.shape) for c, p in zip(block.split([p.numel() for p in self.params], 1),
+                                                             self.params)]
+        theta0_views, pt_views, U, mu = thetas
+        u = U[lo:hi]
+        nz = u != 0
+        onehot = bool((nz.sum(1) == 1).all())
+        if onehot:  # CGE: each probe moves along one basis vector; gather rows instead of a GEMM
+            idx = nz.float().argmax(1)
+            coef = u.gather(1, idx.unsqueeze(1)).squeeze(1) * mu
+        out = []
+        for p0, pt in zip(theta0_views, pt_views):
+            if onehot:
+                delta = pt.index_select(0, idx) * coef.unsqueeze(1)
+            else:
+                delta = (u @ pt) * mu
+            out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
+        return out
+
+    def _normalise(self, thetas):
+        if isinstance(thetas, torch.Tensor):
+            if thetas.dim() != 2 or thetas.shape[1] != self.d:
+                raise ValueError(f"theta_batch must be [m, d] with d = {self.d}, got {tuple(thetas.shape)}")
+            return thetas, thetas.shape[0]
+        if not (isinstance(thetas, (tuple, list)) and len(thetas) == 4):
+            raise ValueError("thetas must be a tensor [m, d] or a tuple (theta0 [d], P_t [k, d], U [m, k], mu)")
+        theta0, Pt, U, mu = thetas
+        dev, dt = self.params[0].device, self.params[0].dtype
+        if not isinstance(U, torch.Tensor) or U.dim() != 2:
+            raise ValueError(f"U must be a 2-D tensor [m, k], got {getattr(U, 'shape', type(U).__name__)}")
+        if not (isinstance(mu, (int, float)) and mu > 0):
+            raise ValueError(f"mu must be a positive number, got {mu!r}")
+        sizes = [p.numel() for p in self.params]
+        if isinstance(theta0, torch.Tensor):
+            if theta0.shape != (self.d,):
+                raise ValueError(f"theta0 must be [d] with d = {self.d}, got {tuple(theta0.shape)}")
+            theta0 = [t.view(p.shape) for t, p in zip(theta0.to(device=dev, dtype=dt).split(sizes), self.params)]
+        if isinstance(Pt, torch.Tensor):
+            if Pt.dim() != 2 or Pt.shape[1] != self.d or Pt.shape[0] != U.shape[1]:
+                raise ValueError(f"P_t must be [k, d] = [{U.shape[1]}, {self.d}], got {tuple(Pt.shape)}")
+            Pt = list(Pt.to(device=dev, dtype=dt).split(sizes, 1))
+        return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu)), U.shape[0]
+
+    @torch.no_grad()
+    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas) -> torch.Tensor:
+        """Loss of ``(x, y)`` at each parameter vector; float64 ``[m]``.
+
+        ``thetas``: ``theta_batch [m, d]`` (flat layout order), or ``(theta0, P_t, U, mu)``
+        meaning ``theta_j = theta0 + mu * P U[j]`` (``theta0 [d]`` or per-parameter tensors,
+        ``P_t [k, d]`` or per-parameter ``[k, numel]`` views, ``U [m, k]``). The model's
+        parameters are not modified; BN running statistics get one update with the mean
+        over copies (train mode only).
+        """
+        thetas, m = self._normalise(thetas)
+        if m < 1:
+            raise ValueError("no parameter vectors to evaluate (m = 0)")
+        chunk = self.chunk_size(x, m)
+        self.last_chunk = chunk
+        losses = torch.empty(m, dtype=torch.float64)
+        bn_sums: dict[nn.Module, list[torch.Tensor]] = {}
+        for lo in range(0, m, chunk):
+            hi = min(m, lo + chunk)
+            ctx = _Ctx(hi - lo)
+            for (mod, pname), val in zip(self._owner, self._stacked(thetas, lo, hi)):
+                ctx.params.setdefault(mod, {"weight": None, "bias": None})[pname] = val
+            out = self._folded_forward(ctx, x)
+            n_out = out.shape[-1]
+            if n_out % ctx.m:
+                raise ValueError(f"batched engine: output width {n_out} is not a multiple of {ctx.m} copies")
+            out = out.view(*out.shape[:-1], ctx.m, n_out // ctx.m)
+            for j in range(ctx.m):
+                losses[lo + j] = F.check_loss(self.loss_fn(out[..., j, :], y), f"loss_fn (probe {lo + j + 1}/{m})")
+            for mod, (s_mean, s_var) in ctx.bn_sums.items():
+                acc = bn_sums.get(mod)
+                if acc is None:
+                    bn_sums[mod] = [s_mean, s_var]
+                else:
+                    acc[0] += s_mean
+                    acc[1] += s_var
+            self.forward_passes += ctx.m
+        for mod, (s_mean, s_var) in bn_sums.items():
+            mod.running_mean.copy_(s_mean / m)
+            mod.running_var.copy_(s_var / m)
+            mod.num_batches_tracked.add_(1)
+        return losses
+
+    def _folded_forward(self, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
+        fns = {}
+        for mod in self.modules:
+            if isinstance(mod, nn.Conv2d):
+                fn = _conv_forward
+            elif isinstance(mod, nn.Linear):
+                fn = _linear_forward
+            else:
+                fn = _bn_forward
+            fns[mod] = types.MethodType(lambda self_, inp, _fn=fn, _c=ctx: _fn(self_, _c, inp), mod)
+        try:
+            for mod, fn in fns.items():
+                mod.forward = fn  # instance attribute shadows the class's forward
+            return self.model(x)
+        finally:
+            for mod in fns:
+                mod.__dict__.pop("forward", None)
+
+
+# ---------------------------------------------------------------------- optimizer hook
+class LoopPlanEvaluator:
+    """``engine="loop"``: the optimizer's own sequential ``evaluate_plan(closure, U)``."""
+
+    engine = "loop"
+
+    def __call__(self, opt, U: torch.Tensor, *, closure=None, batch=None) -> torch.Tensor:
+        if closure is None:
+            if batch is None:
+                raise ValueError("the loop engine needs a closure or a batch (x, y, loss_fn)")
+            x, y, loss_fn = batch
+            model = opt.model
+            closure = lambda: loss_fn(model(x), y)  # noqa: E731
+        return opt.evaluate_plan(closure, U)
+
+
+class BatchedPlanEvaluator:
+    """``engine="batched"``: one folded forward per chunk of probes ``theta + mu P U[j]``.
+
+    Needs the batch instead of a closure: ``batch=(x, y)`` (``loss_fn`` given here) or
+    ``(x, y, loss_fn)``. Counts ``opt.forward_passes`` like the loop (one per probe).
+    """
+
+    engine = "batched"
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None):
+        self.loss_fn = loss_fn
+        self.evaluator = BatchedEvaluator(model, loss_fn if loss_fn is not None else _no_loss, chunk=chunk)
+
+    def __call__(self, opt, U: torch.Tensor, *, closure=None, batch=None) -> torch.Tensor:
+        if batch is None:
+            raise ValueError("the batched engine needs batch=(x, y) or (x, y, loss_fn); a closure cannot be batched")
+        if getattr(opt, "distributed", None) is not None:
+            raise ValueError("the batched engine does not support distributed SZO yet; use engine='loop'")
+        if len(batch) == 3:
+            x, y, loss_fn = batch
+            self.evaluator.loss_fn = loss_fn
+        elif len(batch) == 2:
+            if self.loss_fn is None:
+                raise ValueError("batch=(x, y) needs loss_fn given to make_plan_evaluator; or pass (x, y, loss_fn)")
+            x, y = batch
+        else:
+            raise ValueError(f"batch must be (x, y) or (x, y, loss_fn), got {len(batch)} items")
+        ev = self.evaluator
+        if [id(p) for p in opt._params] != [id(p) for p in ev.params]:
+            raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the engine's model")
+        mu = opt.param_groups[0]["mu"]
+        theta0 = [p.detach() for p in opt._params]
+        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu))
+        opt.forward_passes += U.shape[0]
+        return losses
+
+
+def _no_loss(out, y):  # used until a call supplies batch=(x, y, loss_fn)
+    raise ValueError("no loss_fn: pass batch=(x, y, loss_fn) or give loss_fn to make_plan_evaluator")
+
+
+def make_plan_evaluator(engine: str, model: nn.Module | None = None, *, loss_fn: LossFn | None = None,
+                        chunk: int | None = None):
+    """The probe evaluator ``fn(opt, U, closure=None, batch=None) -> losses [m]`` for ``engine``."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+    if engine == "loop":
+        _check_chunk(chunk)
+        return LoopPlanEvaluator()
+    if model is None:
+        raise ValueError("the batched engine needs the model")
+    return BatchedPlanEvaluator(model, loss_fn, chunk)

@@ -1,0 +1,145 @@
+"""Batched perturbation engine == the optimizer's sequential loop (losses and BN statistics)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import szo.models as M
+from szo.engine import BatchedEvaluator, make_plan_evaluator
+from szo.losses import tet_loss
+from szo.optim import SZO
+
+# (in_channels, spatial size, k): tiny inputs; the two big models get k=1 (m=2 probes)
+SIZES = {"spike_convnet": (1, 8, 2), "spike_resnet20": (3, 8, 2), "spike_resnet18": (3, 8, 2),
+         "spike_resnet50": (3, 16, 1), "spike_vgg11": (2, 32, 1)}
+DEFAULT_SIZE = (3, 16, 1)
+
+
+def _setup(name: str, k: int | None = None, estimator: str = "cge", seed: int = 0):
+    c, h, k0 = SIZES.get(name, DEFAULT_SIZE)
+    k = k0 if k is None else k
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = M.create(name, T=2).train()
+    d = model.num_params()
+    basis = torch.linalg.qr(torch.randn(d, k, generator=g))[0]
+    opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, model=model,
+              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(2, c, h, h, generator=g)
+    y = torch.randint(0, model.num_classes, (2,), generator=g)
+    return model, opt, x, y
+
+
+def _bn_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+
+
+def _loop_vs_batched(model, opt, x, y, U, chunk=None):
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    loop = opt.evaluate_plan(lambda: tet_loss(model(x), y), U)
+    bn_loop = _bn_state(model)
+    model.load_state_dict(start)
+    ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
+    batched = ev(opt, U, batch=(x, y))
+    for k, v in model.state_dict().items():  # parameters untouched
+        if "running" not in k and "num_batches" not in k:
+            assert torch.equal(v, start[k]), k
+    return loop, batched, bn_loop, _bn_state(model)
+
+
+@pytest.mark.parametrize("name", M.names())
+def test_batched_equals_loop_every_model(name):
+    model, opt, x, y = _setup(name)
+    U, _ = opt.probe_plan()
+    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=U.shape[0])
+    assert loop.shape == batched.shape == (U.shape[0],)
+    assert loop.unique().numel() > 1  # the probes really differ
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
+    assert bn_loop, "every model in the zoo has BN layers"
+    for k in bn_loop:
+        torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_rge_plan_and_flat_theta_batch_match_loop():
+    model, opt, x, y = _setup("spike_convnet", k=4, estimator="rge")
+    U, _ = opt.probe_plan()  # dense Gaussian rows: the GEMM path, not the one-hot gather
+    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U)
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
+    for k in bn_loop:
+        torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6)
+    # the same probes as explicit flat vectors theta_batch [m, d]
+    theta0 = model.flat_params()
+    thetas = theta0 + 0.05 * (U.float() @ opt._Pt)
+    model.eval()  # eval: BN uses running statistics and leaves them alone
+    before = _bn_state(model)
+    ev = BatchedEvaluator(model, tet_loss, chunk=3)
+    flat = ev.losses(x, y, thetas)
+    ref = []
+    for t in thetas:
+        model.load_flat_params(t)
+        with torch.no_grad():
+            ref.append(float(tet_loss(model(x), y)))
+    model.load_flat_params(theta0)
+    torch.testing.assert_close(flat, torch.tensor(ref, dtype=torch.float64), rtol=1e-5, atol=0.0)
+    for k, v in _bn_state(model).items():
+        assert torch.equal(v, before[k])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4, 5])
+def test_chunking_matches_single_pass(chunk):
+    model, opt, x, y = _setup("spike_convnet", k=3)
+    U, _ = opt.probe_plan()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    whole = BatchedEvaluator(model, tet_loss, chunk=U.shape[0])
+    ref = whole.losses(x, y, ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05))
+    bn_ref = _bn_state(model)
+    model.load_state_dict(start)
+    ev = BatchedEvaluator(model, tet_loss, chunk=chunk)
+    got = ev.losses(x, y, ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05))
+    assert ev.last_chunk == chunk
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0.0)
+    for k, v in _bn_state(model).items():
+        torch.testing.assert_close(v, bn_ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_auto_chunk_is_positive_and_bounded():
+    model, opt, x, y = _setup("spike_convnet")
+    ev = BatchedEvaluator(model, tet_loss)
+    assert ev.per_copy_bytes(x) > 0
+    assert 1 <= ev.chunk_size(x, 4) <= 4
+    ev_tiny = BatchedEvaluator(model, tet_loss, memory_fraction=1e-12)
+    assert ev_tiny.chunk_size(x, 4) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_bad_chunk_raises(bad):
+    model = M.create("spike_convnet", T=2)
+    with pytest.raises(ValueError, match="chunk"):
+        BatchedEvaluator(model, tet_loss, chunk=bad)
+    with pytest.raises(ValueError, match="chunk"):
+        make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=bad)
+
+
+def test_bad_inputs_raise():
+    model, opt, x, y = _setup("spike_convnet")
+    with pytest.raises(ValueError, match="engine"):
+        make_plan_evaluator("vmap", model)
+    ev = BatchedEvaluator(model, tet_loss)
+    with pytest.raises(ValueError, match=r"\[m, d\]"):
+        ev.losses(x, y, torch.zeros(3, 7))
+    with pytest.raises(ValueError, match="batch"):
+        make_plan_evaluator("batched", model, loss_fn=tet_loss)(opt, opt.probe_plan()[0])
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return x * self.s
+
+    with pytest.raises(ValueError, match="Scale"):
+        BatchedEvaluator(nn.Sequential(nn.Linear(2, 2), Scale()), tet_loss)
