@@ -1,0 +1,404 @@
+"""DVS128 Gesture (IBM) through tonic, event validation and the event -> frame pipeline.
+
+Paper setting (Sec. 6, App. G): 11 classes, each sample integrated into ``T = 20`` frames,
+batch 16. Frames are ``float32 [T, 2, H, W]`` (polarity channel 0 = OFF, 1 = ON).
+
+On-disk layout (what ``tonic.datasets.DVSGesture`` reads, tonic's preprocessed release)::
+
+    <data_dir>/DVSGesture/ibmGestureTrain.tar.gz          (archive, optional once extracted)
+    <data_dir>/DVSGesture/ibmGestureTrain/user01_fluorescent/0.npy ... 10.npy
+    <data_dir>/DVSGesture/ibmGestureTest/user24_led/...
+
+Each ``<label>.npy`` is a plain (non-object) ``[N, 4]`` array with columns ``x, y, p, t``
+and ``t`` in milliseconds; tonic's ``__getitem__`` converts t to microseconds and builds a
+structured array. tonic's own existence check wants the archive file *and* at least 100
+extracted ``.npy`` files, otherwise it starts a download. szo checks only the extracted
+folder (a subclass overriding ``_check_exists``; tonic's directory walk and ``__getitem__``
+are used unchanged; the subclass keeps the name ``DVSGesture`` because tonic derives the
+folder ``<save_to>/<class name>`` from it), so an extracted copy without the archive works offline, and the
+download is attempted only when the folder is missing and ``download=True``.
+
+Frames are cached as one ``.npy`` per recording under
+``<data_dir>/cache/<settings-hash>/<split>/`` (written atomically, loaded without pickle).
+tonic's ``DiskCachedDataset`` (h5py) is not used because its writes are not atomic.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from szo.io import atomic_write_bytes, atomic_write_json
+
+try:  # the shared error type lives in szo.data (owned by another module)
+    from szo.data import DataNotFoundError  # type: ignore[attr-defined]
+except ImportError:  # szo.data not importable yet, or it does not define it
+
+    class DataNotFoundError(FileNotFoundError):
+        """A data set is not on disk where szo expects it."""
+
+
+__all__ = [
+    "CLASSES",
+    "SENSOR_SIZE",
+    "SPLITS",
+    "REQUIRED_FIELDS",
+    "DataNotFoundError",
+    "EventReport",
+    "validate_events",
+    "ValidateEvents",
+    "EventsToFrames",
+    "DVSGestureFrames",
+    "get_dataset",
+    "default_data_dir",
+]
+
+CLASSES: tuple[str, ...] = (
+    "hand_clapping",
+    "right_hand_wave",
+    "left_hand_wave",
+    "right_arm_cw",
+    "right_arm_ccw",
+    "left_arm_cw",
+    "left_arm_ccw",
+    "arm_roll",
+    "air_drums",
+    "air_guitar",
+    "other_gestures",
+)
+SENSOR_SIZE: tuple[int, int, int] = (128, 128, 2)  # (W, H, P), as tonic
+SPLITS: tuple[str, ...] = ("train", "test")
+REQUIRED_FIELDS: tuple[str, ...] = ("x", "y", "t", "p")
+POLICIES: tuple[str, ...] = ("drop", "raise")
+_FOLDERS = {"train": "ibmGestureTrain", "test": "ibmGestureTest"}
+_CACHE_FORMAT = 1
+
+OFFICIAL_SOURCE = "https://research.ibm.com/interactive/dvsgesture/ (IBM, original AEDAT release)"
+TONIC_ARCHIVES = {
+    "train": ("ibmGestureTrain.tar.gz", "https://figshare.com/ndownloader/files/38022171"),
+    "test": ("ibmGestureTest.tar.gz", "https://figshare.com/ndownloader/files/38020584"),
+}
+
+
+def _require_tonic() -> Any:
+    try:
+        import tonic
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "DVS event data needs the optional dependency tonic (GPL-3.0); "
+            "install it with `pip install szo[dvs]`"
+        ) from e
+    return tonic
+
+
+def default_data_dir() -> Path:
+    """``$SZO_DATA_DIR`` if set, else ``./data``."""
+    return Path(os.environ.get("SZO_DATA_DIR", "data"))
+
+
+# --------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class EventReport:
+    """What ``validate_events`` did. An event can count under several drop reasons;
+    ``n_dropped`` counts each dropped event once. ``n_unsorted`` is the number of positions
+    where a timestamp was smaller than the previous one (0 for a sorted stream)."""
+
+    n_in: int
+    n_out: int
+    n_dropped: int
+    n_out_of_sensor: int
+    n_bad_time: int
+    n_bad_polarity: int
+    n_unsorted: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def _check_sensor_size(sensor_size: Any) -> tuple[int, int, int]:
+    try:
+        w, h, p = (int(v) for v in sensor_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"sensor_size must be (W, H, P) with positive ints, got {sensor_size!r}") from None
+    if w <= 0 or h <= 0 or p not in (1, 2):
+        raise ValueError(f"sensor_size must be (W, H, P) with W, H > 0 and P in (1, 2), got {sensor_size!r}")
+    return w, h, p
+
+
+def validate_events(
+    events: np.ndarray, sensor_size: tuple[int, int, int], *, policy: str = "drop"
+) -> tuple[np.ndarray, EventReport]:
+    """Check an event array against a sensor; return ``(clean_events, report)``.
+
+    ``events`` must be a numpy structured array with integer (or bool) fields x, y, p and a
+    numeric field t (microseconds). Bad events are out-of-sensor coordinates
+    (``0 <= x < W``, ``0 <= y < H``), negative or non-finite t, and polarity outside
+    ``0 .. P-1``. ``policy="drop"`` drops and counts them; ``policy="raise"`` raises
+    ``ValueError`` if there is any. Unsorted timestamps are stably sorted and counted under
+    both policies. Only a wrong array type/dtype raises under ``"drop"``, so a stream
+    consumer never crashes on event content. The dtype of the input is kept.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    w, h, n_pol = _check_sensor_size(sensor_size)
+    names = getattr(getattr(events, "dtype", None), "names", None)
+    if not isinstance(events, np.ndarray) or names is None:
+        raise ValueError(
+            f"events must be a numpy structured array with fields {REQUIRED_FIELDS}, "
+            f"got {type(events).__name__} with dtype {getattr(events, 'dtype', None)}"
+        )
+    missing = [f for f in REQUIRED_FIELDS if f not in names]
+    if missing:
+        raise ValueError(f"events lack field(s) {missing}; required fields are {REQUIRED_FIELDS}, got {names}")
+    for f in ("x", "y", "p"):
+        if events.dtype[f].kind not in "iub":
+            raise ValueError(f"event field {f!r} must be integer or bool, got dtype {events.dtype[f]}")
+    if events.dtype["t"].kind not in "iuf":
+        raise ValueError(f"event field 't' must be numeric (microseconds), got dtype {events.dtype['t']}")
+    events = np.ravel(events)
+
+    x = events["x"].astype(np.int64)
+    y = events["y"].astype(np.int64)
+    p = events["p"].astype(np.int64)
+    t = events["t"]
+    out_of_sensor = (x < 0) | (x >= w) | (y < 0) | (y >= h)
+    bad_time = ~np.isfinite(t) | (t < 0) if t.dtype.kind == "f" else (t < 0)
+    bad_pol = (p < 0) | (p >= n_pol)
+    bad = out_of_sensor | bad_time | bad_pol
+    n_bad = int(bad.sum())
+    if n_bad and policy == "raise":
+        raise ValueError(
+            f"{n_bad} invalid event(s) for sensor_size (W, H, P)={(w, h, n_pol)}: "
+            f"{int(out_of_sensor.sum())} outside 0<=x<{w}, 0<=y<{h}; {int(bad_time.sum())} with negative "
+            f"or non-finite t; {int(bad_pol.sum())} with polarity outside 0..{n_pol - 1}. "
+            "Use policy='drop' to drop them."
+        )
+    clean = events[~bad]
+    tc = clean["t"]
+    n_unsorted = int(np.count_nonzero(tc[1:] < tc[:-1])) if len(tc) > 1 else 0
+    if n_unsorted:
+        clean = clean[np.argsort(tc, kind="stable")]
+    else:
+        clean = clean.copy()
+    report = EventReport(
+        n_in=len(events),
+        n_out=len(clean),
+        n_dropped=n_bad,
+        n_out_of_sensor=int(out_of_sensor.sum()),
+        n_bad_time=int(bad_time.sum()),
+        n_bad_polarity=int(bad_pol.sum()),
+        n_unsorted=n_unsorted,
+    )
+    return clean, report
+
+
+@dataclass(frozen=True)
+class ValidateEvents:
+    """tonic-style transform around ``validate_events`` (the report is discarded)."""
+
+    sensor_size: tuple[int, int, int]
+    policy: str = "drop"
+
+    def __call__(self, events: np.ndarray) -> np.ndarray:
+        return validate_events(events, self.sensor_size, policy=self.policy)[0]
+
+
+# --------------------------------------------------------------------------- frames
+@dataclass(frozen=True)
+class EventsToFrames:
+    """validate -> optional ``tonic.transforms.Denoise`` -> optional
+    ``tonic.transforms.Downsample`` -> ``tonic.transforms.ToFrame(n_time_bins=T)``.
+
+    ``size`` is the output width = height; it must divide the sensor's W and H
+    (e.g. 128 -> 64 or 32). ``denoise_us=None`` skips denoising. Returns
+    ``float32 [T, P, size, size]`` event counts. An empty stream gives zero frames.
+    """
+
+    sensor_size: tuple[int, int, int] = SENSOR_SIZE
+    T: int = 20
+    size: int | None = None
+    denoise_us: float | None = 10000.0
+    policy: str = "drop"
+
+    def __post_init__(self) -> None:
+        w, h, _ = _check_sensor_size(self.sensor_size)
+        if not isinstance(self.T, (int, np.integer)) or isinstance(self.T, bool) or self.T < 1:
+            raise ValueError(f"T (number of frames) must be a positive int, got {self.T!r}")
+        if self.size is not None:
+            if not isinstance(self.size, (int, np.integer)) or self.size < 1 or w % self.size or h % self.size:
+                raise ValueError(
+                    f"size must be a positive int dividing the sensor's W={w} and H={h} "
+                    f"(or None for no downsampling), got {self.size!r}"
+                )
+            if w != h:
+                raise ValueError(f"size needs a square sensor, got sensor_size={self.sensor_size}")
+        if self.denoise_us is not None and not self.denoise_us > 0:
+            raise ValueError(f"denoise_us must be > 0 or None, got {self.denoise_us!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+    @property
+    def out_sensor_size(self) -> tuple[int, int, int]:
+        w, h, p = _check_sensor_size(self.sensor_size)
+        return (w, h, p) if self.size is None else (int(self.size), int(self.size), p)
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "sensor_size": list(_check_sensor_size(self.sensor_size)),
+            "T": int(self.T),
+            "size": None if self.size is None else int(self.size),
+            "denoise_us": None if self.denoise_us is None else float(self.denoise_us),
+            "policy": self.policy,
+        }
+
+    def __call__(self, events: np.ndarray) -> np.ndarray:
+        tonic = _require_tonic()
+        events, _ = validate_events(events, self.sensor_size, policy=self.policy)
+        w, h, p = self.out_sensor_size
+        empty = np.zeros((int(self.T), p, h, w), dtype=np.float32)
+        if self.denoise_us is not None and len(events):
+            events = tonic.transforms.Denoise(filter_time=self.denoise_us)(events)
+        if len(events) == 0:  # tonic's Denoise/ToFrame do not handle empty streams uniformly
+            return empty
+        if self.size is not None and self.size != self.sensor_size[0]:
+            factor = float(self.size) / float(self.sensor_size[0])
+            events = tonic.transforms.Downsample(spatial_factor=factor)(events)
+        frames = tonic.transforms.ToFrame(sensor_size=(w, h, p), n_time_bins=int(self.T))(events)
+        return np.asarray(frames, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- data set
+def _not_found_message(root: Path, split: str, reason: str = "") -> str:
+    folder = root / "DVSGesture" / _FOLDERS[split]
+    name, url = TONIC_ARCHIVES[split]
+    return (
+        f"DVS128 Gesture {split} data not found{': ' + reason if reason else ''}. Expected the extracted "
+        f"folder {folder} holding user*_<lighting>/<label>.npy files (tonic's preprocessed release). "
+        f"Official source: {OFFICIAL_SOURCE}; tonic's preprocessed archive: {name} from {url}. "
+        f"To install: download {name}, extract it into {root / 'DVSGesture'} so that {folder} exists "
+        f"(e.g. `tar -xzf {name} -C {root / 'DVSGesture'}`), or pass download=True on a machine "
+        "with network access."
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _extracted_dvsgesture_class() -> type:
+    """``tonic.datasets.DVSGesture`` whose existence check accepts an extracted folder only."""
+    tonic = _require_tonic()
+
+    # the class name must stay "DVSGesture": tonic derives the folder <save_to>/<class name>
+    class DVSGesture(tonic.datasets.DVSGesture):
+        def _check_exists(self) -> bool:
+            return self._folder_contains_at_least_n_files_of_type(1, ".npy")
+
+    return DVSGesture
+
+
+def _has_extracted(root: Path, split: str) -> bool:
+    folder = root / "DVSGesture" / _FOLDERS[split]
+    return folder.is_dir() and any(folder.glob("*/*.npy"))
+
+
+class DVSGestureFrames(torch.utils.data.Dataset):
+    """DVS128 Gesture as ``(frames float32 [T, 2, H, W], label int)``, frames cached on disk."""
+
+    classes = CLASSES
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike | None = None,
+        split: str = "train",
+        *,
+        T: int = 20,
+        size: int | None = None,
+        denoise_us: float | None = 10000.0,
+        download: bool = False,
+        cache: bool = True,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        tonic = _require_tonic()
+        self.root = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.split = split
+        self.to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us)
+        train = split == "train"
+        if _has_extracted(self.root, split):
+            self.events_ds = _extracted_dvsgesture_class()(save_to=str(self.root), train=train)
+        elif not download:
+            raise DataNotFoundError(_not_found_message(self.root, split))
+        else:
+            try:
+                self.events_ds = tonic.datasets.DVSGesture(save_to=str(self.root), train=train)
+            except Exception as e:  # network errors, bad archive, ...
+                raise DataNotFoundError(_not_found_message(self.root, split, f"download failed ({e})")) from e
+            if len(self.events_ds) == 0:
+                raise DataNotFoundError(_not_found_message(self.root, split, "download produced no files"))
+        if len(self.events_ds) == 0:
+            raise DataNotFoundError(_not_found_message(self.root, split, "the folder holds no .npy files"))
+        self.targets: list[int] = [int(v) for v in self.events_ds.targets]
+        bad = sorted({v for v in self.targets if not 0 <= v < len(CLASSES)})
+        if bad:
+            raise ValueError(f"DVS Gesture files must be named <label>.npy with label in 0..10, found labels {bad}")
+        self.cache_dir: Path | None = None
+        if cache:
+            settings = {"format": _CACHE_FORMAT, "dataset": "dvs-gesture", **self.to_frames.settings()}
+            key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+            self.cache_dir = self.root / "cache" / key / split
+            settings_file = self.cache_dir.parent / "settings.json"
+            if not settings_file.exists():
+                atomic_write_json(settings_file, settings)
+
+    def __len__(self) -> int:
+        return len(self.events_ds)
+
+    def _cache_path(self, cache_dir: Path, index: int) -> Path:
+        base = Path(self.events_ds.location_on_system) / self.events_ds.folder_name
+        rel = Path(self.events_ds.data[index]).relative_to(base)
+        return cache_dir / ("__".join(rel.parts))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        index = index % len(self)
+        label = self.targets[index]
+        frames = None
+        path = self._cache_path(self.cache_dir, index) if self.cache_dir is not None else None
+        expected = (int(self.to_frames.T), *self.to_frames.out_sensor_size[::-1])
+        if path is not None and path.exists():
+            try:
+                arr = np.load(path, allow_pickle=False)
+                if arr.shape == expected:
+                    frames = arr
+            except (ValueError, OSError):
+                frames = None  # unreadable cache entry: recompute and overwrite
+        if frames is None:
+            events, _ = self.events_ds[index]
+            frames = self.to_frames(events)
+            if path is not None:
+                buf = io.BytesIO()
+                np.save(buf, frames, allow_pickle=False)
+                atomic_write_bytes(path, buf.getvalue())
+        return torch.from_numpy(np.ascontiguousarray(frames, dtype=np.float32)), label
+
+
+def get_dataset(
+    split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False, **kw: Any
+) -> DVSGestureFrames:
+    """Entry point for ``szo.data.get_dataset("dvs-gesture", split, ...)``.
+
+    Keywords: ``T`` (20), ``size`` (None = 128, or 64 / 32), ``denoise_us`` (10000 or None),
+    ``cache`` (True).
+    """
+    valid = {"T", "size", "denoise_us", "cache"}
+    unknown = sorted(set(kw) - valid)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for dvs-gesture; valid: {sorted(valid)}")
+    return DVSGestureFrames(data_dir, split, download=download, **kw)

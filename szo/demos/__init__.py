@@ -1,0 +1,1 @@
+"""Demos: ``szo demo dvs-stream`` (on-line event-stream classification with SZO adaptation)."""
