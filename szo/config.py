@@ -1,7 +1,8 @@
 """Recipe configs: YAML defaults + ``--set a.b=value`` overrides -> one validated, resolved dict.
 
 A recipe is a YAML mapping (``yaml.safe_load``) with the sections below; a recipe may start
-with ``extends: OTHER`` to take another recipe's values as its defaults. Values given with
+with ``extends: OTHER`` to take another recipe's values as its defaults, and may hold
+``method_defaults: {METHOD: {...}}``, values that apply only when that method is chosen. Values given with
 ``--set`` are parsed with ``yaml.safe_load`` (``--set train.epochs=3``, ``--set
 data.data_dir=null``, ``--set model.kwargs={width: 8}``). Unknown keys and invalid choices
 raise ``ValueError`` with one line that lists what is valid.
@@ -322,10 +323,33 @@ def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return full
 
 
+def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Merge ``raw['method_defaults'][method]`` (the method chosen by ``items`` or the recipe) into ``raw``.
+
+    ``method_defaults`` maps a method to the recipe values that differ for it, e.g.
+    ``{szo-rge: {szo: {mu: 0.3}, train: {lr: 0.02}}}``: hyperparameters that depend on the
+    method (the RGE step is noisier than CGE's). ``--set`` values still win over them.
+    """
+    per = raw.pop("method_defaults", None)
+    if per is None:
+        return raw
+    if not isinstance(per, dict):
+        raise ValueError(f"'method_defaults' must map a method to a section of values, got {per!r}")
+    for m, values in per.items():
+        if m not in METHODS:
+            raise ValueError(f"method_defaults: unknown method {m!r}; valid: {', '.join(METHODS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"method_defaults.{m} must be a mapping of recipe values, got {values!r}")
+    method = dict(items).get("method", raw.get("method", DEFAULTS["method"]))
+    return _deep_merge(raw, per.get(method, {}))
+
+
 def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str | tuple[str, Any]] = ()) -> dict[str, Any]:
-    """Shipped recipe name or a YAML path, ``extends`` resolved, overrides applied, validated, resolved."""
-    raw = _raw_recipe(name_or_path)
-    return resolve(apply_overrides(raw, overrides))
+    """Shipped recipe name or a YAML path, ``extends`` resolved, the chosen method's
+    ``method_defaults`` merged, overrides applied, validated, resolved."""
+    items = [parse_override(i) if isinstance(i, str) else i for i in overrides]
+    raw = _apply_method_defaults(_raw_recipe(name_or_path), items)
+    return resolve(apply_overrides(raw, items))
 
 
 load_config = load_recipe

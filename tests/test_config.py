@@ -89,3 +89,18 @@ def test_yaml_file_with_extends_and_resolved_config_roundtrip(tmp_path):
     again = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert again == c
     assert load_recipe(tmp_path / "config.yaml") == c
+
+
+def test_method_defaults_apply_only_to_their_method_and_yield_to_set(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("extends: digits-scratch\nname: m\n"
+                 "method_defaults:\n  szo-rge: {szo: {mu: 0.25}, train: {lr: 0.03}}\n")
+    cge = load_recipe(p)
+    assert cge["method"] == "szo-cge" and cge["szo"]["mu"] == 1.0 and cge["train"]["lr"] == 1.0
+    rge = load_recipe(p, ["method=szo-rge"])
+    assert rge["szo"]["mu"] == 0.25 and rge["train"]["lr"] == 0.03
+    assert "method_defaults" not in rge  # the resolved config is complete without it
+    assert load_recipe(p, ["method=szo-rge", "train.lr=0.5"])["train"]["lr"] == 0.5
+    p.write_text("extends: digits-scratch\nname: m\nmethod_defaults: {szo-xyz: {train: {lr: 1}}}\n")
+    with pytest.raises(ValueError, match="unknown method 'szo-xyz'; valid: bp, bp-subspace"):
+        load_recipe(p)
