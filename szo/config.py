@@ -43,6 +43,9 @@ SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
 DEVICES = ("cpu", "cuda")
 SCHEDULERS = ("cosine", "constant")
 REFERENCES = ("first", "last")
+BACKENDS = ("float", "fixed")  # = szo.hw.BACKENDS
+BN_STATS = ("batch", "deployed")
+HW_LEARNERS = ("float", "integer")  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
 
 _STAGE = {
     "epochs": 1, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "scheduler": "cosine",
@@ -68,6 +71,13 @@ DEFAULTS: dict[str, Any] = {
     "subspace": {"name": None, "k": 20, "window": None, "reference": "first", "root": None},
     "train": dict(_STAGE, lr=None, weight_decay=0.0),
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None},
+    # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
+    # bn_stats "deployed" normalises with the source model's running statistics, frozen
+    # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
+    "backend": "float",
+    "bn_stats": "batch",
+    "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
+           "ref_bits": 16},
 }
 
 # type rules: key path -> (types, nullable)
@@ -84,6 +94,9 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
     "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
     "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
+    "backend": (_STR, False), "bn_stats": (_STR, False),
+    "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
+    "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -307,9 +320,40 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
         return getattr(importlib.import_module(mod), resolve_fn)(full)
     if full["kind"] == "subspace" and full["method"] in SUBSPACE_METHODS and full["train"]["weight_decay"]:
         raise ValueError(f"method {full['method']!r} uses no weight decay (paper App. G); set train.weight_decay=0")
+    _check_hw(full)
     if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     return full
+
+
+def _check_hw(full: Mapping[str, Any]) -> None:
+    """Backend / BN-statistics / fixed-point learner choices and the combinations that make sense."""
+    _choice(full, "backend", BACKENDS)
+    _choice(full, "bn_stats", BN_STATS)
+    _choice(full, "hw.learner", HW_LEARNERS)
+    hw = full["hw"]
+    for key in ("weight_bits", "basis_bits"):
+        if hw[key] is not None and not 2 <= hw[key] <= 16:
+            raise ValueError(f"'hw.{key}' must be an int in [2, 16] (e.g. 8 or 4){' or null' if key == 'basis_bits' else ''}, "
+                             f"got {hw[key]!r}")
+    if not 8 <= hw["coord_bits"] <= 48 or not 0 <= hw["coord_frac"] < hw["coord_bits"]:
+        raise ValueError(f"need 8 <= hw.coord_bits <= 48 and 0 <= hw.coord_frac < hw.coord_bits, "
+                         f"got {hw['coord_bits']}, {hw['coord_frac']}")
+    if full["backend"] == "fixed":
+        if full["kind"] != "subspace":
+            raise ValueError("backend 'fixed' applies to the subspace stage (kind: subspace); "
+                             "BPTT needs float gradients: run it with backend 'float'")
+        if full["bn_stats"] != "deployed":
+            raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
+                             "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
+        if full["method"] not in ("szo-cge", "szo-rge", "szo-1pt"):
+            raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full['method']!r}; "
+                             "valid: szo-cge, szo-rge, szo-1pt")
+    if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in ("szo-cge", "szo-rge")):
+        raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
+                         "backend 'fixed' and method szo-cge or szo-rge")
+    if full["bn_stats"] == "deployed" and full["kind"] != "subspace":
+        raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 
 
 def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -142,11 +142,42 @@ def run_bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
     return summary
 
 
-def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
-                       resume: bool = False) -> dict[str, Any]:
-    """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual)."""
+def _source_state(cfg: Mapping[str, Any], sub) -> dict[str, torch.Tensor]:
+    """The pretrained model (parameters + BN buffers) the subspace was built from."""
     from safetensors.torch import load_file
 
+    src = sub.provenance.get("source_model")
+    if not src or not Path(src).is_file():
+        need = "continual training" if cfg["mode"] == "continual" else "bn_stats 'deployed'"
+        raise ValueError(f"{need} needs the pretrained model: subspace {cfg['subspace']['name']!r} "
+                         f"has provenance source_model={src!r}, which is not a file")
+    return load_file(src)
+
+
+@torch.no_grad()
+def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN)."""
+    from szo.hw import to_fixed
+    from szo.hw.train import evaluate_fixed
+    from szo.train import evaluate
+
+    _, acc_float = evaluate(model, test_loader, _loss(cfg))
+    net = to_fixed(model, weight_bits=cfg["hw"]["weight_bits"])
+    acc_fixed = evaluate_fixed(net, test_loader)
+    return {"float_test_acc": acc_float, "fixed_test_acc": acc_fixed, "saturations": net.counter.total()}
+
+
+def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
+                       resume: bool = False) -> dict[str, Any]:
+    """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual).
+
+    ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
+    parameters): the pretrained model is first evaluated with both forwards, the basis is stored
+    at ``hw.basis_bits`` (per-column scale), and ``hw.learner: integer`` replaces the float
+    coordinate state by :class:`szo.hw.train.OnChipSZO` (integer c / momentum; ``szo-rge`` then
+    draws seed-004 Rademacher directions from XORShift32).
+    """
+    from szo.io import atomic_write_json
     from szo.optim import build_optimizer
     from szo.train import fit
 
@@ -157,24 +188,55 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
     train, test = _loaders(cfg, g)
     model = build_model(cfg)
     sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
-    if cfg["mode"] == "continual":
-        src = sub.provenance.get("source_model")
-        if not src or not Path(src).is_file():
-            raise ValueError(f"continual training needs the pretrained model: subspace {cfg['subspace']['name']!r} "
-                             f"has provenance source_model={src!r}, which is not a file")
-        model.load_state_dict(load_file(src))
+    extra: dict[str, Any] = {"backend": cfg["backend"], "bn_stats": cfg["bn_stats"]}
+    if cfg["mode"] == "continual" or cfg["bn_stats"] == "deployed":
+        state = _source_state(cfg, sub)
+        if cfg["mode"] == "continual":
+            model.load_state_dict(state)
+        else:  # scratch with deployed statistics: only the BN buffers of the pretrained model
+            names = {n for n, _ in model.named_parameters()}
+            model.load_state_dict({n: t for n, t in state.items() if n not in names}, strict=False)
+        if cfg["backend"] == "fixed":
+            model.load_state_dict(state)
+            extra["conversion"] = _conversion_check(model, test, cfg)
     model.load_flat_params(sub.reference)
-    model.to(device)
+    net = model
+    hw = cfg["hw"]
+    if cfg["backend"] == "fixed":
+        from szo.hw import to_fixed
+        from szo.hw.train import basis_error, quantized_subspace
+
+        net = to_fixed(model, weight_bits=hw["weight_bits"])
+        extra["hw"] = dict(hw)
+        if hw["basis_bits"] is not None:
+            extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
+            if hw["learner"] == "float":
+                sub = quantized_subspace(sub, hw["basis_bits"])
+    net.to(device)
     tr, sz = cfg["train"], cfg["szo"]
-    opt = build_optimizer(cfg["method"], model, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
-                          weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
-                          coords_per_step=sz["coords_per_step"], generator=g)
+    if hw["learner"] == "integer":
+        from szo.hw.train import OnChipSZO
+
+        opt = OnChipSZO(net, sub, lr=tr["lr"], momentum=tr["momentum"],
+                        mu_lsb=max(1, round(sz["mu"] * 2 ** hw["coord_frac"])),
+                        estimator="cge" if cfg["method"] == "szo-cge" else "rademacher", q=sz["q"],
+                        seed=int(cfg["seed"]) % 0xFFFFFFFF + 1, basis_bits=hw["basis_bits"] or 16,
+                        coord_bits=hw["coord_bits"], coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"])
+    else:
+        opt = build_optimizer(cfg["method"], net, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
+                              weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
+                              coords_per_step=sz["coords_per_step"], generator=g)
     info = _info(cfg, cfg["method"], cfg["mode"], model)
-    info.update(subspace=cfg["subspace"]["name"], k=sub.k)
-    return fit(model, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
-               device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
-               progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
-               checkpoint_every_steps=tr["checkpoint_every_steps"], info=info)
+    info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
+    summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
+                  device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
+                  progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
+                  checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"])
+    if cfg["backend"] == "fixed":  # every clamp of this run's integer forwards, never silent
+        summary["saturations"] = net.saturation_counts()
+        summary["saturations_total"] = net.counter.total()
+        atomic_write_json(run_dir / "results.json", summary)
+    return summary
 
 
 def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str | None = None,

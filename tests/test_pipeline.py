@@ -79,3 +79,39 @@ def test_subspace_recipe_runs_missing_bptt_stage(tmp_path):
     s = run_recipe(load_recipe("digits-scratch", sets), tmp_path / "run")
     assert (tmp_path / "run" / "bptt" / "model.safetensors").is_file()
     assert s["fp"] == s["bp"] == 2 and s["label"] == "BP-Subspace"
+
+
+def test_fixed_backend_recipe_converts_and_trains_through_integer_forward(bp_run):
+    root, sets, _ = bp_run
+    small = sets + ["train.epochs=1", "train.max_steps_per_epoch=2"]
+    s = run_recipe(load_recipe("digits-fixed", small), root / "fixed")
+    conv = s["conversion"]
+    assert s["backend"] == "fixed" and s["bn_stats"] == "deployed" and s["fp"] == 2 * 2 * 6
+    assert 0.0 <= conv["fixed_test_acc"] <= 1.0 and 0.0 <= conv["float_test_acc"] <= 1.0
+    assert 0.0 < s["basis_rel_error"] < 0.02  # int8 basis, per-column scale
+    assert isinstance(s["saturations_total"], int)
+    assert json.loads((root / "fixed" / "results.json").read_text())["saturations_total"] == s["saturations_total"]
+    # deployed BN statistics: the run never changes the BN buffers of the pretrained model
+    ck = torch.load(root / "fixed" / "checkpoints" / "last.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    src = load_file(root / "bp" / "model.safetensors")
+    for n in ("bn1.running_mean", "bn2.running_var"):
+        assert torch.equal(ck["model"][n], src[n])
+    # the integer on-chip learner (XORShift32 Rademacher probes) through the same recipe
+    s = run_recipe(load_recipe("digits-fixed", small + ["method=szo-rge", "szo.q=2", "hw.learner=integer"]),
+                   root / "fixed-int")
+    assert s["fp"] == 2 * 2 * 2 and s["label"] == "SZO-RGE(q=2)"
+    ck = torch.load(root / "fixed-int" / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["optimizer"]["on_chip"]["c"].dtype == torch.int64
+
+
+def test_fixed_backend_bad_combinations_are_one_clear_error():
+    with pytest.raises(ValueError, match="needs bn_stats 'deployed'"):
+        load_recipe("digits-fixed", ["bn_stats=batch"])
+    with pytest.raises(ValueError, match="valid: szo-cge, szo-rge, szo-1pt"):
+        load_recipe("digits-fixed", ["method=bp-subspace"])
+    with pytest.raises(ValueError, match="needs backend 'fixed'"):
+        load_recipe("digits-scratch", ["hw.learner=integer"])
+    with pytest.raises(ValueError, match="invalid backend 'loihi'; valid: float, fixed"):
+        load_recipe("digits-scratch", ["backend=loihi"])

@@ -24,6 +24,7 @@ from torch import nn
 
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, right_shift_to_zero, saturate
+from szo.functional.zo import check_loss
 from szo.hw.xorshift import XorShift32
 
 __all__ = ["MOMENTUM_SHIFT", "OnChipSZO", "basis_error", "dequantize_basis", "evaluate_fixed",
@@ -102,13 +103,18 @@ def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision |
     return correct / total
 
 
-class OnChipSZO:
+class OnChipSZO(torch.optim.Optimizer):
     """Integer-state SZO driving a (fixed-point) model's float master parameters.
 
-    ``step(closure)`` runs the probes (each: set theta = deq(theta_ref_q) + deq(P) c_probe,
-    call ``closure()``), estimates the coordinate gradient and applies the integer update
-    ``delta <- round(-lr g 2**f) + (delta * m_int >> 8)``, ``c <- sat(c + delta)``.
+    A ``torch.optim.Optimizer`` (forward-only, like ``szo.optim.SZO``), so ``szo.train.fit``,
+    LR schedulers and checkpoints drive it: ``step(closure)`` runs the probes (each: set
+    theta = deq(theta_ref_q) + deq(P) c_probe, call ``closure()``), estimates the coordinate
+    gradient and applies the integer update ``delta <- round(-lr g 2**f) + (delta * m_int >> 8)``,
+    ``c <- sat(c + delta)``. ``lr`` is read from ``param_groups[0]`` each step (host-side
+    schedule); everything the chip keeps between steps is an integer (:meth:`state_bits`).
     """
+
+    forward_only = True
 
     def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
                  mu_lsb: int = 1 << 12, estimator: str = "cge", q: int = 1, seed: int = 1,
@@ -130,8 +136,9 @@ class OnChipSZO:
         theta = model.flat_params().to(torch.float64)
         if subspace.basis.shape[0] != theta.numel():
             raise ValueError(f"subspace d = {subspace.basis.shape[0]} does not match the model's d = {theta.numel()}")
+        super().__init__(model.parameters(), dict(lr=float(lr), momentum=float(momentum)))
         self.model = model
-        self.lr, self.momentum, self.mu_lsb = float(lr), float(momentum), mu_lsb
+        self.mu_lsb = mu_lsb
         self.estimator, self.q = estimator, q
         self.coord_bits, self.coord_frac = coord_bits, coord_frac
         self.basis_bits, self.ref_bits = basis_bits, ref_bits
@@ -139,7 +146,7 @@ class OnChipSZO:
         self._P = dequantize_basis(self.P_int, self.P_scale)  # the values the integer P stands for
         self.k = self._P.shape[1]
         self.theta_ref = self._quantize_ref(model, theta)
-        self.momentum_int = int(round(self.momentum * (1 << MOMENTUM_SHIFT)))
+        self.momentum_int = int(round(momentum * (1 << MOMENTUM_SHIFT)))
         self.c = torch.zeros(self.k, dtype=torch.int64)
         self.delta = torch.zeros(self.k, dtype=torch.int64)
         self.rng = XorShift32(seed)
@@ -147,6 +154,34 @@ class OnChipSZO:
         self.forward_passes = 0
         self.step_count = 0
         self._load(self.c)
+
+    @property
+    def lr(self) -> float:
+        return float(self.param_groups[0]["lr"])
+
+    @property
+    def momentum(self) -> float:
+        return float(self.param_groups[0]["momentum"])
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["on_chip"] = {"c": self.c.clone(), "delta": self.delta.clone(),
+                         "rng_state": torch.tensor([self.rng.state], dtype=torch.int64),
+                         "forward_passes": self.forward_passes, "step_count": self.step_count}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("on_chip", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            c = extra["c"].to(torch.int64)
+            if c.shape != (self.k,):
+                raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {self.k}")
+            self.c, self.delta = c, extra["delta"].to(torch.int64)
+            self.rng.state = int(extra["rng_state"][0])
+            self.forward_passes, self.step_count = int(extra["forward_passes"]), int(extra["step_count"])
+            self._load(self.c)
 
     def _quantize_ref(self, model: nn.Module, theta: torch.Tensor) -> torch.Tensor:
         """theta_ref as ``ref_bits`` mantissas with one exponent per parameter tensor (what the chip stores)."""
@@ -182,17 +217,21 @@ class OnChipSZO:
         return torch.stack([g.rademacher(self.k) for _ in range(self.q)])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor]) -> float:
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
             raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
         Z = self._directions()  # [m, k] integer directions
         plus, minus = [], []
-        for z in Z:
-            for sign, store in ((1, plus), (-1, minus)):
-                probe = saturate(self.c + sign * self.mu_lsb * z, self.coord_bits, self.counter, "coords", "probe")
-                self._load(probe)
-                store.append(float(closure()))
-                self.forward_passes += 1
+        try:
+            for z in Z:
+                for sign, store in ((1, plus), (-1, minus)):
+                    probe = saturate(self.c + sign * self.mu_lsb * z, self.coord_bits, self.counter, "coords", "probe")
+                    self._load(probe)
+                    store.append(check_loss(closure(), f"closure (probe {self.forward_passes + 1})"))
+                    self.forward_passes += 1
+        except BaseException:
+            self._load(self.c)  # a failed probe leaves the parameters at c, not at the probe
+            raise
         lp, lm = torch.tensor(plus, dtype=torch.float64), torch.tensor(minus, dtype=torch.float64)
         mu = self.mu_lsb / (1 << self.coord_frac)
         g = ((lp - lm) / (2 * mu)) @ Z.to(torch.float64)  # coordinate gradient estimate
@@ -205,7 +244,7 @@ class OnChipSZO:
         self.c = saturate(self.c + self.delta, self.coord_bits, self.counter, "coords", "c")
         self.step_count += 1
         self._load(self.c)
-        return float((lp.mean() + lm.mean()) / 2)
+        return torch.tensor(float((lp.mean() + lm.mean()) / 2))
 
     def state_bits(self) -> dict[str, int]:
         """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed)."""

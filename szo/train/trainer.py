@@ -108,14 +108,20 @@ def fit(
     checkpoint_every_steps: int | None = None,
     info: dict[str, Any] | None = None,
     plot: bool = True,
+    bn_stats: str = "batch",
 ) -> dict[str, Any]:
     """Train ``model`` for ``epochs`` epochs (total, counted from 0) and return the summary.
 
     Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
     results.json (the summary) and training_curve.png. ``scheduler`` is stepped once per
     epoch. ``start_epoch`` numbers the first epoch of a fresh run (ignored on resume).
-    ``info`` (e.g. method, recipe, k) is merged into the summary.
+    ``info`` (e.g. method, recipe, k) is merged into the summary. ``bn_stats="deployed"``
+    keeps every BatchNorm layer in eval mode while training (normalise with the running
+    statistics, never update them: the BN of a chip that folds it into the weights);
+    ``"batch"`` is ordinary train-mode BN.
     """
+    if bn_stats not in ("batch", "deployed"):
+        raise ValueError(f"unknown bn_stats {bn_stats!r}; valid: batch, deployed")
     _positive_int("epochs", epochs)
     _positive_int("eval_every", eval_every)
     _positive_int("max_steps_per_epoch", max_steps_per_epoch, allow_none=True)
@@ -218,6 +224,10 @@ def fit(
         mid = None
         lr = float(optimizer.param_groups[0]["lr"])
         model.train()
+        if bn_stats == "deployed":
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
         bar = tqdm(total=len(batches), initial=done, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
                    disable=not progress, dynamic_ncols=True)
         t_last = time.perf_counter()

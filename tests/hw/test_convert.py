@@ -213,3 +213,40 @@ def test_quantized_basis_error_and_on_chip_szo():
     assert acc == float((f.last_readout_sum.argmax(1) == y).float().mean())
     with pytest.raises(ValueError, match="valid: \\['cge', 'rademacher'\\]"):
         OnChipSZO(f, sub, estimator="spsa")
+
+
+def test_on_chip_szo_is_an_optimizer_whose_state_resumes_exactly():
+    from subspace_store import Subspace
+
+    from szo.hw.train import OnChipSZO
+
+    m = _active_convnet()
+    f = to_fixed(m)
+    d, k = f.num_params(), 3
+    P, _ = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(2)))
+    ref = f.flat_params()
+    sub = Subspace(P, torch.zeros(d), ref, torch.ones(k), torch.ones(k) / k, layout=f.param_layout())
+    x, y = _digits_like(8), torch.arange(8) % 10
+    closure = lambda: nn.functional.cross_entropy(f(x).mean(0), y)  # noqa: E731
+
+    def fresh():
+        m.load_flat_params(ref)
+        return OnChipSZO(f, sub, lr=0.5, estimator="rademacher", q=2, seed=5, mu_lsb=1 << 14)
+
+    a = fresh()
+    sched = torch.optim.lr_scheduler.StepLR(a, step_size=1, gamma=0.5)  # an ordinary torch scheduler drives lr
+    for _ in range(2):
+        a.step(closure)
+        sched.step()
+    assert a.lr == 0.125
+    saved = a.state_dict()
+    a.step(closure)
+    b = fresh()
+    b.load_state_dict(saved)
+    b.step(closure)
+    assert torch.equal(a.c, b.c) and torch.equal(a.delta, b.delta) and a.forward_passes == b.forward_passes == 12
+    # a NaN probe raises and leaves the parameters at c, not at the probe
+    before = f.flat_params().clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        b.step(lambda: torch.tensor(float("nan")))
+    assert torch.equal(f.flat_params(), before)
