@@ -115,3 +115,18 @@ def test_fixed_backend_bad_combinations_are_one_clear_error():
         load_recipe("digits-scratch", ["hw.learner=integer"])
     with pytest.raises(ValueError, match="invalid backend 'loihi'; valid: float, fixed"):
         load_recipe("digits-scratch", ["backend=loihi"])
+
+
+def test_event_frame_recipe_batches_are_time_major(tmp_path):
+    # event-frame samples are [T, P, H, W]; the loader must hand the model [T, N, P, H, W]
+    from szo.data import collate_time_major
+
+    x, y = collate_time_major([(torch.zeros(5, 2, 4, 4), 1), (torch.ones(5, 2, 4, 4), 2)])
+    assert x.shape == (5, 2, 2, 4, 4) and torch.equal(x[:, 1], torch.ones(5, 2, 4, 4)) and y.tolist() == [1, 2]
+    x, _ = collate_time_major([(torch.zeros(1, 8, 8), 0)] * 3)
+    assert x.shape == (3, 1, 8, 8)
+    sets = ["progress=false", "model.T=4", "model.kwargs={width: 4}", "data.kwargs={T: 4, n_per_class: 2}",
+            "data.test_batch_size=22", "bptt.epochs=1", "trajectory.every=1", "subspace.k=1",
+            f"subspace.root={tmp_path / 'subspaces'}"]
+    s = run_recipe(load_recipe("synthetic-gesture", sets), tmp_path / "sg")
+    assert s["fp"] == s["bp"] == 2 and s["best_test_acc"] is not None

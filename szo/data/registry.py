@@ -23,6 +23,7 @@ __all__ = [
     "dataset_info",
     "get_dataset",
     "make_loader",
+    "collate_time_major",
     "default_data_dir",
 ]
 
@@ -131,6 +132,18 @@ def get_dataset(
     return fn(split, **kw)
 
 
+def collate_time_major(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ``(x, y)`` samples: static images ``[C, H, W]`` -> ``[N, C, H, W]``; event-frame
+    sequences ``[T, C, H, W]`` -> ``[T, N, C, H, W]`` (SpikingJelly's multi-step layout, which
+    the models take as is)."""
+    xs = [torch.as_tensor(b[0]) for b in batch]
+    if xs[0].dim() == 4:
+        x = torch.stack(xs, 1)
+    else:
+        x = torch.stack(xs, 0)
+    return x, torch.as_tensor([int(b[1]) for b in batch])
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,
@@ -140,7 +153,8 @@ def make_loader(
     num_workers: int = 0,
     drop_last: bool = False,
 ) -> DataLoader:
-    """A ``DataLoader`` whose shuffling (and worker seeds) come from the explicit ``generator``.
+    """A ``DataLoader`` whose shuffling (and worker seeds) come from the explicit ``generator``;
+    batches are collated by :func:`collate_time_major` (sequences come out ``[T, N, ...]``).
 
     Random augmentations (torchvision transforms, digits shift) draw from torch's global RNG:
     in worker processes that RNG is seeded by the DataLoader from ``generator``; with
@@ -160,4 +174,5 @@ def make_loader(
         num_workers=num_workers,
         drop_last=bool(drop_last),
         persistent_workers=False,
+        collate_fn=collate_time_major,
     )

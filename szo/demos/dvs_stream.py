@@ -326,6 +326,7 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     Reuses ``directory`` when it already holds a model trained with the same settings.
     """
     from subspace_store import SubspaceStore, build_subspace
+    from szo.data.registry import collate_time_major
     from szo.data.synthetic_events import SyntheticGesture
     from szo.losses import tet_loss
     from szo.models import create
@@ -361,13 +362,9 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
         xs = torch.stack([ds[i][0] for i in range(len(ds))])  # [N, T, P, H, W]
         return torch.utils.data.TensorDataset(xs, torch.tensor(ds.targets))
 
-    def collate(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.stack([b[0] for b in batch], 1)  # [T, N, P, H, W]
-        return x, torch.stack([b[1] for b in batch])
-
     train_loader = torch.utils.data.DataLoader(tensors(train_ds), batch_size=s.batch_size, shuffle=True,
-                                               generator=gen, collate_fn=collate)
-    test_loader = torch.utils.data.DataLoader(tensors(test_ds), batch_size=64, collate_fn=collate)
+                                               generator=gen, collate_fn=collate_time_major)
+    test_loader = torch.utils.data.DataLoader(tensors(test_ds), batch_size=64, collate_fn=collate_time_major)
     model_kwargs = dict(num_classes=n_classes, T=s.T, in_channels=int(s.sensor_size[2]), width=s.width)
     model = create(s.model, **model_kwargs)
     recorder = TrajectoryRecorder(directory / "trajectory", model, every=s.record_every_steps)
