@@ -24,7 +24,7 @@ import yaml
 from szo.io import atomic_write_text
 
 __all__ = [
-    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS",
+    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES",
     "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides",
     "parse_override", "validate", "resolve", "write_config", "method_label",
 ]
@@ -43,6 +43,7 @@ SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
 DEVICES = ("cpu", "cuda")
 SCHEDULERS = ("cosine", "constant")
 REFERENCES = ("first", "last")
+DIST_MODES = ("data", "perturbation")  # = szo.distributed.MODES
 
 _STAGE = {
     "epochs": 1, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "scheduler": "cosine",
@@ -68,6 +69,8 @@ DEFAULTS: dict[str, Any] = {
     "subspace": {"name": None, "k": 20, "window": None, "reference": "first", "root": None},
     "train": dict(_STAGE, lr=None, weight_decay=0.0),
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None},
+    # multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process
+    "distributed": {"mode": "data", "sync_bn": True, "timeout_s": 300.0},
 }
 
 # type rules: key path -> (types, nullable)
@@ -84,6 +87,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
     "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
     "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
+    "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -93,7 +97,8 @@ for _s in ("bptt", "train"):
     })
 _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
-             "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps"}
+             "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
+             "distributed.timeout_s"}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -288,6 +293,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     _choice(full, "bptt.scheduler", SCHEDULERS)
     _choice(full, "train.scheduler", SCHEDULERS)
     _choice(full, "subspace.reference", REFERENCES)
+    _choice(full, "distributed.mode", DIST_MODES)
     ev = full["trajectory"]["every"]
     if ev != "epoch" and (isinstance(ev, str) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")
