@@ -2,6 +2,7 @@
 
     szo recipe --list
     szo recipe NAME|FILE.yaml [--set key=value ...] [--out DIR] [--device cpu|cuda] [--resume]
+    torchrun --nproc_per_node=N -m szo recipe NAME ...   (multi-process SZO, szo.distributed)
     szo demo digits [--out DIR]
     szo report RUN_DIR [RUN_DIR ...] [--out DIR]
     szo subspace build|ls|show|rm ...          (subspace_store.cli)
@@ -12,12 +13,15 @@ also define ``register_demo(demo_subparsers)`` to add ``szo demo NAME``. A regis
 that does not exist (yet) is skipped; errors inside an importable one propagate.
 
 Bad input (unknown recipe / key / choice, missing data) prints one line ``error: ...`` and
-exits with status 2, without a traceback.
+exits with status 2, without a traceback. Under torchrun every rank that fails prints its own
+line prefixed with ``[rank R/W]``; a lost peer (``szo.distributed.RankFailure``) exits with
+status 3 (rerun the same command with ``--resume``). Only rank 0 prints the summary line.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -48,13 +52,17 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     if not args.name:
         raise ValueError(f"give a recipe name or --list; valid recipes: {', '.join(recipe_names())}")
     from szo.config import load_recipe
+    from szo.distributed import launch
     from szo.pipeline import run_recipe
 
     cfg = load_recipe(args.name, args.set or [])
     out = args.out or f"runs/{cfg['name']}"
     if args.device:
         cfg["device"] = args.device
-    s = run_recipe(cfg, out, device=args.device, resume=args.resume)
+    with launch(device=args.device or cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
+        s = run_recipe(cfg, out, device=args.device, resume=args.resume)
+    if info.rank != 0:
+        return 0
     acc = s.get("best_test_acc") if isinstance(s, dict) else None
     if acc is None:
         print(f"{cfg['name']} done in {out}")
@@ -130,13 +138,22 @@ def _one_line(e: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``szo`` console script; returns the exit status."""
     from szo.data import DataNotFoundError
+    from szo.distributed import RankFailure, env_world_size
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        world = env_world_size()
+    except ValueError:
+        world = 1
+    who = f"[rank {os.environ.get('RANK', '?')}/{world}] " if world > 1 else ""
+    try:
         return int(args.func(args) or 0)
-    except (ValueError, DataNotFoundError, FileNotFoundError) as e:
+    except RankFailure as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 3
+    except (ValueError, DataNotFoundError, FileNotFoundError) as e:
+        print(f"error: {who}{_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)

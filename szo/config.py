@@ -24,7 +24,7 @@ import yaml
 from szo.io import atomic_write_text
 
 __all__ = [
-    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS",
+    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES",
     "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides",
     "parse_override", "validate", "resolve", "write_config", "method_label",
 ]
@@ -46,6 +46,7 @@ REFERENCES = ("first", "last")
 BACKENDS = ("float", "fixed")  # = szo.hw.BACKENDS
 BN_STATS = ("batch", "deployed")
 HW_LEARNERS = ("float", "integer")  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
+DIST_MODES = ("data", "perturbation")  # = szo.distributed.MODES
 
 _STAGE = {
     "epochs": 1, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "scheduler": "cosine",
@@ -78,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     "bn_stats": "batch",
     "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
            "ref_bits": 16},
+    # multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process
+    "distributed": {"mode": "data", "sync_bn": True, "timeout_s": 300.0},
 }
 
 # type rules: key path -> (types, nullable)
@@ -97,6 +100,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "backend": (_STR, False), "bn_stats": (_STR, False),
     "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
+    "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -106,7 +110,8 @@ for _s in ("bptt", "train"):
     })
 _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
-             "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps"}
+             "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
+             "distributed.timeout_s"}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -301,6 +306,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     _choice(full, "bptt.scheduler", SCHEDULERS)
     _choice(full, "train.scheduler", SCHEDULERS)
     _choice(full, "subspace.reference", REFERENCES)
+    _choice(full, "distributed.mode", DIST_MODES)
     ev = full["trajectory"]["every"]
     if ev != "epoch" and (isinstance(ev, str) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")

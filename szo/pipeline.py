@@ -14,7 +14,14 @@
   parameters and BN buffers) and set the parameters to the reference (last sample).
 
 Every run dir holds config.yaml (resolved), metrics.jsonl, checkpoints/, results.json and
-training_curve.png. Model initialisation draws from torch's global RNG inside
+training_curve.png.
+
+Multi-process (``torchrun --nproc_per_node=N -m szo recipe NAME``; the CLI initialises the
+process group): only ``kind: subspace`` recipes with a forward-only method (``szo-cge``,
+``szo-rge``, ``szo-1pt``) run, data- or perturbation-parallel (``distributed.mode``), and the
+subspace must already be in the store on every node: the BPTT stage is backpropagation and runs
+in one process (``szo recipe NAME --set kind=bp``, same ``--set`` options). Rank 0 writes the
+run directory; each rank evaluates its shard of the test set. Model initialisation draws from torch's global RNG inside
 ``torch.random.fork_rng`` seeded with ``cfg.seed`` (the caller's RNG state is untouched);
 everything else (data order, RGE directions) uses the run's own ``torch.Generator``.
 """
@@ -55,13 +62,22 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
                              activation=m["activation"], **kw)
 
 
-def _loaders(cfg: Mapping[str, Any], generator: torch.Generator):
+def _loaders(cfg: Mapping[str, Any], generator: torch.Generator, parallel=None):
+    """Train loader over the whole train set (``fit`` shards its batches) and test loader
+    (this rank's contiguous shard of the test set in a multi-process run)."""
+    from torch.utils.data import Subset
+
     from szo.data import get_dataset, make_loader
 
     d = cfg["data"]
     common = dict(data_dir=d["data_dir"], download=d["download"], **d["kwargs"])
     train = get_dataset(d["name"], "train", augment=d["augment"], **common)
     test = get_dataset(d["name"], "test", augment=False if d["augment"] is not None else None, **common)
+    if parallel is not None:
+        lo, hi = parallel.shard_bounds(len(test))
+        if hi == lo:
+            raise ValueError(f"the test set has {len(test)} samples, fewer than the {parallel.world_size} processes")
+        test = Subset(test, range(lo, hi))
     return (make_loader(train, d["batch_size"], shuffle=True, generator=generator, num_workers=d["num_workers"]),
             make_loader(test, d["test_batch_size"], shuffle=False, num_workers=d["num_workers"]))
 
@@ -167,9 +183,33 @@ def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any
     return {"float_test_acc": acc_float, "fixed_test_acc": acc_fixed, "saturations": net.counter.total()}
 
 
+def _parallel(cfg: Mapping[str, Any]):
+    """``szo.distributed.Parallel`` for this rank when the process group spans > 1 process, else None."""
+    from szo import distributed as D
+
+    if not D.get_info().enabled:
+        if D.env_world_size() > 1:
+            raise ValueError(f"launched by torchrun (WORLD_SIZE={D.env_world_size()}) but torch.distributed is not "
+                             "initialised; run `szo recipe` (the CLI sets it up) or wrap the call in "
+                             "szo.distributed.launch()")
+        return None
+    _check_distributed_method(cfg)
+    dc = cfg["distributed"]
+    return D.Parallel(mode=dc["mode"], sync_bn=dc["sync_bn"])
+
+
+def _check_distributed_method(cfg: Mapping[str, Any]) -> None:
+    from szo.optim import DISTRIBUTED_METHODS
+
+    if cfg["method"] not in DISTRIBUTED_METHODS:
+        raise ValueError(f"method {cfg['method']!r} does not run on several processes; multi-process (torchrun) "
+                         f"runs support: {', '.join(DISTRIBUTED_METHODS)} (or run it in one process)")
+
+
 def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
                        resume: bool = False) -> dict[str, Any]:
-    """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual).
+    """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual);
+    on every rank of a multi-process run (only rank 0 writes ``run_dir``).
 
     ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
     parameters): the pretrained model is first evaluated with both forwards, the basis is stored
@@ -177,15 +217,18 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
     coordinate state by :class:`szo.hw.train.OnChipSZO` (integer c / momentum; ``szo-rge`` then
     draws seed-004 Rademacher directions from XORShift32).
     """
+    from szo.distributed import fault_injection_callbacks
     from szo.io import atomic_write_json
     from szo.optim import build_optimizer
     from szo.train import fit
 
+    par = _parallel(cfg)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(cfg, run_dir / "config.yaml")
+    if par is None or par.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(cfg, run_dir / "config.yaml")
     g = torch.Generator().manual_seed(int(cfg["seed"]))
-    train, test = _loaders(cfg, g)
+    train, test = _loaders(cfg, g, par)
     model = build_model(cfg)
     sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
     extra: dict[str, Any] = {"backend": cfg["backend"], "bn_stats": cfg["bn_stats"]}
@@ -217,6 +260,8 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
     if hw["learner"] == "integer":
         from szo.hw.train import OnChipSZO
 
+        if par is not None:
+            raise ValueError("hw.learner 'integer' runs in one process; use hw.learner 'float' under torchrun")
         opt = OnChipSZO(net, sub, lr=tr["lr"], momentum=tr["momentum"],
                         mu_lsb=max(1, round(sz["mu"] * 2 ** hw["coord_frac"])),
                         estimator="cge" if cfg["method"] == "szo-cge" else "rademacher", q=sz["q"],
@@ -225,14 +270,17 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
     else:
         opt = build_optimizer(cfg["method"], net, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
                               weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
-                              coords_per_step=sz["coords_per_step"], generator=g)
+                              coords_per_step=sz["coords_per_step"], generator=g,
+                              distributed=par.mode if par is not None else None,
+                              sync_bn=par.sync_bn if par is not None else True)
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
                   device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
                   progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
-                  checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"])
-    if cfg["backend"] == "fixed":  # every clamp of this run's integer forwards, never silent
+                  checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
+                  parallel=par, callbacks=fault_injection_callbacks())
+    if cfg["backend"] == "fixed" and (par is None or par.is_main):  # every clamp of the integer forwards
         summary["saturations"] = net.saturation_counts()
         summary["saturations_total"] = net.counter.total()
         atomic_write_json(run_dir / "results.json", summary)
@@ -244,8 +292,12 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
     """Run a resolved recipe config (``szo.config.load_recipe``); returns the last stage's summary."""
     from szo.config import EXTERNAL_KINDS
 
+    from szo import distributed as D
+
     dev = _device(cfg, device)
     out = Path(out_dir)
+    if D.env_world_size() > 1 or D.get_info().enabled:
+        return _run_recipe_distributed(cfg, out, dev, resume)
     if cfg["kind"] in EXTERNAL_KINDS:  # e.g. kind: tta -> szo.adapt.cli.run_recipe
         import importlib
 
@@ -256,6 +308,26 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
     store = subspace_store_for(cfg)
     if not store.exists(cfg["subspace"]["name"]):
         run_bptt_stage(cfg, out / "bptt", device=dev, resume=resume)
+    return run_subspace_stage(cfg, out, device=dev, resume=resume)
+
+
+def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool) -> dict[str, Any]:
+    """One rank's part of a torchrun run: a subspace recipe whose subspace is already stored."""
+    from szo import distributed as D
+
+    world = max(D.env_world_size(), D.get_info().world_size)
+    if cfg["kind"] != "subspace":
+        raise ValueError(f"multi-process runs train in a subspace (kind: subspace); recipe {cfg['name']!r} is kind: "
+                         f"{cfg['kind']}: run it in one process (szo recipe {cfg['name']}), not under torchrun")
+    _check_distributed_method(cfg)
+    store = subspace_store_for(cfg)
+    name = cfg["subspace"]["name"]
+    if not store.exists(name):
+        raise ValueError(f"subspace {name!r} is not in the store {store.root} (needed on every node of a "
+                         f"{world}-process run); its BPTT stage runs in one process: szo recipe {cfg['name']} "
+                         f"--set kind=bp [same --set options], then rerun under torchrun")
+    if dev.startswith("cuda"):  # one GPU per process
+        dev = f"cuda:{D.get_info().local_rank}"
     return run_subspace_stage(cfg, out, device=dev, resume=resume)
 
 

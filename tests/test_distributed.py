@@ -56,16 +56,19 @@ def _worker(rank, world, init_file, out_dir, mode, bn):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode,bn", [("data", False), ("perturbation", True)])
+@pytest.mark.parametrize("mode,bn", [("data", False), ("data", True), ("perturbation", True)])
 def test_two_process_szo_equals_single_process(tmp_path, mode, bn):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), mode, bn), nprocs=2, join=True)
     got = load_file(str(tmp_path / f"{mode}.safetensors"))
     ref, _ = train(None, bn)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v.float() if v.is_floating_point() else v, rtol=1e-5, atol=1e-6, msg=k)
-    # what crosses the network per step: the 2q = 6 probe losses (float64), plus BN statistics if any
+    # what crosses the network per step: the 2q = 6 probe losses (float64), plus the BN running
+    # statistics once per step (float32) if any, plus in data mode the BN batch statistics of
+    # every probe (sync BN: sum, sum of squares, count in float64)
     bn_bytes = (2 * 5 + 1) * 4 if bn else 0
-    assert float(got["bytes_per_step"]) == 6 * 8 + bn_bytes
+    sync_bytes = 6 * (2 * 5 + 1) * 8 if bn and mode == "data" else 0
+    assert float(got["bytes_per_step"]) == 6 * 8 + bn_bytes + sync_bytes
     print(f"{mode}-parallel: {float(got['bytes_per_step']):.0f} bytes communicated per step and rank")
 
 

@@ -23,11 +23,13 @@ __all__ = [
     "check_layout",
     "METHODS",
     "SUBSPACE_METHODS",
+    "DISTRIBUTED_METHODS",
     "build_optimizer",
 ]
 
 METHODS = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")
 SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
+DISTRIBUTED_METHODS = ("szo-cge", "szo-rge", "szo-1pt")  # methods that run on torch.distributed
 
 
 def build_optimizer(
@@ -42,8 +44,14 @@ def build_optimizer(
     q: int = 1,
     coords_per_step: int | None = None,
     generator: torch.Generator | None = None,
+    distributed: str | None = None,
+    sync_bn: bool = True,
+    process_group=None,
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
+
+    ``distributed`` (``"data"`` | ``"perturbation"``, see ``SZO``) is supported by the
+    forward-only subspace methods ``DISTRIBUTED_METHODS`` only.
 
     ``zo-cge`` perturbs ``coords_per_step`` random coordinates per step (default: the
     subspace's k when a subspace is given, so it spends the same 2k forwards per step as
@@ -51,6 +59,9 @@ def build_optimizer(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    if distributed is not None and method not in DISTRIBUTED_METHODS:
+        raise ValueError(f"method {method!r} does not run on several processes; multi-process (torchrun) runs "
+                         f"support: {', '.join(DISTRIBUTED_METHODS)}")
     params = list(model.parameters())
     if method == "bp":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -63,7 +74,7 @@ def build_optimizer(
             return BPSubspace(params, subspace, lr=lr, momentum=momentum, model=model)
         estimator = {"szo-cge": "cge", "szo-rge": "rge", "szo-1pt": "one-point"}[method]
         return SZO(params, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q, model=model,
-                   generator=generator)
+                   generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group)
     # full-space ZO
     if method == "zo-cge" and coords_per_step is None and subspace is not None:
         coords_per_step = int(subspace.basis.shape[1])

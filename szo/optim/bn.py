@@ -76,11 +76,12 @@ class BNStatsFreezer:
         sent = 0
         count = self._count
         if distributed and self.layers and self.active:
-            import torch.distributed as dist
+            from szo.distributed import all_reduce_
 
-            flat = torch.cat([torch.cat([a, b]) for a, b in self._sum] + [torch.tensor([float(count)])])
-            dist.all_reduce(flat, group=process_group)  # one message: sums of all layers + probe count
-            sent = flat.numel() * flat.element_size()
+            ref = self._sum[0][0]
+            flat = torch.cat([torch.cat([a, b]) for a, b in self._sum]
+                             + [torch.tensor([float(count)], dtype=ref.dtype, device=ref.device)])
+            sent = all_reduce_(flat, process_group)  # one message: sums of all layers + probe count
             count = int(flat[-1].item())
             off = 0
             for a, b in self._sum:

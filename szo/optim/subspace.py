@@ -16,6 +16,7 @@ The parameter layout (flat order = the order of the ``params`` given, which for
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -187,6 +188,15 @@ class SZO(SubspaceOptimizer):
     statistics are frozen across the probes (see ``szo.optim.bn``). ``step`` returns the mean
     of the probe losses (a cheap, unbiased-to-first-order estimate of the loss at theta)
     as a tensor.
+
+    ``distributed="data"`` (every rank: all probes on its shard of the batch, the closure
+    returning the shard's share of the batch loss) or ``"perturbation"`` (every rank: probes
+    ``rank, rank + W, ...`` on the full batch) runs on an initialised torch.distributed group
+    (``process_group`` or the default one). Per step the m probe losses (float64) and, with BN,
+    the running-statistic sums (once) are all-reduced; in data mode with ``sync_bn`` and BN in
+    train mode also each BN layer's batch statistics per probe (``szo.distributed.SyncBatchNorm``),
+    so that the result equals one process with the whole batch. ``bytes_communicated`` counts
+    these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
     forward_only = True
@@ -206,9 +216,16 @@ class SZO(SubspaceOptimizer):
         freeze_bn: bool = True,
         distributed: str | None = None,
         process_group=None,
+        sync_bn: bool = True,
     ):
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
+        if distributed is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(f"distributed={distributed!r} needs an initialised torch.distributed process "
+                                 "group (dist.init_process_group, or launch with torchrun)")
         if not mu > 0:
             raise ValueError(f"mu must be > 0, got {mu}")
         if estimator not in ESTIMATORS:
@@ -227,8 +244,13 @@ class SZO(SubspaceOptimizer):
         # probes on the full batch. Either way only the m probe losses (and BN statistics)
         # cross the network; every rank applies the identical update (same RGE generator
         # seed on all ranks), so parameters stay in sync without broadcasting weights.
+        # sync_bn (data mode, model given, BN in train mode): BN layers normalise with the
+        # global batch statistics (one all-reduce of 2C + 1 float64 per BN layer and probe),
+        # so the data-parallel run equals the one-process run with the global batch; False
+        # normalises each shard with its own statistics (fewer bytes, a different objective).
         self.distributed = distributed
         self.process_group = process_group
+        self.sync_bn = bool(sync_bn)
         self.bytes_communicated = 0
 
     @property
@@ -266,27 +288,35 @@ class SZO(SubspaceOptimizer):
         saved = [p.detach().clone() for p in params]
         losses = torch.zeros(U.shape[0], dtype=torch.float64)
         rows = range(U.shape[0])
+        sync = contextlib.nullcontext()
         if self.distributed is not None:
             import torch.distributed as dist
+
+            from szo.distributed import SyncBatchNorm
 
             rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
             if self.distributed == "perturbation":
                 rows = range(rank, U.shape[0], world)
+            elif self.sync_bn and self.model is not None:
+                sbn = SyncBatchNorm(self.model, self.process_group)
+                if sbn.active:
+                    sync = sbn
         self.bn.snapshot()
         try:
-            for j in rows:
-                self.bn.restore()
-                u = U[j].to(self._Pt.dtype)
-                if bool(u.any()):
-                    for p, s, pt in zip(params, saved, self._Pt_views):
-                        torch.add(s, (u @ pt).view_as(p), alpha=mu, out=p.data)
-                else:
-                    for p, s in zip(params, saved):
-                        p.data.copy_(s)
-                value = closure()
-                self.forward_passes += 1
-                losses[j] = F.check_loss(value, f"closure (probe {j + 1}/{U.shape[0]})")
-                self.bn.accumulate()
+            with sync:
+                for j in rows:
+                    self.bn.restore()
+                    u = U[j].to(self._Pt.dtype)
+                    if bool(u.any()):
+                        for p, s, pt in zip(params, saved, self._Pt_views):
+                            torch.add(s, (u @ pt).view_as(p), alpha=mu, out=p.data)
+                    else:
+                        for p, s in zip(params, saved):
+                            p.data.copy_(s)
+                    value = closure()
+                    self.forward_passes += 1
+                    losses[j] = F.check_loss(value, f"closure (probe {j + 1}/{U.shape[0]})")
+                    self.bn.accumulate()
         except BaseException:
             self.bn.restore()
             raise
@@ -294,11 +324,16 @@ class SZO(SubspaceOptimizer):
             for p, s in zip(params, saved):
                 p.data.copy_(s)
         if self.distributed is not None:
-            # k (or q) loss values per step: never a gradient or a weight tensor
-            dist.all_reduce(losses, group=self.process_group)
-            self.bytes_communicated += losses.numel() * losses.element_size()
+            from szo.distributed import all_reduce_
+
+            if isinstance(sync, SyncBatchNorm):
+                self.bytes_communicated += sync.bytes
+            # m probe loss values per step: never a gradient or a weight tensor
+            self.bytes_communicated += all_reduce_(losses, self.process_group)
             if self.distributed == "data":
                 losses /= world
+            else:  # count forwards of the (global) batch over all ranks, as one process would
+                self.forward_passes += U.shape[0] - len(rows)
             self.bytes_communicated += self.bn.commit(True, self.process_group)
         else:
             self.bn.commit()
@@ -317,12 +352,14 @@ class SZO(SubspaceOptimizer):
 
     # the RGE generator is part of the optimizer state so checkpoints resume bit-exactly
     def _extra_state(self) -> dict:
-        return {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
+        return {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes,
+                "bytes_communicated": self.bytes_communicated}
 
     def _load_extra_state(self, extra: dict) -> None:
         if "generator_state" in extra:
             self.generator.set_state(extra["generator_state"].to(torch.uint8))
         self.forward_passes = int(extra.get("forward_passes", 0))
+        self.bytes_communicated = int(extra.get("bytes_communicated", 0))
 
 
 class BPSubspace(SubspaceOptimizer):

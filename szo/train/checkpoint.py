@@ -10,7 +10,8 @@ import torch
 
 from szo.io import atomic_torch_save
 
-__all__ = ["CHECKPOINT_NAME", "checkpoint_path", "save_checkpoint", "load_checkpoint", "CHECKPOINT_VERSION"]
+__all__ = ["CHECKPOINT_NAME", "checkpoint_path", "save_checkpoint", "load_checkpoint", "checkpoint_from_bytes",
+           "CHECKPOINT_VERSION"]
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_NAME = "last.pt"
@@ -31,9 +32,20 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    return _checked(torch.load(path, map_location=map_location, weights_only=True), path)
+
+
+def checkpoint_from_bytes(data: bytes, where: str | os.PathLike = "checkpoint",
+                          map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint file's bytes (e.g. broadcast by rank 0) -> its dict, as ``load_checkpoint``."""
+    import io
+
+    return _checked(torch.load(io.BytesIO(data), map_location=map_location, weights_only=True), where)
+
+
+def _checked(state: Any, where: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != "szo-checkpoint":
-        raise ValueError(f"{path} is not an szo checkpoint")
+        raise ValueError(f"{where} is not an szo checkpoint")
     if state.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{path}: checkpoint version {state.get('version')} unsupported; valid: {CHECKPOINT_VERSION}")
+        raise ValueError(f"{where}: checkpoint version {state.get('version')} unsupported; valid: {CHECKPOINT_VERSION}")
     return state

@@ -19,6 +19,17 @@ skipped without being loaded, and the generator is set to the post-step state, s
 directions and later epochs see the same random numbers. A resumed run therefore
 reproduces the uninterrupted run exactly (same data order, same directions, same
 parameters). The loader must shuffle with the run generator passed to ``fit``.
+
+Multi-process runs (``parallel=szo.distributed.Parallel(...)``, forward-only optimizers
+built with the same ``distributed`` mode): every rank draws the same global batch order from
+the same generator; in data mode each rank loads only its contiguous shard of every batch
+(``Parallel.shard``) and the closure weights its shard loss by ``W * n_shard / n_batch``, so
+the all-reduced mean of the shard losses is the loss of the whole batch (all losses here are
+batch means). Rank 0 decides about resuming and broadcasts its checkpoint's bytes, every rank
+loads them (and the parameters are broadcast once), so mid-epoch resume stays exact. Train
+accuracy counts and the (sharded) evaluation sums are all-reduced at checkpoints and epoch
+ends; in perturbation mode the train accuracy averages each rank's own probes. Only rank 0
+writes metrics.jsonl, checkpoints, results.json and the plot, and shows progress.
 """
 from __future__ import annotations
 
@@ -35,7 +46,7 @@ from tqdm.auto import tqdm
 
 from szo.io import atomic_write_json
 from szo.train.callbacks import Callback, MetricsLogger
-from szo.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, load_checkpoint, save_checkpoint
 
 __all__ = ["fit", "evaluate"]
 
@@ -66,9 +77,9 @@ def _epoch_loader(loader: DataLoader, batches: Sequence[list[int]], generator: t
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
-             progress: bool = False) -> tuple[float, float]:
-    """(mean loss, accuracy) of ``model`` in eval mode over ``loader``."""
+def _evaluate_sums(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
+                   progress: bool = False) -> tuple[float, int, int]:
+    """(sum of per-sample losses, correct, samples) of ``model`` in eval mode over ``loader``."""
     was_training = model.training
     model.eval()
     loss_sum, correct, seen = 0.0, 0, 0
@@ -82,6 +93,14 @@ def evaluate(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | 
             seen += n
     finally:
         model.train(was_training)
+    return loss_sum, correct, seen
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
+             progress: bool = False) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``model`` in eval mode over ``loader``."""
+    loss_sum, correct, seen = _evaluate_sums(model, loader, loss_fn, device, progress)
     if seen == 0:
         raise ValueError("the test loader yielded no samples")
     return loss_sum / seen, correct / seen
@@ -109,6 +128,7 @@ def fit(
     info: dict[str, Any] | None = None,
     plot: bool = True,
     bn_stats: str = "batch",
+    parallel: Any = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``epochs`` epochs (total, counted from 0) and return the summary.
 
@@ -118,7 +138,9 @@ def fit(
     ``info`` (e.g. method, recipe, k) is merged into the summary. ``bn_stats="deployed"``
     keeps every BatchNorm layer in eval mode while training (normalise with the running
     statistics, never update them: the BN of a chip that folds it into the weights);
-    ``"batch"`` is ordinary train-mode BN.
+    ``"batch"`` is ordinary train-mode BN. ``parallel`` (``szo.distributed.Parallel``) runs
+    this rank's part of a multi-process run (see the module docstring); the test loader
+    should then hold this rank's shard of the test set.
     """
     if bn_stats not in ("batch", "deployed"):
         raise ValueError(f"unknown bn_stats {bn_stats!r}; valid: batch, deployed")
@@ -135,12 +157,25 @@ def fit(
                          "(make_loader(..., shuffle=True, generator=generator)) so runs are reproducible")
     if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
         raise ValueError(f"start_epoch must be an int in [0, epochs), got {start_epoch!r}")
+    forward_only = bool(getattr(optimizer, "forward_only", False))
+    par = parallel if parallel is not None and parallel.enabled else None
+    main = par is None or par.is_main
+    if par is not None:
+        if not forward_only or getattr(optimizer, "distributed", None) != par.mode:
+            raise ValueError(f"a multi-process run needs a forward-only optimizer built with "
+                             f"distributed={par.mode!r} (szo.optim.build_optimizer(..., distributed=...))")
+        par.check_batches(int(train_loader.batch_size or 0) or len(next(iter(train_loader.batch_sampler))),
+                          len(train_loader.dataset), max_steps_per_epoch)  # type: ignore[arg-type]
+        progress = progress and main
+    shard = par is not None and par.shards_batches
+    # accuracy denominator: in perturbation mode every rank counts the whole batch for its probes
+    acc_ranks = par.world_size if par is not None and not par.shards_batches else 1
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = checkpoint_path(run_dir)
-    logger = MetricsLogger(run_dir / "metrics.jsonl")
-    forward_only = bool(getattr(optimizer, "forward_only", False))
+    logger = MetricsLogger(run_dir / "metrics.jsonl") if main else None
     model.to(device)
 
     # ---------------------------------------------------------------- state
@@ -149,11 +184,8 @@ def fit(
     train_time, wall_time = 0.0, 0.0
     mid: dict[str, Any] | None = None
     resumed = False
-    if ckpt_path.exists():
-        if not resume:
-            raise ValueError(f"{run_dir} already holds a checkpoint ({ckpt_path}); "
-                             f"pass resume=True (--resume) or use another run directory")
-        st = load_checkpoint(ckpt_path)
+    st = _load_start_state(ckpt_path, run_dir, resume, par)
+    if st is not None:
         model.load_state_dict(st["model"])
         optimizer.load_state_dict(st["optimizer"])
         if scheduler is not None and st.get("scheduler") is not None:
@@ -164,9 +196,14 @@ def fit(
         history = list(st["history"])
         mid = st.get("in_epoch")
         resumed = True
-    logger.reset(history)
+    if par is not None:
+        par.broadcast_model(model)  # once; afterwards identical updates keep the ranks in sync
+    if logger is not None:
+        logger.reset(history)
 
     def checkpoint(in_epoch: dict[str, Any] | None) -> None:
+        if not main:
+            return
         save_checkpoint(ckpt_path, {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -177,12 +214,12 @@ def fit(
             "history": history, "in_epoch": in_epoch,
         })
 
-    cbs: list[Callback] = [logger, *callbacks]
+    cbs: list[Callback] = ([logger] if logger is not None else []) + list(callbacks)
     for cb in cbs:
         cb.on_train_start(epoch=epoch, step=step, resumed=resumed)
 
     t_wall0 = time.perf_counter()
-    x_cur: dict[str, torch.Tensor] = {}
+    x_cur: dict[str, Any] = {"scale": 1.0}
     acc_buf: dict[str, Any] = {}
 
     def _record(out: torch.Tensor) -> None:
@@ -195,6 +232,8 @@ def fit(
             with torch.no_grad():
                 out = model(x)
                 loss = loss_fn(out, y)
+                if x_cur["scale"] != 1.0:  # unequal shards: the mean over ranks = the batch mean
+                    loss = loss * x_cur["scale"]
         else:
             optimizer.zero_grad(set_to_none=True)
             out = model(x)
@@ -202,6 +241,15 @@ def fit(
             loss.backward()
         _record(out)
         return loss
+
+    correct_local = 0  # this rank's correct predictions since the last reduction
+
+    def reduce_correct() -> float:
+        """All ranks' correct count since the last call (a collective: every rank calls it)."""
+        nonlocal correct_local
+        got = par.sum_([correct_local])[0] / acc_ranks if par is not None else correct_local
+        correct_local = 0
+        return got
 
     # ---------------------------------------------------------------- loop
     while epoch < epochs:
@@ -215,10 +263,11 @@ def fit(
             raise ValueError("the train loader yields no batches (dataset smaller than batch_size with drop_last?)")
         done = int(mid["batches_done"]) if mid is not None else 0
         loss_sum = float(mid["loss_sum"]) if mid is not None else 0.0
-        correct = int(mid["correct"]) if mid is not None else 0
+        correct = float(mid["correct"]) if mid is not None else 0.0  # all ranks' count (reduced)
         seen = int(mid["seen"]) if mid is not None else 0
         epoch_train_time = float(mid["epoch_train_time_s"]) if mid is not None else 0.0
-        it = iter(_epoch_loader(train_loader, batches[done:], generator))
+        todo = batches[done:]
+        it = iter(_epoch_loader(train_loader, [par.shard(b) for b in todo] if shard else todo, generator))
         if mid is not None:
             generator.set_state(mid["generator"])
         mid = None
@@ -231,8 +280,10 @@ def fit(
         bar = tqdm(total=len(batches), initial=done, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
                    disable=not progress, dynamic_ncols=True)
         t_last = time.perf_counter()
-        for x, y in it:
+        for (x, y), global_batch in zip(it, todo):
+            n = len(global_batch)  # samples of the global batch (this rank may hold a shard)
             x_cur["x"], x_cur["y"] = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x_cur["scale"] = par.world_size * int(y.shape[0]) / n if shard else 1.0
             acc_buf["sum"] = None
             fp_before = int(getattr(optimizer, "forward_passes", 0))
             loss_t = optimizer.step(closure)
@@ -245,9 +296,8 @@ def fit(
             if not math.isfinite(loss):
                 raise FloatingPointError(f"training loss is {loss} at step {step + 1} (epoch {epoch + 1}); "
                                          f"lower the learning rate")
-            n = int(y.shape[0])
             loss_sum += loss * n
-            correct += int((acc_buf["sum"].argmax(1) == x_cur["y"]).sum()) if acc_buf["sum"] is not None else 0
+            correct_local += int((acc_buf["sum"].argmax(1) == x_cur["y"]).sum()) if acc_buf["sum"] is not None else 0
             seen += n
             step += 1
             done += 1
@@ -255,10 +305,13 @@ def fit(
             train_time += dt
             epoch_train_time += dt
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.3f}", refresh=False)
+            if progress:
+                bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{(correct + correct_local) / seen:.3f}",
+                                refresh=False)
             for cb in cbs:
                 cb.on_step_end(step, epoch, loss)
             if checkpoint_every_steps is not None and step % checkpoint_every_steps == 0 and done < len(batches):
+                correct += reduce_correct()  # every rank takes part, rank 0 writes
                 checkpoint({
                     "generator_epoch_start": gen_epoch_start, "generator": generator.get_state(),
                     "batches_done": done, "loss_sum": loss_sum, "correct": correct, "seen": seen,
@@ -266,6 +319,7 @@ def fit(
                 })
             t_last = time.perf_counter()
         bar.close()
+        correct += reduce_correct()
         if scheduler is not None:
             scheduler.step()
         epoch += 1
@@ -273,8 +327,15 @@ def fit(
         eval_time = 0.0
         if test_loader is not None and (epoch % eval_every == 0 or epoch == epochs):
             t0 = time.perf_counter()
-            test_loss, test_acc = evaluate(model, test_loader, loss_fn, device)
+            sums = _evaluate_sums(model, test_loader, loss_fn, device)
+            if par is not None:  # every rank evaluated its shard of the test set
+                sums = par.sum_(sums)
+            if sums[2] == 0:
+                raise ValueError("the test loader yielded no samples")
+            test_loss, test_acc = sums[0] / sums[2], sums[1] / sums[2]
             eval_time = time.perf_counter() - t0
+        if par is not None:
+            par.check_in_sync(model)
         record = {
             "epoch": epoch, "step": step,
             "train_loss": loss_sum / seen, "train_acc": correct / seen,
@@ -283,6 +344,8 @@ def fit(
             "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
             "fp": fp, "bp": bp,
         }
+        if par is not None:
+            record.update(_comm_stats(optimizer, step))
         history.append(record)
         if progress:
             tqdm.write(f"epoch {epoch}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
@@ -295,6 +358,12 @@ def fit(
     wall_time += time.perf_counter() - t_wall0
     summary = summarize(history, model=model, optimizer=optimizer, info=info)
     summary["wall_time_min"] = wall_time / 60.0
+    if par is not None:
+        summary["distributed"] = {**par.describe(), **_comm_stats(optimizer, step), "startup_bytes": par.startup_bytes}
+    if not main:  # other ranks write nothing
+        for cb in cbs:
+            cb.on_train_end(summary)
+        return summary
     atomic_write_json(run_dir / "results.json", summary)
     if plot:
         from szo.plots import plot_training_curve
@@ -303,6 +372,30 @@ def fit(
     for cb in cbs:
         cb.on_train_end(summary)
     return summary
+
+
+def _comm_stats(optimizer: Any, step: int) -> dict[str, Any]:
+    """Bytes this rank's optimizer put into collectives so far (probe losses, BN statistics)."""
+    total = int(getattr(optimizer, "bytes_communicated", 0))
+    return {"bytes_communicated": total, "bytes_per_step": total / step if step else 0.0}
+
+
+def _load_start_state(ckpt_path: Path, run_dir: Path, resume: bool, par: Any) -> dict[str, Any] | None:
+    """The checkpoint to continue from, or None for a fresh start. Multi-process: rank 0
+    looks at its run directory and broadcasts the file's bytes; every rank loads them."""
+    if par is None:
+        if not ckpt_path.exists():
+            return None
+        blob = None
+    else:
+        blob = par.broadcast_bytes((ckpt_path.read_bytes() if resume else b"") if par.is_main and ckpt_path.exists()
+                                   else None)
+        if blob is None:
+            return None
+    if not resume:
+        raise ValueError(f"{run_dir} already holds a checkpoint ({ckpt_path}); "
+                         f"pass resume=True (--resume) or use another run directory")
+    return load_checkpoint(ckpt_path) if blob is None else checkpoint_from_bytes(blob, ckpt_path)
 
 
 def summarize(history: Sequence[dict[str, Any]], *, model: nn.Module | None = None,
