@@ -166,6 +166,8 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
     model.load_flat_params(sub.reference)
     model.to(device)
     tr, sz = cfg["train"], cfg["szo"]
+    # forward-only methods: probes and evaluation run the streaming forward if asked for
+    model.set_streaming(sz["time_chunk"], sz["stream_bn"])
     opt = build_optimizer(cfg["method"], model, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
                           weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
                           coords_per_step=sz["coords_per_step"], generator=g)
