@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_batch, make_model, set_threads, write_result  # noqa: E402
+from common import (RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_batch, make_model,  # noqa: E402
+                    set_threads, write_result)
 
 METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
 DEFAULT_METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "zo-rge")
@@ -143,7 +144,8 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
 def run_point(method: str, batch: int, T: int, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", method, "--batch", str(batch), "--T", str(T),
            "--chunk", str(a.chunk), "--threads", str(a.threads), "--device", a.device, "--k", str(a.k),
-           "--time-chunk", str(a.time_chunk), "--stream-bn", a.stream_bn] + (["--no-warmup"] if a.no_warmup else []) + (["--no-alloc"] if a.no_alloc else [])
+           "--time-chunk", str(a.time_chunk), "--stream-bn", a.stream_bn]
+    cmd += (["--no-warmup"] if a.no_warmup else []) + (["--no-alloc"] if a.no_alloc else [])
     env = dict(os.environ)
     if a.malloc_mmap_threshold is not None:
         # glibc: a fixed threshold turns off the dynamic one, so freed tensors above it go
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-alloc", action="store_true",
                     help="CPU: skip the second, profiled step that measures the allocator peak")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
-                    help="CPU: run workers with glibc MALLOC_MMAP_THRESHOLD_=BYTES (fixed; default: glibc's dynamic one)")
+                    help="CPU: run workers with glibc MALLOC_MMAP_THRESHOLD_=BYTES (fixed; default: dynamic)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="result name in bench/results/ (default memory / memory_quick)")
