@@ -4,13 +4,16 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from szo.io import atomic_write_json
+# measure the checkout these scripts live in (a git worktree), not whatever szo is installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from szo.io import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -79,6 +82,32 @@ def make_batch(shape: tuple[int, int, int], batch: int, device: torch.device, se
     x = torch.rand(batch, c, h, h, generator=g) * 2.0
     y = torch.randint(0, ncls, (batch,), generator=g)
     return x.to(device), y.to(device)
+
+
+def cpu_alloc_peak(fn: Callable[[], object]) -> int | None:
+    """Peak bytes of CPU tensor memory allocated while ``fn()`` runs, above what was allocated before.
+
+    Replays the c10 CPU allocator's alloc/free events that ``torch.profiler`` records with
+    ``profile_memory=True`` -- the CPU analogue of ``torch.cuda.max_memory_allocated``:
+    deterministic, independent of how glibc lays out and returns the heap (which moves peak
+    RSS by +-20 % between runs of the same step). ``None`` if this torch does not expose
+    the events.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    except AttributeError:
+        return None
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            cur += e.nbytes()
+            peak = max(peak, cur)
+    return int(peak)
 
 
 class RandomSubspace:

@@ -1,18 +1,27 @@
-"""Peak memory of one training step (paper Fig. 5): BPTT, SZO (loop, batched), full-space ZO.
+"""Peak memory of one training step (paper Fig. 5): BPTT, SZO (loop, batched, streaming), full-space ZO.
 
 Spike-ResNet20, batch x T grid, each point in a fresh process. CUDA: max_memory_allocated;
 CPU: peak RSS (VmHWM, reset through /proc/self/clear_refs after the model and batch are
-built) minus the RSS at that moment. SZO uses k=2 (4 probes; memory does not depend on k
-beyond the k x d basis), the batched engine a fixed chunk (default 4 copies per pass).
+built) minus the RSS at that moment. SZO uses CGE with k=2 (4 probes; memory does not
+depend on k beyond the k x d basis), the batched engine a fixed chunk (default 4 copies
+per pass). ``szo-stream`` is the loop with the streaming forward (``model.set_streaming``:
+``--time-chunk`` steps per chunk, default 1; BN policy ``--stream-bn``, default ``running``:
+one pass per probe; ``exact`` needs one extra truncated pass per BN layer, the same memory
+but ~11x the time on ResNet20), ``szo-batched-stream`` the batched engine on top of it.
 Targets: SZO T=16 within 1.3x of T=1; at T=16, batch 128, SZO <= 1/4 of BPTT.
 
     python bench/memory.py            # batch {16,32,64,128} x T {1,2,4,8,16}
     python bench/memory.py --quick    # batch {16,32} x T {1,4}
+    python bench/memory.py --batch 16 32 64 128 --T 1 4 16 --methods bptt szo-loop szo-stream zo-rge
+
+``--merge`` adds the new points to the existing JSON of the same name (a point measured
+again replaces the old one), so a grid can be filled in several runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,9 +30,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, RandomSubspace, machine_info, make_batch, make_model, set_threads, write_result  # noqa: E402
+from common import (RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_batch, make_model,  # noqa: E402
+                    set_threads, write_result)
 
-METHODS = ("bptt", "szo-loop", "szo-batched", "zo-rge")
+METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
+DEFAULT_METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "zo-rge")
+SZO_METHODS = tuple(m for m in METHODS if m.startswith("szo"))
+STREAM_BN = ("exact", "running", "chunk")  # = szo.models.streaming.STREAM_BN_MODES
 
 
 def _status_kb(field: str) -> int:
@@ -34,40 +47,72 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(method: str, batch: int, T: int, chunk: int, device: torch.device) -> dict:
-    """One training step of ``method``; returns the peak memory above the post-load baseline."""
+def _malloc_trim() -> bool:
+    """glibc ``malloc_trim(0)``: return free heap pages to the OS (False where unavailable)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *, k: int = 2,
+           time_chunk: int = 1, stream_bn: str = "running", warmup: bool = True, alloc_peak: bool = True) -> dict:
+    """One training step of ``method``; returns the peak memory above the post-load baseline.
+
+    ``peak_bytes``: CUDA max_memory_allocated, or on CPU peak RSS (VmHWM) of that step.
+    ``alloc_peak_bytes`` (CPU, ``alloc_peak``): peak tensor bytes the CPU allocator handed
+    out during one more step, replayed from profiler events (``common.cpu_alloc_peak``);
+    a second step because the profiler's own records would add to the RSS of the first.
+    """
     from szo.engine import make_plan_evaluator
     from szo.losses import tet_loss
     from szo.optim import SZO, FullSpaceZO
 
     model, shape = make_model("resnet20", T, device)
     x, y = make_batch(shape, batch, device)
+    batch_data = {"x": x, "y": y}
+    streaming = method.endswith("-stream")
+    if streaming:
+        model.set_streaming(time_chunk, stream_bn)
     if method == "bptt":
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
         def step():
             opt.zero_grad(set_to_none=True)
-            tet_loss(model(x), y).backward()
+            tet_loss(model(batch_data["x"]), batch_data["y"]).backward()
             opt.step()
-    elif method.startswith("szo"):
-        opt = SZO(model.parameters(), RandomSubspace(model.num_params(), 2), mu=1e-3, lr=1e-3, momentum=0.9,
+    elif method in SZO_METHODS:
+        opt = SZO(model.parameters(), RandomSubspace(model.num_params(), k), mu=1e-3, lr=1e-3, momentum=0.9,
                   estimator="cge", model=model)
-        if method == "szo-loop":
+        if method in ("szo-loop", "szo-stream"):
             def step():
-                opt.step(lambda: tet_loss(model(x), y))
+                opt.step(lambda: tet_loss(model(batch_data["x"]), batch_data["y"]))
         else:
             ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
 
             def step():
                 U, z = opt.probe_plan()
-                opt._apply_update(opt.combine(ev(opt, U, batch=(x, y)), z))
+                opt._apply_update(opt.combine(ev(opt, U, batch=(batch_data["x"], batch_data["y"])), z))
     elif method == "zo-rge":
         opt = FullSpaceZO(model.parameters(), estimator="rge", q=1, mu=1e-3, lr=1e-3, model=model)
 
         def step():
-            opt.step(lambda: tet_loss(model(x), y))
+            opt.step(lambda: tet_loss(model(batch_data["x"]), batch_data["y"]))
     else:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    if warmup:
+        # one step on a 2-sample batch first: loads library code pages and builds kernels
+        # (which would otherwise count as step memory), then malloc_trim hands the freed
+        # heap back, so the baseline holds no reusable free memory
+        batch_data["x"], batch_data["y"] = x[:2], y[:2]
+        step()
+        batch_data["x"], batch_data["y"] = x, y
+        if device.type == "cpu":
+            _malloc_trim()
     t0 = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -87,46 +132,124 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device) ->
         base = _status_kb("VmRSS") * 1024
         step()
         peak = _status_kb("VmHWM") * 1024 - base
-    return dict(method=method, batch=batch, T=T, peak_bytes=int(peak), step_s=time.perf_counter() - t0,
-                how=how, chunk=chunk if method == "szo-batched" else None)
+    step_s = time.perf_counter() - t0
+    if warmup:
+        how += ", after a 2-sample warm-up step" + (" and malloc_trim" if device.type == "cpu" else "")
+    alloc = int(peak) if device.type == "cuda" else (cpu_alloc_peak(step) if alloc_peak else None)
+    return dict(method=method, batch=batch, T=T, peak_bytes=int(peak), alloc_peak_bytes=alloc, step_s=step_s,
+                how=how, chunk=chunk if "batched" in method else None, k=k if method in SZO_METHODS else None,
+                time_chunk=time_chunk if streaming else None, stream_bn=stream_bn if streaming else None)
 
 
-def run_point(method: str, batch: int, T: int, chunk: int, threads: int, device: str) -> dict:
+def run_point(method: str, batch: int, T: int, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", method, "--batch", str(batch), "--T", str(T),
-           "--chunk", str(chunk), "--threads", str(threads), "--device", device]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+           "--chunk", str(a.chunk), "--threads", str(a.threads), "--device", a.device, "--k", str(a.k),
+           "--time-chunk", str(a.time_chunk), "--stream-bn", a.stream_bn]
+    cmd += (["--no-warmup"] if a.no_warmup else []) + (["--no-alloc"] if a.no_alloc else [])
+    env = dict(os.environ)
+    if a.malloc_mmap_threshold is not None:
+        # glibc: a fixed threshold turns off the dynamic one, so freed tensors above it go
+        # straight back to the OS instead of fragmenting the heap (slower: fresh pages each time)
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"worker {method} b={batch} T={T} failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    row = json.loads(res.stdout.strip().splitlines()[-1])
+    if a.malloc_mmap_threshold is not None:
+        row["how"] += f", MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold}"
+        row["malloc_mmap_threshold"] = a.malloc_mmap_threshold
+    return row
 
 
-def plot(rows: list[dict], batches: list[int], Ts: list[int], path: Path) -> None:
+def _metrics(rows: list[dict]) -> list[tuple[str, str]]:
+    """(row key, label) of the memory measures present: CPU peak RSS and allocator peak, or CUDA."""
+    if rows and str(rows[0].get("how", "")).startswith("cuda"):
+        return [("peak_bytes", "CUDA max_memory_allocated")]
+    out = [("peak_bytes", "peak RSS")]
+    if any(r.get("alloc_peak_bytes") is not None for r in rows):
+        out.append(("alloc_peak_bytes", "allocator peak"))
+    return out
+
+
+def _get(rows: list[dict], key: str) -> dict:
+    return {(r["method"], r["batch"], r["T"]): r[key] for r in rows if r.get(key) is not None}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Paper Fig. 5 layout: (a) memory vs batch size at the largest T, (b) memory vs T at the
+    largest batch; one line per method; one row of panels per memory measure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    get = {(r["method"], r["batch"], r["T"]): r["peak_bytes"] / 2**20 for r in rows}
-    fig, axes = plt.subplots(1, len(methods) + 1, figsize=(4 * (len(methods) + 1), 3.6))
-    for ax, meth in zip(axes, methods):  # memory vs batch, one line per T (Fig. 5 left)
-        for T in Ts:
-            ax.plot(batches, [get.get((meth, b, T), float("nan")) for b in batches], "o-", label=f"T={T}")
-        ax.set_title(meth)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("peak memory (MiB)")
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
-    ax = axes[-1]  # memory vs T at the largest batch (Fig. 5 right)
-    b = max(batches)
-    for meth in methods:
-        ax.plot(Ts, [get.get((meth, b, T), float("nan")) for T in Ts], "o-", label=meth)
-    ax.set_title(f"memory vs T (batch {b})")
-    ax.set_xlabel("T")
-    ax.set_ylabel("peak memory (MiB)")
-    ax.legend(fontsize=7)
+    batches = sorted({r["batch"] for r in rows})
+    Ts = sorted({r["T"] for r in rows})
+    tmax, bmax = max(Ts), max(batches)
+    metrics = _metrics(rows)
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.8 * len(metrics)), squeeze=False)
+    for (key, label), (ax_b, ax_t) in zip(metrics, axes):
+        get = {k: v / 2**20 for k, v in _get(rows, key).items()}
+        for meth in methods:
+            bs = [b for b in batches if (meth, b, tmax) in get]
+            ax_b.plot(bs, [get[(meth, b, tmax)] for b in bs], "o-", label=meth)
+            ts = [t for t in Ts if (meth, bmax, t) in get]
+            ax_t.plot(ts, [get[(meth, bmax, t)] for t in ts], "o-", label=meth)
+        ax_b.set_title(f"(a) {label} vs batch size (T={tmax})", fontsize=10)
+        ax_b.set_xlabel("batch size")
+        ax_b.set_xticks(batches)
+        ax_t.set_title(f"(b) {label} vs time steps (batch {bmax})", fontsize=10)
+        ax_t.set_xlabel("time steps T")
+        ax_t.set_xticks(Ts)
+        for ax, ticks in ((ax_b, batches), (ax_t, Ts)):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_ylabel("MiB above baseline, one step")
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("Spike-ResNet20, memory of one training step", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table: one row per (batch, T), one column per method; MiB (RSS / allocator peak)."""
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    metrics = _metrics(rows)
+    gets = [_get(rows, key) for key, _ in metrics]
+    lines = [f"MiB: {' / '.join(label for _, label in metrics)}",
+             "| batch | T | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for b, T in sorted({(r["batch"], r["T"]) for r in rows}):
+        cells = [" / ".join(f"{g[(m, b, T)] / 2**20:.0f}" if (m, b, T) in g else "-" for g in gets)
+                 for m in methods]
+        lines.append(f"| {b} | {T} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def checks_for(rows: list[dict]) -> dict:
+    """The two targets at the largest batch, for every SZO series and memory measure."""
+    checks = {}
+    for key, label in _metrics(rows):
+        get = _get(rows, key)
+        if not get:
+            continue
+        bmax = max(b for (_, b, _) in get)
+        Ts = sorted({T for (_, b, T) in get if b == bmax})
+        tmin, tmax = Ts[0], Ts[-1]
+        for meth in SZO_METHODS:
+            if (meth, bmax, tmax) in get and (meth, bmax, tmin) in get and tmax > tmin:
+                flat = get[(meth, bmax, tmax)] / max(1, get[(meth, bmax, tmin)])
+                checks[f"{label}: {meth} T={tmax}/T={tmin} (batch {bmax}) <= 1.3"] = dict(value=flat, met=flat <= 1.3)
+            if (meth, bmax, tmax) in get and ("bptt", bmax, tmax) in get:
+                frac = get[(meth, bmax, tmax)] / max(1, get[("bptt", bmax, tmax)])
+                checks[f"{label}: {meth}/bptt at T={tmax}, batch {bmax} <= 0.25"] = dict(value=frac,
+                                                                                         met=frac <= 0.25)
+    return checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,44 +257,67 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced grid: batch {16,32} x T {1,4}")
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--T", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     ap.add_argument("--chunk", type=int, default=4, help="copies per batched pass")
+    ap.add_argument("--k", type=int, default=2, help="SZO subspace dimension (2k probes per step)")
+    ap.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk of the *-stream methods")
+    ap.add_argument("--stream-bn", default="running", choices=STREAM_BN,
+                    help="train-mode BN policy of the *-stream methods (szo.models.streaming)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="measure the first step (default: a 2-sample warm-up step and malloc_trim first)")
+    ap.add_argument("--no-alloc", action="store_true",
+                    help="CPU: skip the second, profiled step that measures the allocator peak")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                    help="CPU: run workers with glibc MALLOC_MMAP_THRESHOLD_=BYTES (fixed; default: dynamic)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None, help="result name in bench/results/ (default memory / memory_quick)")
+    ap.add_argument("--merge", action="store_true", help="add to the existing result of the same name")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG / table / checks of --out from its JSON")
     ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     set_threads(a.threads)
+    if a.replot:
+        name = a.out or ("memory_quick" if a.quick else "memory")
+        rows = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+        for kname, v in checks_for(rows).items():
+            print(f"{kname}: {v['value']:.3f} {'MET' if v['met'] else 'NOT MET'}")
+        print(table(rows))
+        plot(rows, RESULTS / f"{name}.png")
+        return 0
     if a.worker:
-        print(json.dumps(worker(a.worker, a.batch[0], a.T[0], a.chunk, torch.device(a.device))))
+        print(json.dumps(worker(a.worker, a.batch[0], a.T[0], a.chunk, torch.device(a.device), k=a.k,
+                                time_chunk=a.time_chunk, stream_bn=a.stream_bn, warmup=not a.no_warmup,
+                                alloc_peak=not a.no_alloc)))
         return 0
     if a.quick:
         a.batch, a.T = [16, 32], [1, 4]
+    name = a.out or ("memory_quick" if a.quick else "memory")
+    old_rows, old_wall = [], 0.0
+    if a.merge and (RESULTS / f"{name}.json").exists():
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+        old_rows, old_wall = old["rows"], float(old.get("wall_s", 0.0))
     t0 = time.perf_counter()
     rows = []
     for b in a.batch:
         for T in a.T:
             for meth in a.methods:
-                r = run_point(meth, b, T, a.chunk, a.threads, a.device)
+                r = run_point(meth, b, T, a)
                 rows.append(r)
-                print(f"{meth:12s} batch {b:4d} T {T:3d} peak {r['peak_bytes']/2**20:9.1f} MiB "
-                      f"({r['step_s']:.1f}s)", flush=True)
-    get = {(r["method"], r["batch"], r["T"]): r["peak_bytes"] for r in rows}
-    bmax, tmin, tmax = max(a.batch), min(a.T), max(a.T)
-    checks = {}
-    for meth in ("szo-loop", "szo-batched"):
-        if (meth, bmax, tmax) in get and (meth, bmax, tmin) in get:
-            flat = get[(meth, bmax, tmax)] / max(1, get[(meth, bmax, tmin)])
-            checks[f"{meth} T={tmax}/T={tmin} (batch {bmax}) <= 1.3"] = dict(value=flat, met=flat <= 1.3)
-        if (meth, bmax, tmax) in get and ("bptt", bmax, tmax) in get:
-            frac = get[(meth, bmax, tmax)] / max(1, get[("bptt", bmax, tmax)])
-            checks[f"{meth}/bptt at T={tmax}, batch {bmax} <= 0.25"] = dict(value=frac, met=frac <= 0.25)
+                alloc = r.get("alloc_peak_bytes")
+                print(f"{meth:18s} batch {b:4d} T {T:3d} peak {r['peak_bytes']/2**20:9.1f} MiB"
+                      + (f", allocator peak {alloc/2**20:9.1f} MiB" if alloc is not None else "")
+                      + f" ({r['step_s']:.1f}s)", flush=True)
+    new_keys = {(r["method"], r["batch"], r["T"]) for r in rows}
+    rows = [r for r in old_rows if (r["method"], r["batch"], r["T"]) not in new_keys] + rows
+    checks = checks_for(rows)
     for kname, v in checks.items():
         print(f"{kname}: {v['value']:.3f} {'MET' if v['met'] else 'NOT MET'}")
     out = dict(benchmark="memory", quick=a.quick, args=vars(a), machine=machine_info(), rows=rows,
-               checks=checks, wall_s=time.perf_counter() - t0)
-    name = "memory_quick" if a.quick else "memory"
-    print("wrote", write_result(name, out), f"in {out['wall_s']:.0f}s")
-    plot(rows, a.batch, a.T, RESULTS / f"{name}.png")
+               checks=checks, wall_s=old_wall + time.perf_counter() - t0)
+    print(table(rows))
+    print("wrote", write_result(name, out), f"in {time.perf_counter() - t0:.0f}s")
+    plot(rows, RESULTS / f"{name}.png")
     return 0
 
 

@@ -40,6 +40,7 @@ EXTERNAL_KINDS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 MODES = ("scratch", "continual")
 METHODS = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")  # = szo.optim.METHODS
 SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
+BACKPROP_METHODS = ("bp", "bp-subspace")  # the others are forward-only (szo.time_chunk applies)
 DEVICES = ("cpu", "cuda")
 SCHEDULERS = ("cosine", "constant")
 REFERENCES = ("first", "last")
@@ -71,7 +72,10 @@ DEFAULTS: dict[str, Any] = {
     "trajectory": {"every": "epoch", "record_initial": True},
     "subspace": {"name": None, "k": 20, "window": None, "reference": "first", "root": None},
     "train": dict(_STAGE, lr=None, weight_decay=0.0),
-    "szo": {"mu": 1.0, "q": 1, "coords_per_step": None},
+    # time_chunk: forward-only stages run the T steps in chunks of this many (1 = streaming,
+    # memory flat in T; null = all T at once); stream_bn: what train-mode BN does in a chunked
+    # forward (exact | running | chunk, see szo.models.streaming)
+    "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact"},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
     # bn_stats "deployed" normalises with the source model's running statistics, frozen
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
@@ -101,6 +105,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
     "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
+    "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -109,6 +114,7 @@ for _s in ("bptt", "train"):
         f"{_s}.max_steps_per_epoch": (_INT, True), f"{_s}.checkpoint_every_steps": (_INT, True),
     })
 _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
+             "szo.time_chunk",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
              "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
              "distributed.timeout_s"}
@@ -307,6 +313,9 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     _choice(full, "train.scheduler", SCHEDULERS)
     _choice(full, "subspace.reference", REFERENCES)
     _choice(full, "distributed.mode", DIST_MODES)
+    from szo.models.streaming import STREAM_BN_MODES
+
+    _choice(full, "szo.stream_bn", STREAM_BN_MODES)
     ev = full["trajectory"]["every"]
     if ev != "epoch" and (isinstance(ev, str) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")
@@ -317,6 +326,10 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"'loss.lamb' must be in [0, 1], got {full['loss']['lamb']}")
     if full["szo"]["mu"] <= 0:
         raise ValueError(f"'szo.mu' must be > 0, got {full['szo']['mu']}")
+    if full["szo"]["time_chunk"] is not None and full["method"] in BACKPROP_METHODS and kind not in EXTERNAL_KINDS:
+        raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
+                         f"{full['method']!r} backpropagates; valid methods with szo.time_chunk: "
+                         f"{', '.join(m for m in METHODS if m not in BACKPROP_METHODS)}")
     if full["subspace"]["name"] is None and (full["kind"] == "subspace"):
         raise ValueError("a subspace recipe needs 'subspace.name' (the store entry to train in)")
     if kind in EXTERNAL_KINDS:
@@ -355,6 +368,9 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         if full["method"] not in ("szo-cge", "szo-rge", "szo-1pt"):
             raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full['method']!r}; "
                              "valid: szo-cge, szo-rge, szo-1pt")
+        if full["szo"]["time_chunk"] is not None:
+            raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
+                             "szo.time_chunk applies to backend 'float' (set it to null)")
     if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in ("szo-cge", "szo-rge")):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          "backend 'fixed' and method szo-cge or szo-rge")

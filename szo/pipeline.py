@@ -257,6 +257,10 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                 sub = quantized_subspace(sub, hw["basis_bits"])
     net.to(device)
     tr, sz = cfg["train"], cfg["szo"]
+    # forward-only methods: probes and evaluation run the streaming forward if asked for
+    if sz["time_chunk"] is not None and par is not None:
+        raise ValueError("szo.time_chunk (streaming forward) runs in one process; leave it null under torchrun")
+    model.set_streaming(sz["time_chunk"], sz["stream_bn"])
     if hw["learner"] == "integer":
         from szo.hw.train import OnChipSZO
 

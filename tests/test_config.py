@@ -69,6 +69,9 @@ def test_unknown_key_lists_valid_keys_one_line():
     ("train.epochs=two", "must be int"),
     ("kind=gan", "valid: bp, subspace"),
     ("train.weight_decay=0.1", "no weight decay"),
+    ("szo.time_chunk=0", "'szo.time_chunk' must be >= 1"),
+    ("szo.time_chunk=one", "'szo.time_chunk' must be int"),
+    ("szo.stream_bn=tdbn", "invalid szo.stream_bn 'tdbn'; valid: exact, running, chunk"),
 ])
 def test_invalid_choices(override, match):
     with pytest.raises(ValueError, match=match):
@@ -104,3 +107,13 @@ def test_method_defaults_apply_only_to_their_method_and_yield_to_set(tmp_path):
     p.write_text("extends: digits-scratch\nname: m\nmethod_defaults: {szo-xyz: {train: {lr: 1}}}\n")
     with pytest.raises(ValueError, match="unknown method 'szo-xyz'; valid: bp, bp-subspace"):
         load_recipe(p)
+
+
+def test_streaming_options():
+    c = load_recipe("digits-scratch")
+    assert c["szo"]["time_chunk"] is None and c["szo"]["stream_bn"] == "exact"  # multi-step by default
+    c = load_recipe("digits-scratch", ["szo.time_chunk=1", "szo.stream_bn=running", "method=zo-rge"])
+    assert c["szo"]["time_chunk"] == 1 and c["szo"]["stream_bn"] == "running"
+    with pytest.raises(ValueError, match="forward-only methods; method 'bp-subspace' backpropagates; "
+                                         "valid methods with szo.time_chunk: szo-cge, szo-rge, szo-1pt, zo-cge"):
+        load_recipe("digits-scratch", ["szo.time_chunk=1", "method=bp-subspace"])

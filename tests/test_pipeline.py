@@ -57,6 +57,21 @@ def test_scratch_szo_cge_in_subspace(bp_run):
     assert delta.norm() > 0 and resid.norm() < 1e-4 * delta.norm() + 1e-5
 
 
+def test_streaming_szo_run_equals_multistep_run(bp_run):
+    """szo.time_chunk=1 with stream_bn=exact trains the same model as the multi-step forward."""
+    root, sets, _ = bp_run
+    base = sets + ["train.epochs=1", "train.max_steps_per_epoch=2", "method=szo-cge"]
+    states = []
+    for extra, d in (([], "ms"), (["szo.time_chunk=1", "szo.stream_bn=exact"], "stream")):
+        s = run_recipe(load_recipe("digits-scratch", base + extra), root / d)
+        states.append((s, torch.load(root / d / "checkpoints" / "last.pt", weights_only=True)["model"]))
+    (s0, m0), (s1, m1) = states
+    assert s1["fp"] == s0["fp"] and s1["best_test_acc"] == s0["best_test_acc"]
+    for k in m0:
+        torch.testing.assert_close(m1[k], m0[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert yaml.safe_load((root / "stream" / "config.yaml").read_text())["szo"]["time_chunk"] == 1
+
+
 def test_continual_and_rge_and_report(bp_run):
     root, sets, _ = bp_run
     cont = load_recipe("digits-continual", sets + ["subspace.window=1-2", "subspace.k=4", "train.epochs=1",

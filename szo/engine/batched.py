@@ -21,6 +21,13 @@ BN running statistics follow ``szo.optim.BNStatsFreezer``: after the evaluation 
 statistics are the mean over the m probes of what each probe would have produced from
 the same starting statistics, and ``num_batches_tracked`` is incremented once.
 
+Streaming over T combines with the folding: the engine calls the model's own ``forward``,
+so a model with ``time_chunk`` set (``model.set_streaming`` / ``model.streaming()``) runs the
+folded copies chunk by chunk in time, and the folded BatchNorm follows the model's
+``stream_bn`` policy per folded channel (``szo.models.streaming.BNStream``). Memory is then
+that of ``chunk`` copies x ``time_chunk`` steps; the result equals the loop with the same
+streaming setting (tests/engine/test_batched.py).
+
 ``torch.func.vmap(functional_call(...))`` over stacked parameters also works with the
 SpikingJelly LIF, but the LIF's custom op (``sj_lif::forward``) has no batching rule and
 falls back to a per-copy loop, so it is not faster than the sequential loop; it is not used.
@@ -78,7 +85,7 @@ class _Ctx:
     def __init__(self, m: int):
         self.m = m
         self.params: dict[nn.Module, dict[str, torch.Tensor | None]] = {}
-        self.bn_sums: dict[nn.Module, list[torch.Tensor]] = {}
+        self.bn_running: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _flatten_steps(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -140,19 +147,21 @@ def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
     w = None if p["weight"] is None else p["weight"].reshape(-1)
     b = None if p["bias"] is None else p["bias"].reshape(-1)
     use_batch_stats = mod.training or mod.running_mean is None
-    if mod.training and mod.track_running_stats:
-        # every copy starts from the same running statistics (frozen across probes)
+    tracked = mod.training and mod.track_running_stats
+    if tracked and mod not in ctx.bn_running:
+        # every copy starts from the same running statistics (frozen across probes); one
+        # [m*C] copy per folded forward, updated in place, summed per copy after the forward
+        ctx.bn_running[mod] = (mod.running_mean.repeat(m), mod.running_var.repeat(m))
+    rm, rv = ctx.bn_running.get(mod, (None, None))
+    stream = getattr(mod, "_szo_stream", None)
+    if stream is not None:
+        # chunked (streaming) forward: the model's stream_bn policy; the update lands in rm, rv
+        # after the last chunk, num_batches_tracked is counted once by the evaluator
+        y = stream.apply(mod, x, w, b, rm, rv, count_batches=False)
+    elif tracked:
         n = int(mod.num_batches_tracked) + 1
         factor = mod.momentum if mod.momentum is not None else 1.0 / n
-        rm, rv = mod.running_mean.repeat(m), mod.running_var.repeat(m)
         y = Fn.batch_norm(x, rm, rv, w, b, True, factor, mod.eps)
-        sums = ctx.bn_sums.get(mod)
-        per_mean, per_var = rm.view(m, c).sum(0), rv.view(m, c).sum(0)
-        if sums is None:
-            ctx.bn_sums[mod] = [per_mean, per_var]
-        else:
-            sums[0] += per_mean
-            sums[1] += per_var
     elif use_batch_stats:
         y = Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
     else:
@@ -315,7 +324,11 @@ class BatchedEvaluator:
             out = out.view(*out.shape[:-1], ctx.m, n_out // ctx.m)
             for j in range(ctx.m):
                 losses[lo + j] = F.check_loss(self.loss_fn(out[..., j, :], y), f"loss_fn (probe {lo + j + 1}/{m})")
-            for mod, (s_mean, s_var) in ctx.bn_sums.items():
+            for mod, (rm, rv) in ctx.bn_running.items():
+                if not (mod.training and mod.track_running_stats):
+                    continue
+                c = mod.num_features
+                s_mean, s_var = rm.view(ctx.m, c).sum(0), rv.view(ctx.m, c).sum(0)
                 acc = bn_sums.get(mod)
                 if acc is None:
                     bn_sums[mod] = [s_mean, s_var]

@@ -1,8 +1,9 @@
 """``SpikingModel``: the base of every model in the zoo.
 
 Handles input encoding (static image -> repeated over ``T``), neuron-state reset after each
-forward, and the flat-parameter view used by the subspace optimizers (order =
-``named_parameters()``, BN running statistics excluded because they are buffers).
+forward, the time-chunked (streaming) forward (``szo.models.streaming``), and the
+flat-parameter view used by the subspace optimizers (order = ``named_parameters()``, BN
+running statistics excluded because they are buffers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from spikingjelly.activation_based import functional
 from torch import nn
+
+from szo.models.streaming import check_stream_bn, check_time_chunk, chunked_forward
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -32,34 +35,65 @@ class SpikingModel(nn.Module):
         self.T = _positive_int("T", T)
         self.model_name = model_name
         self._persist_depth = 0
+        self.time_chunk: int | None = None  # chunked (streaming) forward; see set_streaming
+        self.stream_bn: str = "exact"
 
     # ------------------------------------------------------------------ forward
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         """Map ``[T, N, C, H, W]`` to logits ``[T, N, num_classes]``."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward_seq")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, time_chunk: int | None = None,
+                stream_bn: str | None = None) -> torch.Tensor:
         """``x``: ``[N, C, H, W]`` (repeated over ``self.T``) or ``[T, N, C, H, W]`` (used as is).
 
         Returns ``[T, N, num_classes]``. Neuron state is reset afterwards unless inside
         ``persistent_state()``.
+
+        ``time_chunk`` (default: ``self.time_chunk``, set by ``set_streaming``): run the T
+        steps in chunks of this many steps, keeping only the neuron state between chunks
+        (1 = fully streaming, memory flat in T; ``None`` or >= T = all steps at once).
+        ``stream_bn`` (default: ``self.stream_bn``) says what train-mode BatchNorm does in a
+        chunked forward: ``"exact"``, ``"running"`` or ``"chunk"``; see
+        ``szo.models.streaming`` for exactly when the result equals the multi-step forward.
         """
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() == 4:
-            x_seq = x.unsqueeze(0).repeat(self.T, 1, 1, 1, 1)
-        elif x.dim() == 5:
-            x_seq = x
-        else:
+        if x.dim() not in (4, 5):
             raise ValueError(
                 f"input must be [N, C, H, W] (static image) or [T, N, C, H, W] "
                 f"(sequence), got shape {tuple(x.shape)}"
             )
+        chunk = check_time_chunk(self.time_chunk if time_chunk is None else time_chunk)
+        mode = check_stream_bn(self.stream_bn if stream_bn is None else stream_bn)
+        static = x.dim() == 4
+        T = self.T if static else x.shape[0]
         try:
+            if chunk is not None and chunk < T:
+                return chunked_forward(self, x, static=static, T=T, chunk=chunk, stream_bn=mode,
+                                       persistent=self._persist_depth > 0)
+            x_seq = x.unsqueeze(0).repeat(self.T, 1, 1, 1, 1) if static else x
             return self.forward_seq(x_seq)
         finally:
             if self._persist_depth == 0:
                 functional.reset_net(self)
+
+    # ---------------------------------------------------------------- streaming
+    def set_streaming(self, time_chunk: int | None = None, stream_bn: str = "exact") -> SpikingModel:
+        """Default ``time_chunk`` / ``stream_bn`` of every later ``forward`` (``None``: all T at once)."""
+        self.time_chunk = check_time_chunk(time_chunk)
+        self.stream_bn = check_stream_bn(stream_bn)
+        return self
+
+    @contextlib.contextmanager
+    def streaming(self, time_chunk: int | None = 1, stream_bn: str = "exact") -> Iterator[SpikingModel]:
+        """``set_streaming`` for the duration of a ``with`` block; the previous setting is restored."""
+        old = (self.time_chunk, self.stream_bn)
+        self.set_streaming(time_chunk, stream_bn)
+        try:
+            yield self
+        finally:
+            self.time_chunk, self.stream_bn = old
 
     # -------------------------------------------------------------------- state
     def reset_state(self) -> None:

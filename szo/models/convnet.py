@@ -8,6 +8,7 @@ from torch import nn
 
 from szo.models.base import SpikingModel
 from szo.models.neurons import make_neuron
+from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
 
 
@@ -25,10 +26,10 @@ class SpikeConvNet(SpikingModel):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.conv1 = layer.Conv2d(in_channels, width, 3, padding=1, bias=False, step_mode="m")
-        self.bn1 = layer.BatchNorm2d(width, step_mode="m")
+        self.bn1 = BatchNorm2d(width, step_mode="m")
         self.sn1 = make_neuron(activation)
         self.conv2 = layer.Conv2d(width, width, 3, padding=1, bias=False, step_mode="m")
-        self.bn2 = layer.BatchNorm2d(width, step_mode="m")
+        self.bn2 = BatchNorm2d(width, step_mode="m")
         self.sn2 = make_neuron(activation)
         self.pool = layer.AdaptiveAvgPool2d((4, 4), step_mode="m")
         self.flatten = layer.Flatten(step_mode="m")

@@ -14,6 +14,7 @@ from torch import nn
 
 from szo.models.base import SpikingModel
 from szo.models.neurons import make_neuron
+from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
 
 
@@ -22,7 +23,7 @@ def conv_bn(in_ch: int, out_ch: int, kernel_size: int, stride: int = 1) -> nn.Se
     return nn.Sequential(
         layer.Conv2d(in_ch, out_ch, kernel_size, stride=stride, padding=kernel_size // 2,
                      bias=False, step_mode="m"),
-        layer.BatchNorm2d(out_ch, step_mode="m"),
+        BatchNorm2d(out_ch, step_mode="m"),
     )
 
 

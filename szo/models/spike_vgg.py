@@ -8,6 +8,7 @@ from torch import nn
 
 from szo.models.base import SpikingModel
 from szo.models.neurons import make_neuron
+from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
 
 VGG11_CFG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
@@ -34,7 +35,7 @@ class SpikeVGG(SpikingModel):
             elif isinstance(v, int) and v > 0:
                 feats += [
                     layer.Conv2d(in_ch, v, 3, padding=1, bias=False, step_mode="m"),
-                    layer.BatchNorm2d(v, step_mode="m"),
+                    BatchNorm2d(v, step_mode="m"),
                     make_neuron(activation),
                 ]
                 in_ch = v

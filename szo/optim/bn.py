@@ -16,6 +16,10 @@ perturbation on training step t the same". Exactly what happens here:
    without paying for that extra forward.
 
 If the model is in eval mode, or has no BN layers, all of this is a no-op.
+
+The streaming forward (``model.set_streaming(time_chunk=...)``, ``szo.models.streaming``)
+also updates the running statistics once per forward, after its last time chunk, for every
+``stream_bn`` policy, so this contract holds unchanged with it.
 """
 from __future__ import annotations
 

@@ -143,3 +143,36 @@ def test_bad_inputs_raise():
 
     with pytest.raises(ValueError, match="Scale"):
         BatchedEvaluator(nn.Sequential(nn.Linear(2, 2), Scale()), tet_loss)
+
+
+# ------------------------------------------------------------------ streaming forward (time_chunk)
+@pytest.mark.parametrize("name", ["spike_convnet", "spike_resnet20"])
+def test_streaming_exact_szo_step_equals_multistep_step(name):
+    """One SZO step (loop engine) with the streaming forward, stream_bn='exact': the same probe
+    losses, parameters and committed BN running statistics as with the multi-step forward."""
+    model, opt, x, y = _setup(name)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    closure = lambda: tet_loss(model(x), y)  # noqa: E731
+    opt.step(closure)
+    ref_losses, ref_state = opt.last_losses.clone(), {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(start)
+    opt.load_state_dict(opt_state)
+    with model.streaming(time_chunk=1, stream_bn="exact"):
+        opt.step(closure)
+    torch.testing.assert_close(opt.last_losses, ref_losses, rtol=1e-5, atol=0.0)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("name", ["spike_convnet", "spike_resnet20"])
+@pytest.mark.parametrize("stream_bn", ["exact", "running", "chunk"])
+def test_batched_engine_combines_with_streaming(name, stream_bn):
+    """Batched engine + streaming forward == loop + streaming forward, for every BN policy."""
+    model, opt, x, y = _setup(name)
+    U, _ = opt.probe_plan()
+    with model.streaming(time_chunk=1, stream_bn=stream_bn):
+        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=3)
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
+    for k in bn_loop:
+        torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
