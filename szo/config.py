@@ -75,7 +75,10 @@ DEFAULTS: dict[str, Any] = {
     # time_chunk: forward-only stages run the T steps in chunks of this many (1 = streaming,
     # memory flat in T; null = all T at once); stream_bn: what train-mode BN does in a chunked
     # forward (exact | running | chunk, see szo.models.streaming)
-    "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact"},
+    # engine: how the 2k (2q) probes of an SZO step are evaluated: loop (one forward each) or
+    # batched (perturbed copies folded into one forward per chunk of probes, szo.engine)
+    "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
+            "engine": "loop", "chunk": None},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
     # bn_stats "deployed" normalises with the source model's running statistics, frozen
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
@@ -106,6 +109,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
     "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
     "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
+    "szo.engine": (_STR, False), "szo.chunk": (_INT, True),
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -114,7 +118,7 @@ for _s in ("bptt", "train"):
         f"{_s}.max_steps_per_epoch": (_INT, True), f"{_s}.checkpoint_every_steps": (_INT, True),
     })
 _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
-             "szo.time_chunk",
+             "szo.time_chunk", "szo.chunk",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
              "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
              "distributed.timeout_s"}
@@ -316,6 +320,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     from szo.models.streaming import STREAM_BN_MODES
 
     _choice(full, "szo.stream_bn", STREAM_BN_MODES)
+    _choice(full, "szo.engine", ("loop", "batched"))  # = szo.engine.ENGINES
     ev = full["trajectory"]["every"]
     if ev != "epoch" and (isinstance(ev, str) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")
@@ -368,6 +373,9 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         if full["method"] not in ("szo-cge", "szo-rge", "szo-1pt"):
             raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full['method']!r}; "
                              "valid: szo-cge, szo-rge, szo-1pt")
+        if full["szo"]["engine"] != "loop":
+            raise ValueError("backend 'fixed' evaluates probes one integer forward at a time; "
+                             "valid szo.engine for it: loop")
         if full["szo"]["time_chunk"] is not None:
             raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
                              "szo.time_chunk applies to backend 'float' (set it to null)")

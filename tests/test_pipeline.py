@@ -145,3 +145,14 @@ def test_event_frame_recipe_batches_are_time_major(tmp_path):
             f"subspace.root={tmp_path / 'subspaces'}"]
     s = run_recipe(load_recipe("synthetic-gesture", sets), tmp_path / "sg")
     assert s["fp"] == s["bp"] == 2 and s["best_test_acc"] is not None
+
+
+def test_batched_engine_recipe_equals_loop(bp_run):
+    root, sets, _ = bp_run
+    small = sets + ["train.epochs=1", "train.max_steps_per_epoch=3", "method=szo-cge"]
+    loop = run_recipe(load_recipe("digits-scratch", small), root / "eng-loop")
+    bat = run_recipe(load_recipe("digits-scratch", small + ["szo.engine=batched", "szo.chunk=4"]), root / "eng-bat")
+    assert bat["fp"] == loop["fp"] == 3 * 2 * 6
+    assert abs(bat["best_test_acc"] - loop["best_test_acc"]) < 1e-9
+    hist = [json.loads(line) for line in (root / "eng-bat" / "metrics.jsonl").read_text().splitlines()]
+    assert hist[-1]["train_acc"] is None  # probe losses only: no outputs to score

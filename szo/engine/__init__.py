@@ -10,8 +10,9 @@ from .batched import (
     BatchedPlanEvaluator,
     LoopPlanEvaluator,
     available_memory_bytes,
+    batch_closure,
     make_plan_evaluator,
 )
 
 __all__ = ["ENGINES", "BatchedEvaluator", "BatchedPlanEvaluator", "LoopPlanEvaluator", "available_memory_bytes",
-           "make_plan_evaluator"]
+           "batch_closure", "make_plan_evaluator"]

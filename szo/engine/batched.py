@@ -45,7 +45,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
 
-__all__ = ["BatchedEvaluator", "ENGINES", "make_plan_evaluator", "LoopPlanEvaluator", "BatchedPlanEvaluator",
+__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "LoopPlanEvaluator", "BatchedPlanEvaluator",
            "available_memory_bytes"]
 
 ENGINES = ("loop", "batched")
@@ -412,6 +412,17 @@ class BatchedPlanEvaluator:
         losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu))
         opt.forward_passes += U.shape[0]
         return losses
+
+
+def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``closure() = loss_fn(model(x), y)`` carrying ``closure.batch = (x, y, loss_fn)``, so that
+    ``SZO.step`` can evaluate it with either engine (the loop calls it; the batched engine folds
+    the probes over ``x``)."""
+    def closure() -> torch.Tensor:
+        return loss_fn(model(x), y)
+
+    closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]
+    return closure
 
 
 def _no_loss(out, y):  # used until a call supplies batch=(x, y, loss_fn)

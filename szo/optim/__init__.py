@@ -46,6 +46,8 @@ def build_optimizer(
     generator: torch.Generator | None = None,
     distributed: str | None = None,
     sync_bn: bool = True,
+    engine: str = "loop",
+    chunk: int | None = None,
     process_group=None,
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
@@ -62,6 +64,9 @@ def build_optimizer(
     if distributed is not None and method not in DISTRIBUTED_METHODS:
         raise ValueError(f"method {method!r} does not run on several processes; multi-process (torchrun) runs "
                          f"support: {', '.join(DISTRIBUTED_METHODS)}")
+    if engine != "loop" and method not in ("szo-cge", "szo-rge", "szo-1pt"):
+        raise ValueError(f"engine {engine!r} applies to the SZO methods (szo-cge, szo-rge, szo-1pt); "
+                         f"method {method!r} runs with engine 'loop'")
     params = list(model.parameters())
     if method == "bp":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -74,7 +79,8 @@ def build_optimizer(
             return BPSubspace(params, subspace, lr=lr, momentum=momentum, model=model)
         estimator = {"szo-cge": "cge", "szo-rge": "rge", "szo-1pt": "one-point"}[method]
         return SZO(params, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q, model=model,
-                   generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group)
+                   generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group,
+                   engine=engine, chunk=chunk)
     # full-space ZO
     if method == "zo-cge" and coords_per_step is None and subspace is not None:
         coords_per_step = int(subspace.basis.shape[1])

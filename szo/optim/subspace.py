@@ -183,6 +183,13 @@ class SZO(SubspaceOptimizer):
     * ``estimator="rge"``: 2q probes ``theta +/- mu P z_j``, ``z_j ~ N(0, I_k)`` from ``generator``.
     * ``estimator="one-point"``: q + 1 probes, one-sided differences (paper App. F).
 
+    ``engine="batched"`` evaluates the probes of a step as perturbed copies folded into one
+    forward per ``chunk`` of probes (``szo.engine``; equal to the loop to 1e-5) instead of one
+    closure call each. It needs the batch, so the closure must carry it:
+    ``closure.batch = (x, y, loss_fn)`` (``szo.engine.batch_closure(model, loss_fn, x, y)``
+    builds such a closure; ``szo.train.fit`` sets it). The default ``"loop"`` calls the
+    closure once per probe.
+
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore). If ``model`` is given, BN running
     statistics are frozen across the probes (see ``szo.optim.bn``). ``step`` returns the mean
@@ -217,7 +224,16 @@ class SZO(SubspaceOptimizer):
         distributed: str | None = None,
         process_group=None,
         sync_bn: bool = True,
+        engine: str = "loop",
+        chunk: int | None = None,
     ):
+        from szo.engine import ENGINES
+
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+        if engine == "batched" and (model is None or distributed is not None or not freeze_bn):
+            raise ValueError("engine='batched' needs model=..., runs in one process (distributed=None) and "
+                             "keeps BN statistics frozen across the probes (freeze_bn=True); use engine='loop'")
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
         if distributed is not None:
@@ -252,6 +268,14 @@ class SZO(SubspaceOptimizer):
         self.process_group = process_group
         self.sync_bn = bool(sync_bn)
         self.bytes_communicated = 0
+        # engine="batched": all probes of a step in folded forwards (szo.engine), which needs the
+        # batch itself rather than an opaque closure: the closure carries it as closure.batch
+        self.engine = engine
+        self._batched = None
+        if engine == "batched":
+            from szo.engine import make_plan_evaluator
+
+            self._batched = make_plan_evaluator("batched", model, chunk=chunk)
 
     @property
     def forwards_per_step(self) -> int:
@@ -344,7 +368,14 @@ class SZO(SubspaceOptimizer):
         if closure is None:
             raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
         U, z = self.probe_plan()
-        losses = self.evaluate_plan(closure, U)
+        if self._batched is not None:
+            batch = getattr(closure, "batch", None)
+            if batch is None:
+                raise ValueError("engine='batched' needs the batch: pass szo.engine.batch_closure(model, loss_fn, x, y) "
+                                 "or set closure.batch = (x, y, loss_fn)")
+            losses = self._batched(self, U, batch=batch)
+        else:
+            losses = self.evaluate_plan(closure, U)
         self.last_losses = losses
         g_c = self.combine(losses, z)
         self._apply_update(g_c)

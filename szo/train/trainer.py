@@ -242,6 +242,8 @@ def fit(
         _record(out)
         return loss
 
+    # the batched engine returns probe losses only (no outputs): no train accuracy then
+    acc_known = not (forward_only and getattr(optimizer, "engine", "loop") == "batched")
     correct_local = 0  # this rank's correct predictions since the last reduction
 
     def reduce_correct() -> float:
@@ -283,6 +285,7 @@ def fit(
         for (x, y), global_batch in zip(it, todo):
             n = len(global_batch)  # samples of the global batch (this rank may hold a shard)
             x_cur["x"], x_cur["y"] = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            closure.batch = (x_cur["x"], x_cur["y"], loss_fn)  # type: ignore[attr-defined]  # batched engine
             x_cur["scale"] = par.world_size * int(y.shape[0]) / n if shard else 1.0
             acc_buf["sum"] = None
             fp_before = int(getattr(optimizer, "forward_passes", 0))
@@ -306,7 +309,8 @@ def fit(
             epoch_train_time += dt
             bar.update(1)
             if progress:
-                bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{(correct + correct_local) / seen:.3f}",
+                bar.set_postfix(loss=f"{loss_sum / seen:.4f}",
+                                **({"acc": f"{(correct + correct_local) / seen:.3f}"} if acc_known else {}),
                                 refresh=False)
             for cb in cbs:
                 cb.on_step_end(step, epoch, loss)
@@ -338,7 +342,7 @@ def fit(
             par.check_in_sync(model)
         record = {
             "epoch": epoch, "step": step,
-            "train_loss": loss_sum / seen, "train_acc": correct / seen,
+            "train_loss": loss_sum / seen, "train_acc": correct / seen if acc_known else None,
             "test_loss": test_loss, "test_acc": test_acc, "lr": lr,
             "epoch_train_time_s": epoch_train_time, "eval_time_s": eval_time,
             "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
@@ -348,7 +352,8 @@ def fit(
             record.update(_comm_stats(optimizer, step))
         history.append(record)
         if progress:
-            tqdm.write(f"epoch {epoch}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
+            tqdm.write(f"epoch {epoch}/{epochs}: train loss {record['train_loss']:.4f}"
+                       + (f" acc {record['train_acc']:.4f}" if acc_known else "")
                        + (f" | test acc {test_acc:.4f}" if test_acc is not None else "")
                        + f" | lr {lr:.4g} | #FP {fp} #BP {bp}")
         for cb in cbs:

@@ -176,3 +176,47 @@ def test_batched_engine_combines_with_streaming(name, stream_bn):
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
     for k in bn_loop:
         torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_szo_engine_switch_equal_steps_and_clear_errors():
+    from szo.engine import batch_closure
+
+    def run(engine: str):
+        torch.manual_seed(0)
+        model = M.create("spike_convnet", T=2).train()
+        basis = torch.linalg.qr(torch.randn(model.num_params(), 3, generator=torch.Generator().manual_seed(1)))[0]
+        opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, lr=0.5, model=model,
+                  estimator="rge", q=2, generator=torch.Generator().manual_seed(2), engine=engine, chunk=2)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+            opt.step(batch_closure(model, tet_loss, x, y))
+        return model, opt
+
+    (m_loop, o_loop), (m_bat, o_bat) = run("loop"), run("batched")
+    # losses agree to ~1e-7 relative; (L+ - L-) / (2 mu) magnifies that to ~1e-6 on c
+    torch.testing.assert_close(o_bat.coordinates, o_loop.coordinates, rtol=1e-4, atol=1e-6)
+    for (k, a), b in zip(m_loop.state_dict().items(), m_bat.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    assert o_bat.forward_passes == o_loop.forward_passes == 8
+    with pytest.raises(ValueError, match="needs the batch"):
+        o_bat.step(lambda: tet_loss(m_bat(torch.zeros(2, 1, 8, 8)), torch.zeros(2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="unknown engine 'vmap'; valid: loop, batched"):
+        SZO(m_loop.parameters(), SimpleNamespace(basis=torch.eye(m_loop.num_params(), 2), layout=None),
+            model=m_loop, engine="vmap")
+
+
+def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
+    from szo.config import load_recipe
+
+    cfg = load_recipe("digits-scratch", ["szo.engine=batched", "szo.chunk=8"])
+    assert (cfg["szo"]["engine"], cfg["szo"]["chunk"]) == ("batched", 8)
+    with pytest.raises(ValueError, match="invalid szo.engine 'fast'; valid: loop, batched"):
+        load_recipe("digits-scratch", ["szo.engine=fast"])
+    with pytest.raises(ValueError, match="valid szo.engine for it: loop"):
+        load_recipe("digits-fixed", ["szo.engine=batched"])
+    from szo.optim import build_optimizer
+
+    model = M.create("spike_convnet", T=2)
+    with pytest.raises(ValueError, match="applies to the SZO methods"):
+        build_optimizer("bp", model, lr=0.1, engine="batched")
