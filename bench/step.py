@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     out = dict(benchmark="step", quick=a.quick, args=vars(a), machine=machine_info(), rows=rows,
                wall_s=time.perf_counter() - t0)
     name = "step_quick" if a.quick else "step"
+    if sorted(a.configs) != ["digits", "resnet20"]:  # a partial run does not overwrite the full one
+        name += "_" + "-".join(a.configs)
     print("wrote", write_result(name, out))
     plot(rows, RESULTS / f"{name}.png")
     return 0
