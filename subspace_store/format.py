@@ -12,12 +12,13 @@ An entry of a ``SubspaceStore`` is a directory ``root/NAME/`` holding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 __all__ = [
     "Subspace",
+    "layout_mismatch",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_SCHEMA",
@@ -69,6 +70,24 @@ def layout_to_json(layout) -> list[dict] | None:
             name, shape = e
             out.append({"name": str(name), "shape": [int(s) for s in shape]})
     return out
+
+
+def layout_mismatch(expected: Sequence[tuple[str, tuple[int, ...]]],
+                    found: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
+    """The first difference between a subspace's layout and a model's, as one phrase; None if equal.
+
+    Layouts are ``[(name, shape), ...]`` in flat-vector order (``named_parameters()``).
+    """
+    for i, (exp, got) in enumerate(zip(expected, found)):
+        if tuple(exp) != tuple(got):
+            return (f"parameter #{i} is {exp[0]} {list(exp[1])} in the subspace but "
+                    f"{got[0]} {list(got[1])} in the model")
+    if len(expected) != len(found):
+        i = min(len(expected), len(found))
+        extra = (f"{expected[i][0]} (only in the subspace)" if len(expected) > len(found)
+                 else f"{found[i][0]} (only in the model)")
+        return f"{len(expected)} parameters in the subspace, {len(found)} in the model; first extra: {extra}"
+    return None
 
 
 def layout_from_json(layout) -> list[tuple[str, tuple[int, ...]]] | None:

@@ -31,6 +31,7 @@ from .format import (
     Subspace,
     SubspaceIntegrityError,
     layout_from_json,
+    layout_mismatch,
     layout_to_json,
     validate_manifest,
 )
@@ -331,16 +332,6 @@ def check_model_layout(manifest_or_subspace: Any, model: nn.Module, name: str = 
         if got != d:
             raise LayoutMismatchError(f"subspace {name!r} has d = {d}, the model has d = {got} parameters")
         return
-    for i, (exp, got) in enumerate(zip(layout, found)):
-        if exp != got:
-            raise LayoutMismatchError(
-                f"subspace {name!r} does not fit this model: parameter #{i} is {exp[0]} {list(exp[1])} "
-                f"in the subspace but {got[0]} {list(got[1])} in the model"
-            )
-    if len(layout) != len(found):
-        i = min(len(layout), len(found))
-        extra = layout[i][0] + " (only in the subspace)" if len(layout) > len(found) else found[i][0] + " (only in the model)"
-        raise LayoutMismatchError(
-            f"subspace {name!r} does not fit this model: {len(layout)} parameters in the subspace, "
-            f"{len(found)} in the model; first extra: {extra}"
-        )
+    msg = layout_mismatch(layout, found)
+    if msg is not None:
+        raise LayoutMismatchError(f"subspace {name!r} does not fit this model: {msg}")

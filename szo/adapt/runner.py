@@ -36,32 +36,28 @@ __all__ = ["run_tta", "resolve_methods", "resolve_settings", "load_source_model"
 SETTING_FREE_METHODS = ("none", "bn")
 
 
+def _resolve_names(what: str, value: str | Sequence[str], valid: Sequence[str], everything: str) -> list[str]:
+    """``everything``, one name, a comma list or a list -> names in ``valid`` order."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    value = list(value)
+    if not value:
+        raise ValueError(f"no {what} given; valid: {everything}, {', '.join(valid)}")
+    if everything in value:
+        return list(valid)
+    for v in value:
+        check_choice(what, v, (everything, *valid))
+    return [v for v in valid if v in value]
+
+
 def resolve_methods(methods: str | Sequence[str]) -> list[str]:
     """``"all"``, one name, a comma list or a list -> method names in ``METHODS`` order."""
-    if isinstance(methods, str):
-        methods = [m.strip() for m in methods.split(",") if m.strip()]
-    methods = list(methods)
-    if not methods:
-        raise ValueError(f"no method given; valid: all, {', '.join(METHODS)}")
-    if "all" in methods:
-        return list(METHODS)
-    for m in methods:
-        check_choice("method", m, ("all", *METHODS))
-    return [m for m in METHODS if m in methods]
+    return _resolve_names("method", methods, METHODS, "all")
 
 
 def resolve_settings(settings: str | Sequence[str]) -> list[str]:
     """``"both"``, one name, a comma list or a list -> setting names (reset first)."""
-    if isinstance(settings, str):
-        settings = [s.strip() for s in settings.split(",") if s.strip()]
-    settings = list(settings)
-    if not settings:
-        raise ValueError(f"no setting given; valid: both, {', '.join(SETTINGS)}")
-    if "both" in settings:
-        return list(SETTINGS)
-    for s in settings:
-        check_choice("setting", s, ("both", *SETTINGS))
-    return [s for s in SETTINGS if s in settings]
+    return _resolve_names("setting", settings, SETTINGS, "both")
 
 
 def load_source_model(source: nn.Module | Mapping[str, Any]) -> nn.Module:

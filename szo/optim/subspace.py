@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from subspace_store.format import layout_mismatch
+
 from ..functional import zo as F
 from .bn import BNStatsFreezer
 
@@ -57,17 +59,9 @@ def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None =
             found = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         else:
             found = [(entries[i][0] if i < len(entries) else f"param[{i}]", tuple(p.shape)) for i, p in enumerate(params)]
-        for i, (exp, got) in enumerate(zip(entries, found)):
-            if exp != got:
-                raise ValueError(
-                    f"subspace layout does not match the model at parameter #{i}: subspace has "
-                    f"{exp[0]} {list(exp[1])}, model has {got[0]} {list(got[1])}"
-                )
-        if len(entries) != len(found):
-            raise ValueError(
-                f"subspace layout has {len(entries)} parameters, the model has {len(found)}"
-                + (f"; first extra: {(entries + found)[min(len(entries), len(found))][0]}")
-            )
+        msg = layout_mismatch(entries, found)
+        if msg is not None:
+            raise ValueError(f"the subspace does not fit these parameters: {msg}")
     if basis.shape[0] != d:
         raise ValueError(f"subspace dimension d = {basis.shape[0]} does not match the parameters' d = {d}")
 

@@ -234,7 +234,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="needs a closure"):
         SZO(model.parameters(), sub).step()
     other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    with pytest.raises(ValueError, match=r"parameter #0: subspace has fc1.weight \[3, 4\], model has 0.weight"):
+    with pytest.raises(ValueError, match=r"parameter #0 is fc1.weight \[3, 4\] in the subspace but 0.weight"):
         SZO(other.parameters(), sub, model=other)
     wrong = SimpleNamespace(basis=torch.zeros(7, 2), layout=None)
     with pytest.raises(ValueError, match="d = 7 does not match"):
