@@ -151,13 +151,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RankFailure as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 3
+        code = 3
     except (ValueError, DataNotFoundError, FileNotFoundError) as e:
         print(f"error: {who}{_one_line(e)}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)
-        return 130
+        code = 130
+    if world > 1:
+        # under torchrun a failing rank leaves its process group undestroyed (a peer may be
+        # gone); letting the interpreter tear it down makes gloo abort ("terminate called
+        # without an active exception", SIGABRT), turning the exit status into -6. Leave
+        # without running destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

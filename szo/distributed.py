@@ -199,7 +199,14 @@ def guard():
 
 
 def shutdown() -> None:
+    """Leave the process group together: a barrier, then destroy it.
+
+    Without the barrier a rank that finishes first tears its gloo context down while a peer
+    still talks to it, and gloo can abort that peer ("terminate called without an active
+    exception", SIGABRT) after all its work is done; seen in about 1 of 10 2-process runs.
+    """
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from szo.distributed import shutdown
 from szo.optim import SZO
 
 STEPS, K, GLOBAL_BATCH = int(os.environ.get("DBG_STEPS", 3)), 4, 16
@@ -53,7 +54,7 @@ def _worker(rank, world, init_file, out_dir, mode, bn):
             state["bytes_per_step"] = torch.tensor([opt.bytes_communicated / STEPS])
             save_file(state, os.path.join(out_dir, f"{mode}.safetensors"))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # barrier, then destroy: leaving one by one can SIGABRT a gloo peer
 
 
 @pytest.mark.parametrize("mode,bn", [("data", False), ("data", True), ("perturbation", True)])

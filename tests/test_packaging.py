@@ -43,3 +43,32 @@ def test_recipes_are_package_data():
     assert ast.literal_eval(kws["package_data"]) == {"szo._recipes": ["*.yaml"]}
     assert (ROOT / "recipes" / "__init__.py").is_file()
     assert "szo=szo.cli:main" in ast.literal_eval(kws["entry_points"])["console_scripts"]
+
+
+def test_non_editable_install_finds_the_recipes(tmp_path):
+    """Build the wheel from a copy of the sources, install it into a bare folder, list recipes."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for pkg in ("szo", "subspace_store", "recipes"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    run = dict(capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "dist"), str(src)], **run)
+    assert p.returncode == 0, p.stderr
+    wheel = next((tmp_path / "dist").glob("szo-*.whl"))
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+                        "--target", str(tmp_path / "site"), str(wheel)], **run)
+    assert p.returncode == 0, p.stderr
+    code = ("import szo, szo.config as c; print(szo.__file__); print(' '.join(c.recipe_names())); "
+            "print(c.load_recipe('digits-fixed')['backend'])")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site")}, **run)
+    assert p.returncode == 0, p.stderr
+    where, names, backend = p.stdout.splitlines()
+    assert where.startswith(str(tmp_path / "site"))  # the installed copy, not the source tree
+    assert set(names.split()) == {f.stem for f in (ROOT / "recipes").glob("*.yaml")} and backend == "fixed"
