@@ -281,7 +281,7 @@ class SyncBatchNorm:
         self._handles = []
         for m in self.layers:  # a forward that raised: put the layer back as it was
             if id(m) in self._pending:
-                self._undo(m, self._pending.pop(id(m)))
+                self._undo(m, self._pending.pop(id(m))[0])  # entry = (saved, mean, var, n)
 
     @staticmethod
     def _undo(m: _BatchNorm, saved: tuple) -> None:

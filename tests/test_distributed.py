@@ -77,3 +77,25 @@ def test_unknown_distributed_mode():
     model = make_model(False)
     with pytest.raises(ValueError, match="unknown distributed mode"):
         SZO(model.parameters(), make_subspace(model), distributed="pipeline")
+
+
+def test_sync_bn_restores_layers_when_a_forward_raises(tmp_path):
+    """A BN forward that fails between the sync pre-hook and its post-hook leaves the layer as it was."""
+    from szo.distributed import SyncBatchNorm
+
+    class FailingBN(nn.BatchNorm1d):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        bn = FailingBN(3)
+        with torch.no_grad():
+            bn.running_mean.fill_(0.5)
+        model = nn.Sequential(bn).train()
+        with pytest.raises(RuntimeError, match="boom"), SyncBatchNorm(model):
+            model(torch.randn(8, 3) + 3.0)
+        assert bn.training is True
+        assert torch.equal(bn.running_mean, torch.full((3,), 0.5)) and torch.equal(bn.running_var, torch.ones(3))
+    finally:
+        dist.destroy_process_group()

@@ -319,13 +319,17 @@ class SZO(SubspaceOptimizer):
                 sbn = SyncBatchNorm(self.model, self.process_group)
                 if sbn.active:
                     sync = sbn
+        # directions on the basis' device once; which rows are zero is decided on the CPU copy
+        # (a per-probe .any() on a GPU tensor would synchronise the device every probe)
+        U_dev = U.to(device=self._Pt.device, dtype=self._Pt.dtype)
+        nonzero = U.ne(0).any(dim=1).tolist()
         self.bn.snapshot()
         try:
             with sync:
                 for j in rows:
                     self.bn.restore()
-                    u = U[j].to(self._Pt.dtype)
-                    if bool(u.any()):
+                    if nonzero[j]:
+                        u = U_dev[j]
                         for p, s, pt in zip(params, saved, self._Pt_views):
                             torch.add(s, (u @ pt).view_as(p), alpha=mu, out=p.data)
                     else:
