@@ -36,7 +36,7 @@ import torch
 from szo.config import method_label, write_config
 from szo.io import atomic_save_safetensors
 
-__all__ = ["run_recipe", "run_demo_digits", "run_bptt_stage", "run_subspace_stage", "build_store_subspace", "build_model",
+__all__ = ["run_recipe", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage", "build_store_subspace", "build_model",
            "subspace_store_for"]
 
 
@@ -60,6 +60,31 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
         torch.manual_seed(int(cfg["seed"]))
         return models.create(m["name"], num_classes=info.num_classes, T=m["T"] or info.default_T,
                              activation=m["activation"], **kw)
+
+
+def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model a run directory holds, and its resolved config.
+
+    ``run_dir/config.yaml`` rebuilds the model (``build_model``: dataset classes / channels,
+    ``model.kwargs``, T); the weights (parameters and BN buffers) come from
+    ``model.safetensors`` (BPTT runs) or else ``checkpoints/last.pt`` (``weights_only``).
+    """
+    from safetensors.torch import load_file
+
+    from szo.config import load_recipe
+    from szo.train import checkpoint_path, load_checkpoint
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: no config.yaml (written by every szo recipe run)")
+    cfg = load_recipe(run_dir / "config.yaml")
+    model = build_model(cfg)
+    if (run_dir / "model.safetensors").is_file():
+        state = load_file(run_dir / "model.safetensors")
+    else:
+        state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
+    model.load_state_dict(state, strict=True)
+    return model.to(device), cfg
 
 
 def _loaders(cfg: Mapping[str, Any], generator: torch.Generator, parallel=None):

@@ -7,25 +7,40 @@ from typing import Any, Mapping, Sequence
 
 from szo.io import atomic_write_bytes
 
-__all__ = ["plot_training_curve", "plot_runs"]
+__all__ = ["plot_training_curve", "plot_runs", "pyplot", "save_figure"]
 
 
-def _figure(ncols: int):
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> None:
+    """``tight_layout``, render to PNG in memory, close the figure (also on failure) and write
+    the file atomically (a crash never leaves a half PNG)."""
+    plt = pyplot()
+    try:
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _figure(ncols: int):
+    plt = pyplot()
     fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.4))
     return plt, fig, axes
 
 
 def _save(plt, fig, path: str | os.PathLike) -> None:
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float], list[float]]:

@@ -156,3 +156,20 @@ def test_batched_engine_recipe_equals_loop(bp_run):
     assert abs(bat["best_test_acc"] - loop["best_test_acc"]) < 1e-9
     hist = [json.loads(line) for line in (root / "eng-bat" / "metrics.jsonl").read_text().splitlines()]
     assert hist[-1]["train_acc"] is None  # probe losses only: no outputs to score
+
+
+def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
+    from szo.pipeline import load_run_model
+
+    root, sets, _ = bp_run
+    model, cfg = load_run_model(root / "bp")  # BPTT run: model.safetensors
+    assert cfg["model"]["kwargs"] == {"width": 4} and model.T == 2
+    from safetensors.torch import load_file
+
+    for k, v in load_file(root / "bp" / "model.safetensors").items():
+        assert torch.equal(model.state_dict()[k], v), k
+    model, cfg = load_run_model(root / "cge")  # subspace run: checkpoints/last.pt
+    ck = torch.load(root / "cge" / "checkpoints" / "last.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ck["model"].items()) and cfg["method"] == "szo-cge"
+    with pytest.raises(FileNotFoundError, match="no config.yaml"):
+        load_run_model(tmp_path)

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from szo.io import atomic_write_json
+from szo.optim.bn import bn_layers
 from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, load_checkpoint, save_checkpoint
 
@@ -276,9 +277,8 @@ def fit(
         lr = float(optimizer.param_groups[0]["lr"])
         model.train()
         if bn_stats == "deployed":
-            for m in model.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
+            for m in bn_layers(model):
+                m.eval()
         bar = tqdm(total=len(batches), initial=done, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
                    disable=not progress, dynamic_ncols=True)
         t_last = time.perf_counter()
