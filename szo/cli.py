@@ -41,35 +41,30 @@ def _import_registrar(name: str):
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
-    from szo.config import recipe_names
+    from szo.config import load_recipe, recipe_names
 
     if args.list:
-        from szo.config import load_recipe
-
         for n in recipe_names():
             print(f"{n:<22} {load_recipe(n)['description']}")
         return 0
     if not args.name:
         raise ValueError(f"give a recipe name or --list; valid recipes: {', '.join(recipe_names())}")
-    from szo.config import load_recipe
     from szo.distributed import launch
     from szo.pipeline import run_recipe
 
-    cfg = load_recipe(args.name, args.set or [])
+    # --device is one more override, so it is validated like the rest and lands in config.yaml
+    cfg = load_recipe(args.name, (args.set or []) + ([f"device={args.device}"] if args.device else []))
     out = args.out or f"runs/{cfg['name']}"
-    if args.device:
-        cfg["device"] = args.device
-    with launch(device=args.device or cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
-        s = run_recipe(cfg, out, device=args.device, resume=args.resume)
+    with launch(device=cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
+        s = run_recipe(cfg, out, resume=args.resume)
     if info.rank != 0:
         return 0
     acc = s.get("best_test_acc") if isinstance(s, dict) else None
     if acc is None:
         print(f"{cfg['name']} done in {out}")
         return 0
-    print(f"{cfg['name']} [{s.get('label')}] done in {out}: max test acc "
-          f"{'-' if acc is None else f'{100 * acc:.2f}%'} at epoch {s.get('converged_epoch')}, "
-          f"#FP {s.get('fp')}, #BP {s.get('bp')}")
+    print(f"{cfg['name']} [{s.get('label')}] done in {out}: max test acc {100 * acc:.2f}% at epoch "
+          f"{s.get('converged_epoch')}, #FP {s.get('fp')}, #BP {s.get('bp')}")
     return 0
 
 
@@ -158,6 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)
         code = 130
+    except BaseException:
+        if world <= 1:
+            raise
+        import traceback
+
+        traceback.print_exc()  # an unexpected error on one rank: the traceback, then out (below)
+        code = 1
     if world > 1:
         # under torchrun a failing rank leaves its process group undestroyed (a peer may be
         # gone); letting the interpreter tear it down makes gloo abort ("terminate called

@@ -22,6 +22,14 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from szo.io import atomic_write_text
+from szo.methods import (  # the one method table (no torch import)
+    ENGINE_METHODS,
+    FIXED_BACKEND_METHODS,
+    FORWARD_ONLY_METHODS,
+    INTEGER_LEARNER_METHODS,
+    METHODS,
+    SUBSPACE_METHODS,
+)
 
 __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES",
@@ -38,9 +46,6 @@ EXTERNAL_KINDS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "tta": ("szo.adapt.cli", "resolve_tta", "run_recipe", {"setting": "both", "tta": _FREE}),
 }
 MODES = ("scratch", "continual")
-METHODS = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")  # = szo.optim.METHODS
-SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
-BACKPROP_METHODS = ("bp", "bp-subspace")  # the others are forward-only (szo.time_chunk applies)
 DEVICES = ("cpu", "cuda")
 SCHEDULERS = ("cosine", "constant")
 REFERENCES = ("first", "last")
@@ -301,7 +306,9 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
         (_get(full, sec) if sec else full)[leaf] = v
     from szo import data as szo_data
     from szo import models as szo_models
+    from szo.engine import ENGINES
     from szo.losses import LOSSES
+    from szo.models.neurons import ACTIVATIONS
 
     _choice(full, "mode", MODES)
     if kind not in EXTERNAL_KINDS:
@@ -310,7 +317,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not (dev in DEVICES or (isinstance(dev, str) and dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ValueError(f"invalid device {dev!r}; valid: cpu, cuda, cuda:N")
     _choice(full, "model.name", szo_models.names())
-    _choice(full, "model.activation", ("lif", "relu"))
+    _choice(full, "model.activation", ACTIVATIONS)
     _choice(full, "data.name", szo_data.names())
     _choice(full, "loss.name", list(LOSSES))
     _choice(full, "bptt.scheduler", SCHEDULERS)
@@ -320,7 +327,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     from szo.models.streaming import STREAM_BN_MODES
 
     _choice(full, "szo.stream_bn", STREAM_BN_MODES)
-    _choice(full, "szo.engine", ("loop", "batched"))  # = szo.engine.ENGINES
+    _choice(full, "szo.engine", ENGINES)
     ev = full["trajectory"]["every"]
     if ev != "epoch" and (isinstance(ev, str) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")
@@ -331,10 +338,6 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"'loss.lamb' must be in [0, 1], got {full['loss']['lamb']}")
     if full["szo"]["mu"] <= 0:
         raise ValueError(f"'szo.mu' must be > 0, got {full['szo']['mu']}")
-    if full["szo"]["time_chunk"] is not None and full["method"] in BACKPROP_METHODS and kind not in EXTERNAL_KINDS:
-        raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{full['method']!r} backpropagates; valid methods with szo.time_chunk: "
-                         f"{', '.join(m for m in METHODS if m not in BACKPROP_METHODS)}")
     if full["subspace"]["name"] is None and (full["kind"] == "subspace"):
         raise ValueError("a subspace recipe needs 'subspace.name' (the store entry to train in)")
     if kind in EXTERNAL_KINDS:
@@ -342,12 +345,29 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
         mod, resolve_fn, _, _ = EXTERNAL_KINDS[kind]
         return getattr(importlib.import_module(mod), resolve_fn)(full)
-    if full["kind"] == "subspace" and full["method"] in SUBSPACE_METHODS and full["train"]["weight_decay"]:
-        raise ValueError(f"method {full['method']!r} uses no weight decay (paper App. G); set train.weight_decay=0")
+    if full["kind"] == "subspace":
+        _check_method_options(full)
     _check_hw(full)
     if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     return full
+
+
+def _check_method_options(full: Mapping[str, Any]) -> None:
+    """Options of the subspace stage that only some methods take (szo.methods), checked before
+    anything runs: a recipe must not fail after its BPTT stage on a combination known up front."""
+    method, sz = full["method"], full["szo"]
+    if method in SUBSPACE_METHODS and full["train"]["weight_decay"]:
+        raise ValueError(f"method {method!r} uses no weight decay (paper App. G); set train.weight_decay=0")
+    if sz["time_chunk"] is not None and method not in FORWARD_ONLY_METHODS:
+        raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
+                         f"{method!r} backpropagates; valid methods with szo.time_chunk: {', '.join(FORWARD_ONLY_METHODS)}")
+    if sz["engine"] != "loop" and method not in ENGINE_METHODS:
+        raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
+                         f"engine 'loop'; valid methods for it: {', '.join(ENGINE_METHODS)}")
+    if sz["chunk"] is not None and sz["engine"] != "batched":
+        raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
+                         "set szo.engine=batched or leave szo.chunk null")
 
 
 def _check_hw(full: Mapping[str, Any]) -> None:
@@ -370,18 +390,18 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         if full["bn_stats"] != "deployed":
             raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
                              "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
-        if full["method"] not in ("szo-cge", "szo-rge", "szo-1pt"):
+        if full["method"] not in FIXED_BACKEND_METHODS:
             raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full['method']!r}; "
-                             "valid: szo-cge, szo-rge, szo-1pt")
+                             f"valid: {', '.join(FIXED_BACKEND_METHODS)}")
         if full["szo"]["engine"] != "loop":
             raise ValueError("backend 'fixed' evaluates probes one integer forward at a time; "
                              "valid szo.engine for it: loop")
         if full["szo"]["time_chunk"] is not None:
             raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
                              "szo.time_chunk applies to backend 'float' (set it to null)")
-    if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in ("szo-cge", "szo-rge")):
+    if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in INTEGER_LEARNER_METHODS):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
-                         "backend 'fixed' and method szo-cge or szo-rge")
+                         f"backend 'fixed' and a method in: {', '.join(INTEGER_LEARNER_METHODS)}")
     if full["bn_stats"] == "deployed" and full["kind"] != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 

@@ -218,17 +218,24 @@ def _parallel(cfg: Mapping[str, Any]):
                              "initialised; run `szo recipe` (the CLI sets it up) or wrap the call in "
                              "szo.distributed.launch()")
         return None
-    _check_distributed_method(cfg)
+    _check_distributed(cfg)
     dc = cfg["distributed"]
     return D.Parallel(mode=dc["mode"], sync_bn=dc["sync_bn"])
 
 
-def _check_distributed_method(cfg: Mapping[str, Any]) -> None:
-    from szo.optim import DISTRIBUTED_METHODS
+def _check_distributed(cfg: Mapping[str, Any]) -> None:
+    """Everything a multi-process run does not support, checked before any work starts."""
+    from szo.methods import DISTRIBUTED_METHODS
 
     if cfg["method"] not in DISTRIBUTED_METHODS:
         raise ValueError(f"method {cfg['method']!r} does not run on several processes; multi-process (torchrun) "
                          f"runs support: {', '.join(DISTRIBUTED_METHODS)} (or run it in one process)")
+    sz = cfg["szo"]
+    for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
+                      (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
+                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'")):
+        if bad:
+            raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
 
 def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
@@ -277,20 +284,18 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
         net = to_fixed(model, weight_bits=hw["weight_bits"])
         extra["hw"] = dict(hw)
         if hw["basis_bits"] is not None:
-            extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
             if hw["learner"] == "float":
-                sub = quantized_subspace(sub, hw["basis_bits"])
+                sub = quantized_subspace(sub, hw["basis_bits"])  # records its error in the provenance
+                extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
+            else:  # OnChipSZO quantises the basis itself
+                extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
     net.to(device)
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
-    if sz["time_chunk"] is not None and par is not None:
-        raise ValueError("szo.time_chunk (streaming forward) runs in one process; leave it null under torchrun")
     model.set_streaming(sz["time_chunk"], sz["stream_bn"])
     if hw["learner"] == "integer":
         from szo.hw.train import OnChipSZO
 
-        if par is not None:
-            raise ValueError("hw.learner 'integer' runs in one process; use hw.learner 'float' under torchrun")
         opt = OnChipSZO(net, sub, lr=tr["lr"], momentum=tr["momentum"],
                         mu_lsb=max(1, round(sz["mu"] * 2 ** hw["coord_frac"])),
                         estimator="cge" if cfg["method"] == "szo-cge" else "rademacher", q=sz["q"],
@@ -349,7 +354,6 @@ def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume:
     if cfg["kind"] != "subspace":
         raise ValueError(f"multi-process runs train in a subspace (kind: subspace); recipe {cfg['name']!r} is kind: "
                          f"{cfg['kind']}: run it in one process (szo recipe {cfg['name']}), not under torchrun")
-    _check_distributed_method(cfg)
     store = subspace_store_for(cfg)
     name = cfg["subspace"]["name"]
     if not store.exists(name):

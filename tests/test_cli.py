@@ -79,3 +79,11 @@ def test_report_command(tmp_path, capsys):
     assert len(rep["runs"]) == 3 and rep["table1"][0]["SZO-CGE"] == "95.00"
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_bad_device_is_validated_like_any_override(capsys, tmp_path):
+    # --device used to bypass validation: config.yaml got the bad value, then a raw traceback
+    assert main(["recipe", "digits-bp", "--device", "bogus", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: invalid device 'bogus'; valid: cpu, cuda, cuda:N"]
+    assert not (tmp_path / "r").exists()

@@ -117,3 +117,27 @@ def test_streaming_options():
     with pytest.raises(ValueError, match="forward-only methods; method 'bp-subspace' backpropagates; "
                                          "valid methods with szo.time_chunk: szo-cge, szo-rge, szo-1pt, zo-cge"):
         load_recipe("digits-scratch", ["szo.time_chunk=1", "method=bp-subspace"])
+
+
+def test_method_specific_options_rejected_before_anything_runs():
+    # each combination used to pass validation and fail only when the optimizer was built,
+    # i.e. after a recipe's BPTT stage had already run
+    with pytest.raises(ValueError, match="szo.engine 'batched' evaluates SZO probe plans; method 'bp-subspace'"):
+        load_recipe("digits-scratch", ["method=bp-subspace", "szo.engine=batched"])
+    with pytest.raises(ValueError, match="valid methods for it: szo-cge, szo-rge, szo-1pt"):
+        load_recipe("digits-scratch", ["method=zo-cge", "szo.engine=batched"])
+    with pytest.raises(ValueError, match="'szo.chunk' .* applies to szo.engine 'batched'"):
+        load_recipe("digits-scratch", ["szo.chunk=4"])
+    with pytest.raises(ValueError, match="applies to forward-only methods"):
+        load_recipe("digits-scratch", ["method=bp", "szo.time_chunk=1"])
+    # a BPTT recipe has no SZO stage: its method / szo options are not in play
+    assert load_recipe("digits-bp", ["method=bp-subspace", "szo.time_chunk=1"])["kind"] == "bp"
+
+
+def test_method_table_is_shared():
+    import szo.config as C
+    import szo.optim as O
+    from szo import methods as M
+
+    assert C.METHODS is O.METHODS is M.METHODS
+    assert O.SUBSPACE_METHODS is M.SUBSPACE_METHODS and O.DISTRIBUTED_METHODS is M.DISTRIBUTED_METHODS

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, METHODS, SUBSPACE_METHODS
+
 from .bn import BNStatsFreezer, bn_layers
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .zo import FullSpaceZO
@@ -27,9 +29,6 @@ __all__ = [
     "build_optimizer",
 ]
 
-METHODS = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")
-SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge", "szo-1pt")
-DISTRIBUTED_METHODS = ("szo-cge", "szo-rge", "szo-1pt")  # methods that run on torch.distributed
 
 
 def build_optimizer(
@@ -64,8 +63,8 @@ def build_optimizer(
     if distributed is not None and method not in DISTRIBUTED_METHODS:
         raise ValueError(f"method {method!r} does not run on several processes; multi-process (torchrun) runs "
                          f"support: {', '.join(DISTRIBUTED_METHODS)}")
-    if engine != "loop" and method not in ("szo-cge", "szo-rge", "szo-1pt"):
-        raise ValueError(f"engine {engine!r} applies to the SZO methods (szo-cge, szo-rge, szo-1pt); "
+    if engine != "loop" and method not in ENGINE_METHODS:
+        raise ValueError(f"engine {engine!r} applies to the SZO methods ({', '.join(ENGINE_METHODS)}); "
                          f"method {method!r} runs with engine 'loop'")
     params = list(model.parameters())
     if method == "bp":
