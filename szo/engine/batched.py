@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
+from ..models.streaming import _bn_momentum
 
 __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "LoopPlanEvaluator", "BatchedPlanEvaluator",
            "available_memory_bytes"]
@@ -159,9 +160,7 @@ def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
         # after the last chunk, num_batches_tracked is counted once by the evaluator
         y = stream.apply(mod, x, w, b, rm, rv, count_batches=False)
     elif tracked:
-        n = int(mod.num_batches_tracked) + 1
-        factor = mod.momentum if mod.momentum is not None else 1.0 / n
-        y = Fn.batch_norm(x, rm, rv, w, b, True, factor, mod.eps)
+        y = Fn.batch_norm(x, rm, rv, w, b, True, _bn_momentum(mod), mod.eps)
     elif use_batch_stats:
         y = Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
     else:

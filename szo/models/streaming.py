@@ -97,6 +97,15 @@ def check_stream_bn(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def _bn_momentum(mod: _BatchNorm) -> float:
+    """Factor of ``mod``'s next running-statistics update: ``momentum``, or with ``momentum=None``
+    (cumulative average) ``1 / (num_batches_tracked + 1)``. The buffer is read only in that
+    case, as torch's ``_BatchNorm.forward`` does: reading it on CUDA synchronises the device."""
+    if mod.momentum is not None:
+        return mod.momentum
+    return 1.0 / (float(mod.num_batches_tracked) + 1.0)
+
+
 class _StopPass(Exception):
     """Raised by the BN layer whose statistics an ``"exact"`` pass is collecting."""
 
@@ -185,8 +194,7 @@ class BNStream:
         rm, rv, count = self.target
         if not (mod.training and mod.track_running_stats) or rm is None or rv is None:
             return
-        n_before = int(mod.num_batches_tracked)
-        factor = mod.momentum if mod.momentum is not None else 1.0 / (n_before + 1)
+        factor = _bn_momentum(mod)
         if count:
             mod.num_batches_tracked.add_(1)
         unbiased = self.m2 / max(self.n - 1.0, 1.0)

@@ -220,3 +220,31 @@ def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
     model = M.create("spike_convnet", T=2)
     with pytest.raises(ValueError, match="applies to the SZO methods"):
         build_optimizer("bp", model, lr=0.1, engine="batched")
+
+
+# ------------------------------------------------------------------ BN momentum=None (cumulative average)
+def test_bn_momentum_reads_the_counter_only_for_a_cumulative_average():
+    from szo.models.streaming import _bn_momentum
+
+    bn = nn.BatchNorm2d(2)
+    bn.num_batches_tracked = None  # any read of the counter would fail
+    assert _bn_momentum(bn) == 0.1
+    bn = nn.BatchNorm2d(2, momentum=None)
+    bn.num_batches_tracked.fill_(3)
+    assert _bn_momentum(bn) == 0.25
+
+
+@pytest.mark.parametrize("time_chunk", [None, 1])
+def test_batched_equals_loop_with_cumulative_average_bn(time_chunk):
+    model, opt, x, y = _setup("spike_convnet")
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.momentum = None
+            mod.num_batches_tracked.fill_(3)
+    U, _ = opt.probe_plan()
+    with model.streaming(time_chunk=time_chunk, stream_bn="exact"):
+        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=3)
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
+    for k in bn_loop:
+        torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert int(model.bn1.num_batches_tracked) == 4
