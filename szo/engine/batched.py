@@ -72,6 +72,10 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+def _shape_key(x: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.dtype, str(x.device)
+
+
 def _check_chunk(chunk: int | None) -> int | None:
     if chunk is None:
         return None
@@ -174,7 +178,8 @@ class BatchedEvaluator:
     ``model``: a module whose parameterised leaves are Conv2d / Linear / BatchNorm (any
     SpikingJelly ``layer.*`` subclass of these) and whose other leaves have no parameters
     (neurons, pooling, flatten, ...). ``loss_fn(out, y)`` maps the model output of one copy
-    to a scalar. ``chunk``: copies per pass (``None``: sized from free memory).
+    to a scalar. ``chunk``: copies per pass (``None``: sized from free memory once per input
+    shape, then fixed; see ``chunk_size``).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, chunk: int | None = None,
@@ -205,7 +210,9 @@ class BatchedEvaluator:
         self._owner = [owner[id(p)] for p in self.params]
         self.modules = list(dict.fromkeys(mod for mod, _ in self._owner))
         self.d = sum(p.numel() for p in self.params)
-        self._per_copy_cache: dict[tuple, int] = {}
+        self._per_copy_cache: dict[tuple, int] = {}  # input-shape key -> bytes per extra copy
+        self._chunk_cache: dict[tuple, int] = {}  # input-shape key -> auto chunk (fixed for the run)
+        self._budget: dict[str, float] = {}  # device -> memory_fraction of its free memory at first use
         self.forward_passes = 0
         self.last_chunk: int | None = None
 
@@ -217,7 +224,7 @@ class BatchedEvaluator:
         Activations: 4x the largest leaf output of one plain forward (input + output +
         neuron state + BN temporaries are live at once), measured once per input shape.
         """
-        key = (tuple(x.shape), x.dtype, str(x.device))
+        key = _shape_key(x)
         if key not in self._per_copy_cache:
             biggest = [0]
 
@@ -241,11 +248,28 @@ class BatchedEvaluator:
         return self._per_copy_cache[key]
 
     def chunk_size(self, x: torch.Tensor, m: int) -> int:
-        """Copies per pass: ``chunk`` if given, else what fits in ``memory_fraction`` of free memory."""
+        """Copies per pass: ``chunk`` if given, else what fits in ``memory_fraction`` of free memory.
+
+        The automatic choice is made once per input shape and then fixed for the life of
+        this evaluator (i.e. the run): free memory is read once per device, at the first
+        call, and the chunk cached per shape next to ``per_copy_bytes``. Re-reading it every
+        step would let the chunk drift with other processes' memory (and on CUDA shrink
+        after the first step, whose blocks the caching allocator keeps), and the chunk
+        changes float rounding (the summation order of the BN running-statistics update).
+        A resumed run measures afresh: give ``chunk`` explicitly where a resume must
+        reproduce the uninterrupted run bit for bit.
+        """
         if self.chunk is not None:
             return min(self.chunk, m)
-        free = available_memory_bytes(x.device) * self.memory_fraction
-        return max(1, min(m, int(free // max(1, self.per_copy_bytes(x)))))
+        key = _shape_key(x)
+        cap = self._chunk_cache.get(key)
+        if cap is None:
+            dev = str(x.device)
+            if dev not in self._budget:
+                self._budget[dev] = available_memory_bytes(x.device) * self.memory_fraction
+            cap = max(1, int(self._budget[dev] // max(1, self.per_copy_bytes(x))))
+            self._chunk_cache[key] = cap
+        return min(m, cap)
 
     # ----------------------------------------------------------------- evaluation
     def _stacked(self, thetas, lo: int, hi: int) -> list[torch.Tensor]:

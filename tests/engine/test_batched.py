@@ -114,6 +114,28 @@ def test_auto_chunk_is_positive_and_bounded():
     assert ev_tiny.chunk_size(x, 4) == 1
 
 
+def test_auto_chunk_is_chosen_once_per_input_shape(monkeypatch):
+    import szo.engine.batched as B
+
+    model, opt, x, y = _setup("spike_convnet")
+    ev = BatchedEvaluator(model, tet_loss)
+    per_copy = ev.per_copy_bytes(x)
+    reads = []
+
+    def fake_free(device):  # free memory that shrinks after every read
+        reads.append(device)
+        return per_copy * (6 - 2 * len(reads)) * 2  # memory_fraction 0.5: 4 copies first, then 2
+
+    monkeypatch.setattr(B, "available_memory_bytes", fake_free)
+    U, _ = opt.probe_plan()
+    plan = ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05)
+    for _ in range(3):
+        ev.losses(x, y, plan)
+        assert ev.last_chunk == 4
+    assert ev.chunk_size(x[:1], 99) == max(1, 4 * per_copy // ev.per_copy_bytes(x[:1]))  # new shape: same budget
+    assert len(reads) == 1
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
 def test_bad_chunk_raises(bad):
     model = M.create("spike_convnet", T=2)
