@@ -46,10 +46,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..functional import zo as F
 from ..models.streaming import _bn_momentum
 
-__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "LoopPlanEvaluator", "BatchedPlanEvaluator",
+__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "BatchedPlanEvaluator",
            "available_memory_bytes"]
 
-ENGINES = ("loop", "batched")
+ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is SZO.evaluate_plan, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # leaf modules without parameters that act elementwise / per channel (checked by name so
@@ -70,6 +70,11 @@ def available_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _check_loss_fn(loss_fn, allow_none: bool = False) -> None:
+    if not (callable(loss_fn) or (allow_none and loss_fn is None)):
+        raise ValueError(f"loss_fn must be callable as loss_fn(out, y), got {type(loss_fn).__name__}")
 
 
 def _shape_key(x: torch.Tensor) -> tuple:
@@ -178,16 +183,15 @@ class BatchedEvaluator:
     ``model``: a module whose parameterised leaves are Conv2d / Linear / BatchNorm (any
     SpikingJelly ``layer.*`` subclass of these) and whose other leaves have no parameters
     (neurons, pooling, flatten, ...). ``loss_fn(out, y)`` maps the model output of one copy
-    to a scalar. ``chunk``: copies per pass (``None``: sized from free memory once per input
+    to a scalar (here, or per call in ``losses``). ``chunk``: copies per pass (``None``: sized from free memory once per input
     shape, then fixed; see ``chunk_size``).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, chunk: int | None = None,
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None,
                  memory_fraction: float = 0.5):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise ValueError("loss_fn must be callable as loss_fn(out, y)")
+        _check_loss_fn(loss_fn, allow_none=True)
         self.chunk = _check_chunk(chunk)
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -319,8 +323,10 @@ class BatchedEvaluator:
         return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu)), U.shape[0]
 
     @torch.no_grad()
-    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas) -> torch.Tensor:
+    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas, loss_fn: LossFn | None = None) -> torch.Tensor:
         """Loss of ``(x, y)`` at each parameter vector; float64 ``[m]``.
+
+        ``loss_fn``: this call's loss (default: the one given to the constructor).
 
         ``thetas``: ``theta_batch [m, d]`` (flat layout order), or ``(theta0, P_t, U, mu)``
         meaning ``theta_j = theta0 + mu * P U[j]`` (``theta0 [d]`` or per-parameter tensors,
@@ -328,6 +334,12 @@ class BatchedEvaluator:
         parameters are not modified; BN running statistics get one update with the mean
         over copies (train mode only).
         """
+        if loss_fn is None:
+            loss_fn = self.loss_fn
+            if loss_fn is None:
+                raise ValueError("no loss_fn: give it to BatchedEvaluator(...) or to losses(..., loss_fn=...)")
+        else:
+            _check_loss_fn(loss_fn)
         thetas, m = self._normalise(thetas)
         if m < 1:
             raise ValueError("no parameter vectors to evaluate (m = 0)")
@@ -346,10 +358,8 @@ class BatchedEvaluator:
                 raise ValueError(f"batched engine: output width {n_out} is not a multiple of {ctx.m} copies")
             out = out.view(*out.shape[:-1], ctx.m, n_out // ctx.m)
             for j in range(ctx.m):
-                losses[lo + j] = F.check_loss(self.loss_fn(out[..., j, :], y), f"loss_fn (probe {lo + j + 1}/{m})")
-            for mod, (rm, rv) in ctx.bn_running.items():
-                if not (mod.training and mod.track_running_stats):
-                    continue
+                losses[lo + j] = F.check_loss(loss_fn(out[..., j, :], y), f"loss_fn (probe {lo + j + 1}/{m})")
+            for mod, (rm, rv) in ctx.bn_running.items():  # only train-mode BN with running stats
                 c = mod.num_features
                 s_mean, s_var = rm.view(ctx.m, c).sum(0), rv.view(ctx.m, c).sum(0)
                 acc = bn_sums.get(mod)
@@ -385,46 +395,29 @@ class BatchedEvaluator:
 
 
 # ---------------------------------------------------------------------- optimizer hook
-class LoopPlanEvaluator:
-    """``engine="loop"``: the optimizer's own sequential ``evaluate_plan(closure, U)``."""
-
-    engine = "loop"
-
-    def __call__(self, opt, U: torch.Tensor, *, closure=None, batch=None) -> torch.Tensor:
-        if closure is None:
-            if batch is None:
-                raise ValueError("the loop engine needs a closure or a batch (x, y, loss_fn)")
-            x, y, loss_fn = batch
-            model = opt.model
-            closure = lambda: loss_fn(model(x), y)  # noqa: E731
-        return opt.evaluate_plan(closure, U)
-
-
 class BatchedPlanEvaluator:
-    """``engine="batched"``: one folded forward per chunk of probes ``theta + mu P U[j]``.
+    """``SZO(engine="batched")``'s probe evaluator: one folded forward per chunk of probes
+    ``theta + mu P U[j]``.
 
-    Needs the batch instead of a closure: ``batch=(x, y)`` (``loss_fn`` given here) or
-    ``(x, y, loss_fn)``. Counts ``opt.forward_passes`` like the loop (one per probe).
+    ``fn(opt, U, batch=...)``: needs the batch instead of a closure, ``batch=(x, y)``
+    (``loss_fn`` given here) or ``(x, y, loss_fn)``. Counts ``opt.forward_passes`` like the
+    loop (one per probe).
     """
 
-    engine = "batched"
-
     def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None):
-        self.loss_fn = loss_fn
-        self.evaluator = BatchedEvaluator(model, loss_fn if loss_fn is not None else _no_loss, chunk=chunk)
+        self.evaluator = BatchedEvaluator(model, loss_fn, chunk=chunk)
 
-    def __call__(self, opt, U: torch.Tensor, *, closure=None, batch=None) -> torch.Tensor:
+    def __call__(self, opt, U: torch.Tensor, *, batch=None) -> torch.Tensor:
         if batch is None:
             raise ValueError("the batched engine needs batch=(x, y) or (x, y, loss_fn); a closure cannot be batched")
         if getattr(opt, "distributed", None) is not None:
             raise ValueError("the batched engine does not support distributed SZO yet; use engine='loop'")
         if len(batch) == 3:
             x, y, loss_fn = batch
-            self.evaluator.loss_fn = loss_fn
         elif len(batch) == 2:
-            if self.loss_fn is None:
+            (x, y), loss_fn = batch, None
+            if self.evaluator.loss_fn is None:
                 raise ValueError("batch=(x, y) needs loss_fn given to make_plan_evaluator; or pass (x, y, loss_fn)")
-            x, y = batch
         else:
             raise ValueError(f"batch must be (x, y) or (x, y, loss_fn), got {len(batch)} items")
         ev = self.evaluator
@@ -432,7 +425,7 @@ class BatchedPlanEvaluator:
             raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the engine's model")
         mu = opt.param_groups[0]["mu"]
         theta0 = [p.detach() for p in opt._params]
-        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu))
+        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu), loss_fn)
         opt.forward_passes += U.shape[0]
         return losses
 
@@ -448,18 +441,16 @@ def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.T
     return closure
 
 
-def _no_loss(out, y):  # used until a call supplies batch=(x, y, loss_fn)
-    raise ValueError("no loss_fn: pass batch=(x, y, loss_fn) or give loss_fn to make_plan_evaluator")
-
-
 def make_plan_evaluator(engine: str, model: nn.Module | None = None, *, loss_fn: LossFn | None = None,
-                        chunk: int | None = None):
-    """The probe evaluator ``fn(opt, U, closure=None, batch=None) -> losses [m]`` for ``engine``."""
+                        chunk: int | None = None) -> BatchedPlanEvaluator:
+    """The probe evaluator ``fn(opt, U, batch=...) -> losses [m]`` of ``SZO(engine="batched")``.
+
+    Only ``engine="batched"`` has one: ``engine="loop"`` is ``SZO.evaluate_plan(closure, U)``.
+    """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
-    if engine == "loop":
-        _check_chunk(chunk)
-        return LoopPlanEvaluator()
+    if engine != "batched":
+        raise ValueError(f"engine={engine!r} has no plan evaluator: SZO.evaluate_plan(closure, U) is the loop")
     if model is None:
         raise ValueError("the batched engine needs the model")
     return BatchedPlanEvaluator(model, loss_fn, chunk)

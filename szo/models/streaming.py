@@ -143,9 +143,6 @@ class BNStream:
         self.m2 = self.m2 + m2_b + delta * delta * (self.n * n_b / n)
         self.n = n
 
-    def _reset_sums(self) -> None:
-        self.n, self.mean, self.m2 = 0.0, None, None
-
     def freeze(self) -> None:
         """``"exact"``: the statistics of all T steps are complete; normalise with them from now on."""
         if self.mean is None:
@@ -239,8 +236,7 @@ def chunked_forward(model: SpikingModel, x: torch.Tensor, *, static: bool, T: in
     """
     live = batch_stat_bn_layers(model)
     streams: dict[_BatchNorm, BNStream] = {}
-    if live:
-        check_stream_bn(stream_bn)
+    if live:  # stream_bn was checked by the caller (SpikingModel.forward) and is again by BNStream
         foreign = [f"{n} ({type(m).__module__}.{type(m).__qualname__})" for n, m in live
                    if not isinstance(m, BatchNorm2d)]
         if foreign:

@@ -136,6 +136,26 @@ def test_auto_chunk_is_chosen_once_per_input_shape(monkeypatch):
     assert len(reads) == 1
 
 
+def test_loss_fn_per_call_is_not_kept():
+    model, opt, x, y = _setup("spike_convnet")
+    U, _ = opt.probe_plan()
+    plan = ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = BatchedEvaluator(model, tet_loss).losses(x, y, plan)
+    model.load_state_dict(start)
+    ev = BatchedEvaluator(model)
+    torch.testing.assert_close(ev.losses(x, y, plan, loss_fn=tet_loss), ref, rtol=0.0, atol=0.0)
+    with pytest.raises(ValueError, match="no loss_fn"):
+        ev.losses(x, y, plan)
+    with pytest.raises(ValueError, match="loss_fn must be callable"):
+        ev.losses(x, y, plan, loss_fn="tet")
+    plan_ev = make_plan_evaluator("batched", model)
+    model.load_state_dict(start)
+    torch.testing.assert_close(plan_ev(opt, U, batch=(x, y, tet_loss)), ref, rtol=0.0, atol=0.0)
+    with pytest.raises(ValueError, match="needs loss_fn"):  # the last call's loss_fn did not stick
+        plan_ev(opt, U, batch=(x, y))
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
 def test_bad_chunk_raises(bad):
     model = M.create("spike_convnet", T=2)
@@ -154,6 +174,8 @@ def test_bad_inputs_raise():
         ev.losses(x, y, torch.zeros(3, 7))
     with pytest.raises(ValueError, match="batch"):
         make_plan_evaluator("batched", model, loss_fn=tet_loss)(opt, opt.probe_plan()[0])
+    with pytest.raises(ValueError, match="evaluate_plan"):
+        make_plan_evaluator("loop", model)
 
     class Scale(nn.Module):
         def __init__(self):
