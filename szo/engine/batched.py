@@ -35,7 +35,7 @@ falls back to a per-copy loop, so it is not faster than the sequential loop; it 
 from __future__ import annotations
 
 import os
-import types
+import weakref
 from typing import Callable
 
 import torch
@@ -177,6 +177,21 @@ def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
     return _unflatten_steps(y, lead)
 
 
+def _leaf_forward(mod: nn.Module) -> Callable[[nn.Module, _Ctx, torch.Tensor], torch.Tensor]:
+    if isinstance(mod, nn.Conv2d):
+        return _conv_forward
+    if isinstance(mod, nn.Linear):
+        return _linear_forward
+    return _bn_forward
+
+
+def _installed_forward(mod: nn.Module, fn, active: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return fn(mod, active[0], x)
+
+    return forward
+
+
 class BatchedEvaluator:
     """Losses of one batch under many parameter vectors, evaluated as one folded forward.
 
@@ -214,6 +229,10 @@ class BatchedEvaluator:
         self._owner = [owner[id(p)] for p in self.params]
         self.modules = list(dict.fromkeys(mod for mod, _ in self._owner))
         self.d = sum(p.numel() for p in self.params)
+        # the folded forward of each parameterised leaf, installed as its ``forward`` for the
+        # duration of a folded pass; it reads that pass's _Ctx from _active[0]
+        self._active: list[_Ctx | None] = [None]
+        self._forwards = {mod: _installed_forward(mod, _leaf_forward(mod), self._active) for mod in self.modules}
         self._per_copy_cache: dict[tuple, int] = {}  # input-shape key -> bytes per extra copy
         self._chunk_cache: dict[tuple, int] = {}  # input-shape key -> auto chunk (fixed for the run)
         self._budget: dict[str, float] = {}  # device -> memory_fraction of its free memory at first use
@@ -282,17 +301,15 @@ class BatchedEvaluator:
             block = thetas[lo:hi].to(device=self.params[0].device, dtype=self.params[0].dtype)
             return [c.view(hi - lo, *p.shape) for c, p in zip(block.split([p.numel() for p in self.params], 1),
                                                              self.params)]
-        theta0_views, pt_views, U, mu = thetas
-        u = U[lo:hi]
-        nz = u != 0
-        onehot = bool((nz.sum(1) == 1).all())
-        if onehot:  # CGE: each probe moves along one basis vector; gather rows instead of a GEMM
-            idx = nz.float().argmax(1)
-            coef = u.gather(1, idx.unsqueeze(1)).squeeze(1) * mu
+        theta0_views, pt_views, U, mu, onehot = thetas
+        if onehot is not None:  # CGE: each probe moves along one basis vector; gather rows instead of a GEMM
+            idx, coef = onehot[0][lo:hi], onehot[1][lo:hi].unsqueeze(1)
+        else:
+            u = U[lo:hi]
         out = []
         for p0, pt in zip(theta0_views, pt_views):
-            if onehot:
-                delta = pt.index_select(0, idx) * coef.unsqueeze(1)
+            if onehot is not None:
+                delta = pt.index_select(0, idx) * coef
             else:
                 delta = (u @ pt) * mu
             out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
@@ -320,7 +337,15 @@ class BatchedEvaluator:
             if Pt.dim() != 2 or Pt.shape[1] != self.d or Pt.shape[0] != U.shape[1]:
                 raise ValueError(f"P_t must be [k, d] = [{U.shape[1]}, {self.d}], got {tuple(Pt.shape)}")
             Pt = list(Pt.to(device=dev, dtype=dt).split(sizes, 1))
-        return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu)), U.shape[0]
+        # one nonzero per row (CGE's [I; -I]): gather P_t rows instead of a GEMM. Decided on U
+        # as given (the optimizer's plan is on the CPU): on the device copy, the check would
+        # synchronise the device every step
+        nz = U != 0
+        if bool((nz.sum(1) == 1).all()):
+            idx = nz.to(torch.uint8).argmax(1)
+            coef = U.to(dt).gather(1, idx.unsqueeze(1)).squeeze(1) * mu
+            return (theta0, Pt, None, float(mu), (idx.to(dev), coef.to(dev))), U.shape[0]
+        return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu), None), U.shape[0]
 
     @torch.no_grad()
     def losses(self, x: torch.Tensor, y: torch.Tensor, thetas, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -376,22 +401,15 @@ class BatchedEvaluator:
         return losses
 
     def _folded_forward(self, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
-        fns = {}
-        for mod in self.modules:
-            if isinstance(mod, nn.Conv2d):
-                fn = _conv_forward
-            elif isinstance(mod, nn.Linear):
-                fn = _linear_forward
-            else:
-                fn = _bn_forward
-            fns[mod] = types.MethodType(lambda self_, inp, _fn=fn, _c=ctx: _fn(self_, _c, inp), mod)
+        self._active[0] = ctx
         try:
-            for mod, fn in fns.items():
+            for mod, fn in self._forwards.items():
                 mod.forward = fn  # instance attribute shadows the class's forward
             return self.model(x)
         finally:
-            for mod in fns:
+            for mod in self._forwards:
                 mod.__dict__.pop("forward", None)
+            self._active[0] = None
 
 
 # ---------------------------------------------------------------------- optimizer hook
@@ -406,6 +424,7 @@ class BatchedPlanEvaluator:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None):
         self.evaluator = BatchedEvaluator(model, loss_fn, chunk=chunk)
+        self._checked_opt: weakref.ref | None = None  # the optimizer whose parameters were checked
 
     def __call__(self, opt, U: torch.Tensor, *, batch=None) -> torch.Tensor:
         if batch is None:
@@ -421,8 +440,11 @@ class BatchedPlanEvaluator:
         else:
             raise ValueError(f"batch must be (x, y) or (x, y, loss_fn), got {len(batch)} items")
         ev = self.evaluator
-        if [id(p) for p in opt._params] != [id(p) for p in ev.params]:
-            raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the engine's model")
+        if self._checked_opt is None or self._checked_opt() is not opt:  # once per optimizer, not per step
+            if [id(p) for p in opt._params] != [id(p) for p in ev.params]:
+                raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the "
+                                 "engine's model")
+            self._checked_opt = weakref.ref(opt)
         mu = opt.param_groups[0]["mu"]
         theta0 = [p.detach() for p in opt._params]
         losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu), loss_fn)

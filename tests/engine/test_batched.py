@@ -176,6 +176,9 @@ def test_bad_inputs_raise():
         make_plan_evaluator("batched", model, loss_fn=tet_loss)(opt, opt.probe_plan()[0])
     with pytest.raises(ValueError, match="evaluate_plan"):
         make_plan_evaluator("loop", model)
+    other, other_opt, _, _ = _setup("spike_convnet", seed=1)
+    with pytest.raises(ValueError, match="not model.parameters"):
+        make_plan_evaluator("batched", model, loss_fn=tet_loss)(other_opt, other_opt.probe_plan()[0], batch=(x, y))
 
     class Scale(nn.Module):
         def __init__(self):
