@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as Fn
+from spikingjelly.activation_based.functional import seq_to_ann_forward
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -52,8 +53,8 @@ __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator"
 ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is SZO.evaluate_plan, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# leaf modules without parameters that act elementwise / per channel (checked by name so
-# that SpikingJelly neurons need not be imported here)
+# the parameterised leaves the engine can fold; every other leaf must have no parameters and
+# act elementwise / per channel (neurons, pooling, flatten, ...)
 _PARAM_TYPES = (nn.Conv2d, nn.Linear, _BatchNorm)
 
 
@@ -98,19 +99,7 @@ class _Ctx:
         self.bn_running: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _flatten_steps(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """SpikingJelly multi-step layers take ``[T, N, ...]``: merge T and N like ``seq_to_ann_forward``."""
-    if getattr(mod, "step_mode", "s") == "m":
-        return x.flatten(0, 1), tuple(x.shape[:2])
-    return x, None
-
-
-def _unflatten_steps(y: torch.Tensor, lead: tuple[int, ...] | None) -> torch.Tensor:
-    return y if lead is None else y.view(*lead, *y.shape[1:])
-
-
 def _conv_forward(mod: nn.Conv2d, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
-    x, lead = _flatten_steps(mod, x)
     p, m = ctx.params[mod], ctx.m
     w = p["weight"]  # [m, C_out, C_in/g, kh, kw]
     w = w.reshape(m * w.shape[1], *w.shape[2:])
@@ -118,14 +107,12 @@ def _conv_forward(mod: nn.Conv2d, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
     c_in, g = mod.in_channels, mod.groups
     if x.shape[1] == c_in and m > 1:
         if g == 1:  # shared input: one convolution with m*C_out output channels
-            y = Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, 1)
-            return _unflatten_steps(y, lead)
+            return Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, 1)
         x = x.repeat(1, m, 1, 1)
     elif x.shape[1] != m * c_in:
         raise ValueError(f"batched engine: {type(mod).__name__} expects {c_in} or {m}*{c_in} input channels, "
                          f"got {x.shape[1]}")
-    y = Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, m * g)
-    return _unflatten_steps(y, lead)
+    return Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, m * g)
 
 
 def _linear_forward(mod: nn.Linear, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +134,6 @@ def _linear_forward(mod: nn.Linear, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
-    x, lead = _flatten_steps(mod, x)
     p, m = ctx.params[mod], ctx.m
     c = mod.num_features
     if x.shape[1] == c and m > 1:
@@ -167,14 +153,12 @@ def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
     if stream is not None:
         # chunked (streaming) forward: the model's stream_bn policy; the update lands in rm, rv
         # after the last chunk, num_batches_tracked is counted once by the evaluator
-        y = stream.apply(mod, x, w, b, rm, rv, count_batches=False)
-    elif tracked:
-        y = Fn.batch_norm(x, rm, rv, w, b, True, _bn_momentum(mod), mod.eps)
-    elif use_batch_stats:
-        y = Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
-    else:
-        y = Fn.batch_norm(x, mod.running_mean.repeat(m), mod.running_var.repeat(m), w, b, False, 0.0, mod.eps)
-    return _unflatten_steps(y, lead)
+        return stream.apply(mod, x, w, b, rm, rv, count_batches=False)
+    if tracked:
+        return Fn.batch_norm(x, rm, rv, w, b, True, _bn_momentum(mod), mod.eps)
+    if use_batch_stats:
+        return Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
+    return Fn.batch_norm(x, mod.running_mean.repeat(m), mod.running_var.repeat(m), w, b, False, 0.0, mod.eps)
 
 
 def _leaf_forward(mod: nn.Module) -> Callable[[nn.Module, _Ctx, torch.Tensor], torch.Tensor]:
@@ -186,7 +170,12 @@ def _leaf_forward(mod: nn.Module) -> Callable[[nn.Module, _Ctx, torch.Tensor], t
 
 
 def _installed_forward(mod: nn.Module, fn, active: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    merge_steps = fn is not _linear_forward  # Linear acts on the last dim whatever leads it
+
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if merge_steps and getattr(mod, "step_mode", "s") == "m":
+            # SpikingJelly multi-step Conv2d / BatchNorm take [T, N, ...]: run on [T*N, ...]
+            return seq_to_ann_forward(x, lambda z: fn(mod, active[0], z))
         return fn(mod, active[0], x)
 
     return forward

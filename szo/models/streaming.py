@@ -208,15 +208,12 @@ class BatchNorm2d(layer.BatchNorm2d):
 
     _szo_stream: BNStream | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def super_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The BN on ``[B, C, H, W]`` (SpikingJelly's ``forward`` merges T and N into B in
+        multi-step mode): the policy of the chunked forward, else ``nn.BatchNorm2d``'s."""
         st = self._szo_stream
         if st is None:
-            return super().forward(x)
-        if self.step_mode == "m":
-            if x.dim() != 5:
-                raise ValueError(f"expected x with shape [T, N, C, H, W], got {tuple(x.shape)}")
-            y = st.apply(self, x.flatten(0, 1), self.weight, self.bias, self.running_mean, self.running_var)
-            return y.view(x.shape[0], x.shape[1], *y.shape[1:])
+            return super().super_forward(x)
         return st.apply(self, x, self.weight, self.bias, self.running_mean, self.running_var)
 
 
