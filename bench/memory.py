@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_batch, make_model,  # noqa: E402
                     set_threads, write_result)
+from szo.models.streaming import STREAM_BN_MODES  # noqa: E402
 
 METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
 DEFAULT_METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "zo-rge")
 SZO_METHODS = tuple(m for m in METHODS if m.startswith("szo"))
-STREAM_BN = ("exact", "running", "chunk")  # = szo.models.streaming.STREAM_BN_MODES
 
 
 def _status_kb(field: str) -> int:
@@ -68,7 +68,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     out during one more step, replayed from profiler events (``common.cpu_alloc_peak``);
     a second step because the profiler's own records would add to the RSS of the first.
     """
-    from szo.engine import make_plan_evaluator
+    from szo.engine import batch_closure
     from szo.losses import tet_loss
     from szo.optim import SZO, FullSpaceZO
 
@@ -86,17 +86,13 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
             tet_loss(model(batch_data["x"]), batch_data["y"]).backward()
             opt.step()
     elif method in SZO_METHODS:
+        batched = "batched" in method
         opt = SZO(model.parameters(), RandomSubspace(model.num_params(), k), mu=1e-3, lr=1e-3, momentum=0.9,
-                  estimator="cge", model=model)
-        if method in ("szo-loop", "szo-stream"):
-            def step():
-                opt.step(lambda: tet_loss(model(batch_data["x"]), batch_data["y"]))
-        else:
-            ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
+                  estimator="cge", model=model, engine="batched" if batched else "loop",
+                  chunk=chunk if batched else None)
 
-            def step():
-                U, z = opt.probe_plan()
-                opt._apply_update(opt.combine(ev(opt, U, batch=(batch_data["x"], batch_data["y"])), z))
+        def step():
+            opt.step(batch_closure(model, tet_loss, batch_data["x"], batch_data["y"]))
     elif method == "zo-rge":
         opt = FullSpaceZO(model.parameters(), estimator="rge", q=1, mu=1e-3, lr=1e-3, model=model)
 
@@ -261,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4, help="copies per batched pass")
     ap.add_argument("--k", type=int, default=2, help="SZO subspace dimension (2k probes per step)")
     ap.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk of the *-stream methods")
-    ap.add_argument("--stream-bn", default="running", choices=STREAM_BN,
+    ap.add_argument("--stream-bn", default="running", choices=STREAM_BN_MODES,
                     help="train-mode BN policy of the *-stream methods (szo.models.streaming)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="measure the first step (default: a 2-sample warm-up step and malloc_trim first)")

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, RandomSubspace, machine_info, make_batch, make_model, median_time, set_threads, write_result  # noqa: E402
 
-from szo.engine import make_plan_evaluator  # noqa: E402
+from szo.engine import batch_closure  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
 
@@ -62,19 +62,15 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
         sub = RandomSubspace(d, k)
         for est in ("cge", "rge"):
             for engine in ("loop", "batched"):
+                # the production path: SZO(engine=...) stepping a closure that carries its batch
                 opt = SZO(model.parameters(), sub, mu=1e-3, lr=0.0, momentum=0.0, estimator=est, q=k, model=model,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=torch.Generator().manual_seed(0), engine=engine,
+                          chunk=chunk if engine == "batched" else None)
                 m = opt.forwards_per_step
-                if engine == "loop":
-                    def step():
-                        opt.step(lambda: tet_loss(model(x), y))
-                else:
-                    ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
+                closure = batch_closure(model, tet_loss, x, y)
 
-                    def step():
-                        U, z = opt.probe_plan()
-                        losses = ev(opt, U, batch=(x, y))
-                        opt._apply_update(opt.combine(losses, z))
+                def step():
+                    opt.step(closure)
                 t0 = time.perf_counter()
                 step()  # warm-up (and auto chunk sizing)
                 first = time.perf_counter() - t0
@@ -98,7 +94,7 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
                            probes=m, t_fwd=t_fwd, t_step=t_step, t_fwd_cpu=t_fwd_cpu, t_step_cpu=t_step_cpu,
                            samples=sw, overhead_ratio=ratio, overhead_ratio_cpu=ratio_cpu,
                            target=target, met=ratio <= target, met_cpu=ratio_cpu <= target,
-                           chunk=(ev.evaluator.last_chunk if engine == "batched" else None))
+                           chunk=(opt._batched.evaluator.last_chunk if engine == "batched" else None))
                 print(f"{config:9s} {est} {engine:8s} k={k:3d} m={m:3d} step {t_step:8.3f}s "
                       f"fwd {t_fwd*1e3:8.2f}ms ratio wall {ratio:.3f} cpu {ratio_cpu:.3f} (target {target})",
                       flush=True)
