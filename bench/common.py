@@ -48,19 +48,24 @@ def machine_info() -> dict:
     return info
 
 
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call of ``fn``. With CUDA the device is synchronised
+    before and after, so the wall time covers the kernels, not just their launch."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - w, time.process_time() - c
+
+
 def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> tuple[float, list[float]]:
     """Median wall time (s) of ``reps`` calls after ``warmup`` calls; and all samples."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t)
+    samples = [timed(fn)[0] for _ in range(reps)]
     return statistics.median(samples), samples
 
 
