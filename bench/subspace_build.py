@@ -79,8 +79,8 @@ def worker_ours(traj: str, k: int, out: str | None) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     sub = build_subspace(traj, k, progress=False)
     wall = time.perf_counter() - t0
-    res = {"wall_s": wall, "cpu_s": time.process_time() - c0, **peak_rss_mb(), "basis_mb": sub.basis.numel() * 4 / 2**20,
-           "evr": sub.explained_variance_ratio.tolist()}
+    res = {"wall_s": wall, "cpu_s": time.process_time() - c0, **peak_rss_mb(),
+           "basis_mb": sub.basis.numel() * 4 / 2**20, "evr": sub.explained_variance_ratio.tolist()}
     if out:
         from safetensors.torch import save_file
 
@@ -102,7 +102,8 @@ def worker_sklearn(traj: str, k: int, solver: str, out: str | None) -> dict:
     t_load = time.perf_counter() - t0
     pca = PCA(n_components=k, svd_solver=solver, random_state=0).fit(X)
     wall = time.perf_counter() - t0
-    res = {"wall_s": wall, "cpu_s": time.process_time() - c0, "load_s": t_load, **peak_rss_mb(), "evr": pca.explained_variance_ratio_.tolist()}
+    res = {"wall_s": wall, "cpu_s": time.process_time() - c0, "load_s": t_load, **peak_rss_mb(),
+           "evr": pca.explained_variance_ratio_.tolist()}
     if out:
         np.save(out, pca.components_.astype(np.float32))
     return res

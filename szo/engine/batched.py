@@ -187,8 +187,8 @@ class BatchedEvaluator:
     ``model``: a module whose parameterised leaves are Conv2d / Linear / BatchNorm (any
     SpikingJelly ``layer.*`` subclass of these) and whose other leaves have no parameters
     (neurons, pooling, flatten, ...). ``loss_fn(out, y)`` maps the model output of one copy
-    to a scalar (here, or per call in ``losses``). ``chunk``: copies per pass (``None``: sized from free memory once per input
-    shape, then fixed; see ``chunk_size``).
+    to a scalar (here, or per call in ``losses``). ``chunk``: copies per pass (``None``:
+    sized from free memory once per input shape, then fixed; see ``chunk_size``).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None,
