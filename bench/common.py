@@ -1,9 +1,11 @@
-"""Shared helpers for the benchmarks: machine description, timing, models, bases, output."""
+"""Shared helpers for the benchmarks: machine description, timing, memory, workers, models, bases, output."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ def set_threads(n: int) -> None:
 
 
 def machine_info() -> dict:
-    """CPU model, core count, load average, torch version and threads used."""
+    """CPU model, core count, load average, Python and torch versions, torch threads, GPU."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as fh:
@@ -43,25 +45,49 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
             "loadavg_1m": os.getloadavg()[0], "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     return info
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call of ``fn``. With CUDA the device is synchronised
+    before and after, so the wall time covers the kernels, not just their launch."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - w, time.process_time() - c
 
 
 def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> tuple[float, list[float]]:
     """Median wall time (s) of ``reps`` calls after ``warmup`` calls; and all samples."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t)
+    samples = [timed(fn)[0] for _ in range(reps)]
     return statistics.median(samples), samples
+
+
+def proc_status_kb(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``, ...) of this process."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def run_json_worker(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run ``cmd`` (a benchmark worker in a fresh process) and parse the JSON object on the
+    last line of its stdout; RuntimeError with the end of its stderr if it fails."""
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(cmd[1:])} failed (rc={res.returncode}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def make_model(config: str, T: int, device: torch.device, seed: int = 0):

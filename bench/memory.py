@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,20 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_batch, make_model,  # noqa: E402
-                    set_threads, write_result)
+                    proc_status_kb, run_json_worker, set_threads, write_result)
+from szo.models.streaming import STREAM_BN_MODES  # noqa: E402
 
 METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
 DEFAULT_METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "zo-rge")
 SZO_METHODS = tuple(m for m in METHODS if m.startswith("szo"))
-STREAM_BN = ("exact", "running", "chunk")  # = szo.models.streaming.STREAM_BN_MODES
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _malloc_trim() -> bool:
@@ -68,7 +59,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     out during one more step, replayed from profiler events (``common.cpu_alloc_peak``);
     a second step because the profiler's own records would add to the RSS of the first.
     """
-    from szo.engine import make_plan_evaluator
+    from szo.engine import batch_closure
     from szo.losses import tet_loss
     from szo.optim import SZO, FullSpaceZO
 
@@ -86,17 +77,13 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
             tet_loss(model(batch_data["x"]), batch_data["y"]).backward()
             opt.step()
     elif method in SZO_METHODS:
+        batched = "batched" in method
         opt = SZO(model.parameters(), RandomSubspace(model.num_params(), k), mu=1e-3, lr=1e-3, momentum=0.9,
-                  estimator="cge", model=model)
-        if method in ("szo-loop", "szo-stream"):
-            def step():
-                opt.step(lambda: tet_loss(model(batch_data["x"]), batch_data["y"]))
-        else:
-            ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
+                  estimator="cge", model=model, engine="batched" if batched else "loop",
+                  chunk=chunk if batched else None)
 
-            def step():
-                U, z = opt.probe_plan()
-                opt._apply_update(opt.combine(ev(opt, U, batch=(batch_data["x"], batch_data["y"])), z))
+        def step():
+            opt.step(batch_closure(model, tet_loss, batch_data["x"], batch_data["y"]))
     elif method == "zo-rge":
         opt = FullSpaceZO(model.parameters(), estimator="rge", q=1, mu=1e-3, lr=1e-3, model=model)
 
@@ -129,9 +116,9 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
             how = "VmHWM after clear_refs"
         except OSError:
             how = "VmHWM (not resettable: includes the load peak)"
-        base = _status_kb("VmRSS") * 1024
+        base = proc_status_kb("VmRSS") * 1024
         step()
-        peak = _status_kb("VmHWM") * 1024 - base
+        peak = proc_status_kb("VmHWM") * 1024 - base
     step_s = time.perf_counter() - t0
     if warmup:
         how += ", after a 2-sample warm-up step" + (" and malloc_trim" if device.type == "cpu" else "")
@@ -151,10 +138,7 @@ def run_point(method: str, batch: int, T: int, a: argparse.Namespace) -> dict:
         # glibc: a fixed threshold turns off the dynamic one, so freed tensors above it go
         # straight back to the OS instead of fragmenting the heap (slower: fresh pages each time)
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if res.returncode != 0:
-        raise RuntimeError(f"worker {method} b={batch} T={T} failed:\n{res.stderr[-2000:]}")
-    row = json.loads(res.stdout.strip().splitlines()[-1])
+    row = run_json_worker(cmd, env)
     if a.malloc_mmap_threshold is not None:
         row["how"] += f", MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold}"
         row["malloc_mmap_threshold"] = a.malloc_mmap_threshold
@@ -261,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4, help="copies per batched pass")
     ap.add_argument("--k", type=int, default=2, help="SZO subspace dimension (2k probes per step)")
     ap.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk of the *-stream methods")
-    ap.add_argument("--stream-bn", default="running", choices=STREAM_BN,
+    ap.add_argument("--stream-bn", default="running", choices=STREAM_BN_MODES,
                     help="train-mode BN policy of the *-stream methods (szo.models.streaming)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="measure the first step (default: a 2-sample warm-up step and malloc_trim first)")

@@ -18,20 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, RandomSubspace, machine_info, make_batch, make_model, median_time, set_threads, write_result  # noqa: E402
+from common import (RESULTS, RandomSubspace, machine_info, make_batch, make_model,  # noqa: E402
+                    median_time, set_threads, timed, write_result)
 
-from szo.engine import make_plan_evaluator  # noqa: E402
+from szo.engine import batch_closure  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
 
 TARGETS = {("loop", "digits"): 1.2, ("loop", "resnet20"): 1.2, ("batched", "digits"): 0.7, ("batched", "resnet20"): 1.0}
-
-
-def _timed(fn) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one call."""
-    w, c = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w, time.process_time() - c
 
 
 def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chunk: int | None, device) -> list[dict]:
@@ -55,56 +49,52 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
 
     t_bptt, _ = median_time(bptt, max(reps, 3), warmup=1)
     model.load_state_dict(state)
-    rows.append(dict(config=config, method="bptt", batch=batch, T=T, t_fwd=t_fwd, t_step=t_bptt,
-                     ratio_to_fwd=t_bptt / t_fwd))
+    bptt_row = dict(config=config, method="bptt", batch=batch, T=T, t_fwd=t_fwd, t_step=t_bptt,
+                    ratio_to_fwd=t_bptt / t_fwd)
+    rows.append(bptt_row)
     d = model.num_params()
     for k in ks:
         sub = RandomSubspace(d, k)
         for est in ("cge", "rge"):
             for engine in ("loop", "batched"):
+                # the production path: SZO(engine=...) stepping a closure that carries its batch
                 opt = SZO(model.parameters(), sub, mu=1e-3, lr=0.0, momentum=0.0, estimator=est, q=k, model=model,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=torch.Generator().manual_seed(0), engine=engine,
+                          chunk=chunk if engine == "batched" else None)
                 m = opt.forwards_per_step
-                if engine == "loop":
-                    def step():
-                        opt.step(lambda: tet_loss(model(x), y))
-                else:
-                    ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
+                closure = batch_closure(model, tet_loss, x, y)
 
-                    def step():
-                        U, z = opt.probe_plan()
-                        losses = ev(opt, U, batch=(x, y))
-                        opt._apply_update(opt.combine(losses, z))
-                t0 = time.perf_counter()
-                step()  # warm-up (and auto chunk sizing)
-                first = time.perf_counter() - t0
+                def step():
+                    opt.step(closure)
+                first, _ = timed(step)  # warm-up (and auto chunk sizing)
                 n = reps if first * reps < 120 else 1  # keep the full run feasible on 2 shared cores
                 # interleave plain forwards with the steps so both see the same machine load;
                 # wall and process-CPU clocks (the CPU clock is less sensitive to other jobs)
                 fw, fc, sw, sc = [], [], [], []
                 for _ in range(n):
                     for _ in range(3):
-                        w, c = _timed(fwd)
+                        w, c = timed(fwd)
                         fw.append(w)
                         fc.append(c)
-                    w, c = _timed(step)
+                    w, c = timed(step)
                     sw.append(w)
                     sc.append(c)
-                t_fwd, t_fwd_cpu = statistics.median(fw), statistics.median(fc)
+                # this row's forward reference (measured between its steps), not the BPTT row's
+                f_wall, f_cpu = statistics.median(fw), statistics.median(fc)
                 t_step, t_step_cpu = statistics.median(sw), statistics.median(sc)
-                ratio, ratio_cpu = t_step / (m * t_fwd), t_step_cpu / (m * t_fwd_cpu)
+                ratio, ratio_cpu = t_step / (m * f_wall), t_step_cpu / (m * f_cpu)
                 target = TARGETS[(engine, config)]
                 row = dict(config=config, method=f"szo-{est}", engine=engine, batch=batch, T=T, k=k,
-                           probes=m, t_fwd=t_fwd, t_step=t_step, t_fwd_cpu=t_fwd_cpu, t_step_cpu=t_step_cpu,
+                           probes=m, t_fwd=f_wall, t_step=t_step, t_fwd_cpu=f_cpu, t_step_cpu=t_step_cpu,
                            samples=sw, overhead_ratio=ratio, overhead_ratio_cpu=ratio_cpu,
                            target=target, met=ratio <= target, met_cpu=ratio_cpu <= target,
-                           chunk=(ev.evaluator.last_chunk if engine == "batched" else None))
+                           chunk=(opt._batched.evaluator.last_chunk if engine == "batched" else None))
                 print(f"{config:9s} {est} {engine:8s} k={k:3d} m={m:3d} step {t_step:8.3f}s "
-                      f"fwd {t_fwd*1e3:8.2f}ms ratio wall {ratio:.3f} cpu {ratio_cpu:.3f} (target {target})",
+                      f"fwd {f_wall*1e3:8.2f}ms ratio wall {ratio:.3f} cpu {ratio_cpu:.3f} (target {target})",
                       flush=True)
                 rows.append(row)
         model.load_state_dict(state)
-    print(f"{config:9s} bptt step {t_bptt:.3f}s = {t_bptt/t_fwd:.2f} forwards", flush=True)
+    print(f"{config:9s} bptt step {t_bptt:.3f}s = {bptt_row['ratio_to_fwd']:.2f} forwards", flush=True)
     return rows
 
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,25 +28,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# common also puts this checkout first on sys.path (the workers import its szo, subspace_store)
+from common import machine_info, proc_status_kb, run_json_worker  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def peak_rss_mb() -> dict:
     """Peak resident set size of this process: VmHWM from /proc and ru_maxrss."""
-    hwm = None
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return {"vmhwm_mb": hwm, "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def cpu_s() -> float:
-    """User + system CPU seconds of this process (fairer than wall time on a shared machine)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return {"vmhwm_mb": proc_status_kb("VmHWM") / 1024,
+            "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 class _Flat(nn.Module):
@@ -81,15 +71,16 @@ def write_synthetic(path: Path, n: int, d: int, seed: int = 0) -> None:
 
 
 # ----------------------------------------------------------------------------- workers
+# CPU seconds: time.process_time() (user + system of this process; fairer than wall time on a
+# shared machine)
 def worker_ours(traj: str, k: int, out: str | None) -> dict:
-    sys.path.insert(0, str(ROOT))
     from subspace_store import build_subspace
 
-    t0, c0 = time.perf_counter(), cpu_s()
+    t0, c0 = time.perf_counter(), time.process_time()
     sub = build_subspace(traj, k, progress=False)
     wall = time.perf_counter() - t0
-    res = {"wall_s": wall, "cpu_s": cpu_s() - c0, **peak_rss_mb(), "basis_mb": sub.basis.numel() * 4 / 2**20,
-           "evr": sub.explained_variance_ratio.tolist()}
+    res = {"wall_s": wall, "cpu_s": time.process_time() - c0, **peak_rss_mb(),
+           "basis_mb": sub.basis.numel() * 4 / 2**20, "evr": sub.explained_variance_ratio.tolist()}
     if out:
         from safetensors.torch import save_file
 
@@ -103,7 +94,7 @@ def worker_sklearn(traj: str, k: int, solver: str, out: str | None) -> dict:
 
     from szo.trajectory import Trajectory
 
-    t0, c0 = time.perf_counter(), cpu_s()
+    t0, c0 = time.perf_counter(), time.process_time()
     tr = Trajectory(traj)
     X = np.empty((len(tr), tr.d), dtype=np.float32)
     for i in range(len(tr)):
@@ -111,18 +102,15 @@ def worker_sklearn(traj: str, k: int, solver: str, out: str | None) -> dict:
     t_load = time.perf_counter() - t0
     pca = PCA(n_components=k, svd_solver=solver, random_state=0).fit(X)
     wall = time.perf_counter() - t0
-    res = {"wall_s": wall, "cpu_s": cpu_s() - c0, "load_s": t_load, **peak_rss_mb(), "evr": pca.explained_variance_ratio_.tolist()}
+    res = {"wall_s": wall, "cpu_s": time.process_time() - c0, "load_s": t_load, **peak_rss_mb(),
+           "evr": pca.explained_variance_ratio_.tolist()}
     if out:
         np.save(out, pca.components_.astype(np.float32))
     return res
 
 
 def run_worker(args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        raise RuntimeError(f"worker {args} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json_worker([sys.executable, __file__, "--worker", *args])
 
 
 def max_angle(p_path: str, c_path: str) -> float:
@@ -155,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
 
-    results: dict = {"host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                              "torch_threads": torch.get_num_threads(),
-                              "loadavg_start": os.getloadavg()},
-                     "N": a.n, "k": a.k}
+    results: dict = {"host": {**machine_info(), "loadavg_start": os.getloadavg()}, "N": a.n, "k": a.k}
     work = Path(tempfile.mkdtemp(prefix="szo-bench-", dir=a.workdir))
     try:
         if a.d_large:

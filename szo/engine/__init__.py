@@ -8,11 +8,10 @@ from .batched import (
     ENGINES,
     BatchedEvaluator,
     BatchedPlanEvaluator,
-    LoopPlanEvaluator,
     available_memory_bytes,
     batch_closure,
     make_plan_evaluator,
 )
 
-__all__ = ["ENGINES", "BatchedEvaluator", "BatchedPlanEvaluator", "LoopPlanEvaluator", "available_memory_bytes",
-           "batch_closure", "make_plan_evaluator"]
+__all__ = ["ENGINES", "BatchedEvaluator", "BatchedPlanEvaluator", "available_memory_bytes", "batch_closure",
+           "make_plan_evaluator"]

@@ -35,24 +35,26 @@ falls back to a per-copy loop, so it is not faster than the sequential loop; it 
 from __future__ import annotations
 
 import os
-import types
+import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as Fn
+from spikingjelly.activation_based.functional import seq_to_ann_forward
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
+from ..models.streaming import _bn_momentum
 
-__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "LoopPlanEvaluator", "BatchedPlanEvaluator",
+__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "BatchedPlanEvaluator",
            "available_memory_bytes"]
 
-ENGINES = ("loop", "batched")
+ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is SZO.evaluate_plan, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# leaf modules without parameters that act elementwise / per channel (checked by name so
-# that SpikingJelly neurons need not be imported here)
+# the parameterised leaves the engine can fold; every other leaf must have no parameters and
+# act elementwise / per channel (neurons, pooling, flatten, ...)
 _PARAM_TYPES = (nn.Conv2d, nn.Linear, _BatchNorm)
 
 
@@ -69,6 +71,15 @@ def available_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _check_loss_fn(loss_fn, allow_none: bool = False) -> None:
+    if not (callable(loss_fn) or (allow_none and loss_fn is None)):
+        raise ValueError(f"loss_fn must be callable as loss_fn(out, y), got {type(loss_fn).__name__}")
+
+
+def _shape_key(x: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.dtype, str(x.device)
 
 
 def _check_chunk(chunk: int | None) -> int | None:
@@ -88,19 +99,7 @@ class _Ctx:
         self.bn_running: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _flatten_steps(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """SpikingJelly multi-step layers take ``[T, N, ...]``: merge T and N like ``seq_to_ann_forward``."""
-    if getattr(mod, "step_mode", "s") == "m":
-        return x.flatten(0, 1), tuple(x.shape[:2])
-    return x, None
-
-
-def _unflatten_steps(y: torch.Tensor, lead: tuple[int, ...] | None) -> torch.Tensor:
-    return y if lead is None else y.view(*lead, *y.shape[1:])
-
-
 def _conv_forward(mod: nn.Conv2d, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
-    x, lead = _flatten_steps(mod, x)
     p, m = ctx.params[mod], ctx.m
     w = p["weight"]  # [m, C_out, C_in/g, kh, kw]
     w = w.reshape(m * w.shape[1], *w.shape[2:])
@@ -108,14 +107,12 @@ def _conv_forward(mod: nn.Conv2d, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
     c_in, g = mod.in_channels, mod.groups
     if x.shape[1] == c_in and m > 1:
         if g == 1:  # shared input: one convolution with m*C_out output channels
-            y = Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, 1)
-            return _unflatten_steps(y, lead)
+            return Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, 1)
         x = x.repeat(1, m, 1, 1)
     elif x.shape[1] != m * c_in:
         raise ValueError(f"batched engine: {type(mod).__name__} expects {c_in} or {m}*{c_in} input channels, "
                          f"got {x.shape[1]}")
-    y = Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, m * g)
-    return _unflatten_steps(y, lead)
+    return Fn.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, m * g)
 
 
 def _linear_forward(mod: nn.Linear, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +134,6 @@ def _linear_forward(mod: nn.Linear, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
-    x, lead = _flatten_steps(mod, x)
     p, m = ctx.params[mod], ctx.m
     c = mod.num_features
     if x.shape[1] == c and m > 1:
@@ -157,16 +153,32 @@ def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
     if stream is not None:
         # chunked (streaming) forward: the model's stream_bn policy; the update lands in rm, rv
         # after the last chunk, num_batches_tracked is counted once by the evaluator
-        y = stream.apply(mod, x, w, b, rm, rv, count_batches=False)
-    elif tracked:
-        n = int(mod.num_batches_tracked) + 1
-        factor = mod.momentum if mod.momentum is not None else 1.0 / n
-        y = Fn.batch_norm(x, rm, rv, w, b, True, factor, mod.eps)
-    elif use_batch_stats:
-        y = Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
-    else:
-        y = Fn.batch_norm(x, mod.running_mean.repeat(m), mod.running_var.repeat(m), w, b, False, 0.0, mod.eps)
-    return _unflatten_steps(y, lead)
+        return stream.apply(mod, x, w, b, rm, rv, count_batches=False)
+    if tracked:
+        return Fn.batch_norm(x, rm, rv, w, b, True, _bn_momentum(mod), mod.eps)
+    if use_batch_stats:
+        return Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
+    return Fn.batch_norm(x, mod.running_mean.repeat(m), mod.running_var.repeat(m), w, b, False, 0.0, mod.eps)
+
+
+def _leaf_forward(mod: nn.Module) -> Callable[[nn.Module, _Ctx, torch.Tensor], torch.Tensor]:
+    if isinstance(mod, nn.Conv2d):
+        return _conv_forward
+    if isinstance(mod, nn.Linear):
+        return _linear_forward
+    return _bn_forward
+
+
+def _installed_forward(mod: nn.Module, fn, active: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    merge_steps = fn is not _linear_forward  # Linear acts on the last dim whatever leads it
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if merge_steps and getattr(mod, "step_mode", "s") == "m":
+            # SpikingJelly multi-step Conv2d / BatchNorm take [T, N, ...]: run on [T*N, ...]
+            return seq_to_ann_forward(x, lambda z: fn(mod, active[0], z))
+        return fn(mod, active[0], x)
+
+    return forward
 
 
 class BatchedEvaluator:
@@ -175,15 +187,15 @@ class BatchedEvaluator:
     ``model``: a module whose parameterised leaves are Conv2d / Linear / BatchNorm (any
     SpikingJelly ``layer.*`` subclass of these) and whose other leaves have no parameters
     (neurons, pooling, flatten, ...). ``loss_fn(out, y)`` maps the model output of one copy
-    to a scalar. ``chunk``: copies per pass (``None``: sized from free memory).
+    to a scalar (here, or per call in ``losses``). ``chunk``: copies per pass (``None``:
+    sized from free memory once per input shape, then fixed; see ``chunk_size``).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, chunk: int | None = None,
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None,
                  memory_fraction: float = 0.5):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise ValueError("loss_fn must be callable as loss_fn(out, y)")
+        _check_loss_fn(loss_fn, allow_none=True)
         self.chunk = _check_chunk(chunk)
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -206,7 +218,13 @@ class BatchedEvaluator:
         self._owner = [owner[id(p)] for p in self.params]
         self.modules = list(dict.fromkeys(mod for mod, _ in self._owner))
         self.d = sum(p.numel() for p in self.params)
-        self._per_copy_cache: dict[tuple, int] = {}
+        # the folded forward of each parameterised leaf, installed as its ``forward`` for the
+        # duration of a folded pass; it reads that pass's _Ctx from _active[0]
+        self._active: list[_Ctx | None] = [None]
+        self._forwards = {mod: _installed_forward(mod, _leaf_forward(mod), self._active) for mod in self.modules}
+        self._per_copy_cache: dict[tuple, int] = {}  # input-shape key -> bytes per extra copy
+        self._chunk_cache: dict[tuple, int] = {}  # input-shape key -> auto chunk (fixed for the run)
+        self._budget: dict[str, float] = {}  # device -> memory_fraction of its free memory at first use
         self.forward_passes = 0
         self.last_chunk: int | None = None
 
@@ -218,7 +236,7 @@ class BatchedEvaluator:
         Activations: 4x the largest leaf output of one plain forward (input + output +
         neuron state + BN temporaries are live at once), measured once per input shape.
         """
-        key = (tuple(x.shape), x.dtype, str(x.device))
+        key = _shape_key(x)
         if key not in self._per_copy_cache:
             biggest = [0]
 
@@ -242,11 +260,28 @@ class BatchedEvaluator:
         return self._per_copy_cache[key]
 
     def chunk_size(self, x: torch.Tensor, m: int) -> int:
-        """Copies per pass: ``chunk`` if given, else what fits in ``memory_fraction`` of free memory."""
+        """Copies per pass: ``chunk`` if given, else what fits in ``memory_fraction`` of free memory.
+
+        The automatic choice is made once per input shape and then fixed for the life of
+        this evaluator (i.e. the run): free memory is read once per device, at the first
+        call, and the chunk cached per shape next to ``per_copy_bytes``. Re-reading it every
+        step would let the chunk drift with other processes' memory (and on CUDA shrink
+        after the first step, whose blocks the caching allocator keeps), and the chunk
+        changes float rounding (the summation order of the BN running-statistics update).
+        A resumed run measures afresh: give ``chunk`` explicitly where a resume must
+        reproduce the uninterrupted run bit for bit.
+        """
         if self.chunk is not None:
             return min(self.chunk, m)
-        free = available_memory_bytes(x.device) * self.memory_fraction
-        return max(1, min(m, int(free // max(1, self.per_copy_bytes(x)))))
+        key = _shape_key(x)
+        cap = self._chunk_cache.get(key)
+        if cap is None:
+            dev = str(x.device)
+            if dev not in self._budget:
+                self._budget[dev] = available_memory_bytes(x.device) * self.memory_fraction
+            cap = max(1, int(self._budget[dev] // max(1, self.per_copy_bytes(x))))
+            self._chunk_cache[key] = cap
+        return min(m, cap)
 
     # ----------------------------------------------------------------- evaluation
     def _stacked(self, thetas, lo: int, hi: int) -> list[torch.Tensor]:
@@ -255,17 +290,15 @@ class BatchedEvaluator:
             block = thetas[lo:hi].to(device=self.params[0].device, dtype=self.params[0].dtype)
             return [c.view(hi - lo, *p.shape) for c, p in zip(block.split([p.numel() for p in self.params], 1),
                                                              self.params)]
-        theta0_views, pt_views, U, mu = thetas
-        u = U[lo:hi]
-        nz = u != 0
-        onehot = bool((nz.sum(1) == 1).all())
-        if onehot:  # CGE: each probe moves along one basis vector; gather rows instead of a GEMM
-            idx = nz.float().argmax(1)
-            coef = u.gather(1, idx.unsqueeze(1)).squeeze(1) * mu
+        theta0_views, pt_views, U, mu, onehot = thetas
+        if onehot is not None:  # CGE: each probe moves along one basis vector; gather rows instead of a GEMM
+            idx, coef = onehot[0][lo:hi], onehot[1][lo:hi].unsqueeze(1)
+        else:
+            u = U[lo:hi]
         out = []
         for p0, pt in zip(theta0_views, pt_views):
-            if onehot:
-                delta = pt.index_select(0, idx) * coef.unsqueeze(1)
+            if onehot is not None:
+                delta = pt.index_select(0, idx) * coef
             else:
                 delta = (u @ pt) * mu
             out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
@@ -293,11 +326,21 @@ class BatchedEvaluator:
             if Pt.dim() != 2 or Pt.shape[1] != self.d or Pt.shape[0] != U.shape[1]:
                 raise ValueError(f"P_t must be [k, d] = [{U.shape[1]}, {self.d}], got {tuple(Pt.shape)}")
             Pt = list(Pt.to(device=dev, dtype=dt).split(sizes, 1))
-        return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu)), U.shape[0]
+        # one nonzero per row (CGE's [I; -I]): gather P_t rows instead of a GEMM. Decided on U
+        # as given (the optimizer's plan is on the CPU): on the device copy, the check would
+        # synchronise the device every step
+        nz = U != 0
+        if bool((nz.sum(1) == 1).all()):
+            idx = nz.to(torch.uint8).argmax(1)
+            coef = U.to(dt).gather(1, idx.unsqueeze(1)).squeeze(1) * mu
+            return (theta0, Pt, None, float(mu), (idx.to(dev), coef.to(dev))), U.shape[0]
+        return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu), None), U.shape[0]
 
     @torch.no_grad()
-    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas) -> torch.Tensor:
+    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas, loss_fn: LossFn | None = None) -> torch.Tensor:
         """Loss of ``(x, y)`` at each parameter vector; float64 ``[m]``.
+
+        ``loss_fn``: this call's loss (default: the one given to the constructor).
 
         ``thetas``: ``theta_batch [m, d]`` (flat layout order), or ``(theta0, P_t, U, mu)``
         meaning ``theta_j = theta0 + mu * P U[j]`` (``theta0 [d]`` or per-parameter tensors,
@@ -305,6 +348,12 @@ class BatchedEvaluator:
         parameters are not modified; BN running statistics get one update with the mean
         over copies (train mode only).
         """
+        if loss_fn is None:
+            loss_fn = self.loss_fn
+            if loss_fn is None:
+                raise ValueError("no loss_fn: give it to BatchedEvaluator(...) or to losses(..., loss_fn=...)")
+        else:
+            _check_loss_fn(loss_fn)
         thetas, m = self._normalise(thetas)
         if m < 1:
             raise ValueError("no parameter vectors to evaluate (m = 0)")
@@ -323,10 +372,8 @@ class BatchedEvaluator:
                 raise ValueError(f"batched engine: output width {n_out} is not a multiple of {ctx.m} copies")
             out = out.view(*out.shape[:-1], ctx.m, n_out // ctx.m)
             for j in range(ctx.m):
-                losses[lo + j] = F.check_loss(self.loss_fn(out[..., j, :], y), f"loss_fn (probe {lo + j + 1}/{m})")
-            for mod, (rm, rv) in ctx.bn_running.items():
-                if not (mod.training and mod.track_running_stats):
-                    continue
+                losses[lo + j] = F.check_loss(loss_fn(out[..., j, :], y), f"loss_fn (probe {lo + j + 1}/{m})")
+            for mod, (rm, rv) in ctx.bn_running.items():  # only train-mode BN with running stats
                 c = mod.num_features
                 s_mean, s_var = rm.view(ctx.m, c).sum(0), rv.view(ctx.m, c).sum(0)
                 acc = bn_sums.get(mod)
@@ -343,73 +390,53 @@ class BatchedEvaluator:
         return losses
 
     def _folded_forward(self, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
-        fns = {}
-        for mod in self.modules:
-            if isinstance(mod, nn.Conv2d):
-                fn = _conv_forward
-            elif isinstance(mod, nn.Linear):
-                fn = _linear_forward
-            else:
-                fn = _bn_forward
-            fns[mod] = types.MethodType(lambda self_, inp, _fn=fn, _c=ctx: _fn(self_, _c, inp), mod)
+        self._active[0] = ctx
         try:
-            for mod, fn in fns.items():
+            for mod, fn in self._forwards.items():
                 mod.forward = fn  # instance attribute shadows the class's forward
             return self.model(x)
         finally:
-            for mod in fns:
+            for mod in self._forwards:
                 mod.__dict__.pop("forward", None)
+            self._active[0] = None
 
 
 # ---------------------------------------------------------------------- optimizer hook
-class LoopPlanEvaluator:
-    """``engine="loop"``: the optimizer's own sequential ``evaluate_plan(closure, U)``."""
-
-    engine = "loop"
-
-    def __call__(self, opt, U: torch.Tensor, *, closure=None, batch=None) -> torch.Tensor:
-        if closure is None:
-            if batch is None:
-                raise ValueError("the loop engine needs a closure or a batch (x, y, loss_fn)")
-            x, y, loss_fn = batch
-            model = opt.model
-            closure = lambda: loss_fn(model(x), y)  # noqa: E731
-        return opt.evaluate_plan(closure, U)
-
-
 class BatchedPlanEvaluator:
-    """``engine="batched"``: one folded forward per chunk of probes ``theta + mu P U[j]``.
+    """``SZO(engine="batched")``'s probe evaluator: one folded forward per chunk of probes
+    ``theta + mu P U[j]``.
 
-    Needs the batch instead of a closure: ``batch=(x, y)`` (``loss_fn`` given here) or
-    ``(x, y, loss_fn)``. Counts ``opt.forward_passes`` like the loop (one per probe).
+    ``fn(opt, U, batch=...)``: needs the batch instead of a closure, ``batch=(x, y)``
+    (``loss_fn`` given here) or ``(x, y, loss_fn)``. Counts ``opt.forward_passes`` like the
+    loop (one per probe).
     """
 
-    engine = "batched"
-
     def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None):
-        self.loss_fn = loss_fn
-        self.evaluator = BatchedEvaluator(model, loss_fn if loss_fn is not None else _no_loss, chunk=chunk)
+        self.evaluator = BatchedEvaluator(model, loss_fn, chunk=chunk)
+        self._checked_opt: weakref.ref | None = None  # the optimizer whose parameters were checked
 
-    def __call__(self, opt, U: torch.Tensor, *, closure=None, batch=None) -> torch.Tensor:
+    def __call__(self, opt, U: torch.Tensor, *, batch=None) -> torch.Tensor:
         if batch is None:
             raise ValueError("the batched engine needs batch=(x, y) or (x, y, loss_fn); a closure cannot be batched")
         if getattr(opt, "distributed", None) is not None:
             raise ValueError("the batched engine does not support distributed SZO yet; use engine='loop'")
         if len(batch) == 3:
             x, y, loss_fn = batch
-            self.evaluator.loss_fn = loss_fn
         elif len(batch) == 2:
-            if self.loss_fn is None:
+            (x, y), loss_fn = batch, None
+            if self.evaluator.loss_fn is None:
                 raise ValueError("batch=(x, y) needs loss_fn given to make_plan_evaluator; or pass (x, y, loss_fn)")
-            x, y = batch
         else:
             raise ValueError(f"batch must be (x, y) or (x, y, loss_fn), got {len(batch)} items")
         ev = self.evaluator
-        if [id(p) for p in opt._params] != [id(p) for p in ev.params]:
-            raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the engine's model")
+        if self._checked_opt is None or self._checked_opt() is not opt:  # once per optimizer, not per step
+            if [id(p) for p in opt._params] != [id(p) for p in ev.params]:
+                raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the "
+                                 "engine's model")
+            self._checked_opt = weakref.ref(opt)
         mu = opt.param_groups[0]["mu"]
         theta0 = [p.detach() for p in opt._params]
-        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu))
+        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu), loss_fn)
         opt.forward_passes += U.shape[0]
         return losses
 
@@ -425,18 +452,16 @@ def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.T
     return closure
 
 
-def _no_loss(out, y):  # used until a call supplies batch=(x, y, loss_fn)
-    raise ValueError("no loss_fn: pass batch=(x, y, loss_fn) or give loss_fn to make_plan_evaluator")
-
-
 def make_plan_evaluator(engine: str, model: nn.Module | None = None, *, loss_fn: LossFn | None = None,
-                        chunk: int | None = None):
-    """The probe evaluator ``fn(opt, U, closure=None, batch=None) -> losses [m]`` for ``engine``."""
+                        chunk: int | None = None) -> BatchedPlanEvaluator:
+    """The probe evaluator ``fn(opt, U, batch=...) -> losses [m]`` of ``SZO(engine="batched")``.
+
+    Only ``engine="batched"`` has one: ``engine="loop"`` is ``SZO.evaluate_plan(closure, U)``.
+    """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
-    if engine == "loop":
-        _check_chunk(chunk)
-        return LoopPlanEvaluator()
+    if engine != "batched":
+        raise ValueError(f"engine={engine!r} has no plan evaluator: SZO.evaluate_plan(closure, U) is the loop")
     if model is None:
         raise ValueError("the batched engine needs the model")
     return BatchedPlanEvaluator(model, loss_fn, chunk)

@@ -12,7 +12,7 @@ import torch
 from spikingjelly.activation_based import layer
 from torch import nn
 
-from szo.models.base import SpikingModel
+from szo.models.base import SpikingModel, _positive_int
 from szo.models.neurons import make_neuron
 from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
@@ -25,6 +25,13 @@ def conv_bn(in_ch: int, out_ch: int, kernel_size: int, stride: int = 1) -> nn.Se
                      bias=False, step_mode="m"),
         BatchNorm2d(out_ch, step_mode="m"),
     )
+
+
+def kaiming_init_convs(model: nn.Module) -> None:
+    """Kaiming-normal (fan_out, ReLU gain) weights for every Conv2d of ``model`` (torchvision's ResNet / VGG init)."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
 
 class BasicBlock(nn.Module):
@@ -92,9 +99,7 @@ class SpikeResNet(SpikingModel):
         super().__init__(num_classes=num_classes, T=T, model_name=model_name)
         if len(layers) != len(widths) or not layers:
             raise ValueError(f"layers {layers} and widths {widths} must be non-empty and equal length")
-        in_channels = int(in_channels)
-        if in_channels < 1:
-            raise ValueError(f"in_channels must be >= 1, got {in_channels}")
+        in_channels = _positive_int("in_channels", in_channels)
         if stem == "cifar":
             self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3), make_neuron(activation))
         elif stem == "imagenet":
@@ -118,9 +123,7 @@ class SpikeResNet(SpikingModel):
         self.pool = layer.AdaptiveAvgPool2d((1, 1), step_mode="m")
         self.flatten = layer.Flatten(step_mode="m")
         self.fc = layer.Linear(in_ch, num_classes, step_mode="m")
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        kaiming_init_convs(self)
 
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x_seq))

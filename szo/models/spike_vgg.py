@@ -6,10 +6,11 @@ import torch
 from spikingjelly.activation_based import layer
 from torch import nn
 
-from szo.models.base import SpikingModel
+from szo.models.base import SpikingModel, _positive_int
 from szo.models.neurons import make_neuron
 from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
+from szo.models.spike_resnet import kaiming_init_convs
 
 VGG11_CFG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
@@ -25,9 +26,7 @@ class SpikeVGG(SpikingModel):
     def __init__(self, cfg: tuple[int | str, ...], *, num_classes: int, T: int,
                  in_channels: int, activation: str, model_name: str) -> None:
         super().__init__(num_classes=num_classes, T=T, model_name=model_name)
-        in_ch = int(in_channels)
-        if in_ch < 1:
-            raise ValueError(f"in_channels must be >= 1, got {in_channels}")
+        in_ch = _positive_int("in_channels", in_channels)
         feats: list[nn.Module] = []
         for v in cfg:
             if v == "M":
@@ -45,9 +44,7 @@ class SpikeVGG(SpikingModel):
         self.pool = layer.AdaptiveAvgPool2d((7, 7), step_mode="m")
         self.flatten = layer.Flatten(step_mode="m")
         self.fc = layer.Linear(in_ch * 7 * 7, num_classes, step_mode="m")
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        kaiming_init_convs(self)
 
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         return self.fc(self.flatten(self.pool(self.features(x_seq))))

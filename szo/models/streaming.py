@@ -97,6 +97,15 @@ def check_stream_bn(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def _bn_momentum(mod: _BatchNorm) -> float:
+    """Factor of ``mod``'s next running-statistics update: ``momentum``, or with ``momentum=None``
+    (cumulative average) ``1 / (num_batches_tracked + 1)``. The buffer is read only in that
+    case, as torch's ``_BatchNorm.forward`` does: reading it on CUDA synchronises the device."""
+    if mod.momentum is not None:
+        return mod.momentum
+    return 1.0 / (float(mod.num_batches_tracked) + 1.0)
+
+
 class _StopPass(Exception):
     """Raised by the BN layer whose statistics an ``"exact"`` pass is collecting."""
 
@@ -133,9 +142,6 @@ class BNStream:
         self.mean = self.mean + delta * (n_b / n)
         self.m2 = self.m2 + m2_b + delta * delta * (self.n * n_b / n)
         self.n = n
-
-    def _reset_sums(self) -> None:
-        self.n, self.mean, self.m2 = 0.0, None, None
 
     def freeze(self) -> None:
         """``"exact"``: the statistics of all T steps are complete; normalise with them from now on."""
@@ -185,8 +191,7 @@ class BNStream:
         rm, rv, count = self.target
         if not (mod.training and mod.track_running_stats) or rm is None or rv is None:
             return
-        n_before = int(mod.num_batches_tracked)
-        factor = mod.momentum if mod.momentum is not None else 1.0 / (n_before + 1)
+        factor = _bn_momentum(mod)
         if count:
             mod.num_batches_tracked.add_(1)
         unbiased = self.m2 / max(self.n - 1.0, 1.0)
@@ -203,15 +208,12 @@ class BatchNorm2d(layer.BatchNorm2d):
 
     _szo_stream: BNStream | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def super_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The BN on ``[B, C, H, W]`` (SpikingJelly's ``forward`` merges T and N into B in
+        multi-step mode): the policy of the chunked forward, else ``nn.BatchNorm2d``'s."""
         st = self._szo_stream
         if st is None:
-            return super().forward(x)
-        if self.step_mode == "m":
-            if x.dim() != 5:
-                raise ValueError(f"expected x with shape [T, N, C, H, W], got {tuple(x.shape)}")
-            y = st.apply(self, x.flatten(0, 1), self.weight, self.bias, self.running_mean, self.running_var)
-            return y.view(x.shape[0], x.shape[1], *y.shape[1:])
+            return super().super_forward(x)
         return st.apply(self, x, self.weight, self.bias, self.running_mean, self.running_var)
 
 
@@ -231,8 +233,7 @@ def chunked_forward(model: SpikingModel, x: torch.Tensor, *, static: bool, T: in
     """
     live = batch_stat_bn_layers(model)
     streams: dict[_BatchNorm, BNStream] = {}
-    if live:
-        check_stream_bn(stream_bn)
+    if live:  # stream_bn was checked by the caller (SpikingModel.forward) and is again by BNStream
         foreign = [f"{n} ({type(m).__module__}.{type(m).__qualname__})" for n, m in live
                    if not isinstance(m, BatchNorm2d)]
         if foreign:

@@ -114,6 +114,48 @@ def test_auto_chunk_is_positive_and_bounded():
     assert ev_tiny.chunk_size(x, 4) == 1
 
 
+def test_auto_chunk_is_chosen_once_per_input_shape(monkeypatch):
+    import szo.engine.batched as B
+
+    model, opt, x, y = _setup("spike_convnet")
+    ev = BatchedEvaluator(model, tet_loss)
+    per_copy = ev.per_copy_bytes(x)
+    reads = []
+
+    def fake_free(device):  # free memory that shrinks after every read
+        reads.append(device)
+        return per_copy * (6 - 2 * len(reads)) * 2  # memory_fraction 0.5: 4 copies first, then 2
+
+    monkeypatch.setattr(B, "available_memory_bytes", fake_free)
+    U, _ = opt.probe_plan()
+    plan = ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05)
+    for _ in range(3):
+        ev.losses(x, y, plan)
+        assert ev.last_chunk == 4
+    assert ev.chunk_size(x[:1], 99) == max(1, 4 * per_copy // ev.per_copy_bytes(x[:1]))  # new shape: same budget
+    assert len(reads) == 1
+
+
+def test_loss_fn_per_call_is_not_kept():
+    model, opt, x, y = _setup("spike_convnet")
+    U, _ = opt.probe_plan()
+    plan = ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = BatchedEvaluator(model, tet_loss).losses(x, y, plan)
+    model.load_state_dict(start)
+    ev = BatchedEvaluator(model)
+    torch.testing.assert_close(ev.losses(x, y, plan, loss_fn=tet_loss), ref, rtol=0.0, atol=0.0)
+    with pytest.raises(ValueError, match="no loss_fn"):
+        ev.losses(x, y, plan)
+    with pytest.raises(ValueError, match="loss_fn must be callable"):
+        ev.losses(x, y, plan, loss_fn="tet")
+    plan_ev = make_plan_evaluator("batched", model)
+    model.load_state_dict(start)
+    torch.testing.assert_close(plan_ev(opt, U, batch=(x, y, tet_loss)), ref, rtol=0.0, atol=0.0)
+    with pytest.raises(ValueError, match="needs loss_fn"):  # the last call's loss_fn did not stick
+        plan_ev(opt, U, batch=(x, y))
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
 def test_bad_chunk_raises(bad):
     model = M.create("spike_convnet", T=2)
@@ -132,6 +174,11 @@ def test_bad_inputs_raise():
         ev.losses(x, y, torch.zeros(3, 7))
     with pytest.raises(ValueError, match="batch"):
         make_plan_evaluator("batched", model, loss_fn=tet_loss)(opt, opt.probe_plan()[0])
+    with pytest.raises(ValueError, match="evaluate_plan"):
+        make_plan_evaluator("loop", model)
+    other, other_opt, _, _ = _setup("spike_convnet", seed=1)
+    with pytest.raises(ValueError, match="not model.parameters"):
+        make_plan_evaluator("batched", model, loss_fn=tet_loss)(other_opt, other_opt.probe_plan()[0], batch=(x, y))
 
     class Scale(nn.Module):
         def __init__(self):
@@ -220,3 +267,31 @@ def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
     model = M.create("spike_convnet", T=2)
     with pytest.raises(ValueError, match="applies to the SZO methods"):
         build_optimizer("bp", model, lr=0.1, engine="batched")
+
+
+# ------------------------------------------------------------------ BN momentum=None (cumulative average)
+def test_bn_momentum_reads_the_counter_only_for_a_cumulative_average():
+    from szo.models.streaming import _bn_momentum
+
+    bn = nn.BatchNorm2d(2)
+    bn.num_batches_tracked = None  # any read of the counter would fail
+    assert _bn_momentum(bn) == 0.1
+    bn = nn.BatchNorm2d(2, momentum=None)
+    bn.num_batches_tracked.fill_(3)
+    assert _bn_momentum(bn) == 0.25
+
+
+@pytest.mark.parametrize("time_chunk", [None, 1])
+def test_batched_equals_loop_with_cumulative_average_bn(time_chunk):
+    model, opt, x, y = _setup("spike_convnet")
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.momentum = None
+            mod.num_batches_tracked.fill_(3)
+    U, _ = opt.probe_plan()
+    with model.streaming(time_chunk=time_chunk, stream_bn="exact"):
+        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=3)
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
+    for k in bn_loop:
+        torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert int(model.bn1.num_batches_tracked) == 4

@@ -241,6 +241,13 @@ def test_errors() -> None:
         make_neuron("relu", inplace=True)
 
 
+@pytest.mark.parametrize("name", ["spike_convnet", "spike_resnet20", "spike_vgg11"])
+@pytest.mark.parametrize("bad", [0, -1, 2.7, True, "3"])
+def test_in_channels_must_be_a_positive_int(name: str, bad: object) -> None:
+    with pytest.raises(ValueError, match="in_channels must be a positive int"):
+        create(name, in_channels=bad)
+
+
 def test_register_model_rejects_duplicates() -> None:
     def spike_resnet20() -> SpikingModel:  # same name as a registered model
         raise RuntimeError("never called")
