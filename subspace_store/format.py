@@ -12,9 +12,11 @@ An entry of a ``SubspaceStore`` is a directory ``root/NAME/`` holding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
+
+from szo.layout import layout_from_json, layout_mismatch, layout_to_json  # re-exported
 
 __all__ = [
     "Subspace",
@@ -59,43 +61,6 @@ class SubspaceIntegrityError(ValueError):
     """A stored entry is truncated, tampered with, or its manifest is malformed."""
 
 
-def layout_to_json(layout) -> list[dict] | None:
-    if layout is None:
-        return None
-    out = []
-    for e in layout:
-        if isinstance(e, dict):
-            out.append({"name": str(e["name"]), "shape": [int(s) for s in e["shape"]]})
-        else:
-            name, shape = e
-            out.append({"name": str(name), "shape": [int(s) for s in shape]})
-    return out
-
-
-def layout_mismatch(expected: Sequence[tuple[str, tuple[int, ...]]],
-                    found: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
-    """The first difference between a subspace's layout and a model's, as one phrase; None if equal.
-
-    Layouts are ``[(name, shape), ...]`` in flat-vector order (``named_parameters()``).
-    """
-    for i, (exp, got) in enumerate(zip(expected, found)):
-        if tuple(exp) != tuple(got):
-            return (f"parameter #{i} is {exp[0]} {list(exp[1])} in the subspace but "
-                    f"{got[0]} {list(got[1])} in the model")
-    if len(expected) != len(found):
-        i = min(len(expected), len(found))
-        extra = (f"{expected[i][0]} (only in the subspace)" if len(expected) > len(found)
-                 else f"{found[i][0]} (only in the model)")
-        return f"{len(expected)} parameters in the subspace, {len(found)} in the model; first extra: {extra}"
-    return None
-
-
-def layout_from_json(layout) -> list[tuple[str, tuple[int, ...]]] | None:
-    if layout is None:
-        return None
-    return [(str(e["name"]), tuple(int(s) for s in e["shape"])) for e in layout]
-
-
 @dataclass
 class Subspace:
     """A k-dimensional trajectory subspace of the d-dimensional parameter space.
@@ -136,7 +101,7 @@ class Subspace:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (k,):
                 raise ValueError(f"{name} must be a tensor of shape [{k}], got {getattr(t, 'shape', type(t))}")
         if self.layout is not None:
-            self.layout = layout_from_json(layout_to_json(self.layout))
+            self.layout = layout_from_json(self.layout)
             n = sum(int(torch.Size(s).numel()) for _, s in self.layout)
             if n != d:
                 raise ValueError(f"layout describes {n} parameters but basis has d = {d} rows")

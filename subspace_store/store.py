@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from szo.io import atomic_write_json
+from szo.layout import layout_from_json, layout_mismatch, layout_to_json, param_layout
 
 from .format import (
     FORMAT,
@@ -30,9 +31,6 @@ from .format import (
     TENSOR_NAMES,
     Subspace,
     SubspaceIntegrityError,
-    layout_from_json,
-    layout_mismatch,
-    layout_to_json,
     validate_manifest,
 )
 
@@ -326,7 +324,7 @@ def check_model_layout(manifest_or_subspace: Any, model: nn.Module, name: str = 
         layout, d = manifest_or_subspace.layout, manifest_or_subspace.d
     else:
         layout, d = layout_from_json(manifest_or_subspace["layout"]), int(manifest_or_subspace["d"])
-    found = [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+    found = param_layout(model)
     if layout is None:
         got = sum(torch.Size(s).numel() for _, s in found)
         if got != d:

@@ -11,8 +11,8 @@ interrupted write: it is ignored by readers and overwritten when recording resum
 
 The recorder works with any ``nn.Module``: the flat vector is ``named_parameters()`` order
 (each parameter flattened row-major), the fingerprint is ``model.fingerprint()`` when the
-model has one, else the sha256 of ``json.dumps([model_name, [[name, shape], ...]])`` (the
-same formula as ``SpikingModel.fingerprint``). Memory use is O(d): samples never stay in RAM.
+model has one, else ``szo.layout.layout_fingerprint`` (the formula of
+``SpikingModel.fingerprint``). Memory use is O(d): samples never stay in RAM.
 """
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from .io import atomic_write_bytes, atomic_write_json, sha256_file
+from .layout import layout_fingerprint, layout_from_json, layout_mismatch, layout_to_json, param_layout
 
 __all__ = [
     "TrajectoryRecorder",
@@ -57,18 +58,15 @@ class TrajectoryIntegrityError(ValueError):
 
 
 # ----------------------------------------------------------------------------- helpers
-def model_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every parameter in ``named_parameters()`` order."""
-    return [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+model_layout = param_layout  # ``(name, shape)`` of every parameter in ``named_parameters()`` order
 
 
 def model_fingerprint(model: nn.Module, model_name: str) -> str:
-    """``model.fingerprint()`` if it exists, else sha256 of ``[model_name, layout]`` JSON."""
+    """``model.fingerprint()`` if it exists, else ``layout_fingerprint(model_name, layout)``."""
     fp = getattr(model, "fingerprint", None)
     if callable(fp):
         return str(fp())
-    layout = [[n, list(s)] for n, s in model_layout(model)]
-    return hashlib.sha256(json.dumps([model_name, layout]).encode()).hexdigest()
+    return layout_fingerprint(model_name, param_layout(model))
 
 
 def flat_vector(model: nn.Module) -> torch.Tensor:
@@ -99,10 +97,6 @@ def parse_epoch_window(window: Any) -> tuple[int, int] | None:
     if start < 0 or end < start:
         raise ValueError(f"epoch window needs 0 <= start <= end, got ({start}, {end})")
     return start, end
-
-
-def _layout_json(layout: Sequence[tuple[str, tuple[int, ...]]]) -> list[dict]:
-    return [{"name": n, "shape": list(s)} for n, s in layout]
 
 
 def _read_manifest(directory: Path) -> dict:
@@ -190,7 +184,7 @@ class TrajectoryRecorder:
             "fingerprint": self.fingerprint,
             "d": self.d,
             "dtype": "float32",
-            "layout": _layout_json(self.layout),
+            "layout": layout_to_json(self.layout),
             "samples": [],
         }
 
@@ -212,7 +206,7 @@ class TrajectoryRecorder:
         expected = self._fresh_manifest()
         for key in ("fingerprint", "model", "d", "dtype", "layout"):
             if man[key] != expected[key]:
-                what = self._describe_layout_diff(man["layout"]) if key in ("layout", "d", "fingerprint") else ""
+                what = self._layout_diff(man["layout"]) if key in ("layout", "d", "fingerprint") else ""
                 raise TrajectoryMismatchError(
                     f"trajectory directory {d} was recorded for another model: {key} is "
                     f"{_short(man[key])} there, {_short(expected[key])} for this model{what}. "
@@ -220,14 +214,12 @@ class TrajectoryRecorder:
                 )
         return man
 
-    def _describe_layout_diff(self, other: list) -> str:
-        mine = _layout_json(self.layout)
-        for i, (a, b) in enumerate(zip(other, mine)):
-            if a != b:
-                return f" (first differing parameter #{i}: {a['name']} {a['shape']} there vs {b['name']} {b['shape']} here)"
-        if len(other) != len(mine):
-            return f" ({len(other)} parameters there vs {len(mine)} here)"
-        return ""
+    def _layout_diff(self, recorded: list) -> str:
+        try:
+            diff = layout_mismatch(recorded, self.layout, where=("there", "here"))
+        except (KeyError, TypeError, ValueError):
+            diff = "the recorded layout is malformed"
+        return f" ({diff})" if diff else ""
 
     # ---- callbacks
     def _in_window(self, epoch: int) -> bool:
@@ -326,7 +318,7 @@ class Trajectory:
 
     @property
     def layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(e["name"], tuple(e["shape"])) for e in self.manifest["layout"]]
+        return layout_from_json(self.manifest["layout"])
 
     @property
     def fingerprint(self) -> str:
