@@ -16,12 +16,12 @@ import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from szo.io import atomic_write_json
+from szo.io import atomic_write_json, fsync_dir
 from szo.layout import layout_from_json, layout_mismatch, layout_to_json, param_layout
 
 from .format import (
@@ -78,37 +78,22 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
         for name, t in tensors.items():
-            raw = _raw_bytes(t)
-            h = hashlib.sha256()
-            for a in range(0, raw.size, _WRITE_CHUNK):
-                piece = raw[a : a + _WRITE_CHUNK]
-                h.update(piece)
-                f.write(piece)
-            hashes[name] = h.hexdigest()
+            hashes[name] = _sha256_tensor(t, f.write)
         f.flush()
         os.fsync(f.fileno())
     return hashes
 
 
-def _sha256_tensor(t: torch.Tensor) -> str:
+def _sha256_tensor(t: torch.Tensor, sink: Callable[[Any], Any] | None = None) -> str:
+    """sha256 of a tensor's raw bytes, in chunks (no full copy); each chunk also goes to ``sink``."""
     raw = _raw_bytes(t)
     h = hashlib.sha256()
     for a in range(0, raw.size, _WRITE_CHUNK):
-        h.update(raw[a : a + _WRITE_CHUNK])
+        piece = raw[a : a + _WRITE_CHUNK]
+        h.update(piece)
+        if sink is not None:
+            sink(piece)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _dtype_arg(dtype: Any, what: str) -> torch.dtype:
@@ -229,12 +214,12 @@ class SubspaceStore:
             }
             del tensors
             atomic_write_json(tmp / MANIFEST_FILE, manifest)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             self._swap_in(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return final
 
     def _swap_in(self, tmp: Path, final: Path) -> None:

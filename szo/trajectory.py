@@ -16,7 +16,6 @@ model has one, else ``szo.layout.layout_fingerprint`` (the formula of
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .io import atomic_write_bytes, atomic_write_json, sha256_file
+from .io import atomic_save_safetensors, atomic_write_json, sha256_file, temp_file_target
 from .layout import layout_fingerprint, layout_from_json, layout_mismatch, layout_to_json, param_layout
 
 __all__ = [
@@ -45,8 +44,6 @@ FORMAT = "szo-trajectory"
 VERSION = 1
 MANIFEST = "manifest.json"
 SAMPLE_RE = re.compile(r"^sample_\d{6,}\.safetensors$")
-# temp files left by a kill inside szo.io.atomic_write_bytes: ".<name>.<random>.tmp"
-_TMP_RE = re.compile(r"^\.(sample_\d{6,}\.safetensors|manifest\.json)\..*\.tmp$")
 
 
 class TrajectoryMismatchError(ValueError):
@@ -194,7 +191,7 @@ class TrajectoryRecorder:
             raise TrajectoryMismatchError(f"trajectory path {d} exists and is not a directory")
         if not (d / MANIFEST).exists():
             if d.exists():
-                others = sorted(p.name for p in d.iterdir() if not (SAMPLE_RE.match(p.name) or _TMP_RE.match(p.name)))
+                others = sorted(p.name for p in d.iterdir() if not (_ours(p.name) or _ours(temp_file_target(p.name))))
                 if others:
                     raise TrajectoryMismatchError(
                         f"{d} is not empty and has no {MANIFEST} (found {others[:5]}); "
@@ -255,15 +252,12 @@ class TrajectoryRecorder:
             raise TrajectoryMismatchError(
                 f"model now has d = {theta.numel()} parameters, the trajectory was started with d = {self.d}"
             )
-        from safetensors.torch import save
-
         index = len(self._manifest["samples"])
         fname = f"sample_{index:06d}.safetensors"
-        data = save({"theta": theta}, metadata={"epoch": str(epoch), "step": str(step), "fingerprint": self.fingerprint})
+        digest = atomic_save_safetensors(  # 1) the sample (overwrites an orphan)
+            self.directory / fname, {"theta": theta},
+            {"epoch": str(epoch), "step": str(step), "fingerprint": self.fingerprint})
         del theta
-        digest = hashlib.sha256(data).hexdigest()
-        atomic_write_bytes(self.directory / fname, data)  # 1) the sample (overwrites an orphan)
-        del data
         entry: dict[str, Any] = {"index": index, "file": fname, "epoch": epoch, "step": step,
                                  "test_acc": None if test_acc is None else float(test_acc), "sha256": digest}
         samples = self._manifest["samples"]
@@ -281,6 +275,11 @@ class TrajectoryRecorder:
 
     def __len__(self) -> int:
         return len(self._manifest["samples"])
+
+
+def _ours(name: str | None) -> bool:
+    """A sample file or the manifest (also the target of a temp file a kill left behind)."""
+    return name is not None and (name == MANIFEST or SAMPLE_RE.match(name) is not None)
 
 
 def _short(v: Any) -> str:
