@@ -16,6 +16,7 @@ model has one, else ``szo.layout.layout_fingerprint`` (the formula of
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -354,10 +355,13 @@ class Trajectory:
         p = self.directory / s["file"]
         if not p.exists():
             raise TrajectoryIntegrityError(f"sample file {p} listed in the manifest is missing")
-        got = sha256_file(p)
+        self._check_digest(s, sha256_file(p))
+
+    def _check_digest(self, s: dict, got: str) -> None:
         if got != s["sha256"]:
             raise TrajectoryIntegrityError(
-                f"sample file {p} is corrupt: sha256 {got[:16]}... does not match the manifest's {s['sha256'][:16]}..."
+                f"sample file {self.directory / s['file']} is corrupt: sha256 {got[:16]}... does not match "
+                f"the manifest's {s['sha256'][:16]}..."
             )
         self._verified.add(s["file"])
 
@@ -372,10 +376,16 @@ class Trajectory:
     def __getitem__(self, i: int) -> torch.Tensor:
         from safetensors.torch import load
 
-        self.verify_sample(i)
-        p = self.path(i)
+        s = self._samples[self._index(i)]
+        p = self.directory / s["file"]
         try:
-            t = load(p.read_bytes())["theta"]
+            data = p.read_bytes()  # read once: hashed (first read only) and parsed from the same bytes
+        except FileNotFoundError:
+            raise TrajectoryIntegrityError(f"sample file {p} listed in the manifest is missing") from None
+        if s["file"] not in self._verified:
+            self._check_digest(s, hashlib.sha256(data).hexdigest())
+        try:
+            t = load(data)["theta"]
         except Exception as e:  # noqa: BLE001 - any parse failure is an integrity problem
             raise TrajectoryIntegrityError(f"cannot read sample file {p}: {e}") from None
         if t.dtype != torch.float32 or t.shape != (self.d,):

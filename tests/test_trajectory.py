@@ -218,3 +218,19 @@ def test_fingerprints_pinned_and_layout_helpers_shared():
     assert layout_mismatch(lay, lay) is None
     assert layout_mismatch(lay, lay[:-1]) == "4 parameters in the subspace, 3 in the model; first extra: 2.bias (only in the subspace)"
     assert subspace_format.layout_mismatch is layout_mismatch and subspace_format.layout_to_json is layout_to_json
+
+
+def test_getitem_reads_each_file_once(tmp_path, monkeypatch):
+    import szo.trajectory as tr
+
+    m = tiny()
+    rec = TrajectoryRecorder(tmp_path / "t", m)
+    rec.on_train_start()
+    t = Trajectory(tmp_path / "t")
+    reads = []
+    orig = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or orig(self))
+    monkeypatch.setattr(tr, "sha256_file", lambda p: pytest.fail("second read of the file to hash it"))
+    assert torch.equal(t[0], flat(m))
+    assert reads == ["sample_000000.safetensors"]
+    assert torch.equal(t[0], flat(m)) and len(reads) == 2  # verified once; later reads are not hashed
