@@ -38,6 +38,8 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": t
 TENSOR_NAMES = ("basis", "mean", "reference", "eigenvalues", "explained_variance_ratio")
 
 # field -> (type(s), meaning). "layout" may be null for subspaces built from raw vectors.
+# Entries written before this schema also carry a top-level "total_variance" (a copy of
+# provenance["total_variance"]); it is no longer written and is ignored when read.
 MANIFEST_SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "format": ((str,), "always 'szo-subspace'"),
     "version": ((int,), "FORMAT_VERSION"),
@@ -50,7 +52,6 @@ MANIFEST_SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "storage_dtype": ((str,), "dtype of 'basis' on disk: float32 | float16 | bfloat16"),
     "eigenvalues": ((list,), "top-k covariance eigenvalues (sklearn explained_variance_)"),
     "explained_variance_ratio": ((list,), "eigenvalues / total variance"),
-    "total_variance": ((float, int), "trace of the sample covariance"),
     "provenance": ((dict,), "source trajectories, sampled epochs, N, builder settings"),
     "tensors": ((dict,), "name -> {dtype, shape, sha256 of raw bytes}"),
     "created": ((str,), "UTC ISO-8601 time of the save"),
@@ -118,11 +119,6 @@ class Subspace:
     def N(self) -> int | None:
         n = self.provenance.get("N")
         return int(n) if n is not None else None
-
-    def to(self, dtype: torch.dtype) -> "Subspace":
-        """A copy with basis in ``dtype`` (mean/reference stay float32)."""
-        return Subspace(self.basis.to(dtype), self.mean, self.reference, self.eigenvalues,
-                        self.explained_variance_ratio, self.layout, self.fingerprint, self.model, dict(self.provenance))
 
     def __repr__(self) -> str:
         return (f"Subspace(model={self.model!r}, d={self.d}, k={self.k}, N={self.N}, "

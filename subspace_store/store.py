@@ -190,10 +190,6 @@ class SubspaceStore:
             }
             hashes = _write_safetensors(tmp / BASIS_FILE, tensors, {"format": FORMAT, "version": str(FORMAT_VERSION)})
             prov = dict(subspace.provenance)
-            total = prov.get("total_variance")
-            if total is None:
-                ratio = subspace.explained_variance_ratio.double()
-                total = float(subspace.eigenvalues.double()[0] / ratio[0]) if float(ratio[0]) > 0 else 0.0
             manifest = {
                 "format": FORMAT,
                 "version": FORMAT_VERSION,
@@ -206,7 +202,6 @@ class SubspaceStore:
                 "storage_dtype": str(sdt).replace("torch.", ""),
                 "eigenvalues": [float(x) for x in tensors["eigenvalues"]],
                 "explained_variance_ratio": [float(x) for x in tensors["explained_variance_ratio"]],
-                "total_variance": float(total),
                 "provenance": prov,
                 "tensors": {n: {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "sha256": hashes[n]}
                             for n, t in tensors.items()},
