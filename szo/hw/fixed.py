@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import torch
+from spikingjelly.activation_based import lava_exchange
 
 __all__ = [
     "ACT_SHIFT",
@@ -131,11 +132,14 @@ def saturate(x: torch.Tensor, bits: int, counter: SaturationCounter | None = Non
 
 
 def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``sign(x) * (|x| >> bits)``: arithmetic right shift rounding toward zero (-7 >> 1 = -3)."""
+    """``sign(x) * (|x| >> bits)``: arithmetic right shift rounding toward zero (-7 >> 1 = -3).
+
+    SpikingJelly's ``lava_exchange.right_shift_to_zero`` (as Loihi), with ValueErrors instead of asserts.
+    """
     _check_int(x, "right_shift_to_zero")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
         raise ValueError(f"shift must be a non-negative int, got {bits!r}")
-    return (torch.sign(x) * (torch.abs(x) >> bits)).to(x.dtype)  # round toward zero, as Loihi
+    return lava_exchange.right_shift_to_zero(x, bits)
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -148,8 +152,8 @@ def decay_to_int(decay: float, bits: int = DECAY_SHIFT) -> int:
     """A decay fraction in [0, 1] -> nearest integer on the ``2**bits`` scale (lava step_quantize)."""
     if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 <= decay <= 1.0:
         raise ValueError(f"decay must be a float in [0, 1] (fraction lost per step), got {decay!r}")
-    # torch.round (half to even) is what lava_exchange's step_quantize uses
-    return int(torch.round(torch.tensor(decay * (1 << bits), dtype=torch.float64)))
+    # round half to even, as torch.round in lava_exchange's step_quantize (Python's round does the same)
+    return round(decay * (1 << bits))
 
 
 def threshold_to_int(v_threshold: float) -> int:
