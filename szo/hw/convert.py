@@ -175,16 +175,24 @@ class FixedPointNetwork(SpikingModel):
                 f"cannot trace {type(model).__name__}.forward_seq with torch.fx ({type(exc).__name__}: {exc}); "
                 f"the fixed-point converter needs a static layer graph of: {_SUPPORTED_NAMES}"
             ) from exc
-        modules = dict(self.named_modules())
+        self._mods: dict[str, nn.Module] = dict(self.named_modules())  # path -> module, looked up every forward
+        modules = self._mods
         users: dict[fx.Node, list[fx.Node]] = {n: list(n.users) for n in graph.nodes}
         self._fused: dict[str, str] = {}  # synapse path -> BN path folded into it
         self._bn_alias: dict[str, str] = {}
+        # synapse path -> factor folded into its weights (1/k^2 of the sum pools before it); None
+        # while unknown (an AdaptiveAvgPool2d window depends on the input size: set by the forward)
+        self._synapse_mult: dict[str, float | None] = {}
+        scale: dict[fx.Node, float | None] = {}  # pending factor of each node's output
         for node in graph.nodes:
-            if node.op == "call_module":
+            if node.op == "placeholder":
+                scale[node] = 1.0
+            elif node.op == "call_module":
                 m = modules[node.target]
                 path, tname = node.target, f"{type(m).__module__}.{type(m).__qualname__}"
                 if not isinstance(m, SUPPORTED_LAYERS):
                     raise _unsupported(path, tname)
+                scale[node] = self._static_scale(path, m, scale.get(node.args[0]))
                 if isinstance(m, nn.BatchNorm2d):
                     src = node.args[0]
                     ok = (isinstance(src, fx.Node) and src.op == "call_module"
@@ -210,22 +218,57 @@ class FixedPointNetwork(SpikingModel):
             elif node.op == "call_function" or node.op == "call_method":
                 if not (node.target in (operator.add, torch.add) or node.target == "add"):
                     raise _unsupported(str(node.name), f"{node.op} {getattr(node.target, '__name__', node.target)}")
+                scale[node] = 1.0  # a current sum
             elif node.op == "get_attr":
                 raise _unsupported(str(node.target), "direct parameter use in forward")
         return graph
 
+    def _static_scale(self, path: str, m: nn.Module, src: float | None) -> float | None:
+        """The pending factor of a layer's output given its input's (None: known only at run time)."""
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            known = self._synapse_mult.get(path, src)
+            self._synapse_mult[path] = src if known == src else None  # a module called twice: run time decides
+            return 1.0  # a current
+        if isinstance(m, (sj_neuron.LIFNode, nn.MaxPool2d)):
+            return 1.0  # spikes
+        if isinstance(m, nn.AvgPool2d):
+            kh, kw = (m.kernel_size, m.kernel_size) if isinstance(m.kernel_size, int) else m.kernel_size
+            return None if src is None else src / (kh * kw)
+        if isinstance(m, nn.AdaptiveAvgPool2d):
+            return None  # the window is input size / output size
+        return src  # BatchNorm (folded), Flatten, Identity, Dropout
+
     # --------------------------------------------------------------- quantisation
+    def _quantize_synapse(self, path: str, m: nn.Module, mult: float
+                          ) -> tuple[torch.Tensor, int, int, torch.Tensor | None, int]:
+        """``W = Q(theta)`` of one synapse: ``(w_int, e, n_w_sat, bias_int, n_b_sat)``.
+
+        BN folded with its running statistics; ``mult`` (pooling's 1/k^2 before this synapse)
+        is folded into the float weights before quantising, so it changes ``e`` and ``w_int``.
+        """
+        P = self.precision
+        bn = self._mods[self._fused[path]] if path in self._fused else None
+        w, b = _fold_bn(m.weight, m.bias, bn)
+        w_int, e, n_w = quantize_weight(w * mult if mult != 1.0 else w, P)
+        bias_int, n_b = None, 0
+        if b is not None:
+            bias_int, _, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
+        return w_int, e, n_w, bias_int, n_b
+
     def quantized_layers(self) -> dict[str, dict[str, Any]]:
-        """Current ``W = Q(theta)`` of every synapse: ``w_int``, exponent ``e``, ``bias_int`` (no side effects)."""
-        modules = dict(self.named_modules())
+        """``W = Q(theta)`` of every synapse as the forward uses it: ``w_int``, exponent ``exp``,
+        ``bias_int`` and the pooling factor ``mult`` folded into the weights (no side effects).
+
+        A synapse behind an ``AdaptiveAvgPool2d`` has a factor that depends on the input size:
+        it is the one of the last forward (ValueError before the first forward).
+        """
         out = {}
-        for path, m in modules.items():
-            if isinstance(m, (nn.Conv2d, nn.Linear)):
-                bn = modules[self._fused[path]] if path in self._fused else None
-                w, b = _fold_bn(m.weight, m.bias, bn)
-                w_int, e, _ = quantize_weight(w, self.precision)
-                out[path] = {"w_int": w_int, "exp": e,
-                             "bias_int": None if b is None else quantize_bias(b * (1 << STATE_SHIFT), self.precision)[0]}
+        for path, mult in self._synapse_mult.items():
+            if mult is None:
+                raise ValueError(f"synapse {path!r} follows an input-size dependent pooling (AdaptiveAvgPool2d): "
+                                 "its weight scale is known after a forward; run the network once first")
+            w_int, e, _, bias_int, _ = self._quantize_synapse(path, self._mods[path], mult)
+            out[path] = {"w_int": w_int, "exp": e, "bias_int": bias_int, "mult": mult}
         return out
 
     # -------------------------------------------------------------------- forward
@@ -276,7 +319,7 @@ class FixedPointNetwork(SpikingModel):
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             if x.kind != "act":
                 raise _unsupported(path, tname, "input is a current (no neuron between two synapses)")
-            return self._synapse(path, m, modules[self._fused[path]] if path in self._fused else None, x)
+            return self._synapse(path, m, x)
         if isinstance(m, sj_neuron.LIFNode):
             if x.kind != "current":
                 raise _unsupported(path, tname, "a neuron needs a synaptic current input (Conv2d/Linear before it)")
@@ -334,14 +377,12 @@ class FixedPointNetwork(SpikingModel):
         pairs = F.conv2d(g, ones, None, stride, padding, dilation, groups)
         return int(pairs.sum().round()) * (c_out // groups)
 
-    def _synapse(self, path: str, m: nn.Module, bn: nn.Module | None, x: _Val) -> _Val:
+    def _synapse(self, path: str, m: nn.Module, x: _Val) -> _Val:
         P = self.precision
-        w, b = _fold_bn(m.weight, m.bias, bn)
-        w_int, e, n_w = quantize_weight(w * x.mult, P)  # pooling's 1/k^2 folded into W before quantising
+        self._synapse_mult[path] = x.mult  # what quantized_layers() reports
+        w_int, e, n_w, bias_int, n_b = self._quantize_synapse(path, m, x.mult)
         self.counter.add(path, "weight", n_w)
-        bias_int = None
-        if b is not None:
-            bias_int, _, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
+        if bias_int is not None:
             self.counter.add(path, "bias", n_b)
         T, N = x.data.shape[:2]
         xin = x.data.flatten(0, 1)

@@ -250,3 +250,69 @@ def test_on_chip_szo_is_an_optimizer_whose_state_resumes_exactly():
     with pytest.raises(ValueError, match="non-finite"):
         b.step(lambda: torch.tensor(float("nan")))
     assert torch.equal(f.flat_params(), before)
+
+
+class _AvgPoolNet(SpikingModel):
+    """conv -> LIF -> 3x3 average pool (factor 1/9 folded into fc) -> fc."""
+
+    def __init__(self):
+        super().__init__(num_classes=3, T=2, model_name="avgpool_net")
+        self.conv = layer.Conv2d(1, 4, 3, padding=1, step_mode="m")
+        self.sn = make_neuron("lif")
+        self.pool = layer.AvgPool2d(3, step_mode="m")
+        self.flat = layer.Flatten(step_mode="m")
+        self.fc = layer.Linear(4 * 9, 3, step_mode="m")
+
+    def forward_seq(self, x):
+        return self.fc(self.flat(self.pool(self.sn(self.conv(x)))))
+
+
+def _spy_kernels(monkeypatch):
+    """Record the integer weights every conv / linear kernel of the fixed forward is called with."""
+    import szo.hw.convert as conv
+
+    seen: dict[tuple, list[torch.Tensor]] = {}
+    for name in ("conv2d", "linear"):
+        orig = getattr(conv.F, name)
+
+        def spy(x, w, *a, _orig=orig, _name=name, **kw):
+            seen.setdefault((_name, tuple(w.shape)), []).append(w.round().to(torch.int64))
+            return _orig(x, w, *a, **kw)
+
+        monkeypatch.setattr(conv.F, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("which", ["avgpool", "convnet"])
+def test_quantized_layers_match_what_the_forward_uses(which, monkeypatch):
+    torch.manual_seed(0)
+    if which == "avgpool":
+        m, x = _AvgPoolNet().eval(), torch.rand(2, 1, 9, 9) * 2
+        with torch.no_grad():
+            m.conv.weight.mul_(4.0)
+        f = to_fixed(m)
+        before = f.quantized_layers()  # static 1/9 known at conversion
+        assert before["fc"]["mult"] == pytest.approx(1 / 9) and before["conv"]["mult"] == 1.0
+    else:
+        m, x = _active_convnet(), _digits_like(4)
+        f = to_fixed(m)
+        with pytest.raises(ValueError, match="'fc'.*AdaptiveAvgPool2d.*run the network once"):
+            f.quantized_layers()  # the 4x4 adaptive pool's window depends on the input size
+    seen = _spy_kernels(monkeypatch)
+    f(x)
+    q = f.quantized_layers()
+    assert set(q) == {n for n, s in f.last_stats.items() if s["type"] in ("conv2d", "linear")}
+    for path, lay in q.items():
+        assert lay["exp"] == f.last_stats[path]["weight_exp"], path
+        used = seen[("conv2d" if lay["w_int"].dim() == 4 else "linear", tuple(lay["w_int"].shape))]
+        assert all(torch.equal(u, lay["w_int"]) for u in used), path
+    pooled = q["fc"]
+    assert pooled["mult"] == pytest.approx(1 / 9 if which == "avgpool" else 1 / 4)
+    # the pooling factor changes the exponent (and, for 1/9, the mantissas) against the unpooled weights
+    w = m.fc.weight.detach().double()
+    from szo.hw.fixed import quantize_weight
+
+    w_plain, e_plain, _ = quantize_weight(w, f.precision)
+    assert pooled["exp"] < e_plain
+    if which == "avgpool":
+        assert not torch.equal(pooled["w_int"], w_plain)
