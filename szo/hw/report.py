@@ -128,7 +128,11 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     P = net.precision
     x = _input_batch(model, data, batch, input_size, seed)
     net.reset_counters()
-    net(x)
+    collecting, net.collect_stats = net.collect_stats, True  # events / synops / spikes of this forward
+    try:
+        net(x)
+    finally:
+        net.collect_stats = collecting
     stats = net.last_stats
     N = x.shape[0]
     rows = []

@@ -45,7 +45,7 @@ def test_same_parameter_layout_and_shared_master_params():
 
 def test_integer_forward_exact_against_int64_reference():
     m = _active_convnet()
-    f = to_fixed(m, verify_exact=True)  # every kernel result compared with a pure int64 conv/matmul
+    f = to_fixed(m, verify_exact=True, collect_stats=True)  # every kernel result compared with a pure int64 conv/matmul
     out = f(_digits_like(8))
     assert out.shape == (4, 8, 10)
     # logits are integer readout currents / 2^12
@@ -65,7 +65,7 @@ def test_float64_fallback_engaged_and_exact():
     with pytest.raises(OverflowError, match="2\\*\\*53"):
         kernel_dtype(2**53 + 1)
     m = _active_convnet()
-    f = to_fixed(m, verify_exact=True)
+    f = to_fixed(m, verify_exact=True, collect_stats=True)
     x = _digits_like(4) * 500.0  # graded input <= 500 * 64 = 32000 (int16): bound ~ 127 * 32000 * 9 > 2^24
     f(x)
     assert f.last_stats["conv1"]["bound"] > FLOAT32_EXACT
@@ -148,7 +148,7 @@ def test_unfoldable_batchnorm_rejected():
 def test_residual_resnet20_converts_and_runs_exactly():
     torch.manual_seed(0)
     m = create("spike_resnet20", T=2).eval()
-    f = to_fixed(m, verify_exact=True)
+    f = to_fixed(m, verify_exact=True, collect_stats=True)
     x = torch.rand(1, 3, 8, 8) * 2
     out = f(x)
     assert out.shape == (2, 1, 10) and torch.isfinite(out).all()
@@ -290,12 +290,12 @@ def test_quantized_layers_match_what_the_forward_uses(which, monkeypatch):
         m, x = _AvgPoolNet().eval(), torch.rand(2, 1, 9, 9) * 2
         with torch.no_grad():
             m.conv.weight.mul_(4.0)
-        f = to_fixed(m)
+        f = to_fixed(m, collect_stats=True)
         before = f.quantized_layers()  # static 1/9 known at conversion
         assert before["fc"]["mult"] == pytest.approx(1 / 9) and before["conv"]["mult"] == 1.0
     else:
         m, x = _active_convnet(), _digits_like(4)
-        f = to_fixed(m)
+        f = to_fixed(m, collect_stats=True)
         with pytest.raises(ValueError, match="'fc'.*AdaptiveAvgPool2d.*run the network once"):
             f.quantized_layers()  # the 4x4 adaptive pool's window depends on the input size
     seen = _spy_kernels(monkeypatch)
@@ -316,3 +316,26 @@ def test_quantized_layers_match_what_the_forward_uses(which, monkeypatch):
     assert pooled["exp"] < e_plain
     if which == "avgpool":
         assert not torch.equal(pooled["w_int"], w_plain)
+
+
+def test_stats_only_when_asked_and_the_forward_is_the_same():
+    m = _active_convnet()
+    x = _digits_like(8)
+    plain, counted = to_fixed(m), to_fixed(m, collect_stats=True)
+    a, b = plain(x), counted(x)
+    assert torch.equal(a, b) and torch.equal(plain.last_readout_sum, counted.last_readout_sum)
+    assert plain.last_stats == {} and counted.last_stats["sn1"]["spikes"] > 0
+    assert counted.last_stats["conv2"]["synops"] > 0
+
+
+def test_saturation_counter_sums_device_tensors_lazily():
+    from szo.hw.fixed import SaturationCounter
+
+    c = SaturationCounter()
+    c.add("L", "current", torch.tensor(2))
+    c.add("L", "current", 3)
+    c.add("L", "voltage", torch.tensor(0))
+    c.add("M", "x", 0)
+    assert c.as_dict() == {"L": {"current": 5}} and c.total() == 5
+    c.reset()
+    assert c.as_dict() == {} and c.total() == 0
