@@ -163,7 +163,6 @@ class FixedPointNetwork(SpikingModel):
             raise _unsupported("<root>", type(model).__name__, "parameters registered directly on the model")
         for name, child in model.named_children():
             self.add_module(name, child)  # same objects: the float params are shared, not copied
-        object.__setattr__(self, "source", model)
         if [n for n, _ in self.named_parameters()] != [n for n, _ in model.named_parameters()]:
             raise ValueError("internal: fixed-point network parameter layout differs from the source model")
         self.counter = SaturationCounter()
@@ -195,7 +194,6 @@ class FixedPointNetwork(SpikingModel):
         modules = self._mods
         users: dict[fx.Node, list[fx.Node]] = {n: list(n.users) for n in graph.nodes}
         self._fused: dict[str, str] = {}  # synapse path -> BN path folded into it
-        self._bn_alias: dict[str, str] = {}
         self._neurons: dict[str, FixedCubaLIF] = {}  # LIF path -> its integer neuron (tau, threshold, reset fixed)
         # synapse path -> factor folded into its weights (1/k^2 of the sum pools before it); None
         # while unknown (an AdaptiveAvgPool2d window depends on the input size: set by the forward)
@@ -219,7 +217,6 @@ class FixedPointNetwork(SpikingModel):
                     if not m.track_running_stats or m.running_var is None:
                         raise _unsupported(path, tname, "BatchNorm without running statistics cannot be folded")
                     self._fused[src.target] = path
-                    self._bn_alias[path] = src.target
                 if isinstance(m, sj_neuron.LIFNode):
                     if m.decay_input:
                         raise _unsupported(path, tname, "decay_input=True is not a CUBA neuron; use decay_input=False")
@@ -496,9 +493,3 @@ def backend(model: SpikingModel, kind: str = "fixed", **kw: Any) -> nn.Module:
     if kind == "fixed":
         return to_fixed(model, **kw)
     raise ValueError(f"unknown backend {kind!r}; valid: {list(BACKENDS)}")
-
-
-def synops_per_forward(stats: dict[str, dict[str, Any]]) -> int:
-    """Total synaptic operations of the last forward (all samples in the batch)."""
-    return sum(int(s.get("synops", 0)) for s in stats.values())
-
