@@ -18,6 +18,7 @@ import torch
 
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision
+from szo.hw.train import learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
 
@@ -153,14 +154,8 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         row["cores"] = math.ceil(row["bytes"] / (chip.core_memory_kb * 1024)) if row["bytes"] else 0
         rows.append(row)
     d = net.num_params()
-    learner = {
-        "basis_P_bytes": math.ceil(d * k * basis_bits / 8),
-        "basis_scale_bytes": 4 * k,
-        "theta_ref_bytes": math.ceil(d * ref_bits / 8),
-        "coordinates_bytes": math.ceil(k * coord_bits / 8),
-        "momentum_bytes": math.ceil(k * coord_bits / 8),
-        "seed_bytes": 4,
-    }
+    bits = learner_state_bits(d, k, basis_bits=basis_bits, coord_bits=coord_bits, ref_bits=ref_bits)
+    learner = {f"{item}_bytes": math.ceil(b / 8) for item, b in bits.items()}
     synops_fwd = sum(r["synops_per_sample"] for r in rows)
     neuron_updates_fwd = sum(r["neurons"] for r in rows) * model.T
     forwards_per_step = 2 * k

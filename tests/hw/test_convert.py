@@ -211,6 +211,10 @@ def test_quantized_basis_error_and_on_chip_szo():
     acc = evaluate_fixed(f, [(x, y)])
     assert 0.0 <= acc <= 1.0
     assert acc == float((f.last_readout_sum.argmax(1) == y).float().mean())
+    from szo.hw.train import learner_state_bits
+
+    assert opt.state_bits() == learner_state_bits(d, k) and opt.d == d
+    assert opt.counter.as_dict() == {}  # theta_ref fits 16 bits: no clamp counted
     with pytest.raises(ValueError, match="valid: \\['cge', 'rademacher'\\]"):
         OnChipSZO(f, sub, estimator="spsa")
 
@@ -339,3 +343,21 @@ def test_saturation_counter_sums_device_tensors_lazily():
     assert c.as_dict() == {"L": {"current": 5}} and c.total() == 5
     c.reset()
     assert c.as_dict() == {} and c.total() == 0
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_chip_szo_with_a_cuda_model():
+    from subspace_store import Subspace
+
+    from szo.hw.train import OnChipSZO
+
+    m = _active_convnet()
+    f = to_fixed(m).cuda()
+    d, k = f.num_params(), 3
+    P, _ = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(3)))
+    sub = Subspace(P, torch.zeros(d), m.flat_params().cpu(), torch.ones(k), torch.ones(k) / k, layout=f.param_layout())
+    xc, yc = _digits_like(8).cuda(), (torch.arange(8) % 10).cuda()
+    opt = OnChipSZO(f, sub, lr=0.5, estimator="rademacher", q=1, seed=3)  # theta_ref on the host, as P
+    opt.step(lambda: nn.functional.cross_entropy(f(xc).mean(0), yc))
+    assert opt.forward_passes == 2 and f.fc.weight.is_cuda
