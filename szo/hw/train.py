@@ -81,34 +81,40 @@ def quantized_subspace(subspace: Any, bits: int = 8) -> Any:
                                provenance=prov)
 
 
+class _IntegerReadout(nn.Module):
+    """The fixed-point network seen as a one-step model whose output is its integer readout
+    summed over T (exact in float64), so that the trainer's ``out.mean(0).argmax(1)`` is the
+    argmax of the integer readout."""
+
+    def __init__(self, net: FixedPointNetwork) -> None:
+        super().__init__()
+        self.net = net
+        self.train(net.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        acc = self.net.last_readout_sum  # None when the network does not end in a readout current
+        return out if acc is None else acc.to(torch.float64).unsqueeze(0)
+
+
 @torch.no_grad()
-def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None) -> float:
+def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None,
+                   device: str | torch.device | None = None) -> float:
     """Top-1 accuracy of the fixed-point forward (prediction = argmax of the integer readout summed over T).
 
     ``model``: a :class:`FixedPointNetwork` or a szo model (converted with ``to_fixed``).
-    ``loader`` yields ``(x, y)`` batches.
+    ``loader`` yields ``(x, y)`` batches; they are moved to ``device`` (default: the network's).
+    The evaluation loop is the trainer's (``szo.train.trainer._evaluate_sums``).
     """
+    from szo.train.trainer import _evaluate_sums
+
     net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
-    was_training = net.training
-    net.eval()
-    correct = total = 0
-    try:
-        for batch in loader:
-            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-                raise ValueError("loader must yield (x, y) batches")
-            x, y = batch[0], batch[1]
-            out = net(x)
-            if net.last_readout_sum is not None:
-                pred = net.last_readout_sum.argmax(1)  # integer readout accumulated over T
-            else:
-                pred = out.mean(0).argmax(1)
-            correct += int((pred.cpu() == torch.as_tensor(y).cpu()).sum())
-            total += int(torch.as_tensor(y).numel())
-    finally:
-        net.train(was_training)
-    if total == 0:
+    if device is None:
+        device = next((p.device for p in net.parameters()), torch.device("cpu"))
+    _, correct, seen = _evaluate_sums(_IntegerReadout(net), loader, lambda out, y: 0.0, device)
+    if seen == 0:
         raise ValueError("loader yielded no samples")
-    return correct / total
+    return correct / seen
 
 
 class OnChipSZO(torch.optim.Optimizer):

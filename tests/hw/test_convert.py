@@ -211,6 +211,9 @@ def test_quantized_basis_error_and_on_chip_szo():
     acc = evaluate_fixed(f, [(x, y)])
     assert 0.0 <= acc <= 1.0
     assert acc == float((f.last_readout_sum.argmax(1) == y).float().mean())
+    f.train()
+    assert evaluate_fixed(f, [(x[:5], y[:5]), (x[5:], y[5:])]) == acc and f.training  # mode restored
+    f.eval()
     from szo.hw.train import learner_state_bits
 
     assert opt.state_bits() == learner_state_bits(d, k) and opt.d == d
@@ -345,19 +348,21 @@ def test_saturation_counter_sums_device_tensors_lazily():
     assert c.as_dict() == {} and c.total() == 0
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_chip_szo_with_a_cuda_model():
+def test_on_chip_szo_and_evaluate_fixed_with_a_cuda_model():
     from subspace_store import Subspace
 
-    from szo.hw.train import OnChipSZO
+    from szo.hw.train import OnChipSZO, evaluate_fixed
 
     m = _active_convnet()
     f = to_fixed(m).cuda()
     d, k = f.num_params(), 3
     P, _ = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(3)))
     sub = Subspace(P, torch.zeros(d), m.flat_params().cpu(), torch.ones(k), torch.ones(k) / k, layout=f.param_layout())
-    xc, yc = _digits_like(8).cuda(), (torch.arange(8) % 10).cuda()
+    x, y = _digits_like(8), torch.arange(8) % 10
+    xc, yc = x.cuda(), y.cuda()
     opt = OnChipSZO(f, sub, lr=0.5, estimator="rademacher", q=1, seed=3)  # theta_ref on the host, as P
     opt.step(lambda: nn.functional.cross_entropy(f(xc).mean(0), yc))
     assert opt.forward_passes == 2 and f.fc.weight.is_cuda
+    acc = evaluate_fixed(f, [(x, y)])  # CPU batches are moved to the network's device
+    assert acc == float((f.last_readout_sum.argmax(1).cpu() == y).float().mean())
