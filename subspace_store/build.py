@@ -38,10 +38,14 @@ DEFAULT_CHUNK_BYTES = 64 << 20  # float64 bytes of one N x chunk block
 
 # ----------------------------------------------------------------------------- sources
 class _FileSource:
-    """N safetensors files, each with tensor 'theta' float32 [d]; read by slices of d."""
+    """N safetensors files, each with tensor 'theta' float32 [d]; read by slices of d.
 
-    def __init__(self, files: list[Path], shas: list[str | None], d: int) -> None:
-        self.files, self.shas, self.d = files, shas, d
+    ``samples[i] = (trajectory, index)`` names the manifest entry of file i, whose sha256
+    ``Trajectory.verify_sample`` checks; None for spooled files (no manifest).
+    """
+
+    def __init__(self, files: list[Path], d: int, samples: list[tuple[Trajectory, int]] | None = None) -> None:
+        self.files, self.d, self.samples = files, d, samples
 
     @property
     def n(self) -> int:
@@ -50,10 +54,11 @@ class _FileSource:
     def check(self, verify: bool, progress: bool) -> None:
         from safetensors import safe_open
 
-        from szo.io import sha256_file
-
-        for f, sha in tqdm(list(zip(self.files, self.shas)), desc="verify samples", disable=not progress, leave=False):
-            if not f.exists():
+        for i, f in enumerate(tqdm(self.files, desc="verify samples", disable=not progress, leave=False)):
+            if verify and self.samples is not None:
+                traj, j = self.samples[i]
+                traj.verify_sample(j)  # missing file or sha256 mismatch
+            elif not f.exists():
                 raise TrajectoryIntegrityError(f"sample file {f} is missing")
             try:
                 with safe_open(str(f), framework="pt") as h:
@@ -63,8 +68,6 @@ class _FileSource:
                 raise TrajectoryIntegrityError(f"cannot read sample file {f}: {e}") from None
             if shape != [self.d] or dtype != "F32":
                 raise TrajectoryIntegrityError(f"{f}: 'theta' is {dtype} {shape}, expected F32 [{self.d}]")
-            if verify and sha is not None and sha256_file(f) != sha:
-                raise TrajectoryIntegrityError(f"sample file {f} does not match the sha256 in its manifest")
 
     def read_chunk(self, a: int, b: int, out: np.ndarray) -> None:
         from safetensors import safe_open
@@ -213,9 +216,8 @@ def build_subspace(
             items = list(items)
         if isinstance(items, (list, tuple)) and items and all(_is_path_like(x) for x in items):
             trajs, sel = _trajectories(items, window)
-            files = [t.path(i) for t in sel for i in range(len(t))]
-            shas = [s["sha256"] for t in sel for s in t.samples]
-            source: Any = _FileSource(files, shas, sel[0].d)
+            samples = [(t, i) for t in sel for i in range(len(t))]
+            source: Any = _FileSource([t.path(i) for t, i in samples], sel[0].d, samples)
             layout, fingerprint, model = sel[0].layout, sel[0].fingerprint, sel[0].model
             provenance = {
                 "trajectories": [str(Path(t.directory).resolve()) for t in trajs],
@@ -241,7 +243,7 @@ def build_subspace(
             elif isinstance(items, Iterable):
                 tmp = tempfile.TemporaryDirectory(prefix="szo-spool-")
                 files, d0 = _spool(items, Path(tmp.name), progress)
-                source = _FileSource(files, [None] * len(files), d0)
+                source = _FileSource(files, d0)
             else:
                 raise ValueError(
                     "trajectories must be a trajectory directory, a Trajectory, a list of those, "

@@ -12,9 +12,11 @@ An entry of a ``SubspaceStore`` is a directory ``root/NAME/`` holding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
+
+from szo.layout import layout_from_json, layout_mismatch, layout_to_json  # re-exported
 
 __all__ = [
     "Subspace",
@@ -36,6 +38,8 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": t
 TENSOR_NAMES = ("basis", "mean", "reference", "eigenvalues", "explained_variance_ratio")
 
 # field -> (type(s), meaning). "layout" may be null for subspaces built from raw vectors.
+# Entries written before this schema also carry a top-level "total_variance" (a copy of
+# provenance["total_variance"]); it is no longer written and is ignored when read.
 MANIFEST_SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "format": ((str,), "always 'szo-subspace'"),
     "version": ((int,), "FORMAT_VERSION"),
@@ -48,7 +52,6 @@ MANIFEST_SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "storage_dtype": ((str,), "dtype of 'basis' on disk: float32 | float16 | bfloat16"),
     "eigenvalues": ((list,), "top-k covariance eigenvalues (sklearn explained_variance_)"),
     "explained_variance_ratio": ((list,), "eigenvalues / total variance"),
-    "total_variance": ((float, int), "trace of the sample covariance"),
     "provenance": ((dict,), "source trajectories, sampled epochs, N, builder settings"),
     "tensors": ((dict,), "name -> {dtype, shape, sha256 of raw bytes}"),
     "created": ((str,), "UTC ISO-8601 time of the save"),
@@ -57,43 +60,6 @@ MANIFEST_SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
 
 class SubspaceIntegrityError(ValueError):
     """A stored entry is truncated, tampered with, or its manifest is malformed."""
-
-
-def layout_to_json(layout) -> list[dict] | None:
-    if layout is None:
-        return None
-    out = []
-    for e in layout:
-        if isinstance(e, dict):
-            out.append({"name": str(e["name"]), "shape": [int(s) for s in e["shape"]]})
-        else:
-            name, shape = e
-            out.append({"name": str(name), "shape": [int(s) for s in shape]})
-    return out
-
-
-def layout_mismatch(expected: Sequence[tuple[str, tuple[int, ...]]],
-                    found: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
-    """The first difference between a subspace's layout and a model's, as one phrase; None if equal.
-
-    Layouts are ``[(name, shape), ...]`` in flat-vector order (``named_parameters()``).
-    """
-    for i, (exp, got) in enumerate(zip(expected, found)):
-        if tuple(exp) != tuple(got):
-            return (f"parameter #{i} is {exp[0]} {list(exp[1])} in the subspace but "
-                    f"{got[0]} {list(got[1])} in the model")
-    if len(expected) != len(found):
-        i = min(len(expected), len(found))
-        extra = (f"{expected[i][0]} (only in the subspace)" if len(expected) > len(found)
-                 else f"{found[i][0]} (only in the model)")
-        return f"{len(expected)} parameters in the subspace, {len(found)} in the model; first extra: {extra}"
-    return None
-
-
-def layout_from_json(layout) -> list[tuple[str, tuple[int, ...]]] | None:
-    if layout is None:
-        return None
-    return [(str(e["name"]), tuple(int(s) for s in e["shape"])) for e in layout]
 
 
 @dataclass
@@ -136,7 +102,7 @@ class Subspace:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (k,):
                 raise ValueError(f"{name} must be a tensor of shape [{k}], got {getattr(t, 'shape', type(t))}")
         if self.layout is not None:
-            self.layout = layout_from_json(layout_to_json(self.layout))
+            self.layout = layout_from_json(self.layout)
             n = sum(int(torch.Size(s).numel()) for _, s in self.layout)
             if n != d:
                 raise ValueError(f"layout describes {n} parameters but basis has d = {d} rows")
@@ -153,11 +119,6 @@ class Subspace:
     def N(self) -> int | None:
         n = self.provenance.get("N")
         return int(n) if n is not None else None
-
-    def to(self, dtype: torch.dtype) -> "Subspace":
-        """A copy with basis in ``dtype`` (mean/reference stay float32)."""
-        return Subspace(self.basis.to(dtype), self.mean, self.reference, self.eigenvalues,
-                        self.explained_variance_ratio, self.layout, self.fingerprint, self.model, dict(self.provenance))
 
     def __repr__(self) -> str:
         return (f"Subspace(model={self.model!r}, d={self.d}, k={self.k}, N={self.N}, "

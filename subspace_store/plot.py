@@ -1,27 +1,23 @@
 """Explained-variance plot of a subspace (paper Figure 2): per-component bars + cumulative line."""
 from __future__ import annotations
 
-import io
 import os
 from typing import Sequence
-
-from szo.io import atomic_write_bytes
 
 __all__ = ["plot_explained_variance"]
 
 
 def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *, title: str | None = None) -> None:
     """Write a PNG of the explained-variance ratio of each component and their cumulative sum."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from szo.plots import pyplot, save_figure
 
     r = np.asarray([float(x) for x in ratios], dtype=float)
     if r.ndim != 1 or r.size == 0:
         raise ValueError("ratios must be a non-empty sequence of numbers")
     idx = np.arange(1, r.size + 1)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     try:
         ax.bar(idx, 100 * r, color="#4c72b0", label="per component")
@@ -36,9 +32,7 @@ def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *,
         ax.legend(h1 + h2, l1 + l2, loc="center right")
         if title:
             ax.set_title(title)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
+    except BaseException:
         plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+        raise
+    save_figure(fig, path, dpi=120)  # tight_layout, PNG in memory, close, atomic write

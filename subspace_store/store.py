@@ -16,12 +16,13 @@ import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from szo.io import atomic_write_json
+from szo.io import atomic_write_json, fsync_dir
+from szo.layout import layout_from_json, layout_mismatch, layout_to_json, param_layout
 
 from .format import (
     FORMAT,
@@ -30,9 +31,6 @@ from .format import (
     TENSOR_NAMES,
     Subspace,
     SubspaceIntegrityError,
-    layout_from_json,
-    layout_mismatch,
-    layout_to_json,
     validate_manifest,
 )
 
@@ -80,37 +78,22 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
         for name, t in tensors.items():
-            raw = _raw_bytes(t)
-            h = hashlib.sha256()
-            for a in range(0, raw.size, _WRITE_CHUNK):
-                piece = raw[a : a + _WRITE_CHUNK]
-                h.update(piece)
-                f.write(piece)
-            hashes[name] = h.hexdigest()
+            hashes[name] = _sha256_tensor(t, f.write)
         f.flush()
         os.fsync(f.fileno())
     return hashes
 
 
-def _sha256_tensor(t: torch.Tensor) -> str:
+def _sha256_tensor(t: torch.Tensor, sink: Callable[[Any], Any] | None = None) -> str:
+    """sha256 of a tensor's raw bytes, in chunks (no full copy); each chunk also goes to ``sink``."""
     raw = _raw_bytes(t)
     h = hashlib.sha256()
     for a in range(0, raw.size, _WRITE_CHUNK):
-        h.update(raw[a : a + _WRITE_CHUNK])
+        piece = raw[a : a + _WRITE_CHUNK]
+        h.update(piece)
+        if sink is not None:
+            sink(piece)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _dtype_arg(dtype: Any, what: str) -> torch.dtype:
@@ -207,10 +190,6 @@ class SubspaceStore:
             }
             hashes = _write_safetensors(tmp / BASIS_FILE, tensors, {"format": FORMAT, "version": str(FORMAT_VERSION)})
             prov = dict(subspace.provenance)
-            total = prov.get("total_variance")
-            if total is None:
-                ratio = subspace.explained_variance_ratio.double()
-                total = float(subspace.eigenvalues.double()[0] / ratio[0]) if float(ratio[0]) > 0 else 0.0
             manifest = {
                 "format": FORMAT,
                 "version": FORMAT_VERSION,
@@ -223,7 +202,6 @@ class SubspaceStore:
                 "storage_dtype": str(sdt).replace("torch.", ""),
                 "eigenvalues": [float(x) for x in tensors["eigenvalues"]],
                 "explained_variance_ratio": [float(x) for x in tensors["explained_variance_ratio"]],
-                "total_variance": float(total),
                 "provenance": prov,
                 "tensors": {n: {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "sha256": hashes[n]}
                             for n, t in tensors.items()},
@@ -231,12 +209,12 @@ class SubspaceStore:
             }
             del tensors
             atomic_write_json(tmp / MANIFEST_FILE, manifest)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             self._swap_in(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return final
 
     def _swap_in(self, tmp: Path, final: Path) -> None:
@@ -326,7 +304,7 @@ def check_model_layout(manifest_or_subspace: Any, model: nn.Module, name: str = 
         layout, d = manifest_or_subspace.layout, manifest_or_subspace.d
     else:
         layout, d = layout_from_json(manifest_or_subspace["layout"]), int(manifest_or_subspace["d"])
-    found = [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+    found = param_layout(model)
     if layout is None:
         got = sum(torch.Size(s).numel() for _, s in found)
         if got != d:

@@ -1,12 +1,16 @@
 """Crash-safe file writes: every file szo writes goes through a temp file and ``os.replace``.
 
-A kill at any point leaves either the old file or the new one, never a half-written one.
+A kill at any point leaves either the old file or the new one, never a half-written one; the
+new file and its directory entry are fsynced. Every writer returns the sha256 (hex) of the
+bytes it wrote. A kill inside a write can leave a temp file ``.<name>.<random>.tmp`` next to
+the target (:data:`TEMP_FILE_RE`, :func:`temp_file_target`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,18 +18,46 @@ from typing import Any, Mapping
 import torch
 
 __all__ = [
+    "TEMP_FILE_RE",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
     "atomic_save_safetensors",
     "atomic_torch_save",
+    "fsync_dir",
     "sha256_file",
-    "sha256_bytes",
+    "temp_file_target",
 ]
 
+TEMP_FILE_RE = re.compile(r"^\.(?P<target>.+)\.[^.]+\.tmp$")
+"""Name of a temp file of :func:`atomic_write_bytes` (``.<target name>.<random>.tmp``)."""
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
+
+def temp_file_target(name: str) -> str | None:
+    """The file name a temp file ``name`` was going to become, or None if ``name`` is not one."""
+    m = TEMP_FILE_RE.match(name)
+    return m.group("target") if m else None
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory (makes renames / creations in it durable); best effort, never raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename).
+
+    Returns the sha256 hex digest of ``data``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -39,38 +71,36 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
+    return hashlib.sha256(data).hexdigest()
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str) -> str:
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> str:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def atomic_save_safetensors(
     path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> None:
-    """Save tensors with safetensors (no pickle), atomically."""
+) -> str:
+    """Save tensors with safetensors (no pickle), atomically; returns the file's sha256."""
     from safetensors.torch import save
 
     data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=dict(metadata or {}))
-    atomic_write_bytes(path, data)
+    return atomic_write_bytes(path, data)
 
 
-def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
+def atomic_torch_save(path: str | os.PathLike, obj: Any) -> str:
     """``torch.save`` through a temp file. Only save plain containers of tensors / numbers / strings,
     so that ``torch.load(path, weights_only=True)`` can read it back."""
     import io
 
     buf = io.BytesIO()
     torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -116,10 +116,16 @@ def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+Table = tuple[list[str], list[list[str]]]
+
+
 def render(runs: Sequence[dict[str, Any]]) -> str:
     """Both tables as markdown."""
-    h1, r1 = table1(runs)
-    h3, r3 = table3(runs)
+    return _render(table1(runs), table3(runs))
+
+
+def _render(t1: Table, t3: Table) -> str:
+    (h1, r1), (h3, r3) = t1, t3
     out = ["## Accuracy (%) by method (max test accuracy; layout of paper Table 1)", "", _markdown(h1, r1), "",
            "## Training cost to the maximum accuracy (layout of paper Table 3)", "",
            "Converged epoch = epoch of the maximum test accuracy; time = training time to it (evaluation "
@@ -133,10 +139,9 @@ def write_report(runs: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = render(runs)
-    atomic_write_text(out / "report.md", md)
-    h1, r1 = table1(runs)
-    h3, r3 = table3(runs)
+    t1, t3 = table1(runs), table3(runs)  # computed once for both files
+    (h1, r1), (h3, r3) = t1, t3
+    atomic_write_text(out / "report.md", _render(t1, t3))
     atomic_write_json(out / "report.json", {
         "table1": [dict(zip(h1, r)) for r in r1], "table3": [dict(zip(h3, r)) for r in r3],
         "runs": [{"dir": r["dir"], **r["results"]} for r in runs],

@@ -11,8 +11,8 @@ interrupted write: it is ignored by readers and overwritten when recording resum
 
 The recorder works with any ``nn.Module``: the flat vector is ``named_parameters()`` order
 (each parameter flattened row-major), the fingerprint is ``model.fingerprint()`` when the
-model has one, else the sha256 of ``json.dumps([model_name, [[name, shape], ...]])`` (the
-same formula as ``SpikingModel.fingerprint``). Memory use is O(d): samples never stay in RAM.
+model has one, else ``szo.layout.layout_fingerprint`` (the formula of
+``SpikingModel.fingerprint``). Memory use is O(d): samples never stay in RAM.
 """
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from .io import atomic_write_bytes, atomic_write_json, sha256_file
+from .io import atomic_save_safetensors, atomic_write_json, sha256_file, temp_file_target
+from .layout import layout_fingerprint, layout_from_json, layout_mismatch, layout_to_json, param_layout
 
 __all__ = [
     "TrajectoryRecorder",
@@ -44,8 +45,6 @@ FORMAT = "szo-trajectory"
 VERSION = 1
 MANIFEST = "manifest.json"
 SAMPLE_RE = re.compile(r"^sample_\d{6,}\.safetensors$")
-# temp files left by a kill inside szo.io.atomic_write_bytes: ".<name>.<random>.tmp"
-_TMP_RE = re.compile(r"^\.(sample_\d{6,}\.safetensors|manifest\.json)\..*\.tmp$")
 
 
 class TrajectoryMismatchError(ValueError):
@@ -57,18 +56,15 @@ class TrajectoryIntegrityError(ValueError):
 
 
 # ----------------------------------------------------------------------------- helpers
-def model_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every parameter in ``named_parameters()`` order."""
-    return [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+model_layout = param_layout  # ``(name, shape)`` of every parameter in ``named_parameters()`` order
 
 
 def model_fingerprint(model: nn.Module, model_name: str) -> str:
-    """``model.fingerprint()`` if it exists, else sha256 of ``[model_name, layout]`` JSON."""
+    """``model.fingerprint()`` if it exists, else ``layout_fingerprint(model_name, layout)``."""
     fp = getattr(model, "fingerprint", None)
     if callable(fp):
         return str(fp())
-    layout = [[n, list(s)] for n, s in model_layout(model)]
-    return hashlib.sha256(json.dumps([model_name, layout]).encode()).hexdigest()
+    return layout_fingerprint(model_name, param_layout(model))
 
 
 def flat_vector(model: nn.Module) -> torch.Tensor:
@@ -99,10 +95,6 @@ def parse_epoch_window(window: Any) -> tuple[int, int] | None:
     if start < 0 or end < start:
         raise ValueError(f"epoch window needs 0 <= start <= end, got ({start}, {end})")
     return start, end
-
-
-def _layout_json(layout: Sequence[tuple[str, tuple[int, ...]]]) -> list[dict]:
-    return [{"name": n, "shape": list(s)} for n, s in layout]
 
 
 def _read_manifest(directory: Path) -> dict:
@@ -190,7 +182,7 @@ class TrajectoryRecorder:
             "fingerprint": self.fingerprint,
             "d": self.d,
             "dtype": "float32",
-            "layout": _layout_json(self.layout),
+            "layout": layout_to_json(self.layout),
             "samples": [],
         }
 
@@ -200,7 +192,7 @@ class TrajectoryRecorder:
             raise TrajectoryMismatchError(f"trajectory path {d} exists and is not a directory")
         if not (d / MANIFEST).exists():
             if d.exists():
-                others = sorted(p.name for p in d.iterdir() if not (SAMPLE_RE.match(p.name) or _TMP_RE.match(p.name)))
+                others = sorted(p.name for p in d.iterdir() if not (_ours(p.name) or _ours(temp_file_target(p.name))))
                 if others:
                     raise TrajectoryMismatchError(
                         f"{d} is not empty and has no {MANIFEST} (found {others[:5]}); "
@@ -212,7 +204,7 @@ class TrajectoryRecorder:
         expected = self._fresh_manifest()
         for key in ("fingerprint", "model", "d", "dtype", "layout"):
             if man[key] != expected[key]:
-                what = self._describe_layout_diff(man["layout"]) if key in ("layout", "d", "fingerprint") else ""
+                what = self._layout_diff(man["layout"]) if key in ("layout", "d", "fingerprint") else ""
                 raise TrajectoryMismatchError(
                     f"trajectory directory {d} was recorded for another model: {key} is "
                     f"{_short(man[key])} there, {_short(expected[key])} for this model{what}. "
@@ -220,14 +212,12 @@ class TrajectoryRecorder:
                 )
         return man
 
-    def _describe_layout_diff(self, other: list) -> str:
-        mine = _layout_json(self.layout)
-        for i, (a, b) in enumerate(zip(other, mine)):
-            if a != b:
-                return f" (first differing parameter #{i}: {a['name']} {a['shape']} there vs {b['name']} {b['shape']} here)"
-        if len(other) != len(mine):
-            return f" ({len(other)} parameters there vs {len(mine)} here)"
-        return ""
+    def _layout_diff(self, recorded: list) -> str:
+        try:
+            diff = layout_mismatch(recorded, self.layout, where=("there", "here"))
+        except (KeyError, TypeError, ValueError):
+            diff = "the recorded layout is malformed"
+        return f" ({diff})" if diff else ""
 
     # ---- callbacks
     def _in_window(self, epoch: int) -> bool:
@@ -263,15 +253,12 @@ class TrajectoryRecorder:
             raise TrajectoryMismatchError(
                 f"model now has d = {theta.numel()} parameters, the trajectory was started with d = {self.d}"
             )
-        from safetensors.torch import save
-
         index = len(self._manifest["samples"])
         fname = f"sample_{index:06d}.safetensors"
-        data = save({"theta": theta}, metadata={"epoch": str(epoch), "step": str(step), "fingerprint": self.fingerprint})
+        digest = atomic_save_safetensors(  # 1) the sample (overwrites an orphan)
+            self.directory / fname, {"theta": theta},
+            {"epoch": str(epoch), "step": str(step), "fingerprint": self.fingerprint})
         del theta
-        digest = hashlib.sha256(data).hexdigest()
-        atomic_write_bytes(self.directory / fname, data)  # 1) the sample (overwrites an orphan)
-        del data
         entry: dict[str, Any] = {"index": index, "file": fname, "epoch": epoch, "step": step,
                                  "test_acc": None if test_acc is None else float(test_acc), "sha256": digest}
         samples = self._manifest["samples"]
@@ -289,6 +276,11 @@ class TrajectoryRecorder:
 
     def __len__(self) -> int:
         return len(self._manifest["samples"])
+
+
+def _ours(name: str | None) -> bool:
+    """A sample file or the manifest (also the target of a temp file a kill left behind)."""
+    return name is not None and (name == MANIFEST or SAMPLE_RE.match(name) is not None)
 
 
 def _short(v: Any) -> str:
@@ -326,7 +318,7 @@ class Trajectory:
 
     @property
     def layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(e["name"], tuple(e["shape"])) for e in self.manifest["layout"]]
+        return layout_from_json(self.manifest["layout"])
 
     @property
     def fingerprint(self) -> str:
@@ -363,10 +355,13 @@ class Trajectory:
         p = self.directory / s["file"]
         if not p.exists():
             raise TrajectoryIntegrityError(f"sample file {p} listed in the manifest is missing")
-        got = sha256_file(p)
+        self._check_digest(s, sha256_file(p))
+
+    def _check_digest(self, s: dict, got: str) -> None:
         if got != s["sha256"]:
             raise TrajectoryIntegrityError(
-                f"sample file {p} is corrupt: sha256 {got[:16]}... does not match the manifest's {s['sha256'][:16]}..."
+                f"sample file {self.directory / s['file']} is corrupt: sha256 {got[:16]}... does not match "
+                f"the manifest's {s['sha256'][:16]}..."
             )
         self._verified.add(s["file"])
 
@@ -381,10 +376,16 @@ class Trajectory:
     def __getitem__(self, i: int) -> torch.Tensor:
         from safetensors.torch import load
 
-        self.verify_sample(i)
-        p = self.path(i)
+        s = self._samples[self._index(i)]
+        p = self.directory / s["file"]
         try:
-            t = load(p.read_bytes())["theta"]
+            data = p.read_bytes()  # read once: hashed (first read only) and parsed from the same bytes
+        except FileNotFoundError:
+            raise TrajectoryIntegrityError(f"sample file {p} listed in the manifest is missing") from None
+        if s["file"] not in self._verified:
+            self._check_digest(s, hashlib.sha256(data).hexdigest())
+        try:
+            t = load(data)["theta"]
         except Exception as e:  # noqa: BLE001 - any parse failure is an integrity problem
             raise TrajectoryIntegrityError(f"cannot read sample file {p}: {e}") from None
         if t.dtype != torch.float32 or t.shape != (self.d,):

@@ -168,7 +168,7 @@ def test_kill_during_sample_rename_then_resume(tmp_path):
 
 def test_mismatched_model_rejected(tmp_path):
     TrajectoryRecorder(tmp_path / "t", tiny(3)).on_train_start()
-    with pytest.raises(TrajectoryMismatchError, match=r"2\.weight \[3, 5\] there vs 2\.weight \[4, 5\] here"):
+    with pytest.raises(TrajectoryMismatchError, match=r"parameter #2 is 2\.weight \[3, 5\] there but 2\.weight \[4, 5\] here"):
         TrajectoryRecorder(tmp_path / "t", tiny(4))
     TrajectoryRecorder(tmp_path / "u", tiny(3), model_name="tiny").on_train_start()
     with pytest.raises(TrajectoryMismatchError, match="fingerprint is"):
@@ -198,3 +198,39 @@ def test_reader_detects_corruption(tmp_path):
         Trajectory(tmp_path / "t")
     with pytest.raises(TrajectoryIntegrityError, match="does not exist"):
         Trajectory(tmp_path / "nope")
+
+
+def test_fingerprints_pinned_and_layout_helpers_shared():
+    """The fingerprint formula is stored in every manifest: it must never change."""
+    from subspace_store import format as subspace_format
+    from szo.layout import layout_fingerprint, layout_from_json, layout_mismatch, layout_to_json, param_layout
+    from szo.models import create
+    from szo.trajectory import model_fingerprint, model_layout
+
+    m = tiny()
+    assert model_fingerprint(m, "mlp") == "fb4702cb2903a99e104a9069574f8051833df010f41ec4df123e600635b20676"
+    conv = create("spike_convnet")
+    assert conv.fingerprint() == "600c5e92b863f53a96a79533e3e8f5ffa6249da60ab519959e23fe18c36c10e2"
+    assert conv.fingerprint() == layout_fingerprint("spike_convnet", param_layout(conv)) == model_fingerprint(conv, "x")
+    lay = param_layout(m)
+    assert model_layout(m) == lay and layout_from_json(layout_to_json(lay)) == lay
+    assert layout_to_json(lay)[0] == {"name": "0.weight", "shape": [5, 4]}
+    assert layout_mismatch(lay, lay) is None
+    assert layout_mismatch(lay, lay[:-1]) == "4 parameters in the subspace, 3 in the model; first extra: 2.bias (only in the subspace)"
+    assert subspace_format.layout_mismatch is layout_mismatch and subspace_format.layout_to_json is layout_to_json
+
+
+def test_getitem_reads_each_file_once(tmp_path, monkeypatch):
+    import szo.trajectory as tr
+
+    m = tiny()
+    rec = TrajectoryRecorder(tmp_path / "t", m)
+    rec.on_train_start()
+    t = Trajectory(tmp_path / "t")
+    reads = []
+    orig = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or orig(self))
+    monkeypatch.setattr(tr, "sha256_file", lambda p: pytest.fail("second read of the file to hash it"))
+    assert torch.equal(t[0], flat(m))
+    assert reads == ["sample_000000.safetensors"]
+    assert torch.equal(t[0], flat(m)) and len(reads) == 2  # verified once; later reads are not hashed

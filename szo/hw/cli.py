@@ -16,15 +16,20 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``hw-report`` sub-command to a ``szo`` CLI parser."""
     p = subparsers.add_parser("hw-report", help="on-chip memory / synaptic ops / energy of SZO on a Loihi-class chip",
                               description=__doc__)
-    p.add_argument("target", metavar="MODEL_OR_RUN", help="registered model name (random init) or run directory")
-    p.add_argument("--data", choices=DATA_CHOICES, default="random", help="batch used to measure spike rates")
+    p.add_argument("target", metavar="MODEL_OR_RUN",
+                   help="registered model name (random init) or run directory (config.yaml + model.safetensors "
+                        "or checkpoints/last.pt)")
+    p.add_argument("--data", choices=DATA_CHOICES, default="random",
+                   help="batch used to measure spike rates: uniform random images (of the run's data shape), "
+                        "the digits test set, or the run's own test set")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--k", type=int, default=40, help="subspace dimension (SZO-CGE step = 2k forwards)")
     p.add_argument("--weight-bits", type=int, default=8)
     p.add_argument("--basis-bits", type=int, default=8)
     p.add_argument("--coord-bits", type=int, default=32)
     p.add_argument("--ref-bits", type=int, default=16, help="bits of the stored theta_ref")
-    p.add_argument("--input-size", type=int, default=None, help="H = W of the random input")
+    p.add_argument("--input-size", type=int, default=None,
+                   help="H = W of the random input (default: the run's data set, else 8 for spike_convnet, 32)")
     p.add_argument("--core-kb", type=float, default=LOIHI2.core_memory_kb, help="memory per core (KB)")
     p.add_argument("--cores", type=int, default=LOIHI2.cores)
     p.add_argument("--energy-pj", type=float, default=LOIHI2.energy_per_synop_pj, help="energy per synaptic op")

@@ -35,7 +35,6 @@ from szo.hw.fixed import (
     STATE_SHIFT,
     Precision,
     SaturationCounter,
-    int_range,
     quantize_bias,
     quantize_weight,
     saturate,
@@ -115,6 +114,17 @@ class _Val:
         return self.data.abs() if self.counts else (self.data != 0).to(torch.int64)
 
 
+def _type_name(m: nn.Module) -> str:
+    return f"{type(m).__module__}.{type(m).__qualname__}"
+
+
+def _abs_max(x: _Val, flat: torch.Tensor) -> int:
+    """``max |x|`` for a kernel bound; 1 for spikes without reading the tensor (no device sync)."""
+    if x.binary:
+        return 1
+    return int(flat.abs().max()) if flat.numel() else 0
+
+
 def _fold_bn(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.BatchNorm2d | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """BN(conv(x)) with running statistics -> conv'(x): W' = W g/sqrt(v+eps), b' = (b - m) g/sqrt(v+eps) + beta."""
@@ -132,10 +142,15 @@ def _fold_bn(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.BatchNorm2d
 
 
 class FixedPointNetwork(SpikingModel):
-    """Integer forward of a converted szo model; float master parameters in the source layout."""
+    """Integer forward of a converted szo model; float master parameters in the source layout.
+
+    The layer graph, the integer neurons (tau, threshold, reset, ``precision``) and the module
+    lookup are fixed at conversion; the weights are re-quantised on every forward.
+    ``collect_stats=True`` fills ``last_stats`` on every forward (see :func:`to_fixed`).
+    """
 
     def __init__(self, model: SpikingModel, precision: Precision | None = None, *,
-                 verify_exact: bool = False) -> None:
+                 verify_exact: bool = False, collect_stats: bool = False) -> None:
         if not isinstance(model, SpikingModel):
             raise ValueError(f"to_fixed needs a szo SpikingModel, got {type(model).__name__}")
         super().__init__(num_classes=model.num_classes, T=model.T, model_name=model.model_name)
@@ -143,15 +158,15 @@ class FixedPointNetwork(SpikingModel):
             raise ValueError(f"precision must be a szo.hw.fixed.Precision, got {type(precision).__name__}")
         self.precision = precision or Precision()
         self.verify_exact = bool(verify_exact)
+        self.collect_stats = bool(collect_stats)  # per-layer events / synops / spikes in last_stats (costs syncs)
         if model._parameters:
             raise _unsupported("<root>", type(model).__name__, "parameters registered directly on the model")
         for name, child in model.named_children():
             self.add_module(name, child)  # same objects: the float params are shared, not copied
-        object.__setattr__(self, "source", model)
         if [n for n, _ in self.named_parameters()] != [n for n, _ in model.named_parameters()]:
             raise ValueError("internal: fixed-point network parameter layout differs from the source model")
-        self.graph = self._trace(model)
         self.counter = SaturationCounter()
+        self.graph = self._trace(model)
         self.last_stats: dict[str, dict[str, Any]] = {}
         self.last_readout_sum: torch.Tensor | None = None
 
@@ -175,16 +190,24 @@ class FixedPointNetwork(SpikingModel):
                 f"cannot trace {type(model).__name__}.forward_seq with torch.fx ({type(exc).__name__}: {exc}); "
                 f"the fixed-point converter needs a static layer graph of: {_SUPPORTED_NAMES}"
             ) from exc
-        modules = dict(self.named_modules())
+        self._mods: dict[str, nn.Module] = dict(self.named_modules())  # path -> module, looked up every forward
+        modules = self._mods
         users: dict[fx.Node, list[fx.Node]] = {n: list(n.users) for n in graph.nodes}
         self._fused: dict[str, str] = {}  # synapse path -> BN path folded into it
-        self._bn_alias: dict[str, str] = {}
+        self._neurons: dict[str, FixedCubaLIF] = {}  # LIF path -> its integer neuron (tau, threshold, reset fixed)
+        # synapse path -> factor folded into its weights (1/k^2 of the sum pools before it); None
+        # while unknown (an AdaptiveAvgPool2d window depends on the input size: set by the forward)
+        self._synapse_mult: dict[str, float | None] = {}
+        scale: dict[fx.Node, float | None] = {}  # pending factor of each node's output
         for node in graph.nodes:
-            if node.op == "call_module":
+            if node.op == "placeholder":
+                scale[node] = 1.0
+            elif node.op == "call_module":
                 m = modules[node.target]
-                path, tname = node.target, f"{type(m).__module__}.{type(m).__qualname__}"
+                path, tname = node.target, _type_name(m)
                 if not isinstance(m, SUPPORTED_LAYERS):
                     raise _unsupported(path, tname)
+                scale[node] = self._static_scale(path, m, scale.get(node.args[0]))
                 if isinstance(m, nn.BatchNorm2d):
                     src = node.args[0]
                     ok = (isinstance(src, fx.Node) and src.op == "call_module"
@@ -194,12 +217,14 @@ class FixedPointNetwork(SpikingModel):
                     if not m.track_running_stats or m.running_var is None:
                         raise _unsupported(path, tname, "BatchNorm without running statistics cannot be folded")
                     self._fused[src.target] = path
-                    self._bn_alias[path] = src.target
                 if isinstance(m, sj_neuron.LIFNode):
                     if m.decay_input:
                         raise _unsupported(path, tname, "decay_input=True is not a CUBA neuron; use decay_input=False")
                     if m.v_reset not in (None, 0.0):
                         raise _unsupported(path, tname, f"v_reset={m.v_reset}; valid: None (soft) or 0.0 (hard)")
+                    reset = "subtract" if m.v_reset is None else "zero"
+                    self._neurons[path] = FixedCubaLIF(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
+                                                       self.precision, self.counter, path)
                 if isinstance(m, nn.Flatten) and (m.start_dim, m.end_dim) != (1, -1):
                     raise _unsupported(path, tname, "only Flatten(start_dim=1, end_dim=-1)")
                 if isinstance(m, nn.AvgPool2d) and (m.ceil_mode or (m.padding and not m.count_include_pad)
@@ -210,22 +235,57 @@ class FixedPointNetwork(SpikingModel):
             elif node.op == "call_function" or node.op == "call_method":
                 if not (node.target in (operator.add, torch.add) or node.target == "add"):
                     raise _unsupported(str(node.name), f"{node.op} {getattr(node.target, '__name__', node.target)}")
+                scale[node] = 1.0  # a current sum
             elif node.op == "get_attr":
                 raise _unsupported(str(node.target), "direct parameter use in forward")
         return graph
 
+    def _static_scale(self, path: str, m: nn.Module, src: float | None) -> float | None:
+        """The pending factor of a layer's output given its input's (None: known only at run time)."""
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            known = self._synapse_mult.get(path, src)
+            self._synapse_mult[path] = src if known == src else None  # a module called twice: run time decides
+            return 1.0  # a current
+        if isinstance(m, (sj_neuron.LIFNode, nn.MaxPool2d)):
+            return 1.0  # spikes
+        if isinstance(m, nn.AvgPool2d):
+            kh, kw = (m.kernel_size, m.kernel_size) if isinstance(m.kernel_size, int) else m.kernel_size
+            return None if src is None else src / (kh * kw)
+        if isinstance(m, nn.AdaptiveAvgPool2d):
+            return None  # the window is input size / output size
+        return src  # BatchNorm (folded), Flatten, Identity, Dropout
+
     # --------------------------------------------------------------- quantisation
+    def _quantize_synapse(self, path: str, m: nn.Module, mult: float
+                          ) -> tuple[torch.Tensor, int, int, torch.Tensor | None, int]:
+        """``W = Q(theta)`` of one synapse: ``(w_int, e, n_w_sat, bias_int, n_b_sat)``.
+
+        BN folded with its running statistics; ``mult`` (pooling's 1/k^2 before this synapse)
+        is folded into the float weights before quantising, so it changes ``e`` and ``w_int``.
+        """
+        P = self.precision
+        bn = self._mods[self._fused[path]] if path in self._fused else None
+        w, b = _fold_bn(m.weight, m.bias, bn)
+        w_int, e, n_w = quantize_weight(w * mult if mult != 1.0 else w, P)
+        bias_int, n_b = None, 0
+        if b is not None:
+            bias_int, _, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
+        return w_int, e, n_w, bias_int, n_b
+
     def quantized_layers(self) -> dict[str, dict[str, Any]]:
-        """Current ``W = Q(theta)`` of every synapse: ``w_int``, exponent ``e``, ``bias_int`` (no side effects)."""
-        modules = dict(self.named_modules())
+        """``W = Q(theta)`` of every synapse as the forward uses it: ``w_int``, exponent ``exp``,
+        ``bias_int`` and the pooling factor ``mult`` folded into the weights (no side effects).
+
+        A synapse behind an ``AdaptiveAvgPool2d`` has a factor that depends on the input size:
+        it is the one of the last forward (ValueError before the first forward).
+        """
         out = {}
-        for path, m in modules.items():
-            if isinstance(m, (nn.Conv2d, nn.Linear)):
-                bn = modules[self._fused[path]] if path in self._fused else None
-                w, b = _fold_bn(m.weight, m.bias, bn)
-                w_int, e, _ = quantize_weight(w, self.precision)
-                out[path] = {"w_int": w_int, "exp": e,
-                             "bias_int": None if b is None else quantize_bias(b * (1 << STATE_SHIFT), self.precision)[0]}
+        for path, mult in self._synapse_mult.items():
+            if mult is None:
+                raise ValueError(f"synapse {path!r} follows an input-size dependent pooling (AdaptiveAvgPool2d): "
+                                 "its weight scale is known after a forward; run the network once first")
+            w_int, e, _, bias_int, _ = self._quantize_synapse(path, self._mods[path], mult)
+            out[path] = {"w_int": w_int, "exp": e, "bias_int": bias_int, "mult": mult}
         return out
 
     # -------------------------------------------------------------------- forward
@@ -240,18 +300,16 @@ class FixedPointNetwork(SpikingModel):
         if not x_seq.is_floating_point():
             raise ValueError(f"input must be a float tensor (it is quantised to {self.precision.input_bits}-bit "
                              f"graded spikes with {ACT_SHIFT} fractional bits), got {x_seq.dtype}")
-        modules = dict(self.named_modules())
         env: dict[fx.Node, _Val] = {}
         self.last_stats = {}
         result = None
         for node in self.graph.nodes:
             if node.op == "placeholder":
-                lo, hi = int_range(self.precision.input_bits)
                 q = torch.round(x_seq.to(torch.float64) * (1 << ACT_SHIFT)).to(torch.int64)  # round to nearest
                 env[node] = _Val(saturate(q, self.precision.input_bits, self.counter, "input", "input"),
                                  "act", frac=ACT_SHIFT)
             elif node.op == "call_module":
-                env[node] = self._call(node.target, modules[node.target], env[node.args[0]], modules)
+                env[node] = self._call(node.target, self._mods[node.target], env[node.args[0]])
             elif node.op in ("call_function", "call_method"):
                 env[node] = self._add(node.name, env[node.args[0]], env[node.args[1]])
             elif node.op == "output":
@@ -265,8 +323,7 @@ class FixedPointNetwork(SpikingModel):
         self.last_readout_sum = None
         return result.data.to(torch.float32) * (2.0 ** -result.frac) * result.mult
 
-    def _call(self, path: str, m: nn.Module, x: _Val, modules: dict[str, nn.Module]) -> _Val:
-        tname = f"{type(m).__module__}.{type(m).__qualname__}"
+    def _call(self, path: str, m: nn.Module, x: _Val) -> _Val:
         if isinstance(m, nn.BatchNorm2d):
             return x  # folded into the preceding synapse (checked at conversion)
         if isinstance(m, (nn.Identity, nn.Dropout)):
@@ -275,26 +332,26 @@ class FixedPointNetwork(SpikingModel):
             return _Val(x.data.flatten(2), x.kind, x.frac, x.mult, x.binary, x.counts)
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             if x.kind != "act":
-                raise _unsupported(path, tname, "input is a current (no neuron between two synapses)")
-            return self._synapse(path, m, modules[self._fused[path]] if path in self._fused else None, x)
+                raise _unsupported(path, _type_name(m), "input is a current (no neuron between two synapses)")
+            return self._synapse(path, m, x)
         if isinstance(m, sj_neuron.LIFNode):
             if x.kind != "current":
-                raise _unsupported(path, tname, "a neuron needs a synaptic current input (Conv2d/Linear before it)")
-            reset = "subtract" if m.v_reset is None else "zero"
-            n = FixedCubaLIF(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset, self.precision, self.counter, path)
+                raise _unsupported(path, _type_name(m), "a neuron needs a synaptic current input (Conv2d/Linear before it)")
+            n = self._neurons[path]
             spikes, _, _ = n.run(x.data)
-            self.last_stats[path] = {"type": "neuron", "neurons": int(x.data[0, 0].numel()),
-                                     "spikes": int(spikes.sum()), "T": int(x.data.shape[0]),
-                                     "N": int(x.data.shape[1]), "voltage_decay_int": n.voltage_decay_int,
-                                     "threshold_int": n.threshold_int, "reset": reset}
+            if self.collect_stats:
+                self.last_stats[path] = {"type": "neuron", "neurons": int(x.data[0, 0].numel()),
+                                         "spikes": int(spikes.sum()), "T": int(x.data.shape[0]),
+                                         "N": int(x.data.shape[1]), "voltage_decay_int": n.voltage_decay_int,
+                                         "threshold_int": n.threshold_int, "reset": n.reset}
             return _Val(spikes, "act", 0, 1.0, binary=True)
         if isinstance(m, (nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d)):
-            return self._pool(path, tname, m, x)
-        raise _unsupported(path, tname)  # unreachable: checked at conversion
+            return self._pool(path, m, x)
+        raise _unsupported(path, _type_name(m))  # unreachable: checked at conversion
 
-    def _pool(self, path: str, tname: str, m: nn.Module, x: _Val) -> _Val:
+    def _pool(self, path: str, m: nn.Module, x: _Val) -> _Val:
         if x.kind != "act":
-            raise _unsupported(path, tname, "pooling of currents; pool spikes instead")
+            raise _unsupported(path, _type_name(m), "pooling of currents; pool spikes instead")
         T, N = x.data.shape[:2]
         flat = x.data.flatten(0, 1)
         if isinstance(m, nn.AdaptiveAvgPool2d):
@@ -302,25 +359,27 @@ class FixedPointNetwork(SpikingModel):
             oh, ow = (m.output_size, m.output_size) if isinstance(m.output_size, int) else m.output_size
             oh, ow = oh or H, ow or W
             if H % oh or W % ow:
-                raise _unsupported(path, tname, f"input {H}x{W} is not a multiple of output {oh}x{ow}")
+                raise _unsupported(path, _type_name(m), f"input {H}x{W} is not a multiple of output {oh}x{ow}")
             k, s, p = (H // oh, W // ow), (H // oh, W // ow), 0
         else:
             k, s, p = m.kernel_size, m.stride, m.padding
         kh, kw = (k, k) if isinstance(k, int) else k
         if isinstance(m, nn.MaxPool2d):
             if not x.binary:
-                raise _unsupported(path, tname, "max pooling is mapped only for binary spikes (an OR neuron)")
+                raise _unsupported(path, _type_name(m), "max pooling is mapped only for binary spikes (an OR neuron)")
             # max of 0/1 spikes = OR: a sum-pool synapse into a neuron with threshold 0 and full decay
             y = F.max_pool2d(flat.to(torch.float32), k, s, p, dilation=m.dilation).to(torch.int64)
-            self.last_stats[path] = {"type": "maxpool", "events": int(flat.sum()),
-                                     "synops": self._conv_synops(x.events().flatten(0, 1), 1, (kh, kw), s, p, 1, 1),
-                                     "neurons": int(y[0].numel()), "T": int(T), "N": int(N)}
+            if self.collect_stats:
+                self.last_stats[path] = {"type": "maxpool", "events": int(flat.sum()),
+                                         "synops": self._conv_synops(flat, 1, (kh, kw), s, p, 1, 1),
+                                         "neurons": int(y[0].numel()), "T": int(T), "N": int(N)}
             return _Val(y.view(T, N, *y.shape[1:]), "act", 0, 1.0, binary=True)
-        bound = int(flat.abs().max()) * kh * kw if flat.numel() else 0
+        bound = _abs_max(x, flat) * kh * kw
         dt = kernel_dtype(bound)
         # integer sum pooling (divisor 1): exact in dt by the bound above; 1/(kh*kw) is folded downstream
         y = F.avg_pool2d(flat.to(dt), k, s, p, divisor_override=1).round().to(torch.int64)
-        self.last_stats[path] = {"type": "sumpool", "kernel": [kh, kw], "bound": bound, "kernel_dtype": str(dt)}
+        if self.collect_stats:
+            self.last_stats[path] = {"type": "sumpool", "kernel": [kh, kw], "bound": bound, "kernel_dtype": str(dt)}
         return _Val(y.view(T, N, *y.shape[1:]), "act", x.frac, x.mult / (kh * kw), binary=False,
                     counts=x.binary or x.counts)
 
@@ -334,14 +393,12 @@ class FixedPointNetwork(SpikingModel):
         pairs = F.conv2d(g, ones, None, stride, padding, dilation, groups)
         return int(pairs.sum().round()) * (c_out // groups)
 
-    def _synapse(self, path: str, m: nn.Module, bn: nn.Module | None, x: _Val) -> _Val:
+    def _synapse(self, path: str, m: nn.Module, x: _Val) -> _Val:
         P = self.precision
-        w, b = _fold_bn(m.weight, m.bias, bn)
-        w_int, e, n_w = quantize_weight(w * x.mult, P)  # pooling's 1/k^2 folded into W before quantising
+        self._synapse_mult[path] = x.mult  # what quantized_layers() reports
+        w_int, e, n_w, bias_int, n_b = self._quantize_synapse(path, m, x.mult)
         self.counter.add(path, "weight", n_w)
-        bias_int = None
-        if b is not None:
-            bias_int, _, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
+        if bias_int is not None:
             self.counter.add(path, "bias", n_b)
         T, N = x.data.shape[:2]
         xin = x.data.flatten(0, 1)
@@ -349,8 +406,7 @@ class FixedPointNetwork(SpikingModel):
             fan_in = (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
         else:
             fan_in = m.in_features
-        xmax = int(xin.abs().max()) if xin.numel() else 0
-        bound = int(w_int.abs().max()) * xmax * fan_in
+        bound = int(w_int.abs().max()) * _abs_max(x, xin) * fan_in
         dt = kernel_dtype(bound)
         with exact_float_kernels():
             if isinstance(m, nn.Conv2d):
@@ -366,18 +422,18 @@ class FixedPointNetwork(SpikingModel):
         if bias_int is not None:
             cur = cur + bias_int.view(1, -1, *([1] * (cur.dim() - 2)))
         cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
-        ev = x.events()
-        if isinstance(m, nn.Conv2d):
-            synops = self._conv_synops(ev.flatten(0, 1), m.out_channels, m.kernel_size, m.stride, m.padding,
-                                       m.dilation, m.groups)
-        else:
-            synops = int(ev.sum()) * m.out_features
-        self.last_stats[path] = {
-            "type": type(m).__name__.lower(), "bn_folded": self._fused.get(path), "weights": int(w_int.numel()),
-            "out_channels": int(w_int.shape[0]), "fan_in": fan_in, "weight_exp": e, "events": int(ev.sum()),
-            "synops": synops, "bound": bound, "kernel_dtype": str(dt), "T": int(T), "N": int(N),
-            "has_bias": bias_int is not None,
-        }
+        if self.collect_stats:
+            ev = x.events().flatten(0, 1)
+            if isinstance(m, nn.Conv2d):
+                synops = self._conv_synops(ev, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.groups)
+            else:
+                synops = int(ev.sum()) * m.out_features
+            self.last_stats[path] = {
+                "type": type(m).__name__.lower(), "bn_folded": self._fused.get(path), "weights": int(w_int.numel()),
+                "out_channels": int(w_int.shape[0]), "fan_in": fan_in, "weight_exp": e, "events": int(ev.sum()),
+                "synops": synops, "bound": bound, "kernel_dtype": str(dt), "T": int(T), "N": int(N),
+                "has_bias": bias_int is not None,
+            }
         return _Val(cur.view(T, N, *cur.shape[1:]), "current")
 
     @staticmethod
@@ -404,24 +460,28 @@ class FixedPointNetwork(SpikingModel):
                 return v.data
             if not v.binary:
                 raise _unsupported(name, "add", "only currents or binary spikes can be summed")
-            self.last_stats[f"{name}.{which}"] = {"type": "identity", "events": int(v.data.sum()),
-                                                  "synops": int(v.data.sum()), "weights": 0}
+            if self.collect_stats:
+                n_ev = int(v.data.sum())
+                self.last_stats[f"{name}.{which}"] = {"type": "identity", "events": n_ev, "synops": n_ev, "weights": 0}
             return v.data << STATE_SHIFT  # spike (1.0) -> current 1.0 = 2**12 state units
         s = as_current(a, "a") + as_current(b, "b")
         return _Val(saturate(s, self.precision.state_bits, self.counter, name, "current"), "current")
 
 
 def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, precision: Precision | None = None,
-             verify_exact: bool = False) -> FixedPointNetwork:
+             verify_exact: bool = False, collect_stats: bool = False) -> FixedPointNetwork:
     """Convert a szo model to the fixed-point backend (sharing its float parameters).
 
     ``weight_bits`` (default 8) is a shortcut for ``Precision(weight_bits=...)``.
+    ``collect_stats``: fill ``net.last_stats`` (per-layer input events, exact synaptic
+    operations, spikes, kernel bounds) on every forward, as ``szo hw-report`` does; off by
+    default because counting costs an extra convolution per layer and device syncs.
     """
     if precision is None:
         precision = Precision(weight_bits=8 if weight_bits is None else weight_bits)
     elif weight_bits is not None and weight_bits != precision.weight_bits:
         raise ValueError(f"weight_bits={weight_bits} conflicts with precision.weight_bits={precision.weight_bits}")
-    return FixedPointNetwork(model, precision, verify_exact=verify_exact)
+    return FixedPointNetwork(model, precision, verify_exact=verify_exact, collect_stats=collect_stats)
 
 
 def backend(model: SpikingModel, kind: str = "fixed", **kw: Any) -> nn.Module:
@@ -433,9 +493,3 @@ def backend(model: SpikingModel, kind: str = "fixed", **kw: Any) -> nn.Module:
     if kind == "fixed":
         return to_fixed(model, **kw)
     raise ValueError(f"unknown backend {kind!r}; valid: {list(BACKENDS)}")
-
-
-def synops_per_forward(stats: dict[str, dict[str, Any]]) -> int:
-    """Total synaptic operations of the last forward (all samples in the batch)."""
-    return sum(int(s.get("synops", 0)) for s in stats.values())
-

@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import torch
+from spikingjelly.activation_based import lava_exchange
 
 __all__ = [
     "ACT_SHIFT",
@@ -95,20 +96,38 @@ class Precision:
 
 
 class SaturationCounter:
-    """Counts clamped elements per ``(layer, quantity)``; never silent, never wrapping."""
+    """Counts clamped elements per ``(layer, quantity)``; never silent, never wrapping.
+
+    A count may be an int or a 0-d integer tensor: tensors stay on their device and are summed
+    there, so counting a clamp on a GPU does not wait for it; :meth:`as_dict` and
+    :meth:`total` read them (zero counts are left out).
+    """
 
     def __init__(self) -> None:
-        self._counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._counts: dict[str, dict[str, int | torch.Tensor]] = defaultdict(dict)
 
-    def add(self, layer: str, quantity: str, n: int) -> None:
-        if n:
-            self._counts[layer][quantity] += int(n)
-
-    def total(self) -> int:
-        return sum(sum(d.values()) for d in self._counts.values())
+    def add(self, layer: str, quantity: str, n: int | torch.Tensor) -> None:
+        if not isinstance(n, torch.Tensor):
+            if not n:
+                return
+            n = int(n)
+        d = self._counts[layer]
+        old = d.get(quantity, 0)
+        if isinstance(old, torch.Tensor) and isinstance(n, torch.Tensor) and old.device != n.device:
+            n = n.to(old.device)
+        d[quantity] = old + n  # a new value: never an in-place update of a caller's tensor
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {k: dict(v) for k, v in self._counts.items()}
+        out = {}
+        for layer, d in self._counts.items():
+            counts = {q: int(v) for q, v in d.items()}
+            counts = {q: v for q, v in counts.items() if v}
+            if counts:
+                out[layer] = counts
+        return out
+
+    def total(self) -> int:
+        return sum(sum(d.values()) for d in self.as_dict().values())
 
     def reset(self) -> None:
         self._counts.clear()
@@ -125,17 +144,21 @@ def saturate(x: torch.Tensor, bits: int, counter: SaturationCounter | None = Non
     """Clamp a signed integer tensor to ``bits`` (two's complement range); count clamped elements."""
     _check_int(x, "saturate")
     lo, hi = int_range(bits)
+    y = x.clamp(lo, hi)  # saturate, never wrap
     if counter is not None:
-        counter.add(layer, quantity, int(((x < lo) | (x > hi)).sum()))
-    return x.clamp(lo, hi)  # saturate, never wrap
+        counter.add(layer, quantity, (y != x).sum())  # a device tensor: no sync here
+    return y
 
 
 def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``sign(x) * (|x| >> bits)``: arithmetic right shift rounding toward zero (-7 >> 1 = -3)."""
+    """``sign(x) * (|x| >> bits)``: arithmetic right shift rounding toward zero (-7 >> 1 = -3).
+
+    SpikingJelly's ``lava_exchange.right_shift_to_zero`` (as Loihi), with ValueErrors instead of asserts.
+    """
     _check_int(x, "right_shift_to_zero")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
         raise ValueError(f"shift must be a non-negative int, got {bits!r}")
-    return (torch.sign(x) * (torch.abs(x) >> bits)).to(x.dtype)  # round toward zero, as Loihi
+    return lava_exchange.right_shift_to_zero(x, bits)
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -148,8 +171,8 @@ def decay_to_int(decay: float, bits: int = DECAY_SHIFT) -> int:
     """A decay fraction in [0, 1] -> nearest integer on the ``2**bits`` scale (lava step_quantize)."""
     if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 <= decay <= 1.0:
         raise ValueError(f"decay must be a float in [0, 1] (fraction lost per step), got {decay!r}")
-    # torch.round (half to even) is what lava_exchange's step_quantize uses
-    return int(torch.round(torch.tensor(decay * (1 << bits), dtype=torch.float64)))
+    # round half to even, as torch.round in lava_exchange's step_quantize (Python's round does the same)
+    return round(decay * (1 << bits))
 
 
 def threshold_to_int(v_threshold: float) -> int:
@@ -171,9 +194,9 @@ def quantize_weight(w: torch.Tensor, precision: Precision) -> tuple[torch.Tensor
     """
     lo, hi = int_range(precision.weight_bits)
     w = w.detach().to(torch.float64)
-    if not bool(torch.isfinite(w).all()):
+    amax = float(w.abs().max()) if w.numel() else 0.0  # NaN if any weight is NaN, inf if any is infinite
+    if not math.isfinite(amax):
         raise ValueError("weights contain NaN or Inf; cannot quantise")
-    amax = float(w.abs().max()) if w.numel() else 0.0
     if amax == 0.0:
         e = precision.weight_exp_min
     else:

@@ -8,7 +8,6 @@ operations are ``2k`` times the per-forward count. Hardware figures are data
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,12 +17,14 @@ import torch
 
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision
+from szo.hw.train import learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
 
 __all__ = ["ChipModel", "LOIHI2", "hw_report", "load_target", "to_markdown", "write_report"]
 
-DATA_CHOICES: tuple[str, ...] = ("random", "digits")
+DATA_CHOICES: tuple[str, ...] = ("random", "digits", "test")
+"""Measurement batch: uniform [0, 1) images; the digits test set; the run directory's own test set."""
 
 
 @dataclass(frozen=True)
@@ -54,64 +55,56 @@ class ChipModel:
 LOIHI2 = ChipModel()
 
 
-def _digits_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - sklearn is a dependency of the digits recipe
-        raise ValueError("--data digits needs scikit-learn (sklearn.datasets.load_digits)") from exc
-    d = load_digits()
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(len(d.images), generator=g)[:n]
-    x = torch.tensor(d.images, dtype=torch.float32)[idx].unsqueeze(1) / 16.0  # pixel values 0..16 -> [0, 1]
-    return x, torch.tensor(d.target)[idx]
-
-
-def load_target(target: str | SpikingModel, *, num_classes: int | None = None, T: int | None = None
-                ) -> tuple[SpikingModel, str]:
-    """A registered model name (random init), a run directory with a checkpoint, or a model object."""
+def load_target(target: str | SpikingModel) -> tuple[SpikingModel, str, dict[str, Any] | None]:
+    """``(model, label, run config or None)`` of a model object, a run directory
+    (``szo.pipeline.load_run_model``: config.yaml + model.safetensors or checkpoints/last.pt)
+    or a registered model name (random init)."""
     if isinstance(target, SpikingModel):
-        return target, target.model_name
+        return target, target.model_name, None
     p = Path(str(target))
     if p.is_dir():
-        cfg_path = next((p / n for n in ("config.json", "config.yaml") if (p / n).exists()), None)
-        if cfg_path is None:
-            raise ValueError(f"run directory {p} has no config.json / config.yaml naming the model")
-        if cfg_path.suffix == ".json":
-            cfg = json.loads(cfg_path.read_text())
-        else:
-            import yaml
+        from szo.pipeline import load_run_model
 
-            cfg = yaml.safe_load(cfg_path.read_text())
-        mcfg = cfg.get("model") if isinstance(cfg, dict) else None
-        name = mcfg.get("name") if isinstance(mcfg, dict) else mcfg
-        if not isinstance(name, str):
-            raise ValueError(f"{cfg_path}: expected 'model' (a name) or 'model.name'; valid names: {names()}")
-        kw = {k: mcfg[k] for k in ("num_classes", "T") if isinstance(mcfg, dict) and k in mcfg}
-        model = create(name, **kw)
-        ckpts = sorted((p / "checkpoints").glob("*.pt")) if (p / "checkpoints").is_dir() else []
-        if not ckpts:
-            raise ValueError(f"run directory {p} has no checkpoints/*.pt")
-        ck = torch.load(ckpts[-1], map_location="cpu", weights_only=True)
-        state = ck.get("model", ck) if isinstance(ck, dict) else None
-        if not isinstance(state, dict):
-            raise ValueError(f"{ckpts[-1]}: expected a state dict or {{'model': state_dict}}")
-        model.load_state_dict(state)
-        return model, f"{name} ({ckpts[-1]})"
+        try:
+            model, cfg = load_run_model(p)
+        except FileNotFoundError as exc:  # no config.yaml / no weights: a usage error, one line
+            raise ValueError(str(exc)) from None
+        weights = p / "model.safetensors" if (p / "model.safetensors").is_file() else p / "checkpoints" / "last.pt"
+        return model, f"{cfg['model']['name']} ({weights})", cfg
     if str(target) in names():
-        return create(str(target), num_classes=num_classes, T=T), str(target)
+        return create(str(target)), str(target), None
     raise ValueError(f"{target!r} is neither a registered model ({names()}) nor a run directory")
 
 
-def _input_batch(model: SpikingModel, data: str, batch: int, input_size: int | None, seed: int) -> torch.Tensor:
+def _input_batch(model: SpikingModel, data: str, batch: int, input_size: int | None, seed: int,
+                 cfg: dict[str, Any] | None) -> torch.Tensor:
+    """``[N, C, H, W]`` (static) or ``[T, N, C, H, W]`` (event frames) measurement batch."""
     if data not in DATA_CHOICES:
         raise ValueError(f"unknown data {data!r}; valid: {list(DATA_CHOICES)}")
-    if data == "digits":
-        return _digits_batch(batch, seed)[0]
-    first = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
-    c = first.in_channels if first is not None else 1
-    size = input_size or (8 if model.model_name == "spike_convnet" else 32)
     g = torch.Generator().manual_seed(seed)
-    return torch.rand(batch, c, size, size, generator=g)
+    dcfg = cfg["data"] if cfg is not None else None
+    if data == "random":
+        first = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+        c = first.in_channels if first is not None else 1
+        if input_size is None and dcfg is not None:
+            from szo.data import dataset_info
+
+            size = dataset_info(dcfg["name"]).image_size  # the run's data set (default loader options)
+        else:
+            size = (input_size or (8 if model.model_name == "spike_convnet" else 32),) * 2
+        return torch.rand(batch, c, *size, generator=g)
+    if data == "test" and dcfg is None:
+        raise ValueError("--data test measures on the run's own test set: give a run directory, not a model name")
+    if data == "digits" and dcfg is not None and dcfg["name"] != "digits":
+        raise ValueError(f"the run was trained on {dcfg['name']!r}, not digits; use --data test (its test set) or random")
+    from szo.data import collate_time_major, get_dataset
+
+    if dcfg is None:
+        ds = get_dataset("digits", "test")  # standardised as in training
+    else:  # the run's data set and loader options
+        ds = get_dataset(dcfg["name"], "test", data_dir=dcfg["data_dir"], download=dcfg["download"], **dcfg["kwargs"])
+    idx = torch.randperm(len(ds), generator=g)[:batch]
+    return collate_time_major([ds[int(i)] for i in idx])[0]
 
 
 @torch.no_grad()
@@ -122,15 +115,19 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     for n, v in (("batch", batch), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{n} must be a positive int, got {v!r}")
-    model, label = load_target(target)
+    model, label, cfg = load_target(target)
     model.eval()
     net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
     P = net.precision
-    x = _input_batch(model, data, batch, input_size, seed)
+    x = _input_batch(model, data, batch, input_size, seed, cfg)
+    T, N = (x.shape[0], x.shape[1]) if x.dim() == 5 else (model.T, x.shape[0])
     net.reset_counters()
-    net(x)
+    collecting, net.collect_stats = net.collect_stats, True  # events / synops / spikes of this forward
+    try:
+        net(x)
+    finally:
+        net.collect_stats = collecting
     stats = net.last_stats
-    N = x.shape[0]
     rows = []
     for name, s in stats.items():
         w = int(s.get("weights", 0))
@@ -149,16 +146,10 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         row["cores"] = math.ceil(row["bytes"] / (chip.core_memory_kb * 1024)) if row["bytes"] else 0
         rows.append(row)
     d = net.num_params()
-    learner = {
-        "basis_P_bytes": math.ceil(d * k * basis_bits / 8),
-        "basis_scale_bytes": 4 * k,
-        "theta_ref_bytes": math.ceil(d * ref_bits / 8),
-        "coordinates_bytes": math.ceil(k * coord_bits / 8),
-        "momentum_bytes": math.ceil(k * coord_bits / 8),
-        "seed_bytes": 4,
-    }
+    bits = learner_state_bits(d, k, basis_bits=basis_bits, coord_bits=coord_bits, ref_bits=ref_bits)
+    learner = {f"{item}_bytes": math.ceil(b / 8) for item, b in bits.items()}
     synops_fwd = sum(r["synops_per_sample"] for r in rows)
-    neuron_updates_fwd = sum(r["neurons"] for r in rows) * model.T
+    neuron_updates_fwd = sum(r["neurons"] for r in rows) * T
     forwards_per_step = 2 * k
     totals = {
         "weight_bytes": sum(r["weight_bytes"] for r in rows),
@@ -185,8 +176,8 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "core_memory_bytes": int(chip.core_memory_kb * 1024),
     }
     return {
-        "target": label, "model": model.model_name, "d": d, "k": k, "T": model.T, "batch": N, "data": data,
-        "input_shape": list(x.shape[1:]), "precision": P.as_dict(),
+        "target": label, "model": model.model_name, "d": d, "k": k, "T": T, "batch": N, "data": data,
+        "input_shape": list(x.shape[-3:]), "precision": P.as_dict(),
         "learner_precision": {"basis_bits": basis_bits, "coord_bits": coord_bits, "ref_bits": ref_bits},
         "chip": asdict(chip), "layers": rows, "learner": learner, "totals": totals, "fit": fit,
         "saturations": net.saturation_counts(),

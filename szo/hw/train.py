@@ -28,11 +28,19 @@ from szo.functional.zo import check_loss
 from szo.hw.xorshift import XorShift32
 
 __all__ = ["MOMENTUM_SHIFT", "OnChipSZO", "basis_error", "dequantize_basis", "evaluate_fixed",
-           "quantize_basis", "quantized_subspace"]
+           "learner_state_bits", "quantize_basis", "quantized_subspace"]
 
 MOMENTUM_SHIFT: int = 8
 """The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
 ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
+
+
+def learner_state_bits(d: int, k: int, *, basis_bits: int = 8, coord_bits: int = 32,
+                       ref_bits: int = 16) -> dict[str, int]:
+    """Bits of the on-chip SZO learner state: int P ``[d, k]``, a 32-bit scale per column,
+    theta_ref at ``ref_bits``, coordinates c and momentum delta at ``coord_bits``, a 32-bit seed."""
+    return {"basis_P": d * k * basis_bits, "basis_scale": 32 * k, "theta_ref": d * ref_bits,
+            "coordinates": k * coord_bits, "momentum": k * coord_bits, "seed": 32}
 
 
 def quantize_basis(P: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,34 +81,40 @@ def quantized_subspace(subspace: Any, bits: int = 8) -> Any:
                                provenance=prov)
 
 
+class _IntegerReadout(nn.Module):
+    """The fixed-point network seen as a one-step model whose output is its integer readout
+    summed over T (exact in float64), so that the trainer's ``out.mean(0).argmax(1)`` is the
+    argmax of the integer readout."""
+
+    def __init__(self, net: FixedPointNetwork) -> None:
+        super().__init__()
+        self.net = net
+        self.train(net.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        acc = self.net.last_readout_sum  # None when the network does not end in a readout current
+        return out if acc is None else acc.to(torch.float64).unsqueeze(0)
+
+
 @torch.no_grad()
-def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None) -> float:
+def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None,
+                   device: str | torch.device | None = None) -> float:
     """Top-1 accuracy of the fixed-point forward (prediction = argmax of the integer readout summed over T).
 
     ``model``: a :class:`FixedPointNetwork` or a szo model (converted with ``to_fixed``).
-    ``loader`` yields ``(x, y)`` batches.
+    ``loader`` yields ``(x, y)`` batches; they are moved to ``device`` (default: the network's).
+    The evaluation loop is the trainer's (``szo.train.trainer._evaluate_sums``).
     """
+    from szo.train.trainer import _evaluate_sums
+
     net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
-    was_training = net.training
-    net.eval()
-    correct = total = 0
-    try:
-        for batch in loader:
-            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-                raise ValueError("loader must yield (x, y) batches")
-            x, y = batch[0], batch[1]
-            out = net(x)
-            if net.last_readout_sum is not None:
-                pred = net.last_readout_sum.argmax(1)  # integer readout accumulated over T
-            else:
-                pred = out.mean(0).argmax(1)
-            correct += int((pred.cpu() == torch.as_tensor(y).cpu()).sum())
-            total += int(torch.as_tensor(y).numel())
-    finally:
-        net.train(was_training)
-    if total == 0:
+    if device is None:
+        device = next((p.device for p in net.parameters()), torch.device("cpu"))
+    _, correct, seen = _evaluate_sums(_IntegerReadout(net), loader, lambda out, y: 0.0, device)
+    if seen == 0:
         raise ValueError("loader yielded no samples")
-    return correct / total
+    return correct / seen
 
 
 class OnChipSZO(torch.optim.Optimizer):
@@ -133,7 +147,7 @@ class OnChipSZO(torch.optim.Optimizer):
             raise ValueError(f"q must be an int >= 1, got {q!r}")
         if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
             raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
-        theta = model.flat_params().to(torch.float64)
+        theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host, as _P
         if subspace.basis.shape[0] != theta.numel():
             raise ValueError(f"subspace d = {subspace.basis.shape[0]} does not match the model's d = {theta.numel()}")
         super().__init__(model.parameters(), dict(lr=float(lr), momentum=float(momentum)))
@@ -142,15 +156,16 @@ class OnChipSZO(torch.optim.Optimizer):
         self.estimator, self.q = estimator, q
         self.coord_bits, self.coord_frac = coord_bits, coord_frac
         self.basis_bits, self.ref_bits = basis_bits, ref_bits
-        self.P_int, self.P_scale = quantize_basis(subspace.basis, basis_bits)
-        self._P = dequantize_basis(self.P_int, self.P_scale)  # the values the integer P stands for
-        self.k = self._P.shape[1]
+        P_int, self.P_scale = quantize_basis(subspace.basis.detach().cpu(), basis_bits)
+        self._P = dequantize_basis(P_int, self.P_scale)  # the values the integer P stands for
+        del P_int  # [d, k] int64: only _P is used (the chip's int P is what _P stands for)
+        self.d, self.k = self._P.shape
+        self.counter = SaturationCounter()
         self.theta_ref = self._quantize_ref(model, theta)
         self.momentum_int = int(round(momentum * (1 << MOMENTUM_SHIFT)))
         self.c = torch.zeros(self.k, dtype=torch.int64)
         self.delta = torch.zeros(self.k, dtype=torch.int64)
         self.rng = XorShift32(seed)
-        self.counter = SaturationCounter()
         self.forward_passes = 0
         self.step_count = 0
         self._load(self.c)
@@ -184,13 +199,16 @@ class OnChipSZO(torch.optim.Optimizer):
             self._load(self.c)
 
     def _quantize_ref(self, model: nn.Module, theta: torch.Tensor) -> torch.Tensor:
-        """theta_ref as ``ref_bits`` mantissas with one exponent per parameter tensor (what the chip stores)."""
+        """theta_ref as ``ref_bits`` mantissas with one exponent per parameter tensor (what the chip stores).
+
+        Clamped mantissas are counted in ``self.counter`` as ``(parameter name, "theta_ref")``.
+        """
         prec = Precision(weight_bits=self.ref_bits, weight_exp_min=-12, weight_exp_max=16)
         out, off = [], 0
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             n = p.numel()
             w_int, e, n_sat = quantize_weight(theta[off:off + n], prec)
-            self.counter_ref_saturated = getattr(self, "counter_ref_saturated", 0) + n_sat
+            self.counter.add(name, "theta_ref", n_sat)
             out.append(w_int.to(torch.float64) * 2.0 ** e)
             off += n
         return torch.cat(out)
@@ -247,8 +265,6 @@ class OnChipSZO(torch.optim.Optimizer):
         return torch.tensor(float((lp.mean() + lm.mean()) / 2))
 
     def state_bits(self) -> dict[str, int]:
-        """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed)."""
-        d = self.P_int.shape[0]
-        return {"basis": d * self.k * self.basis_bits, "basis_scale": self.k * 32,
-                "theta_ref": d * self.ref_bits, "coords": self.k * self.coord_bits,
-                "momentum": self.k * self.coord_bits, "seed": 32}
+        """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed): :func:`learner_state_bits`."""
+        return learner_state_bits(self.d, self.k, basis_bits=self.basis_bits, coord_bits=self.coord_bits,
+                                  ref_bits=self.ref_bits)

@@ -9,14 +9,13 @@ running statistics excluded because they are buffers).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 from collections.abc import Iterator
 
 import torch
 from spikingjelly.activation_based import functional
 from torch import nn
 
+from szo.layout import layout_fingerprint, param_layout
 from szo.models.streaming import check_stream_bn, check_time_chunk, chunked_forward
 
 
@@ -114,7 +113,7 @@ class SpikingModel(nn.Module):
     # ------------------------------------------------------------ flat params
     def param_layout(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, shape)`` of every parameter in ``named_parameters()`` order."""
-        return [(n, tuple(p.shape)) for n, p in self.named_parameters()]
+        return param_layout(self)
 
     def num_params(self) -> int:
         """Total parameter count ``d`` (trainable or not)."""
@@ -147,6 +146,5 @@ class SpikingModel(nn.Module):
         torch._foreach_copy_(params, [c.view_as(p) for c, p in zip(chunks, params)])
 
     def fingerprint(self) -> str:
-        """sha256 hex of ``json.dumps([model_name, [[name, shape], ...]])``."""
-        layout = [[n, list(s)] for n, s in self.param_layout()]
-        return hashlib.sha256(json.dumps([self.model_name, layout]).encode()).hexdigest()
+        """sha256 hex of ``json.dumps([model_name, [[name, shape], ...]])`` (``szo.layout.layout_fingerprint``)."""
+        return layout_fingerprint(self.model_name, self.param_layout())

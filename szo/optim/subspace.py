@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from subspace_store.format import layout_mismatch
+from szo.layout import layout_from_json, layout_mismatch, param_layout
 
 from ..functional import zo as F
 from .bn import BNStatsFreezer
@@ -31,17 +31,6 @@ __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout"]
 
 ESTIMATORS = ("cge", "rge", "one-point")
 DISTRIBUTED_MODES = (None, "data", "perturbation")
-
-
-def _layout_entries(layout) -> list[tuple[str, tuple[int, ...]]]:
-    out = []
-    for e in layout:
-        if isinstance(e, dict):
-            out.append((str(e["name"]), tuple(int(s) for s in e["shape"])))
-        else:
-            name, shape = e
-            out.append((str(name), tuple(int(s) for s in shape)))
-    return out
 
 
 def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None = None) -> None:
@@ -54,9 +43,9 @@ def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None =
         raise ValueError("subspace has k = 0 directions; build it with k >= 1")
     layout = getattr(subspace, "layout", None)
     if layout:
-        entries = _layout_entries(layout)
+        entries = layout_from_json(layout)
         if model is not None:
-            found = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+            found = param_layout(model)
         else:
             found = [(entries[i][0] if i < len(entries) else f"param[{i}]", tuple(p.shape)) for i, p in enumerate(params)]
         msg = layout_mismatch(entries, found)

@@ -45,7 +45,7 @@ def test_same_parameter_layout_and_shared_master_params():
 
 def test_integer_forward_exact_against_int64_reference():
     m = _active_convnet()
-    f = to_fixed(m, verify_exact=True)  # every kernel result compared with a pure int64 conv/matmul
+    f = to_fixed(m, verify_exact=True, collect_stats=True)  # every kernel result compared with a pure int64 conv/matmul
     out = f(_digits_like(8))
     assert out.shape == (4, 8, 10)
     # logits are integer readout currents / 2^12
@@ -65,7 +65,7 @@ def test_float64_fallback_engaged_and_exact():
     with pytest.raises(OverflowError, match="2\\*\\*53"):
         kernel_dtype(2**53 + 1)
     m = _active_convnet()
-    f = to_fixed(m, verify_exact=True)
+    f = to_fixed(m, verify_exact=True, collect_stats=True)
     x = _digits_like(4) * 500.0  # graded input <= 500 * 64 = 32000 (int16): bound ~ 127 * 32000 * 9 > 2^24
     f(x)
     assert f.last_stats["conv1"]["bound"] > FLOAT32_EXACT
@@ -148,7 +148,7 @@ def test_unfoldable_batchnorm_rejected():
 def test_residual_resnet20_converts_and_runs_exactly():
     torch.manual_seed(0)
     m = create("spike_resnet20", T=2).eval()
-    f = to_fixed(m, verify_exact=True)
+    f = to_fixed(m, verify_exact=True, collect_stats=True)
     x = torch.rand(1, 3, 8, 8) * 2
     out = f(x)
     assert out.shape == (2, 1, 10) and torch.isfinite(out).all()
@@ -211,6 +211,13 @@ def test_quantized_basis_error_and_on_chip_szo():
     acc = evaluate_fixed(f, [(x, y)])
     assert 0.0 <= acc <= 1.0
     assert acc == float((f.last_readout_sum.argmax(1) == y).float().mean())
+    f.train()
+    assert evaluate_fixed(f, [(x[:5], y[:5]), (x[5:], y[5:])]) == acc and f.training  # mode restored
+    f.eval()
+    from szo.hw.train import learner_state_bits
+
+    assert opt.state_bits() == learner_state_bits(d, k) and opt.d == d
+    assert opt.counter.as_dict() == {}  # theta_ref fits 16 bits: no clamp counted
     with pytest.raises(ValueError, match="valid: \\['cge', 'rademacher'\\]"):
         OnChipSZO(f, sub, estimator="spsa")
 
@@ -250,3 +257,112 @@ def test_on_chip_szo_is_an_optimizer_whose_state_resumes_exactly():
     with pytest.raises(ValueError, match="non-finite"):
         b.step(lambda: torch.tensor(float("nan")))
     assert torch.equal(f.flat_params(), before)
+
+
+class _AvgPoolNet(SpikingModel):
+    """conv -> LIF -> 3x3 average pool (factor 1/9 folded into fc) -> fc."""
+
+    def __init__(self):
+        super().__init__(num_classes=3, T=2, model_name="avgpool_net")
+        self.conv = layer.Conv2d(1, 4, 3, padding=1, step_mode="m")
+        self.sn = make_neuron("lif")
+        self.pool = layer.AvgPool2d(3, step_mode="m")
+        self.flat = layer.Flatten(step_mode="m")
+        self.fc = layer.Linear(4 * 9, 3, step_mode="m")
+
+    def forward_seq(self, x):
+        return self.fc(self.flat(self.pool(self.sn(self.conv(x)))))
+
+
+def _spy_kernels(monkeypatch):
+    """Record the integer weights every conv / linear kernel of the fixed forward is called with."""
+    import szo.hw.convert as conv
+
+    seen: dict[tuple, list[torch.Tensor]] = {}
+    for name in ("conv2d", "linear"):
+        orig = getattr(conv.F, name)
+
+        def spy(x, w, *a, _orig=orig, _name=name, **kw):
+            seen.setdefault((_name, tuple(w.shape)), []).append(w.round().to(torch.int64))
+            return _orig(x, w, *a, **kw)
+
+        monkeypatch.setattr(conv.F, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("which", ["avgpool", "convnet"])
+def test_quantized_layers_match_what_the_forward_uses(which, monkeypatch):
+    torch.manual_seed(0)
+    if which == "avgpool":
+        m, x = _AvgPoolNet().eval(), torch.rand(2, 1, 9, 9) * 2
+        with torch.no_grad():
+            m.conv.weight.mul_(4.0)
+        f = to_fixed(m, collect_stats=True)
+        before = f.quantized_layers()  # static 1/9 known at conversion
+        assert before["fc"]["mult"] == pytest.approx(1 / 9) and before["conv"]["mult"] == 1.0
+    else:
+        m, x = _active_convnet(), _digits_like(4)
+        f = to_fixed(m, collect_stats=True)
+        with pytest.raises(ValueError, match="'fc'.*AdaptiveAvgPool2d.*run the network once"):
+            f.quantized_layers()  # the 4x4 adaptive pool's window depends on the input size
+    seen = _spy_kernels(monkeypatch)
+    f(x)
+    q = f.quantized_layers()
+    assert set(q) == {n for n, s in f.last_stats.items() if s["type"] in ("conv2d", "linear")}
+    for path, lay in q.items():
+        assert lay["exp"] == f.last_stats[path]["weight_exp"], path
+        used = seen[("conv2d" if lay["w_int"].dim() == 4 else "linear", tuple(lay["w_int"].shape))]
+        assert all(torch.equal(u, lay["w_int"]) for u in used), path
+    pooled = q["fc"]
+    assert pooled["mult"] == pytest.approx(1 / 9 if which == "avgpool" else 1 / 4)
+    # the pooling factor changes the exponent (and, for 1/9, the mantissas) against the unpooled weights
+    w = m.fc.weight.detach().double()
+    from szo.hw.fixed import quantize_weight
+
+    w_plain, e_plain, _ = quantize_weight(w, f.precision)
+    assert pooled["exp"] < e_plain
+    if which == "avgpool":
+        assert not torch.equal(pooled["w_int"], w_plain)
+
+
+def test_stats_only_when_asked_and_the_forward_is_the_same():
+    m = _active_convnet()
+    x = _digits_like(8)
+    plain, counted = to_fixed(m), to_fixed(m, collect_stats=True)
+    a, b = plain(x), counted(x)
+    assert torch.equal(a, b) and torch.equal(plain.last_readout_sum, counted.last_readout_sum)
+    assert plain.last_stats == {} and counted.last_stats["sn1"]["spikes"] > 0
+    assert counted.last_stats["conv2"]["synops"] > 0
+
+
+def test_saturation_counter_sums_device_tensors_lazily():
+    from szo.hw.fixed import SaturationCounter
+
+    c = SaturationCounter()
+    c.add("L", "current", torch.tensor(2))
+    c.add("L", "current", 3)
+    c.add("L", "voltage", torch.tensor(0))
+    c.add("M", "x", 0)
+    assert c.as_dict() == {"L": {"current": 5}} and c.total() == 5
+    c.reset()
+    assert c.as_dict() == {} and c.total() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_chip_szo_and_evaluate_fixed_with_a_cuda_model():
+    from subspace_store import Subspace
+
+    from szo.hw.train import OnChipSZO, evaluate_fixed
+
+    m = _active_convnet()
+    f = to_fixed(m).cuda()
+    d, k = f.num_params(), 3
+    P, _ = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(3)))
+    sub = Subspace(P, torch.zeros(d), m.flat_params().cpu(), torch.ones(k), torch.ones(k) / k, layout=f.param_layout())
+    x, y = _digits_like(8), torch.arange(8) % 10
+    xc, yc = x.cuda(), y.cuda()
+    opt = OnChipSZO(f, sub, lr=0.5, estimator="rademacher", q=1, seed=3)  # theta_ref on the host, as P
+    opt.step(lambda: nn.functional.cross_entropy(f(xc).mean(0), yc))
+    assert opt.forward_passes == 2 and f.fc.weight.is_cuda
+    acc = evaluate_fixed(f, [(x, y)])  # CPU batches are moved to the network's device
+    assert acc == float((f.last_readout_sum.argmax(1).cpu() == y).float().mean())

@@ -121,3 +121,11 @@ def test_bad_arguments_raise_clear_errors():
         FixedCubaLIF(1.0, 0.5).run(torch.ones(3, 2))
     with pytest.raises(ValueError, match="weight_bits"):
         Precision(weight_bits=1)
+
+
+def test_decay_to_int_rounds_half_to_even_like_lava():
+    from szo.hw.fixed import decay_to_int
+
+    assert [decay_to_int(v / 4096) for v in (0.5, 1.5, 2.5, 3724.5)] == [0, 2, 2, 3724]
+    assert decay_to_int(1 / 1.1) == 3724 and decay_to_int(0.0) == 0 and decay_to_int(1) == 4096
+    assert type(decay_to_int(0.3)) is int

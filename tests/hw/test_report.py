@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from szo.hw.cli import main
 from szo.hw.report import hw_report, to_markdown
@@ -52,7 +53,48 @@ def test_cli_writes_markdown_and_json(tmp_path, capsys):
 def test_bad_target_is_clear(tmp_path):
     with pytest.raises(ValueError, match="neither a registered model"):
         hw_report("no_such_model")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="no config.yaml"):
         hw_report(str(tmp_path))
-    with pytest.raises(ValueError, match="valid: \\['random', 'digits'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['random', 'digits', 'test'\\]"):
         hw_report("spike_convnet", data="cifar")
+
+
+def test_digits_batch_is_standardised_like_training():
+    from szo.data import get_dataset
+    from szo.hw.report import _input_batch
+    from szo.models import create
+
+    x = _input_batch(create("spike_convnet"), "digits", 16, None, 0, None)
+    test = get_dataset("digits", "test")
+    pool = torch.stack([test[i][0] for i in range(len(test))])
+    assert x.shape == (16, 1, 8, 8) and x.min() < 0  # standardised, not pixel / 16 in [0, 1]
+    assert all(any(torch.equal(xi, p) for p in pool) for xi in x)  # samples of the test set as the model saw them
+    with pytest.raises(ValueError, match="give a run directory"):
+        hw_report("spike_convnet", data="test")
+
+
+@pytest.fixture(scope="module")
+def gesture_run(tmp_path_factory):
+    """A run directory of the synthetic-gesture recipe (2 input channels, 11 classes, T = 10, width 16)."""
+    from szo.config import load_recipe, write_config
+    from szo.io import atomic_save_safetensors
+    from szo.pipeline import build_model
+
+    d = tmp_path_factory.mktemp("sg-run")
+    cfg = load_recipe("synthetic-gesture", ["data.kwargs.n_per_class=2"])
+    write_config(cfg, d / "config.yaml")
+    atomic_save_safetensors(d / "model.safetensors", build_model(cfg).state_dict())
+    return d
+
+
+def test_run_directory_rebuilds_the_runs_model(gesture_run):
+    rep = hw_report(str(gesture_run), batch=2, k=4)  # random input of the run's data shape
+    assert rep["model"] == "spike_convnet" and rep["input_shape"] == [2, 32, 32] and rep["T"] == 10
+    rows = {r["layer"]: r for r in rep["layers"]}
+    assert rows["conv1"]["weights"] == 16 * 2 * 9 and rows["fc"]["weights"] == 11 * 16 * 16
+    assert "model.safetensors" in rep["target"]
+    seq = hw_report(str(gesture_run), data="test", batch=3, k=4)  # the run's own test set: event frames
+    assert seq["batch"] == 3 and seq["T"] == 10 and seq["input_shape"] == [2, 32, 32]
+    assert seq["totals"]["neuron_updates_per_forward"] == sum(r["neurons"] for r in seq["layers"]) * 10
+    with pytest.raises(ValueError, match="trained on 'synthetic-gesture', not digits"):
+        hw_report(str(gesture_run), data="digits")

@@ -162,3 +162,20 @@ def test_reduced_precision_storage_bound(tmp_path, sdt, u):
 def test_storage_dtype_validated(tmp_path):
     with pytest.raises(ValueError, match="storage_dtype must be one of"):
         SubspaceStore(tmp_path).save("s", make_subspace(model()), storage_dtype=torch.int8)
+
+
+def test_total_variance_only_in_provenance_and_old_manifests_still_load(tmp_path):
+    import json
+
+    m = model()
+    sub = make_subspace(m)
+    st = SubspaceStore(tmp_path)
+    st.save("e", sub)
+    man_path = tmp_path / "e" / "manifest.json"
+    man = json.loads(man_path.read_text())
+    assert "total_variance" not in man  # no top-level copy of provenance["total_variance"]
+    assert man["provenance"]["total_variance"] == pytest.approx(sub.provenance["total_variance"])
+    man["total_variance"] = man["provenance"]["total_variance"]  # as older szo versions wrote it
+    man_path.write_text(json.dumps(man))
+    got = st.load("e", model=m)
+    assert torch.equal(got.basis, sub.basis) and got.provenance["total_variance"] == man["total_variance"]
