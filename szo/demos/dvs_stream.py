@@ -326,7 +326,7 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     Reuses ``directory`` when it already holds a model trained with the same settings.
     """
     from subspace_store import SubspaceStore, build_subspace
-    from szo.data.registry import collate_time_major
+    from szo.data import make_loader
     from szo.data.synthetic_events import SyntheticGesture
     from szo.losses import tet_loss
     from szo.models import create
@@ -358,13 +358,8 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     train_ds = SyntheticGesture(n_per_class=s.n_train_per_class, split="train", **kw)
     test_ds = SyntheticGesture(n_per_class=s.n_test_per_class, split="test", **kw)
 
-    def tensors(ds: SyntheticGesture) -> torch.utils.data.TensorDataset:
-        xs = torch.stack([ds[i][0] for i in range(len(ds))])  # [N, T, P, H, W]
-        return torch.utils.data.TensorDataset(xs, torch.tensor(ds.targets))
-
-    train_loader = torch.utils.data.DataLoader(tensors(train_ds), batch_size=s.batch_size, shuffle=True,
-                                               generator=gen, collate_fn=collate_time_major)
-    test_loader = torch.utils.data.DataLoader(tensors(test_ds), batch_size=64, collate_fn=collate_time_major)
+    train_loader = make_loader(train_ds, s.batch_size, shuffle=True, generator=gen)  # frames cached by the data set
+    test_loader = make_loader(test_ds, 64, shuffle=False)
     model_kwargs = dict(num_classes=n_classes, T=s.T, in_channels=int(s.sensor_size[2]), width=s.width)
     model = create(s.model, **model_kwargs)
     recorder = TrajectoryRecorder(directory / "trajectory", model, every=s.record_every_steps)
