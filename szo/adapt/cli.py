@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from szo.io import atomic_save_safetensors, atomic_write_json
+from szo.io import atomic_write_json
 
 from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, check_choice
 
@@ -176,8 +175,6 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         source = load_source_run(t["source_run"], cfg["model"]["name"], _model_kwargs(cfg), device)
         src_traj = Path(t["source_trajectory"] or Path(t["source_run"]) / "trajectory")
     source.eval()
-    atomic_save_safetensors(out / "source_model.safetensors", source.state_dict(),
-                            {"model": cfg["model"]["name"], "model_kwargs": json.dumps(_model_kwargs(cfg))})
     timings["source_s"] = time.perf_counter() - t0
     # 2. adaptation subspace
     t1 = time.perf_counter()
