@@ -1,0 +1,50 @@
+"""The kind: tta recipe stage and ``szo adapt``: source model through the pipeline's BPTT stage."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "setting=reset", "bptt.epochs=1",
+        "bptt.max_steps_per_epoch=2", "subspace.k=2", "tta.n_source=2", "tta.corruptions=[gaussian_noise]",
+        "tta.max_batches=1", "tta.finetune.epochs=1", "tta.finetune.samples=2", "tta.finetune.batch_size=256"]
+
+
+@pytest.fixture(scope="module")
+def tta_run(tmp_path_factory):
+    from szo.config import load_recipe
+    from szo.pipeline import run_recipe
+
+    root = tmp_path_factory.mktemp("tta")
+    cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}"])
+    return root, run_recipe(cfg, root / "out")
+
+
+def test_source_is_the_pipeline_bptt_stage(tta_run):
+    from szo.pipeline import load_run_model
+
+    root, res = tta_run
+    src = root / "out" / "source"
+    for f in ("config.yaml", "model.safetensors", "results.json", "checkpoints/last.pt", "trajectory/manifest.json"):
+        assert (src / f).is_file(), f
+    assert json.loads((src / "results.json").read_text())["steps"] == 2  # bptt.max_steps_per_epoch is honoured
+    assert not (root / "store").exists()  # build=False: nothing written to the subspace store
+    model, cfg = load_run_model(src)
+    assert cfg["kind"] == "tta" and model.num_classes == 10 and model.T == 2
+    assert res["results"]["reset"]["szo-cge"]["fp"] == 2 * 2 + 1  # k = 2, one batch
+
+
+def test_szo_adapt_cli_loads_the_source_run(tta_run, capsys):
+    from szo.cli import main
+
+    root, _ = tta_run
+    out = root / "cli"
+    rc = main(["adapt", "--source", str(root / "out" / "source"), "--method", "none", "--setting", "reset",
+               "--max-batches", "1", "--out", str(out)])
+    assert rc == 0 and "No adapt." in capsys.readouterr().out
+    res = json.loads((out / "tta_results.json").read_text())
+    assert res["model"] == "spike_convnet" and len(res["corruptions"]) == 15
+    rc = main(["adapt", "--source", str(root / "out" / "source"), "--data", "cifar100-c", "--method", "none",
+               "--out", str(root / "bad")])
+    assert rc != 0 and "has 10 classes, the data set 'cifar100-c' 100" in capsys.readouterr().err
