@@ -165,12 +165,12 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
             from .subspace import build_adaptation_subspace
 
             ft = t["finetune"]
-            loss_name = (cfg.get("loss") or {}).get("name", "tet")
+            from szo.pipeline import _loss
             sub = build_adaptation_subspace(
                 source, src_traj, dataset_name=t["data"], adapt_trajectory=ft["trajectory"], run_dir=out / "finetune",
                 k=int(sub_cfg.get("k", 20)), n_source=t["n_source"], corruption=ft["corruption"],
                 severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
-                momentum=ft["momentum"], batch_size=ft["batch_size"], loss=loss_name, data_dir=t["data_dir"],
+                momentum=ft["momentum"], batch_size=ft["batch_size"], loss=_loss(cfg), data_dir=t["data_dir"],
                 dataset_kwargs=t["kwargs"], seed=seed, device=device, progress=progress)
             SubspaceStore(out / "subspaces").save("adapt", sub, overwrite=True)
     timings["subspace_s"] = time.perf_counter() - t1

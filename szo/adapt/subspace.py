@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ def finetune_on_corruption(
     momentum: float = 0.9,
     weight_decay: float = 0.0,
     batch_size: int = 64,
-    loss: str = "tet",
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "tet",
     data_dir: str | os.PathLike | None = None,
     dataset_kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,
@@ -65,6 +65,8 @@ def finetune_on_corruption(
 ) -> Path:
     """Supervised BP fine-tuning of a copy of ``source_model`` on the corrupted train split.
 
+    ``loss``: a ``szo.losses`` name (its default options) or a loss ``fn(out, y)``, e.g. a
+    recipe's ``szo.pipeline._loss(cfg)`` (TET with the recipe's lamb / phi).
     Records at least ``samples`` weight vectors (every ``epochs * steps_per_epoch // samples``
     optimizer steps, initial weights excluded) into ``run_dir/trajectory`` and returns that
     directory. The source model is not modified.
@@ -95,7 +97,8 @@ def finetune_on_corruption(
     traj_dir = run_dir / "trajectory"
     recorder = TrajectoryRecorder(traj_dir, model, every=total // samples, record_initial=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    fit(model, loader, None, opt, epochs=epochs, loss_fn=get_loss(loss), device=device, run_dir=run_dir,
+    loss_fn = get_loss(loss) if isinstance(loss, str) else loss
+    fit(model, loader, None, opt, epochs=epochs, loss_fn=loss_fn, device=device, run_dir=run_dir,
         callbacks=[TrajectoryCallback(recorder)], generator=gen, progress=progress, plot=False,
         info={"name": f"finetune-{dataset_name}-{corruption}-{severity}"})
     return traj_dir
@@ -117,7 +120,7 @@ def build_adaptation_subspace(
     lr: float = 0.01,
     momentum: float = 0.9,
     batch_size: int = 64,
-    loss: str = "tet",
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "tet",
     data_dir: str | os.PathLike | None = None,
     dataset_kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,

@@ -16,9 +16,22 @@ def tta_run(tmp_path_factory):
     from szo.config import load_recipe
     from szo.pipeline import run_recipe
 
+    from szo.adapt import subspace
+
     root = tmp_path_factory.mktemp("tta")
-    cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}"])
-    return root, run_recipe(cfg, root / "out")
+    cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}", "loss.lamb=0.2"])
+    losses = []
+    finetune = subspace.finetune_on_corruption
+
+    def spy(*a, **kw):
+        losses.append(kw["loss"])
+        return finetune(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subspace, "finetune_on_corruption", spy)
+        res = run_recipe(cfg, root / "out")
+    res["_finetune_losses"] = losses
+    return root, res
 
 
 def test_source_is_the_pipeline_bptt_stage(tta_run):
@@ -48,3 +61,13 @@ def test_szo_adapt_cli_loads_the_source_run(tta_run, capsys):
     rc = main(["adapt", "--source", str(root / "out" / "source"), "--data", "cifar100-c", "--method", "none",
                "--out", str(root / "bad")])
     assert rc != 0 and "has 10 classes, the data set 'cifar100-c' 100" in capsys.readouterr().err
+
+
+def test_finetuning_uses_the_recipe_loss(tta_run):
+    from szo.losses import tet_loss
+
+    _, res = tta_run
+    (loss,) = res["_finetune_losses"]
+    out, y = torch.randn(2, 5, 10, generator=torch.Generator().manual_seed(0)), torch.arange(5)
+    torch.testing.assert_close(loss(out, y), tet_loss(out, y, lamb=0.2, phi=1.0))  # loss.lamb, not TET's default
+    assert not torch.allclose(loss(out, y), tet_loss(out, y))
