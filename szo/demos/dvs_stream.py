@@ -20,6 +20,7 @@ cached under ``out_dir/source`` keyed by the training settings.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -243,8 +244,10 @@ class SourceModel:
         return tuple(int(v) for v in self.meta["sensor_size"])  # type: ignore[return-value]
 
     def fresh_model(self) -> Any:
-        """A new copy of the source model with the saved weights (eval mode)."""
-        return _build_and_load(self.meta, self.directory)
+        """A private copy of the source model (eval mode) that a replay may adapt in place."""
+        model = copy.deepcopy(self.model)
+        model.reset_state()
+        return model.eval()
 
 
 def _build_and_load(meta: dict, directory: Path) -> Any:
