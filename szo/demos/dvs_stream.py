@@ -268,36 +268,34 @@ def _build_and_load(meta: dict, directory: Path) -> Any:
 
 
 def _load_recipe_run(directory: Path) -> SourceModel:
-    """A ``szo recipe synthetic-gesture`` run directory (config.yaml + model.safetensors + store entry)."""
+    """A ``szo recipe synthetic-gesture`` run directory (config.yaml + model.safetensors + store entry),
+    its model rebuilt by ``szo.pipeline.load_run_model``."""
     import yaml
     from subspace_store import SubspaceStore
 
     from szo.data.synthetic_events import SyntheticGesture
+    from szo.pipeline import load_run_model
 
-    cfg = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8"))
-    data = cfg.get("data", {})
-    if data.get("name") != "synthetic-gesture" or cfg.get("kind") != "bp":
-        raise ValueError(f"{directory} is a recipe run of kind {cfg.get('kind')!r} on {data.get('name')!r}; the "
+    raw = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8")) or {}
+    data = raw.get("data") or {}
+    if data.get("name") != "synthetic-gesture" or raw.get("kind") != "bp":
+        raise ValueError(f"{directory} is a recipe run of kind {raw.get('kind')!r} on {data.get('name')!r}; the "
                          "demo needs a BPTT run on synthetic-gesture (szo recipe synthetic-gesture)")
     if not (directory / "model.safetensors").is_file():
         raise ValueError(f"{directory} has no model.safetensors (did the recipe finish?)")
-    kw = dict(data.get("kwargs") or {})
+    model, cfg = load_run_model(directory)
+    model.eval()
+    kw = cfg["data"]["kwargs"]
+    # the frame length the model was trained with: the data set's settings (its defaults filled in)
     ds = SyntheticGesture(n_per_class=1, **{k: v for k, v in kw.items() if k in ("T", "duration_us", "sensor_size")})
-    m = cfg["model"]
-    model_kwargs = dict(num_classes=11, T=int(m.get("T") or ds.to_frames.T), activation=m.get("activation", "lif"),
-                        in_channels=int(ds.sensor_size[2]), **(m.get("kwargs") or {}))
-    from szo.models import create
-
-    fp = create(m["name"], **model_kwargs).fingerprint()
-    meta = {"format": SOURCE_FORMAT, "version": SOURCE_VERSION, "model": m["name"], "model_kwargs": model_kwargs,
-            "fingerprint": fp, "bin_us": ds.duration_us // int(ds.to_frames.T), "sensor_size": list(ds.sensor_size),
-            "settings": {"duration_us": ds.duration_us}, "recipe": cfg.get("name")}
+    meta = {"format": SOURCE_FORMAT, "version": SOURCE_VERSION, "model": cfg["model"]["name"],
+            "bin_us": ds.duration_us // int(ds.to_frames.T), "sensor_size": list(ds.sensor_size),
+            "settings": {"duration_us": ds.duration_us}, "recipe": cfg["name"]}
     results = directory / "results.json"
     if results.is_file():
         meta["test_acc"] = json.loads(results.read_text(encoding="utf-8")).get("final_test_acc")
-    model = _build_and_load(meta, directory)
-    sub = cfg.get("subspace", {})
-    subspace = SubspaceStore(sub.get("root")).load(sub["name"], model=model)
+    sub = cfg["subspace"]
+    subspace = SubspaceStore(sub["root"]).load(sub["name"], model=model)
     return SourceModel(model=model, subspace=subspace, meta=meta, directory=directory)
 
 
@@ -679,7 +677,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
         "wall_seconds": None,
     }
     plot_timeline(out_dir / "timeline.png", runs, shift_at_s=summary["shift_at_s"],
-                  n_classes=int(src.meta["model_kwargs"]["num_classes"]))
+                  n_classes=int(src.model.num_classes))
     atomic_write_json(out_dir / "windows.json", {k: v["windows"] for k, v in runs.items()})
     summary["wall_seconds"] = round(time.perf_counter() - t_wall, 2)
     atomic_write_json(out_dir / "summary.json", summary)
