@@ -433,16 +433,15 @@ class OnlineClassifier:
 
     def __init__(self, model: Any, subspace: Any, settings: StreamSettings) -> None:
         from szo.losses import entropy_loss, tet_loss
-        from szo.optim import SZO
+        from szo.optim import build_optimizer
 
         self.model = model
         self.settings = settings
         self.opt = None
         if settings.adapt != "none":
-            est = {"szo-cge": "cge", "szo-rge": "rge"}[settings.adapt]
-            self.opt = SZO(model.parameters(), subspace, mu=settings.mu, lr=settings.lr,
-                           momentum=settings.momentum, estimator=est, q=settings.q, model=model,
-                           generator=torch.Generator().manual_seed(settings.seed))
+            self.opt = build_optimizer(settings.adapt, model, subspace=subspace, lr=settings.lr,
+                                       momentum=settings.momentum, mu=settings.mu, q=settings.q,
+                                       generator=torch.Generator().manual_seed(settings.seed))
         self._entropy, self._tet = entropy_loss, tet_loss
         self._buffer: list[tuple[torch.Tensor, list[dict[str, Any]], int]] = []
 
