@@ -166,6 +166,8 @@ def run_tta(
             return get_dataset(dataset_name, "test", data_dir=data_dir, download=download, corruption=c,
                                severity=severity, **kw)
 
+    from szo.data import make_loader
+
     source = load_source_model(source_model_state)
     source_state = {k: v.detach().clone() for k, v in source.state_dict().items()}
     k = int(subspace.basis.shape[1]) if subspace is not None else None
@@ -196,8 +198,8 @@ def run_tta(
             for ci, c in enumerate(corruptions):
                 if setting == "reset" and ci > 0:
                     adapter.reset()
-                loader = torch.utils.data.DataLoader(
-                    data(c), batch_size=batch_size, shuffle=True,
+                loader = make_loader(  # time-major batches for event-frame sequences
+                    data(c), batch_size, shuffle=True,
                     generator=torch.Generator().manual_seed(int(seed) * 1000003 + zlib.crc32(c.encode())))
                 correct = seen = 0
                 total = len(loader) if max_batches is None else min(len(loader), max_batches)
