@@ -36,15 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from szo.data.registry import DataNotFoundError, default_data_dir
 from szo.io import atomic_write_bytes, atomic_write_json
-
-try:  # the shared error type lives in szo.data (owned by another module)
-    from szo.data import DataNotFoundError  # type: ignore[attr-defined]
-except ImportError:  # szo.data not importable yet, or it does not define it
-
-    class DataNotFoundError(FileNotFoundError):
-        """A data set is not on disk where szo expects it."""
-
 
 __all__ = [
     "CLASSES",
@@ -97,11 +90,6 @@ def _require_tonic() -> Any:
             "install it with `pip install szo[dvs]`"
         ) from e
     return tonic
-
-
-def default_data_dir() -> Path:
-    """``$SZO_DATA_DIR`` if set, else ``./data``."""
-    return Path(os.environ.get("SZO_DATA_DIR", "data"))
 
 
 # --------------------------------------------------------------------------- validation
