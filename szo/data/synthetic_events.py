@@ -241,6 +241,8 @@ def stream(
 def segment_labels_at(segments: np.ndarray, t_us: np.ndarray | int) -> np.ndarray:
     """Label of the segment containing each time ``t_us`` (-1 outside every segment)."""
     t = np.asarray(t_us, dtype=np.int64)
+    if len(segments) == 0:
+        return np.full(t.shape, -1, dtype=np.int64)
     idx = np.searchsorted(segments["start_us"], t, side="right") - 1
     inside = (idx >= 0) & (t < segments["end_us"][np.clip(idx, 0, None)])
     return np.where(inside, segments["label"][np.clip(idx, 0, None)], -1)

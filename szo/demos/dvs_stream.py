@@ -215,16 +215,6 @@ def synthetic_stream(n_gestures: int, *, seed: int, segment_us: int, sensor_size
     return events, segments, shift_at
 
 
-def _labels_at(segments: np.ndarray | None, t_us: np.ndarray) -> np.ndarray:
-    if segments is None:
-        return np.full(len(t_us), -1, dtype=np.int64)
-    idx = np.searchsorted(segments["start_us"], t_us, side="right") - 1
-    ok = idx >= 0
-    cl = np.clip(idx, 0, None)
-    ok &= t_us < segments["end_us"][cl]
-    return np.where(ok, segments["label"][cl], -1).astype(np.int64)
-
-
 # ----------------------------------------------------------------------------- source model
 @dataclass
 class SourceModel:
@@ -493,6 +483,8 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
            t_start: int | None = None, t_end: int | None = None, shift_at: int | None = None,
            print_every: int = 0, name: str = "", log: Callable[[str], None] = print) -> dict:
     """Feed the stream window by window; returns per-window records and the summary numbers."""
+    from szo.data.synthetic_events import segment_labels_at
+
     if window_us % bin_us:
         raise ValueError(f"window ({window_us / 1000:g} ms) must be a multiple of the model's frame length "
                          f"({bin_us / 1000:g} ms)")
@@ -506,7 +498,8 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
     starts = np.arange(t0, t1, window_us, dtype=np.int64)
     if len(starts) == 0:
         raise ValueError("the stream holds no complete window (no events / empty time range)")
-    labels = _labels_at(segments, starts + window_us // 2)
+    labels = (segment_labels_at(segments, starts + window_us // 2) if segments is not None
+              else np.full(len(starts), -1, dtype=np.int64))
     names = _class_names()
     recs: list[dict] = []
     n_lab = n_ok = 0

@@ -152,3 +152,8 @@ def test_frames_cached_per_index(monkeypatch):
     off[2]
     assert calls == [2, 2, 2]  # cache=False simulates on every access
     assert se.get_dataset("test", n_per_class=1, cache=False, **kw)._frames is None
+
+
+def test_segment_labels_at_without_segments():
+    none = np.empty(0, dtype=se.SEGMENT_DTYPE)  # e.g. a labels file with no rows
+    assert list(se.segment_labels_at(none, [0, 5])) == [-1, -1]
