@@ -241,20 +241,18 @@ class SourceModel:
 
 
 def _build_and_load(meta: dict, directory: Path) -> Any:
+    """The model ``source.json`` describes, with ``model.safetensors`` (strict: names and shapes)."""
     from safetensors.torch import load_file
 
     from szo.models import create
 
     model = create(meta["model"], **meta["model_kwargs"])
-    state = load_file(str(directory / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{directory / 'model.safetensors'} does not fit {meta['model']}: "
-                         f"missing {missing}, unexpected {unexpected}")
-    if model.fingerprint() != meta["fingerprint"]:
-        raise ValueError(f"model fingerprint differs from {directory / 'source.json'}")
-    model.eval()
-    return model
+    try:
+        model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{directory / 'model.safetensors'} does not fit {meta['model']} "
+                         f"{meta['model_kwargs']}: {e}") from None
+    return model.eval()
 
 
 def _load_recipe_run(directory: Path) -> SourceModel:
@@ -361,16 +359,13 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     subspace = build_subspace([directory / "trajectory"], s.k, reference="last", progress=False)
     SubspaceStore(directory / "subspaces").save(SUBSPACE_NAME, subspace, overwrite=True)
     model.eval()
-    atomic_save_safetensors(directory / "model.safetensors", {k: v for k, v in model.state_dict().items()},
+    atomic_save_safetensors(directory / "model.safetensors", model.state_dict(),
                             {"model": s.model})
-    test_acc = summary.get("final_test_acc", summary.get("test_acc"))
-    if test_acc is None:
-        test_acc = _evaluate(model, test_loader)
     meta = {
         "format": SOURCE_FORMAT, "version": SOURCE_VERSION, "settings_key": settings.key(),
         "settings": asdict(settings), "model": s.model, "model_kwargs": model_kwargs,
         "fingerprint": model.fingerprint(), "bin_us": s.duration_us // s.T,
-        "sensor_size": list(s.sensor_size), "test_acc": float(test_acc),
+        "sensor_size": list(s.sensor_size), "test_acc": float(summary["final_test_acc"]),
         "n_trajectory_samples": len(recorder), "k": s.k,
         "train_seconds": round(time.perf_counter() - t_start, 2),
     }
@@ -378,16 +373,6 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     log(f"source model: trained in {meta['train_seconds']:.1f}s, test acc {meta['test_acc']:.3f}, "
         f"subspace k={s.k} from {meta['n_trajectory_samples']} trajectory samples -> {directory}")
     return SourceModel(model=model, subspace=subspace, meta=meta, directory=directory)
-
-
-@torch.no_grad()
-def _evaluate(model: Any, loader: Any) -> float:
-    model.eval()
-    correct = n = 0
-    for x, y in loader:
-        correct += int((model(x).mean(0).argmax(1) == y).sum())
-        n += len(y)
-    return correct / max(n, 1)
 
 
 # ----------------------------------------------------------------------------- on-line loop
@@ -632,8 +617,8 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
             raise ValueError("--labels-file is only for a FILE source")
         shift = DEFAULT_SHIFT if shift is None else shift
         events, segments, shift_at = synthetic_stream(
-            n_gestures, seed=stream.seed, segment_us=int(src.meta["settings"]["duration_us"])
-            if "settings" in src.meta else 500_000, sensor_size=src.sensor_size, shift=shift)
+            n_gestures, seed=stream.seed, segment_us=int(src.meta["settings"]["duration_us"]),
+            sensor_size=src.sensor_size, shift=shift)
         sensor = src.sensor_size
     else:
         sensor = tuple(sensor_size) if sensor_size is not None else src.sensor_size
