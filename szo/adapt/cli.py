@@ -26,9 +26,8 @@ from typing import Any, Mapping
 
 import torch
 
-from szo.io import atomic_write_json
-
 from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, check_choice
+from .tables import write_tables
 
 __all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source"]
 
@@ -183,12 +182,12 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
         q=int(szo_cfg.get("q", 10)), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
         tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
-        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress,
+        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False,
         info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})
     timings["tta_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     res["timings"] = timings
-    atomic_write_json(out / "tta_results.json", res)
+    write_tables(res, out)  # tta_results.json (with the timings), tables, tta_accuracy.png
     return res
 
 

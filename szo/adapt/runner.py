@@ -119,6 +119,7 @@ def run_tta(
     download: bool = False,
     progress: bool = True,
     plot: bool = True,
+    write: bool = True,
     info: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Adapt and evaluate every (method, setting) on ``dataset_name`` severity ``severity``.
@@ -133,9 +134,11 @@ def run_tta(
         predict: ``"before"`` | ``"after"`` (see ``szo.adapt.methods``).
         max_batches: adapt on at most this many batches per corruption (quick checks).
         get_data: ``corruption -> Dataset`` to use instead of ``szo.data.get_dataset``.
+        write: write the results (``szo.adapt.tables.write_tables``: ``tta_results.json``, the
+            markdown tables and, with ``plot``, ``tta_accuracy.png`` in ``out_dir``); ``False``
+            when the caller adds to the results and writes them itself (once).
 
-    Returns the results dict (also written as ``tta_results.json`` with the markdown tables and
-    ``tta_accuracy.png`` in ``out_dir``).
+    Returns the results dict.
     """
     methods = resolve_methods(methods)
     settings = resolve_settings(settings)
@@ -260,5 +263,6 @@ def run_tta(
             **dict(info or {}),
         },
     }
-    write_tables(out, Path(out_dir), plot=plot)
+    if write:
+        write_tables(out, Path(out_dir), plot=plot)
     return out

@@ -16,7 +16,7 @@ def tta_run(tmp_path_factory):
     from szo.config import load_recipe
     from szo.pipeline import run_recipe
 
-    from szo.adapt import subspace
+    from szo.adapt import subspace, tables
 
     root = tmp_path_factory.mktemp("tta")
     cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}", "loss.lamb=0.2"])
@@ -27,10 +27,18 @@ def tta_run(tmp_path_factory):
         losses.append(kw["loss"])
         return finetune(*a, **kw)
 
+    written = []
+    write_json = tables.atomic_write_json
+
+    def json_spy(path, obj):
+        written.append(path.name)
+        return write_json(path, obj)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(subspace, "finetune_on_corruption", spy)
+        mp.setattr(tables, "atomic_write_json", json_spy)
         res = run_recipe(cfg, root / "out")
-    res["_finetune_losses"] = losses
+    res["_finetune_losses"], res["_json_written"] = losses, written
     return root, res
 
 
@@ -71,3 +79,12 @@ def test_finetuning_uses_the_recipe_loss(tta_run):
     out, y = torch.randn(2, 5, 10, generator=torch.Generator().manual_seed(0)), torch.arange(5)
     torch.testing.assert_close(loss(out, y), tet_loss(out, y, lamb=0.2, phi=1.0))  # loss.lamb, not TET's default
     assert not torch.allclose(loss(out, y), tet_loss(out, y))
+
+
+def test_tta_results_written_once_with_the_timings(tta_run):
+    root, res = tta_run
+    assert res["_json_written"] == ["tta_results.json"]
+    on_disk = json.loads((root / "out" / "tta_results.json").read_text())
+    assert set(on_disk["timings"]) == {"source_s", "subspace_s", "tta_s", "total_s"}
+    assert (root / "out" / "tta_summary.md").is_file() and (root / "out" / "tta_accuracy.png").is_file()
+    assert not (root / "out" / "source_model.safetensors").exists()  # the source run holds the weights
