@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, build_adapter, check_choice
 from .tables import write_tables
 
-__all__ = ["run_tta", "resolve_methods", "resolve_settings", "load_source_model", "SETTING_FREE_METHODS"]
+__all__ = ["run_tta", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
 
 #: methods whose predictions do not depend on the setting (no parameter change, batch-local)
 SETTING_FREE_METHODS = ("none", "bn")
@@ -60,21 +60,6 @@ def resolve_settings(settings: str | Sequence[str]) -> list[str]:
     return _resolve_names("setting", settings, SETTINGS, "both")
 
 
-def load_source_model(source: nn.Module | Mapping[str, Any]) -> nn.Module:
-    """The source model: an ``nn.Module`` as is, or ``{"model": name, "model_kwargs": {...},
-    "state_dict": {...}}`` built with ``szo.models.create`` and loaded (strict)."""
-    if isinstance(source, nn.Module):
-        return source
-    if not isinstance(source, Mapping) or "model" not in source or "state_dict" not in source:
-        raise ValueError("source_model_state must be an nn.Module or a mapping with keys "
-                         "'model' (registered name), 'state_dict' and optional 'model_kwargs'")
-    from szo.models import create
-
-    model = create(str(source["model"]), **dict(source.get("model_kwargs") or {}))
-    model.load_state_dict(source["state_dict"], strict=True)
-    return model
-
-
 def _model_name(model: nn.Module) -> str:
     return str(getattr(model, "model_name", type(model).__name__))
 
@@ -91,7 +76,7 @@ def _per_batch(method: str, predict: str, k: int | None, q: int) -> tuple[int, i
 
 
 def run_tta(
-    source_model_state: nn.Module | Mapping[str, Any],
+    source_model: nn.Module,
     subspace: Any,
     dataset_name: str,
     methods: str | Sequence[str],
@@ -125,7 +110,7 @@ def run_tta(
     """Adapt and evaluate every (method, setting) on ``dataset_name`` severity ``severity``.
 
     Args:
-        source_model_state: the source model (see :func:`load_source_model`); never modified.
+        source_model: the source model; never modified (every run adapts its own copy).
         subspace: the adaptation subspace (``subspace_store.Subspace``) for bp-subspace / szo-*;
             may be None if no subspace method is run.
         methods / settings: names, ``"all"`` / ``"both"``, comma lists or lists.
@@ -171,7 +156,9 @@ def run_tta(
 
     from szo.data import make_loader
 
-    source = load_source_model(source_model_state)
+    if not isinstance(source_model, nn.Module):
+        raise ValueError(f"source_model must be a torch.nn.Module, got {type(source_model).__name__}")
+    source = source_model
     source_state = {k: v.detach().clone() for k, v in source.state_dict().items()}
     k = int(subspace.basis.shape[1]) if subspace is not None else None
     datasets: dict[str, Dataset] = {}
