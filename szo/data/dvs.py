@@ -47,7 +47,6 @@ __all__ = [
     "DataNotFoundError",
     "EventReport",
     "validate_events",
-    "ValidateEvents",
     "EventsToFrames",
     "DVSGestureFrames",
     "get_dataset",
@@ -186,17 +185,6 @@ def validate_events(
         n_unsorted=n_unsorted,
     )
     return clean, report
-
-
-@dataclass(frozen=True)
-class ValidateEvents:
-    """tonic-style transform around ``validate_events`` (the report is discarded)."""
-
-    sensor_size: tuple[int, int, int]
-    policy: str = "drop"
-
-    def __call__(self, events: np.ndarray) -> np.ndarray:
-        return validate_events(events, self.sensor_size, policy=self.policy)[0]
 
 
 # --------------------------------------------------------------------------- frames
