@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, check_choice
+from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, check_choice
 from .tables import write_tables
 
 __all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source"]
@@ -152,7 +152,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
     t1 = time.perf_counter()
     from .runner import resolve_methods, run_tta
 
-    methods_need_sub = any(m in ("bp-subspace", "szo-cge", "szo-rge") for m in resolve_methods(cfg["method"]))
+    methods_need_sub = any(m in SUBSPACE_METHODS for m in resolve_methods(cfg["method"]))
     sub = None
     sub_cfg = cfg.get("subspace") or {}
     if methods_need_sub:
@@ -230,9 +230,9 @@ def main(args: argparse.Namespace) -> int:
 
     source = load_source(args.source, args.data, args.device)
     sub = None
-    if any(m in ("bp-subspace", "szo-cge", "szo-rge") for m in resolve_methods(args.method)):
+    if any(m in SUBSPACE_METHODS for m in resolve_methods(args.method)):
         if args.subspace is None:
-            raise ValueError("methods bp-subspace / szo-cge / szo-rge need --subspace NAME "
+            raise ValueError(f"methods {' / '.join(SUBSPACE_METHODS)} need --subspace NAME "
                              "(build it with the *-tta recipe or szo.adapt.subspace.build_adaptation_subspace)")
         from subspace_store import SubspaceStore
 

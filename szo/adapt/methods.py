@@ -57,6 +57,7 @@ from szo.optim.bn import BNStatsFreezer
 
 __all__ = [
     "METHODS",
+    "SUBSPACE_METHODS",
     "SETTINGS",
     "PREDICT",
     "METHOD_LABELS",
@@ -77,6 +78,8 @@ __all__ = [
 ]
 
 METHODS = ("none", "bn", "tent", "bp-subspace", "szo-cge", "szo-rge")
+#: the methods that adapt inside the adaptation subspace (they need ``subspace``)
+SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge")
 SETTINGS = ("reset", "continual")
 PREDICT = ("before", "after")
 TENT_OPTIMIZERS = ("adam", "sgd")

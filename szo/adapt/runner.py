@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, build_adapter, check_choice
+from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, build_adapter, check_choice
 from .tables import write_tables
 
 __all__ = ["run_tta", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
@@ -134,7 +134,7 @@ def run_tta(
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):
         raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
-    needs_subspace = [m for m in methods if m in ("bp-subspace", "szo-cge", "szo-rge")]
+    needs_subspace = [m for m in methods if m in SUBSPACE_METHODS]
     if needs_subspace and subspace is None:
         raise ValueError(f"methods {needs_subspace} need an adaptation subspace; build one with "
                          "szo.adapt.subspace.build_adaptation_subspace or drop them")
