@@ -35,7 +35,7 @@ import torch
 from spikingjelly.activation_based.base import MemoryModule
 from torch import nn
 
-from szo.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json
+from szo.io import atomic_save_safetensors, atomic_write_json
 
 __all__ = [
     "ADAPT_METHODS",
@@ -548,14 +548,9 @@ def _class_names() -> tuple[str, ...]:
 def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
                   n_classes: int, smooth: int = 20) -> None:
     """PNG: true label and predictions per window (top), running and sliding accuracy (bottom)."""
-    import io
+    from szo.plots import pyplot, save_figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
     smooth = max(1, min(smooth, len(next(iter(runs.values()))["windows"])))
     first = next(iter(runs.values()))["windows"]
     t = np.array([r["t_ms"] for r in first]) / 1000
@@ -582,11 +577,7 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_xlabel("stream time (s)")
     ax2.legend(loc="lower left", fontsize=7, ncol=2)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- demo
