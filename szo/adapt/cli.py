@@ -48,7 +48,7 @@ TTA_DEFAULTS: dict[str, Any] = {
     "tent_lr": 1.0e-3,
     "tent_momentum": 0.9,
     "max_batches": None,
-    "source_run": None,          # szo recipe run dir: config.yaml + model.safetensors or checkpoints/last.pt (+ trajectory/)
+    "source_run": None,          # szo recipe run dir (config.yaml, model.safetensors or last.pt, trajectory/)
     "train_source": False,       # with source_run null: BPTT-train the source here (digits-size only)
     "source_trajectory": None,   # default: <source_run>/trajectory
     "n_source": 20,              # last source-trajectory samples in the PCA
@@ -60,6 +60,7 @@ TTA_DEFAULTS: dict[str, Any] = {
         "samples": 20,
         "lr": 0.01,
         "momentum": 0.9,
+        "weight_decay": 0.0,
         "batch_size": 64,
     },
 }
@@ -95,7 +96,8 @@ def resolve_tta(cfg: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("batch_size", "severity", "n_source"):
         if isinstance(t[key], bool) or not isinstance(t[key], int) or t[key] < 1:
             raise ValueError(f"'tta.{key}' must be a positive int, got {t[key]!r}")
-    t["finetune"]["lr"] = float(t["finetune"]["lr"])
+    for key in ("lr", "momentum", "weight_decay"):
+        t["finetune"][key] = float(t["finetune"][key])
     return full
 
 
@@ -161,16 +163,23 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         if sub_cfg.get("name"):
             sub = SubspaceStore(sub_cfg.get("root")).load(sub_cfg["name"], model=source)
         else:
-            from .subspace import build_adaptation_subspace
+            from szo.pipeline import _loss
+
+            from . import subspace as adapt_subspace
 
             ft = t["finetune"]
-            from szo.pipeline import _loss
-            sub = build_adaptation_subspace(
-                source, src_traj, dataset_name=t["data"], adapt_trajectory=ft["trajectory"], run_dir=out / "finetune",
-                k=int(sub_cfg.get("k", 20)), n_source=t["n_source"], corruption=ft["corruption"],
-                severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
-                momentum=ft["momentum"], batch_size=ft["batch_size"], loss=_loss(cfg), data_dir=t["data_dir"],
-                dataset_kwargs=t["kwargs"], seed=seed, device=device, progress=progress)
+            adapt_traj, prov = ft["trajectory"], {}
+            if adapt_traj is None:  # fine-tune the source model on the corruption here
+                adapt_traj = adapt_subspace.finetune_on_corruption(
+                    source, t["data"], run_dir=out / "finetune", corruption=ft["corruption"],
+                    severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
+                    momentum=ft["momentum"], weight_decay=ft["weight_decay"], batch_size=ft["batch_size"],
+                    loss=_loss(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed, device=device,
+                    progress=progress)
+                prov = {"adapt_corruption": ft["corruption"], "adapt_severity": ft["severity"]}
+            sub = adapt_subspace.build_adaptation_subspace(
+                source, src_traj, adapt_traj, k=int(sub_cfg.get("k", 20)), n_source=t["n_source"],
+                progress=progress, provenance=prov)
             SubspaceStore(out / "subspaces").save("adapt", sub, overwrite=True)
     timings["subspace_s"] = time.perf_counter() - t1
     # 3. TTA

@@ -19,12 +19,13 @@ def tta_run(tmp_path_factory):
     from szo.adapt import subspace, tables
 
     root = tmp_path_factory.mktemp("tta")
-    cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}", "loss.lamb=0.2"])
+    cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}", "loss.lamb=0.2",
+                                              "tta.finetune.weight_decay=0.001"])
     losses = []
     finetune = subspace.finetune_on_corruption
 
     def spy(*a, **kw):
-        losses.append(kw["loss"])
+        losses.append(kw)
         return finetune(*a, **kw)
 
     written = []
@@ -75,7 +76,9 @@ def test_finetuning_uses_the_recipe_loss(tta_run):
     from szo.losses import tet_loss
 
     _, res = tta_run
-    (loss,) = res["_finetune_losses"]
+    (kw,) = res["_finetune_losses"]
+    loss = kw["loss"]
+    assert kw["weight_decay"] == 0.001  # tta.finetune.weight_decay reaches the fine-tuning
     out, y = torch.randn(2, 5, 10, generator=torch.Generator().manual_seed(0)), torch.arange(5)
     torch.testing.assert_close(loss(out, y), tet_loss(out, y, lamb=0.2, phi=1.0))  # loss.lamb, not TET's default
     assert not torch.allclose(loss(out, y), tet_loss(out, y))
@@ -88,3 +91,18 @@ def test_tta_results_written_once_with_the_timings(tta_run):
     assert set(on_disk["timings"]) == {"source_s", "subspace_s", "tta_s", "total_s"}
     assert (root / "out" / "tta_summary.md").is_file() and (root / "out" / "tta_accuracy.png").is_file()
     assert not (root / "out" / "source_model.safetensors").exists()  # the source run holds the weights
+
+
+def test_adaptation_subspace_from_both_trajectories(tta_run):
+    from subspace_store import SubspaceStore
+
+    from szo.pipeline import load_run_model
+
+    root, _ = tta_run
+    model, _ = load_run_model(root / "out" / "source")
+    sub = SubspaceStore(root / "out" / "subspaces").load("adapt", model=model)
+    assert sub.k == 2 and torch.equal(sub.reference, model.flat_params())  # starts at the source model
+    p = sub.provenance
+    assert p["adapt_corruption"] == "gaussian_noise" and p["adapt_severity"] == 5 and p["n_source"] == 2
+    assert p["source_trajectory"] == str((root / "out" / "source" / "trajectory").resolve())
+    assert p["adapt_trajectory"] == str((root / "out" / "finetune" / "trajectory").resolve())
