@@ -17,6 +17,7 @@ from .methods import (
     METHODS,
     PREDICT,
     SETTINGS,
+    SUBSPACE_METHODS,
     Adapter,
     BNAdapt,
     BPSubspaceAdapt,
@@ -32,7 +33,7 @@ from .methods import (
 from .runner import resolve_methods, resolve_settings, run_tta
 
 __all__ = [
-    "METHODS", "SETTINGS", "PREDICT", "METHOD_LABELS",
+    "METHODS", "SUBSPACE_METHODS", "SETTINGS", "PREDICT", "METHOD_LABELS",
     "Adapter", "NoAdapt", "BNAdapt", "Tent", "BPSubspaceAdapt", "SZOAdapt", "build_adapter",
     "configure_model", "configure_bn", "collect_params", "check_model",
     "run_tta", "resolve_methods", "resolve_settings",

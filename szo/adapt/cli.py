@@ -6,8 +6,10 @@ data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo
 ``szo.adapt.METHODS`` or ``all``; ``setting`` is ``reset`` | ``continual`` | ``both``; the
 ``tta`` section (``TTA_DEFAULTS``) holds the rest. :func:`run_recipe` runs
 
-1. the source model: ``tta.source_run`` (a run directory with ``checkpoints/last.pt`` and a
-   trajectory) or, with ``tta.train_source: true``, BPTT training here with ``szo.train.fit`` + trajectory recorder;
+1. the source model: ``tta.source_run`` (a ``szo recipe`` run directory: ``config.yaml`` +
+   ``model.safetensors`` or ``checkpoints/last.pt``, and a trajectory; read by
+   ``szo.pipeline.load_run_model``) or, with ``tta.train_source: true``, the BPTT stage run here
+   (``szo.pipeline.run_bptt_stage`` into ``OUT/source``, no store subspace);
 2. the adaptation subspace (``szo.adapt.subspace``): a store entry ``subspace.name`` if given,
    else fine-tuning on ``tta.finetune.corruption`` (or ``tta.finetune.trajectory``) + PCA;
 3. ``szo.adapt.runner.run_tta`` -> ``OUT/tta_results.json``, ``tta_table_*.md``,
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import time
 from pathlib import Path
@@ -25,11 +26,10 @@ from typing import Any, Mapping
 
 import torch
 
-from szo.io import atomic_save_safetensors, atomic_write_json
+from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, check_choice
+from .tables import write_tables
 
-from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, check_choice
-
-__all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source_run"]
+__all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source"]
 
 #: the ``tta`` section of a ``kind: tta`` recipe, with defaults (paper Sec. 6.3 / App. G)
 TTA_DEFAULTS: dict[str, Any] = {
@@ -48,7 +48,7 @@ TTA_DEFAULTS: dict[str, Any] = {
     "tent_lr": 1.0e-3,
     "tent_momentum": 0.9,
     "max_batches": None,
-    "source_run": None,          # run dir with checkpoints/last.pt (+ trajectory/)
+    "source_run": None,          # szo recipe run dir (config.yaml, model.safetensors or last.pt, trajectory/)
     "train_source": False,       # with source_run null: BPTT-train the source here (digits-size only)
     "source_trajectory": None,   # default: <source_run>/trajectory
     "n_source": 20,              # last source-trajectory samples in the PCA
@@ -60,6 +60,7 @@ TTA_DEFAULTS: dict[str, Any] = {
         "samples": 20,
         "lr": 0.01,
         "momentum": 0.9,
+        "weight_decay": 0.0,
         "batch_size": 64,
     },
 }
@@ -95,65 +96,36 @@ def resolve_tta(cfg: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("batch_size", "severity", "n_source"):
         if isinstance(t[key], bool) or not isinstance(t[key], int) or t[key] < 1:
             raise ValueError(f"'tta.{key}' must be a positive int, got {t[key]!r}")
-    t["finetune"]["lr"] = float(t["finetune"]["lr"])
+    for key in ("lr", "momentum", "weight_decay"):
+        t["finetune"][key] = float(t["finetune"][key])
     return full
 
 
 # --------------------------------------------------------------------------- source model
-def _model_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    from szo.data import dataset_info
-
-    m = cfg["model"]
-    kw = dict(m.get("kwargs") or {})
-    kw["num_classes"] = dataset_info(cfg["tta"]["data"]).num_classes
-    if m.get("T") is not None:
-        kw["T"] = m["T"]
-    kw["activation"] = m.get("activation", "lif")
-    return kw
-
-
 def train_source(cfg: Mapping[str, Any], run_dir: Path, device: str) -> tuple[torch.nn.Module, Path]:
-    """BPTT-train the source model on the clean ``data`` set, recording its trajectory."""
-    from szo.data import get_dataset, make_loader
-    from szo.losses import get_loss
-    from szo.models import create
-    from szo.train import TrajectoryCallback, fit
-    from szo.trajectory import TrajectoryRecorder
+    """BPTT-train the source model on the clean ``data`` set: ``szo.pipeline.run_bptt_stage``
+    (the ``kind: bp`` stage: ``data``, ``loss``, ``bptt``, ``trajectory`` and ``seed`` sections,
+    model init under ``fork_rng``; writes ``run_dir/model.safetensors``) without building a
+    store subspace (``build=False``: the adaptation subspace is built from its trajectory
+    here, nothing is written to a subspace store). Returns the model and its trajectory."""
+    from szo.pipeline import load_run_model, run_bptt_stage
 
-    b, d, lo = cfg["bptt"], cfg["data"], cfg.get("loss", {"name": "tet"})
-    gen = torch.Generator().manual_seed(int(cfg.get("seed", 0)))
-    torch.manual_seed(int(cfg.get("seed", 0)))  # model initialisation
-    model = create(cfg["model"]["name"], **_model_kwargs(cfg)).to(device)
-    kw = dict(d.get("kwargs") or {})
-    train = get_dataset(d["name"], "train", data_dir=d.get("data_dir"), download=d.get("download", False), **kw)
-    test = get_dataset(d["name"], "test", data_dir=d.get("data_dir"), download=d.get("download", False), **kw)
-    train_loader = make_loader(train, int(d.get("batch_size", 64)), shuffle=True, generator=gen)
-    test_loader = make_loader(test, int(d.get("test_batch_size", 256)), shuffle=False)
-    epochs = int(b["epochs"])
-    opt = torch.optim.SGD(model.parameters(), lr=float(b["lr"]), momentum=float(b.get("momentum", 0.9)),
-                          weight_decay=float(b.get("weight_decay", 0.0)))
-    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
-             if b.get("scheduler", "cosine") == "cosine" else None)
-    tr = cfg.get("trajectory", {})
-    recorder = TrajectoryRecorder(run_dir / "trajectory", model, every=tr.get("every", "epoch"),
-                                  record_initial=bool(tr.get("record_initial", True)))
-    loss_kw = {k: v for k, v in lo.items() if k in ("lamb", "phi")} if lo.get("name") == "tet" else {}
-    fit(model, train_loader, test_loader, opt, epochs=epochs, loss_fn=get_loss(lo.get("name", "tet"), **loss_kw),
-        scheduler=sched, device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(recorder)], generator=gen,
-        progress=bool(cfg.get("progress", True)), info={"name": f"{cfg.get('name', 'tta')}-source"})
-    return model, run_dir / "trajectory"
+    run_bptt_stage(cfg, run_dir, device=device, build=False)
+    model, _ = load_run_model(run_dir, device)
+    return model, Path(run_dir) / "trajectory"
 
 
-def load_source_run(run_dir: str | os.PathLike, model_name: str, model_kwargs: Mapping[str, Any],
-                    device: str = "cpu") -> torch.nn.Module:
-    """A source model from ``run_dir/checkpoints/last.pt`` (``torch.load(weights_only=True)``)."""
-    from szo.models import create
-    from szo.train import checkpoint_path, load_checkpoint
+def load_source(run_dir: str | os.PathLike, dataset_name: str, device: str = "cpu") -> torch.nn.Module:
+    """The model of a ``szo recipe`` run directory (``szo.pipeline.load_run_model``), checked
+    against the corrupted data set's number of classes."""
+    from szo.data import dataset_info
+    from szo.pipeline import load_run_model
 
-    model = create(model_name, **dict(model_kwargs))
-    state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")
-    model.load_state_dict(state["model"], strict=True)
-    return model.to(device)
+    model, _ = load_run_model(run_dir, device)
+    n = dataset_info(dataset_name).num_classes
+    if model.num_classes != n:
+        raise ValueError(f"source run {run_dir} has {model.num_classes} classes, the data set {dataset_name!r} {n}")
+    return model
 
 
 # --------------------------------------------------------------------------- recipe stage
@@ -169,21 +141,20 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
     # 1. source model + its trajectory
     if t["source_run"] is None:
         if not t["train_source"]:
-            raise ValueError("this recipe needs a source model: set tta.source_run=RUN_DIR (a BPTT run with "
-                             "checkpoints/last.pt and trajectory/), or tta.train_source=true to train it here")
+            raise ValueError("this recipe needs a source model: set tta.source_run=RUN_DIR (a szo recipe BPTT run "
+                             "directory: config.yaml, model.safetensors and trajectory/), or tta.train_source=true "
+                             "to train it here")
         source, src_traj = train_source(cfg, out / "source", device)
     else:
-        source = load_source_run(t["source_run"], cfg["model"]["name"], _model_kwargs(cfg), device)
+        source = load_source(t["source_run"], t["data"], device)
         src_traj = Path(t["source_trajectory"] or Path(t["source_run"]) / "trajectory")
     source.eval()
-    atomic_save_safetensors(out / "source_model.safetensors", source.state_dict(),
-                            {"model": cfg["model"]["name"], "model_kwargs": json.dumps(_model_kwargs(cfg))})
     timings["source_s"] = time.perf_counter() - t0
     # 2. adaptation subspace
     t1 = time.perf_counter()
     from .runner import resolve_methods, run_tta
 
-    methods_need_sub = any(m in ("bp-subspace", "szo-cge", "szo-rge") for m in resolve_methods(cfg["method"]))
+    methods_need_sub = any(m in SUBSPACE_METHODS for m in resolve_methods(cfg["method"]))
     sub = None
     sub_cfg = cfg.get("subspace") or {}
     if methods_need_sub:
@@ -192,16 +163,23 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         if sub_cfg.get("name"):
             sub = SubspaceStore(sub_cfg.get("root")).load(sub_cfg["name"], model=source)
         else:
-            from .subspace import build_adaptation_subspace
+            from szo.pipeline import _loss
+
+            from . import subspace as adapt_subspace
 
             ft = t["finetune"]
-            loss_name = (cfg.get("loss") or {}).get("name", "tet")
-            sub = build_adaptation_subspace(
-                source, src_traj, dataset_name=t["data"], adapt_trajectory=ft["trajectory"], run_dir=out / "finetune",
-                k=int(sub_cfg.get("k", 20)), n_source=t["n_source"], corruption=ft["corruption"],
-                severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
-                momentum=ft["momentum"], batch_size=ft["batch_size"], loss=loss_name, data_dir=t["data_dir"],
-                dataset_kwargs=t["kwargs"], seed=seed, device=device, progress=progress)
+            adapt_traj, prov = ft["trajectory"], {}
+            if adapt_traj is None:  # fine-tune the source model on the corruption here
+                adapt_traj = adapt_subspace.finetune_on_corruption(
+                    source, t["data"], run_dir=out / "finetune", corruption=ft["corruption"],
+                    severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
+                    momentum=ft["momentum"], weight_decay=ft["weight_decay"], batch_size=ft["batch_size"],
+                    loss=_loss(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed, device=device,
+                    progress=progress)
+                prov = {"adapt_corruption": ft["corruption"], "adapt_severity": ft["severity"]}
+            sub = adapt_subspace.build_adaptation_subspace(
+                source, src_traj, adapt_traj, k=int(sub_cfg.get("k", 20)), n_source=t["n_source"],
+                progress=progress, provenance=prov)
             SubspaceStore(out / "subspaces").save("adapt", sub, overwrite=True)
     timings["subspace_s"] = time.perf_counter() - t1
     # 3. TTA
@@ -213,12 +191,12 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
         q=int(szo_cfg.get("q", 10)), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
         tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
-        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress,
+        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False,
         info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})
     timings["tta_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     res["timings"] = timings
-    atomic_write_json(out / "tta_results.json", res)
+    write_tables(res, out)  # tta_results.json (with the timings), tables, tta_accuracy.png
     return res
 
 
@@ -229,9 +207,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "adapt", help="test-time adaptation on a corrupted test set (paper Sec. 6.3)",
         description="Adapt a trained source model on the 15 corruptions with none / bn / tent / bp-subspace / "
                     "szo-cge / szo-rge in the reset and/or continual setting; writes the paper's tables.")
-    p.add_argument("--source", required=True, help="source run directory (checkpoints/last.pt)")
-    p.add_argument("--model", required=True, help="model name of the source run (szo.models.names())")
-    p.add_argument("--T", type=int, default=None, help="time steps of the source model")
+    p.add_argument("--source", required=True,
+                   help="source run directory of a szo recipe run (config.yaml + model.safetensors or "
+                        "checkpoints/last.pt): the model is rebuilt from its config")
     p.add_argument("--subspace", default=None, help="adaptation subspace: store entry name")
     p.add_argument("--subspace-root", default=None, help="subspace store root (default $SZO_SUBSPACE_ROOT or ./subspaces)")
     p.add_argument("--data", default="digits-c", help="corrupted data set (digits-c, cifar10-c, cifar100-c, imagenet-c)")
@@ -257,18 +235,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """``szo adapt`` entry point."""
-    from szo.data import dataset_info
-
     from .runner import resolve_methods, run_tta
 
-    kw: dict[str, Any] = {"num_classes": dataset_info(args.data).num_classes}
-    if args.T is not None:
-        kw["T"] = args.T
-    source = load_source_run(args.source, args.model, kw, args.device)
+    source = load_source(args.source, args.data, args.device)
     sub = None
-    if any(m in ("bp-subspace", "szo-cge", "szo-rge") for m in resolve_methods(args.method)):
+    if any(m in SUBSPACE_METHODS for m in resolve_methods(args.method)):
         if args.subspace is None:
-            raise ValueError("methods bp-subspace / szo-cge / szo-rge need --subspace NAME "
+            raise ValueError(f"methods {' / '.join(SUBSPACE_METHODS)} need --subspace NAME "
                              "(build it with the *-tta recipe or szo.adapt.subspace.build_adaptation_subspace)")
         from subspace_store import SubspaceStore
 

@@ -19,6 +19,9 @@ Methods (``METHODS``):
 * ``szo-cge`` / ``szo-rge`` -- ``szo.optim.SZO``: 2k (CGE) or 2q (RGE, q=10) forward probes
   in the subspace, BN statistics frozen across the probes of a step, forward passes only.
 
+The subspace methods' optimizers come from ``szo.optim.build_optimizer`` (the same
+method -> optimizer mapping as the training recipes).
+
 All adapting methods (everything except ``none``) put the BN layers in train mode: they
 normalise with the test batch's statistics, and their running statistics keep tracking
 the test data (they are state of the adapted model, restored by ``reset``), as in the
@@ -49,11 +52,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.losses import entropy_loss
-from szo.optim import SZO, BPSubspace
+from szo.optim import build_optimizer
 from szo.optim.bn import BNStatsFreezer
 
 __all__ = [
     "METHODS",
+    "SUBSPACE_METHODS",
     "SETTINGS",
     "PREDICT",
     "METHOD_LABELS",
@@ -74,6 +78,8 @@ __all__ = [
 ]
 
 METHODS = ("none", "bn", "tent", "bp-subspace", "szo-cge", "szo-rge")
+#: the methods that adapt inside the adaptation subspace (they need ``subspace``)
+SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge")
 SETTINGS = ("reset", "continual")
 PREDICT = ("before", "after")
 TENT_OPTIMIZERS = ("adam", "sgd")
@@ -176,10 +182,6 @@ class Adapter:
         self._model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self._opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
 
-    @property
-    def uses_bp(self) -> bool:
-        return USES_BP[self.method]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Predict on ``x`` and adapt on it; returns detached outputs ``[T, N, C]``."""
         out = self._forward_and_adapt(x)
@@ -262,8 +264,6 @@ class _GradientAdapter(Adapter):
     @torch.enable_grad()
     def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         opt = self.optimizer
-        if opt is None:
-            raise ValueError(f"{type(self).__name__} was built without an optimizer")
         opt.zero_grad(set_to_none=True)
         out = self.model(x)
         loss = self.loss_fn(out)
@@ -307,27 +307,25 @@ class BPSubspaceAdapt(_GradientAdapter):
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         configure_bn(model)
         model.requires_grad_(True)
-        opt = BPSubspace(model.parameters(), subspace, lr=lr, momentum=momentum, model=model)
+        opt = build_optimizer("bp-subspace", model, subspace=subspace, lr=lr, momentum=momentum)
         super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
 
 
 class SZOAdapt(Adapter):
     """SZO: forward-only entropy minimisation in the subspace (CGE: 2k probes, RGE: 2q)."""
 
-    def __init__(self, model: nn.Module, subspace, *, estimator: str = "cge", lr: float, mu: float = 1.0,
+    def __init__(self, model: nn.Module, subspace, *, method: str = "szo-cge", lr: float, mu: float = 1.0,
                  momentum: float = 0.9, q: int = 10, generator: torch.Generator | None = None,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
-        check_choice("SZO estimator", estimator, ("cge", "rge"))
+        check_choice("SZO method", method, ("szo-cge", "szo-rge"))
         configure_bn(model)
-        opt = SZO(model.parameters(), subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q,
-                  model=model, generator=generator)
+        opt = build_optimizer(method, model, subspace=subspace, lr=lr, momentum=momentum, mu=mu, q=q,
+                              generator=generator)
         super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
-        self.method = f"szo-{estimator}"
+        self.method = method
 
     def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         opt = self.optimizer
-        if not isinstance(opt, SZO):
-            raise ValueError(f"{type(self).__name__} needs an SZO optimizer, got {type(opt).__name__}")
         out = self._clean_forward(x) if self.predict == "before" else None
         before = opt.forward_passes
         loss = opt.step(lambda: self.loss_fn(self.model(x)))
@@ -374,5 +372,5 @@ def build_adapter(
         raise ValueError(f"method {method!r} needs lr (paper App. G: 1.0 for reset, 0.1 for continual)")
     if method == "bp-subspace":
         return BPSubspaceAdapt(model, subspace, lr=lr, momentum=momentum, predict=predict, loss_fn=loss_fn)
-    return SZOAdapt(model, subspace, estimator=method.split("-")[1], lr=lr, mu=mu, momentum=momentum, q=q,
-                    generator=generator, predict=predict, loss_fn=loss_fn)
+    return SZOAdapt(model, subspace, method=method, lr=lr, mu=mu, momentum=momentum, q=q, generator=generator,
+                    predict=predict, loss_fn=loss_fn)

@@ -27,10 +27,10 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from .methods import METHODS, PREDICT, SETTINGS, TENT_OPTIMIZERS, build_adapter, check_choice
+from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, build_adapter, check_choice
 from .tables import write_tables
 
-__all__ = ["run_tta", "resolve_methods", "resolve_settings", "load_source_model", "SETTING_FREE_METHODS"]
+__all__ = ["run_tta", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
 
 #: methods whose predictions do not depend on the setting (no parameter change, batch-local)
 SETTING_FREE_METHODS = ("none", "bn")
@@ -60,21 +60,6 @@ def resolve_settings(settings: str | Sequence[str]) -> list[str]:
     return _resolve_names("setting", settings, SETTINGS, "both")
 
 
-def load_source_model(source: nn.Module | Mapping[str, Any]) -> nn.Module:
-    """The source model: an ``nn.Module`` as is, or ``{"model": name, "model_kwargs": {...},
-    "state_dict": {...}}`` built with ``szo.models.create`` and loaded (strict)."""
-    if isinstance(source, nn.Module):
-        return source
-    if not isinstance(source, Mapping) or "model" not in source or "state_dict" not in source:
-        raise ValueError("source_model_state must be an nn.Module or a mapping with keys "
-                         "'model' (registered name), 'state_dict' and optional 'model_kwargs'")
-    from szo.models import create
-
-    model = create(str(source["model"]), **dict(source.get("model_kwargs") or {}))
-    model.load_state_dict(source["state_dict"], strict=True)
-    return model
-
-
 def _model_name(model: nn.Module) -> str:
     return str(getattr(model, "model_name", type(model).__name__))
 
@@ -91,7 +76,7 @@ def _per_batch(method: str, predict: str, k: int | None, q: int) -> tuple[int, i
 
 
 def run_tta(
-    source_model_state: nn.Module | Mapping[str, Any],
+    source_model: nn.Module,
     subspace: Any,
     dataset_name: str,
     methods: str | Sequence[str],
@@ -119,12 +104,13 @@ def run_tta(
     download: bool = False,
     progress: bool = True,
     plot: bool = True,
+    write: bool = True,
     info: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Adapt and evaluate every (method, setting) on ``dataset_name`` severity ``severity``.
 
     Args:
-        source_model_state: the source model (see :func:`load_source_model`); never modified.
+        source_model: the source model; never modified (every run adapts its own copy).
         subspace: the adaptation subspace (``subspace_store.Subspace``) for bp-subspace / szo-*;
             may be None if no subspace method is run.
         methods / settings: names, ``"all"`` / ``"both"``, comma lists or lists.
@@ -133,9 +119,11 @@ def run_tta(
         predict: ``"before"`` | ``"after"`` (see ``szo.adapt.methods``).
         max_batches: adapt on at most this many batches per corruption (quick checks).
         get_data: ``corruption -> Dataset`` to use instead of ``szo.data.get_dataset``.
+        write: write the results (``szo.adapt.tables.write_tables``: ``tta_results.json``, the
+            markdown tables and, with ``plot``, ``tta_accuracy.png`` in ``out_dir``); ``False``
+            when the caller adds to the results and writes them itself (once).
 
-    Returns the results dict (also written as ``tta_results.json`` with the markdown tables and
-    ``tta_accuracy.png`` in ``out_dir``).
+    Returns the results dict.
     """
     methods = resolve_methods(methods)
     settings = resolve_settings(settings)
@@ -146,7 +134,7 @@ def run_tta(
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):
         raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
-    needs_subspace = [m for m in methods if m in ("bp-subspace", "szo-cge", "szo-rge")]
+    needs_subspace = [m for m in methods if m in SUBSPACE_METHODS]
     if needs_subspace and subspace is None:
         raise ValueError(f"methods {needs_subspace} need an adaptation subspace; build one with "
                          "szo.adapt.subspace.build_adaptation_subspace or drop them")
@@ -166,7 +154,11 @@ def run_tta(
             return get_dataset(dataset_name, "test", data_dir=data_dir, download=download, corruption=c,
                                severity=severity, **kw)
 
-    source = load_source_model(source_model_state)
+    from szo.data import make_loader
+
+    if not isinstance(source_model, nn.Module):
+        raise ValueError(f"source_model must be a torch.nn.Module, got {type(source_model).__name__}")
+    source = source_model
     source_state = {k: v.detach().clone() for k, v in source.state_dict().items()}
     k = int(subspace.basis.shape[1]) if subspace is not None else None
     datasets: dict[str, Dataset] = {}
@@ -196,8 +188,8 @@ def run_tta(
             for ci, c in enumerate(corruptions):
                 if setting == "reset" and ci > 0:
                     adapter.reset()
-                loader = torch.utils.data.DataLoader(
-                    data(c), batch_size=batch_size, shuffle=True,
+                loader = make_loader(  # time-major batches for event-frame sequences
+                    data(c), batch_size, shuffle=True,
                     generator=torch.Generator().manual_seed(int(seed) * 1000003 + zlib.crc32(c.encode())))
                 correct = seen = 0
                 total = len(loader) if max_batches is None else min(len(loader), max_batches)
@@ -258,5 +250,6 @@ def run_tta(
             **dict(info or {}),
         },
     }
-    write_tables(out, Path(out_dir), plot=plot)
+    if write:
+        write_tables(out, Path(out_dir), plot=plot)
     return out

@@ -3,21 +3,23 @@
 1. BP-fine-tune a copy of the source model, supervised, on one representative corruption
    (Gaussian noise; severity 1 for CIFAR-like data and digits, 5 for ImageNet) of the
    *training* data for a few epochs, recording ``samples`` weight vectors evenly over the
-   run (``szo.trajectory.TrajectoryRecorder`` through ``szo.train.fit``);
+   run (:func:`finetune_on_corruption`: ``szo.trajectory.TrajectoryRecorder`` through
+   ``szo.train.fit``);
 2. pool them with the last ``n_source`` samples of the source model's BPTT trajectory;
 3. centered PCA to ``k`` directions (``subspace_store.build_subspace``), with the reference
    theta_ref = the source model's parameters (adaptation starts at the source model).
+   Steps 2-3 are :func:`build_adaptation_subspace`.
 
 Step 1 needs a train split of the corrupted data set (``digits-c`` has one). For data sets
 without one (``cifar10-c``, ``cifar100-c``, ``imagenet-c`` ship test sets only) record the
-fine-tuning trajectory elsewhere and pass its directory as ``adapt_trajectory``.
+fine-tuning trajectory elsewhere and pass its directory to :func:`build_adaptation_subspace`.
 """
 from __future__ import annotations
 
 import copy
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -56,7 +58,7 @@ def finetune_on_corruption(
     momentum: float = 0.9,
     weight_decay: float = 0.0,
     batch_size: int = 64,
-    loss: str = "tet",
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "tet",
     data_dir: str | os.PathLike | None = None,
     dataset_kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,
@@ -65,6 +67,8 @@ def finetune_on_corruption(
 ) -> Path:
     """Supervised BP fine-tuning of a copy of ``source_model`` on the corrupted train split.
 
+    ``loss``: a ``szo.losses`` name (its default options) or a loss ``fn(out, y)``, e.g. a
+    recipe's ``szo.pipeline._loss(cfg)`` (TET with the recipe's lamb / phi).
     Records at least ``samples`` weight vectors (every ``epochs * steps_per_epoch // samples``
     optimizer steps, initial weights excluded) into ``run_dir/trajectory`` and returns that
     directory. The source model is not modified.
@@ -78,7 +82,8 @@ def finetune_on_corruption(
     if "train" not in info.splits:
         raise ValueError(
             f"data set {dataset_name!r} has no train split to fine-tune on (splits: {list(info.splits)}); "
-            "record a fine-tuning trajectory on its corruption yourself and pass it as adapt_trajectory")
+            "record a fine-tuning trajectory on its corruption yourself and pass it to build_adaptation_subspace "
+            "(recipes: tta.finetune.trajectory)")
     for name, v in (("epochs", epochs), ("samples", samples), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -95,7 +100,8 @@ def finetune_on_corruption(
     traj_dir = run_dir / "trajectory"
     recorder = TrajectoryRecorder(traj_dir, model, every=total // samples, record_initial=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    fit(model, loader, None, opt, epochs=epochs, loss_fn=get_loss(loss), device=device, run_dir=run_dir,
+    loss_fn = get_loss(loss) if isinstance(loss, str) else loss
+    fit(model, loader, None, opt, epochs=epochs, loss_fn=loss_fn, device=device, run_dir=run_dir,
         callbacks=[TrajectoryCallback(recorder)], generator=gen, progress=progress, plot=False,
         info={"name": f"finetune-{dataset_name}-{corruption}-{severity}"})
     return traj_dir
@@ -104,45 +110,26 @@ def finetune_on_corruption(
 def build_adaptation_subspace(
     source_model: nn.Module,
     source_trajectory: str | os.PathLike,
+    adapt_trajectory: str | os.PathLike,
     *,
-    dataset_name: str | None = None,
-    adapt_trajectory: str | os.PathLike | None = None,
-    run_dir: str | os.PathLike | None = None,
     k: int = 20,
     n_source: int = 20,
-    corruption: str = "gaussian_noise",
-    severity: int = 1,
-    epochs: int = 10,
-    samples: int = 20,
-    lr: float = 0.01,
-    momentum: float = 0.9,
-    batch_size: int = 64,
-    loss: str = "tet",
-    data_dir: str | os.PathLike | None = None,
-    dataset_kwargs: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
     progress: bool = True,
+    provenance: Mapping[str, Any] | None = None,
 ):
-    """The paper's adaptation subspace: PCA of (last ``n_source`` source samples + fine-tuning
-    samples on ``corruption``), ``k`` directions, reference = the source parameters.
+    """The paper's adaptation subspace: centered PCA of (the last ``n_source`` samples of
+    ``source_trajectory`` + the fine-tuning samples in ``adapt_trajectory``), ``k`` directions,
+    reference = the source model's parameters.
 
-    Either ``adapt_trajectory`` (an existing fine-tuning trajectory directory) or
-    ``dataset_name`` + ``run_dir`` (fine-tune here, see :func:`finetune_on_corruption`).
+    ``adapt_trajectory``: a fine-tuning trajectory directory, e.g. the one
+    :func:`finetune_on_corruption` returns. ``provenance``: extra entries for the subspace's
+    provenance (e.g. the fine-tuning corruption and severity).
     Returns a ``subspace_store.Subspace``.
     """
     from subspace_store import build_subspace
 
-    if adapt_trajectory is None:
-        if dataset_name is None or run_dir is None:
-            raise ValueError("give adapt_trajectory (a fine-tuning trajectory directory), or dataset_name "
-                             "and run_dir to fine-tune the source model on the corruption here")
-        adapt_trajectory = finetune_on_corruption(
-            source_model, dataset_name, run_dir=run_dir, corruption=corruption, severity=severity, epochs=epochs,
-            samples=samples, lr=lr, momentum=momentum, batch_size=batch_size, loss=loss, data_dir=data_dir,
-            dataset_kwargs=dataset_kwargs, seed=seed, device=device, progress=progress)
     src = source_tail(source_trajectory, n_source)
-    reference = torch.cat([p.detach().reshape(-1).float().cpu() for p in source_model.parameters()])
+    reference = source_model.flat_params().cpu()
     sub = build_subspace([src, adapt_trajectory], k, reference=reference, progress=progress)
     sub.provenance = {
         **dict(sub.provenance),
@@ -150,8 +137,7 @@ def build_adaptation_subspace(
         "source_trajectory": str(Path(source_trajectory).resolve()),
         "n_source": n_source,
         "adapt_trajectory": str(Path(adapt_trajectory).resolve()),
-        "adapt_corruption": corruption,
-        "adapt_severity": severity,
         "reference": "source model parameters",
+        **dict(provenance or {}),
     }
     return sub

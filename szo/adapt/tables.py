@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from szo.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from szo.io import atomic_write_json, atomic_write_text
 
 from .methods import METHOD_LABELS, USES_BP
 
@@ -87,17 +87,12 @@ def summary_table(results: Mapping[str, Any]) -> str:
 
 def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """PNG: accuracy per corruption for every method, one panel per setting."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from szo.plots import pyplot, save_figure
 
     corruptions = list(results["corruptions"])
     settings = list(results["results"])
     q = results.get("config", {}).get("q")
-    fig, axes = plt.subplots(len(settings), 1, figsize=(11, 3.6 * len(settings)), squeeze=False)
+    fig, axes = pyplot().subplots(len(settings), 1, figsize=(11, 3.6 * len(settings)), squeeze=False)
     xs = range(len(corruptions))
     for ax, setting in zip(axes[:, 0], settings):
         for method, r in results["results"][setting].items():
@@ -109,12 +104,8 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
         ax.set_title(f"{results['dataset']} severity {results['severity']}: {setting}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
     path = Path(path)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=110)
     return path
 
 

@@ -36,15 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from szo.data.registry import DataNotFoundError, default_data_dir
 from szo.io import atomic_write_bytes, atomic_write_json
-
-try:  # the shared error type lives in szo.data (owned by another module)
-    from szo.data import DataNotFoundError  # type: ignore[attr-defined]
-except ImportError:  # szo.data not importable yet, or it does not define it
-
-    class DataNotFoundError(FileNotFoundError):
-        """A data set is not on disk where szo expects it."""
-
 
 __all__ = [
     "CLASSES",
@@ -54,7 +47,6 @@ __all__ = [
     "DataNotFoundError",
     "EventReport",
     "validate_events",
-    "ValidateEvents",
     "EventsToFrames",
     "DVSGestureFrames",
     "get_dataset",
@@ -97,11 +89,6 @@ def _require_tonic() -> Any:
             "install it with `pip install szo[dvs]`"
         ) from e
     return tonic
-
-
-def default_data_dir() -> Path:
-    """``$SZO_DATA_DIR`` if set, else ``./data``."""
-    return Path(os.environ.get("SZO_DATA_DIR", "data"))
 
 
 # --------------------------------------------------------------------------- validation
@@ -198,17 +185,6 @@ def validate_events(
         n_unsorted=n_unsorted,
     )
     return clean, report
-
-
-@dataclass(frozen=True)
-class ValidateEvents:
-    """tonic-style transform around ``validate_events`` (the report is discarded)."""
-
-    sensor_size: tuple[int, int, int]
-    policy: str = "drop"
-
-    def __call__(self, events: np.ndarray) -> np.ndarray:
-        return validate_events(events, self.sensor_size, policy=self.policy)[0]
 
 
 # --------------------------------------------------------------------------- frames

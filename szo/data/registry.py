@@ -55,7 +55,7 @@ class DatasetInfo:
 
 
 def default_data_dir() -> Path:
-    """``$SZO_DATA_DIR`` if set, else ``./data`` (same rule as ``szo.data.dvs``)."""
+    """``$SZO_DATA_DIR`` if set, else ``./data`` (every loader's default ``data_dir``)."""
     return Path(os.environ.get("SZO_DATA_DIR", "data"))
 
 

@@ -20,6 +20,7 @@ cached under ``out_dir/source`` keyed by the training settings.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -34,7 +35,7 @@ import torch
 from spikingjelly.activation_based.base import MemoryModule
 from torch import nn
 
-from szo.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json
+from szo.io import atomic_save_safetensors, atomic_write_json
 
 __all__ = [
     "ADAPT_METHODS",
@@ -214,16 +215,6 @@ def synthetic_stream(n_gestures: int, *, seed: int, segment_us: int, sensor_size
     return events, segments, shift_at
 
 
-def _labels_at(segments: np.ndarray | None, t_us: np.ndarray) -> np.ndarray:
-    if segments is None:
-        return np.full(len(t_us), -1, dtype=np.int64)
-    idx = np.searchsorted(segments["start_us"], t_us, side="right") - 1
-    ok = idx >= 0
-    cl = np.clip(idx, 0, None)
-    ok &= t_us < segments["end_us"][cl]
-    return np.where(ok, segments["label"][cl], -1).astype(np.int64)
-
-
 # ----------------------------------------------------------------------------- source model
 @dataclass
 class SourceModel:
@@ -243,58 +234,56 @@ class SourceModel:
         return tuple(int(v) for v in self.meta["sensor_size"])  # type: ignore[return-value]
 
     def fresh_model(self) -> Any:
-        """A new copy of the source model with the saved weights (eval mode)."""
-        return _build_and_load(self.meta, self.directory)
+        """A private copy of the source model (eval mode) that a replay may adapt in place."""
+        model = copy.deepcopy(self.model)
+        model.reset_state()
+        return model.eval()
 
 
 def _build_and_load(meta: dict, directory: Path) -> Any:
+    """The model ``source.json`` describes, with ``model.safetensors`` (strict: names and shapes)."""
     from safetensors.torch import load_file
 
     from szo.models import create
 
     model = create(meta["model"], **meta["model_kwargs"])
-    state = load_file(str(directory / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{directory / 'model.safetensors'} does not fit {meta['model']}: "
-                         f"missing {missing}, unexpected {unexpected}")
-    if model.fingerprint() != meta["fingerprint"]:
-        raise ValueError(f"model fingerprint differs from {directory / 'source.json'}")
-    model.eval()
-    return model
+    try:
+        model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{directory / 'model.safetensors'} does not fit {meta['model']} "
+                         f"{meta['model_kwargs']}: {e}") from None
+    return model.eval()
 
 
 def _load_recipe_run(directory: Path) -> SourceModel:
-    """A ``szo recipe synthetic-gesture`` run directory (config.yaml + model.safetensors + store entry)."""
+    """A ``szo recipe synthetic-gesture`` run directory (config.yaml + model.safetensors + store entry),
+    its model rebuilt by ``szo.pipeline.load_run_model``."""
     import yaml
     from subspace_store import SubspaceStore
 
     from szo.data.synthetic_events import SyntheticGesture
+    from szo.pipeline import load_run_model
 
-    cfg = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8"))
-    data = cfg.get("data", {})
-    if data.get("name") != "synthetic-gesture" or cfg.get("kind") != "bp":
-        raise ValueError(f"{directory} is a recipe run of kind {cfg.get('kind')!r} on {data.get('name')!r}; the "
+    raw = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8")) or {}
+    data = raw.get("data") or {}
+    if data.get("name") != "synthetic-gesture" or raw.get("kind") != "bp":
+        raise ValueError(f"{directory} is a recipe run of kind {raw.get('kind')!r} on {data.get('name')!r}; the "
                          "demo needs a BPTT run on synthetic-gesture (szo recipe synthetic-gesture)")
     if not (directory / "model.safetensors").is_file():
         raise ValueError(f"{directory} has no model.safetensors (did the recipe finish?)")
-    kw = dict(data.get("kwargs") or {})
+    model, cfg = load_run_model(directory)
+    model.eval()
+    kw = cfg["data"]["kwargs"]
+    # the frame length the model was trained with: the data set's settings (its defaults filled in)
     ds = SyntheticGesture(n_per_class=1, **{k: v for k, v in kw.items() if k in ("T", "duration_us", "sensor_size")})
-    m = cfg["model"]
-    model_kwargs = dict(num_classes=11, T=int(m.get("T") or ds.to_frames.T), activation=m.get("activation", "lif"),
-                        in_channels=int(ds.sensor_size[2]), **(m.get("kwargs") or {}))
-    from szo.models import create
-
-    fp = create(m["name"], **model_kwargs).fingerprint()
-    meta = {"format": SOURCE_FORMAT, "version": SOURCE_VERSION, "model": m["name"], "model_kwargs": model_kwargs,
-            "fingerprint": fp, "bin_us": ds.duration_us // int(ds.to_frames.T), "sensor_size": list(ds.sensor_size),
-            "settings": {"duration_us": ds.duration_us}, "recipe": cfg.get("name")}
+    meta = {"format": SOURCE_FORMAT, "version": SOURCE_VERSION, "model": cfg["model"]["name"],
+            "bin_us": ds.duration_us // int(ds.to_frames.T), "sensor_size": list(ds.sensor_size),
+            "settings": {"duration_us": ds.duration_us}, "recipe": cfg["name"]}
     results = directory / "results.json"
     if results.is_file():
         meta["test_acc"] = json.loads(results.read_text(encoding="utf-8")).get("final_test_acc")
-    model = _build_and_load(meta, directory)
-    sub = cfg.get("subspace", {})
-    subspace = SubspaceStore(sub.get("root")).load(sub["name"], model=model)
+    sub = cfg["subspace"]
+    subspace = SubspaceStore(sub["root"]).load(sub["name"], model=model)
     return SourceModel(model=model, subspace=subspace, meta=meta, directory=directory)
 
 
@@ -326,7 +315,7 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     Reuses ``directory`` when it already holds a model trained with the same settings.
     """
     from subspace_store import SubspaceStore, build_subspace
-    from szo.data.registry import collate_time_major
+    from szo.data import make_loader
     from szo.data.synthetic_events import SyntheticGesture
     from szo.losses import tet_loss
     from szo.models import create
@@ -358,13 +347,8 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     train_ds = SyntheticGesture(n_per_class=s.n_train_per_class, split="train", **kw)
     test_ds = SyntheticGesture(n_per_class=s.n_test_per_class, split="test", **kw)
 
-    def tensors(ds: SyntheticGesture) -> torch.utils.data.TensorDataset:
-        xs = torch.stack([ds[i][0] for i in range(len(ds))])  # [N, T, P, H, W]
-        return torch.utils.data.TensorDataset(xs, torch.tensor(ds.targets))
-
-    train_loader = torch.utils.data.DataLoader(tensors(train_ds), batch_size=s.batch_size, shuffle=True,
-                                               generator=gen, collate_fn=collate_time_major)
-    test_loader = torch.utils.data.DataLoader(tensors(test_ds), batch_size=64, collate_fn=collate_time_major)
+    train_loader = make_loader(train_ds, s.batch_size, shuffle=True, generator=gen)  # frames cached by the data set
+    test_loader = make_loader(test_ds, 64, shuffle=False)
     model_kwargs = dict(num_classes=n_classes, T=s.T, in_channels=int(s.sensor_size[2]), width=s.width)
     model = create(s.model, **model_kwargs)
     recorder = TrajectoryRecorder(directory / "trajectory", model, every=s.record_every_steps)
@@ -375,16 +359,13 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     subspace = build_subspace([directory / "trajectory"], s.k, reference="last", progress=False)
     SubspaceStore(directory / "subspaces").save(SUBSPACE_NAME, subspace, overwrite=True)
     model.eval()
-    atomic_save_safetensors(directory / "model.safetensors", {k: v for k, v in model.state_dict().items()},
+    atomic_save_safetensors(directory / "model.safetensors", model.state_dict(),
                             {"model": s.model})
-    test_acc = summary.get("final_test_acc", summary.get("test_acc"))
-    if test_acc is None:
-        test_acc = _evaluate(model, test_loader)
     meta = {
         "format": SOURCE_FORMAT, "version": SOURCE_VERSION, "settings_key": settings.key(),
         "settings": asdict(settings), "model": s.model, "model_kwargs": model_kwargs,
         "fingerprint": model.fingerprint(), "bin_us": s.duration_us // s.T,
-        "sensor_size": list(s.sensor_size), "test_acc": float(test_acc),
+        "sensor_size": list(s.sensor_size), "test_acc": float(summary["final_test_acc"]),
         "n_trajectory_samples": len(recorder), "k": s.k,
         "train_seconds": round(time.perf_counter() - t_start, 2),
     }
@@ -392,16 +373,6 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     log(f"source model: trained in {meta['train_seconds']:.1f}s, test acc {meta['test_acc']:.3f}, "
         f"subspace k={s.k} from {meta['n_trajectory_samples']} trajectory samples -> {directory}")
     return SourceModel(model=model, subspace=subspace, meta=meta, directory=directory)
-
-
-@torch.no_grad()
-def _evaluate(model: Any, loader: Any) -> float:
-    model.eval()
-    correct = n = 0
-    for x, y in loader:
-        correct += int((model(x).mean(0).argmax(1) == y).sum())
-        n += len(y)
-    return correct / max(n, 1)
 
 
 # ----------------------------------------------------------------------------- on-line loop
@@ -437,16 +408,15 @@ class OnlineClassifier:
 
     def __init__(self, model: Any, subspace: Any, settings: StreamSettings) -> None:
         from szo.losses import entropy_loss, tet_loss
-        from szo.optim import SZO
+        from szo.optim import build_optimizer
 
         self.model = model
         self.settings = settings
         self.opt = None
         if settings.adapt != "none":
-            est = {"szo-cge": "cge", "szo-rge": "rge"}[settings.adapt]
-            self.opt = SZO(model.parameters(), subspace, mu=settings.mu, lr=settings.lr,
-                           momentum=settings.momentum, estimator=est, q=settings.q, model=model,
-                           generator=torch.Generator().manual_seed(settings.seed))
+            self.opt = build_optimizer(settings.adapt, model, subspace=subspace, lr=settings.lr,
+                                       momentum=settings.momentum, mu=settings.mu, q=settings.q,
+                                       generator=torch.Generator().manual_seed(settings.seed))
         self._entropy, self._tet = entropy_loss, tet_loss
         self._buffer: list[tuple[torch.Tensor, list[dict[str, Any]], int]] = []
 
@@ -498,6 +468,8 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
            t_start: int | None = None, t_end: int | None = None, shift_at: int | None = None,
            print_every: int = 0, name: str = "", log: Callable[[str], None] = print) -> dict:
     """Feed the stream window by window; returns per-window records and the summary numbers."""
+    from szo.data.synthetic_events import segment_labels_at
+
     if window_us % bin_us:
         raise ValueError(f"window ({window_us / 1000:g} ms) must be a multiple of the model's frame length "
                          f"({bin_us / 1000:g} ms)")
@@ -511,7 +483,8 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
     starts = np.arange(t0, t1, window_us, dtype=np.int64)
     if len(starts) == 0:
         raise ValueError("the stream holds no complete window (no events / empty time range)")
-    labels = _labels_at(segments, starts + window_us // 2)
+    labels = (segment_labels_at(segments, starts + window_us // 2) if segments is not None
+              else np.full(len(starts), -1, dtype=np.int64))
     names = _class_names()
     recs: list[dict] = []
     n_lab = n_ok = 0
@@ -575,14 +548,9 @@ def _class_names() -> tuple[str, ...]:
 def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
                   n_classes: int, smooth: int = 20) -> None:
     """PNG: true label and predictions per window (top), running and sliding accuracy (bottom)."""
-    import io
+    from szo.plots import pyplot, save_figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
     smooth = max(1, min(smooth, len(next(iter(runs.values()))["windows"])))
     first = next(iter(runs.values()))["windows"]
     t = np.array([r["t_ms"] for r in first]) / 1000
@@ -609,11 +577,7 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_xlabel("stream time (s)")
     ax2.legend(loc="lower left", fontsize=7, ncol=2)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- demo
@@ -644,8 +608,8 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
             raise ValueError("--labels-file is only for a FILE source")
         shift = DEFAULT_SHIFT if shift is None else shift
         events, segments, shift_at = synthetic_stream(
-            n_gestures, seed=stream.seed, segment_us=int(src.meta["settings"]["duration_us"])
-            if "settings" in src.meta else 500_000, sensor_size=src.sensor_size, shift=shift)
+            n_gestures, seed=stream.seed, segment_us=int(src.meta["settings"]["duration_us"]),
+            sensor_size=src.sensor_size, shift=shift)
         sensor = src.sensor_size
     else:
         sensor = tuple(sensor_size) if sensor_size is not None else src.sensor_size
@@ -681,7 +645,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
         "wall_seconds": None,
     }
     plot_timeline(out_dir / "timeline.png", runs, shift_at_s=summary["shift_at_s"],
-                  n_classes=int(src.meta["model_kwargs"]["num_classes"]))
+                  n_classes=int(src.model.num_classes))
     atomic_write_json(out_dir / "windows.json", {k: v["windows"] for k, v in runs.items()})
     summary["wall_seconds"] = round(time.perf_counter() - t_wall, 2)
     atomic_write_json(out_dir / "summary.json", summary)

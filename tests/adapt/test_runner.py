@@ -136,3 +136,18 @@ def test_recipe_without_source_gives_clear_error(tmp_path):
         run_recipe(cfg, tmp_path, "cpu")
     with pytest.raises(ValueError, match="unknown method 'tent2'"):
         run_recipe(dict(cfg, method="tent2"), tmp_path, "cpu")
+
+
+def test_event_sequences_reach_the_model_time_major(tmp_path):
+    """Sequence items [T, C, H, W] are batched [T, N, C, H, W] (szo.data.make_loader), as the models take them."""
+    from szo.models import create
+
+    model = create("spike_convnet", num_classes=11, T=3, in_channels=2, width=4)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(tuple(a[0].shape)))
+    g = torch.Generator().manual_seed(0)
+    seq = TensorDataset(torch.rand(5, 3, 2, 8, 8, generator=g), torch.randint(0, 11, (5,), generator=g))
+    res = run_tta(model, None, "dvs-gesture", "none", "reset", batch_size=4, out_dir=tmp_path,
+                  corruptions=["gaussian_noise"], get_data=lambda c: seq, progress=False, plot=False)
+    assert seen == [(3, 4, 2, 8, 8), (3, 1, 2, 8, 8)]
+    assert res["results"]["reset"]["none"]["samples"] == {"gaussian_noise": 5}

@@ -191,3 +191,10 @@ def test_events_to_frames_never_crashes_on_bad_content():
     expected = to_frames(good)
     np.testing.assert_array_equal(to_frames(mixed), expected)
     assert expected.dtype == np.float32 and expected.sum() > 0
+
+
+def test_error_type_and_data_dir_are_the_registry_ones():
+    import szo.data
+
+    assert dvs.DataNotFoundError is szo.data.DataNotFoundError  # `except szo.data.DataNotFoundError` catches DVS too
+    assert dvs.default_data_dir is szo.data.default_data_dir

@@ -134,3 +134,26 @@ def test_bad_dataset_and_stream_options():
         se.stream([0], segment_us=100_000, rng=np.random.default_rng(0), shift_at=0, shift=dict(nois=1.0))
     with pytest.raises(ValueError, match="shift_at"):
         se.stream([0], segment_us=100_000, rng=np.random.default_rng(0), shift=dict(speed=2.0))
+
+
+def test_frames_cached_per_index(monkeypatch):
+    kw = dict(T=4, duration_us=50_000)
+    ds = se.SyntheticGesture(1, "train", **kw)
+    calls = []
+    orig = se.SyntheticGesture.events
+    monkeypatch.setattr(se.SyntheticGesture, "events", lambda self, i: calls.append(i) or orig(self, i))
+    x, y = ds[2]
+    x[:] = -1.0  # items are copies: changing one leaves the cached frames alone
+    x2, y2 = ds[2]
+    assert calls == [2] and y == y2 == 2
+    assert torch.equal(ds[-9][0], x2) and calls == [2]  # a negative index hits the same entry
+    off = se.SyntheticGesture(1, "train", cache=False, **kw)
+    assert torch.equal(off[2][0], x2) and x2.min() >= 0 and x2.sum() > 0
+    off[2]
+    assert calls == [2, 2, 2]  # cache=False simulates on every access
+    assert se.get_dataset("test", n_per_class=1, cache=False, **kw)._frames is None
+
+
+def test_segment_labels_at_without_segments():
+    none = np.empty(0, dtype=se.SEGMENT_DTYPE)  # e.g. a labels file with no rows
+    assert list(se.segment_labels_at(none, [0, 5])) == [-1, -1]

@@ -158,3 +158,15 @@ def test_model_dir_can_be_a_recipe_run(source, tmp_path):
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="synthetic-gesture"):
         ds.load_source_model(run)
+
+
+def test_source_dir_whose_weights_do_not_fit_is_one_clear_error(source, tmp_path):
+    import shutil
+
+    d = tmp_path / "src"
+    shutil.copytree(source.directory, d)
+    meta = json.loads((d / "source.json").read_text())
+    meta["model_kwargs"]["width"] = 8
+    (d / "source.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="model.safetensors does not fit spike_convnet"):
+        ds.load_source_model(d)
