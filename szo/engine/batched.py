@@ -46,6 +46,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
 from ..models.streaming import _bn_momentum
+from ..optim.bn import BNStatsFreezer
 
 __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "BatchedPlanEvaluator",
            "available_memory_bytes"]
@@ -202,6 +203,7 @@ class BatchedEvaluator:
         self.memory_fraction = memory_fraction
         self.model = model
         self.loss_fn = loss_fn
+        self._bn = BNStatsFreezer(model)
         owner = {}
         for mname, mod in model.named_modules():
             own = list(mod.named_parameters(recurse=False))
@@ -383,10 +385,11 @@ class BatchedEvaluator:
                     acc[0] += s_mean
                     acc[1] += s_var
             self.forward_passes += ctx.m
-        for mod, (s_mean, s_var) in bn_sums.items():
-            mod.running_mean.copy_(s_mean / m)
-            mod.running_var.copy_(s_var / m)
-            mod.num_batches_tracked.add_(1)
+        # one BN update with the mean over the m copies: the optimizer's BNStatsFreezer does the
+        # arithmetic (snapshot + per-copy sums + commit), the same as for the sequential loop
+        self._bn.snapshot()
+        self._bn.add_probe_sums(bn_sums, m)
+        self._bn.commit()
         return losses
 
     def _folded_forward(self, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,21 @@ class BNStatsFreezer:
         self._count += 1
 
     @torch.no_grad()
+    def add_probe_sums(self, sums: dict, count: int) -> None:
+        """``accumulate()`` for ``count`` probes evaluated elsewhere (``szo.engine``, which keeps
+        one copy of the statistics per folded probe): ``sums[layer] = (sum over the probes of the
+        running_mean, of the running_var)`` that layer produced from the snapshot. A layer not in
+        ``sums`` (eval mode) adds ``count`` times its current statistics, as ``accumulate`` would."""
+        for m, (s_mean, s_var) in zip(self.layers, self._sum):
+            if m in sums:
+                s_mean.add_(sums[m][0])
+                s_var.add_(sums[m][1])
+            else:
+                s_mean.add_(m.running_mean, alpha=count)
+                s_var.add_(m.running_var, alpha=count)
+        self._count += count
+
+    @torch.no_grad()
     def commit(self, distributed: bool = False, process_group=None) -> int:
         """Running stats := mean over probes (one BN update per step); or the snapshot if no probe ran.
 
@@ -94,7 +109,12 @@ class BNStatsFreezer:
         if count == 0 or not self.active:
             self.restore()
             return sent
-        for m, (s_mean, s_var), (_, _, n) in zip(self.layers, self._sum, self._saved):
+        for m, (s_mean, s_var), (mean0, var0, n) in zip(self.layers, self._sum, self._saved):
+            if not m.training:  # eval mode: a forward leaves its statistics alone; keep them bit-exact
+                m.running_mean.copy_(mean0)
+                m.running_var.copy_(var0)
+                m.num_batches_tracked.copy_(n)
+                continue
             m.running_mean.copy_(s_mean / count)
             m.running_var.copy_(s_var / count)
             m.num_batches_tracked.copy_(n + 1)

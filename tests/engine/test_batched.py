@@ -295,3 +295,19 @@ def test_batched_equals_loop_with_cumulative_average_bn(time_chunk):
     for k in bn_loop:
         torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
     assert int(model.bn1.num_batches_tracked) == 4
+
+
+def test_mixed_eval_and_train_bn_same_statistics_as_loop():
+    # an eval-mode BN layer keeps its statistics (and num_batches_tracked) bit-exact in both
+    # engines; the loop used to bump its counter and rewrite it as sum / count
+    model, opt, x, y = _setup("spike_convnet")
+    model.bn1.eval()
+    U, _ = opt.probe_plan()
+    before = _bn_state(model)
+    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U)
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
+    for k in ("bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"):
+        assert torch.equal(bn_loop[k], before[k]) and torch.equal(bn_batched[k], before[k]), k
+    assert int(bn_loop["bn2.num_batches_tracked"]) == int(bn_batched["bn2.num_batches_tracked"]) == 1
+    for k in ("bn2.running_mean", "bn2.running_var"):
+        torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-7)
