@@ -176,6 +176,7 @@ class FixedPointNetwork(SpikingModel):
         self.reset_override = reset
         self.record = bool(record)  # keep every synaptic current / spike tensor of the last forward in last_record
         self.last_record: dict[str, torch.Tensor] = {}
+        self.last_record_lava_rounding: dict[str, torch.Tensor] = {}  # "szo": the same sums floor-shifted as Lava
         if model._parameters:
             raise _unsupported("<root>", type(model).__name__, "parameters registered directly on the model")
         for name, child in model.named_children():
@@ -324,6 +325,7 @@ class FixedPointNetwork(SpikingModel):
         env: dict[fx.Node, _Val] = {}
         self.last_stats = {}
         self.last_record = {}
+        self.last_record_lava_rounding = {}
         result = None
         for node in self.graph.nodes:
             if node.op == "placeholder":
@@ -453,6 +455,9 @@ class FixedPointNetwork(SpikingModel):
                 cur = cur + bias
             cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
             bias = None
+            if self.record:  # what Lava's Dense makes of the same sum (floor shift to a_out, << 6)
+                lava = floor_shift(acc, e - x.frac + STATE_SHIFT - A_IN_SHIFT) << A_IN_SHIFT
+                self.last_record_lava_rounding[path] = lava.view(T, N, *lava.shape[1:])
         else:  # Lava PyDenseModelBitAcc: a_out = acc shifted by the weight exponent, floor for negative ones
             a_out = floor_shift(acc, e - x.frac + STATE_SHIFT - A_IN_SHIFT)
             lo, hi = int_range(16)  # Lava declares a_out / a_in 16-bit but does not clip: count, do not change
