@@ -65,6 +65,10 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
         return 0
     print(f"{cfg['name']} [{s.get('label')}] done in {out}: max test acc {100 * acc:.2f}% at epoch "
           f"{s.get('converged_epoch')}, #FP {s.get('fp')}, #BP {s.get('bp')}")
+    conv = s.get("conversion")
+    if conv and "arithmetics" in conv:  # backend fixed: the pretrained model in both integer arithmetics
+        runs = "; ".join(f"{k} {100 * r['test_acc']:.2f}%" for k, r in conv["arithmetics"].items())
+        print(f"  pretrained model, test acc: float {100 * conv['float_test_acc']:.2f}%; {runs}")
     return 0
 
 

@@ -52,6 +52,8 @@ REFERENCES = ("first", "last")
 BACKENDS = ("float", "fixed")  # = szo.hw.BACKENDS
 BN_STATS = ("batch", "deployed")
 HW_LEARNERS = ("float", "integer")  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
+HW_ARITHMETICS = ("szo", "loihi")  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's bit-accurate LIF/Dense
+HW_RESETS = ("subtract", "zero")  # = szo.hw.neuron.RESETS (null: each LIF's own)
 DIST_MODES = ("data", "perturbation")  # = szo.distributed.MODES
 
 _STAGE = {
@@ -89,8 +91,10 @@ DEFAULTS: dict[str, Any] = {
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
     "backend": "float",
     "bn_stats": "batch",
+    # hw.arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
+    # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); hw.reset: null keeps each LIF's reset, zero = standard Loihi LIF
     "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
-           "ref_bits": 16},
+           "ref_bits": 16, "arithmetic": "szo", "reset": None},
     # multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process
     "distributed": {"mode": "data", "sync_bn": True, "timeout_s": 300.0},
 }
@@ -112,6 +116,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "backend": (_STR, False), "bn_stats": (_STR, False),
     "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
+    "hw.arithmetic": (_STR, False), "hw.reset": (_STR, True),
     "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
     "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
     "szo.engine": (_STR, False), "szo.chunk": (_INT, True),
@@ -375,7 +380,13 @@ def _check_hw(full: Mapping[str, Any]) -> None:
     _choice(full, "backend", BACKENDS)
     _choice(full, "bn_stats", BN_STATS)
     _choice(full, "hw.learner", HW_LEARNERS)
+    _choice(full, "hw.arithmetic", HW_ARITHMETICS)
     hw = full["hw"]
+    if hw["reset"] is not None:
+        _choice(full, "hw.reset", HW_RESETS)
+    if full["backend"] != "fixed" and (hw["arithmetic"] != "szo" or hw["reset"] is not None):
+        raise ValueError("hw.arithmetic / hw.reset choose the integer arithmetic of backend 'fixed'; with backend "
+                         f"{full['backend']!r} leave them at 'szo' / null")
     for key in ("weight_bits", "basis_bits"):
         if hw[key] is not None and not 2 <= hw[key] <= 16:
             raise ValueError(f"'hw.{key}' must be an int in [2, 16] (e.g. 8 or 4){' or null' if key == 'basis_bits' else ''}, "

@@ -197,15 +197,29 @@ def _source_state(cfg: Mapping[str, Any], sub) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN)."""
+    """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN).
+
+    ``fixed_test_acc`` is the configured ``hw.arithmetic`` / ``hw.reset``; ``arithmetics`` has
+    both arithmetics with each LIF's own reset and with the standard Loihi LIF's hard reset.
+    """
     from szo.hw import to_fixed
     from szo.hw.train import evaluate_fixed
     from szo.train import evaluate
 
+    hw = cfg["hw"]
     _, acc_float = evaluate(model, test_loader, _loss(cfg))
-    net = to_fixed(model, weight_bits=cfg["hw"]["weight_bits"])
-    acc_fixed = evaluate_fixed(net, test_loader)
-    return {"float_test_acc": acc_float, "fixed_test_acc": acc_fixed, "saturations": net.counter.total()}
+    runs = {}
+    for arithmetic in ("szo", "loihi"):
+        for reset in (None, "zero"):
+            net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=arithmetic, reset=reset)
+            runs[f"{arithmetic}, reset={reset or 'own'}"] = {
+                "test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
+    chosen = runs[f"{hw['arithmetic']}, reset={hw['reset'] or 'own'}"]
+    if hw["reset"] == "subtract":  # not among the four above
+        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset="subtract")
+        chosen = {"test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
+    return {"float_test_acc": acc_float, "fixed_test_acc": chosen["test_acc"], "saturations": chosen["overflows"],
+            "arithmetic": hw["arithmetic"], "reset": hw["reset"], "arithmetics": runs}
 
 
 def _parallel(cfg: Mapping[str, Any]):
@@ -281,7 +295,7 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
         from szo.hw import to_fixed
         from szo.hw.train import basis_error, quantized_subspace
 
-        net = to_fixed(model, weight_bits=hw["weight_bits"])
+        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset=hw["reset"])
         extra["hw"] = dict(hw)
         if hw["basis_bits"] is not None:
             if hw["learner"] == "float":

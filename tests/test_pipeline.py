@@ -119,6 +119,12 @@ def test_fixed_backend_recipe_converts_and_trains_through_integer_forward(bp_run
     assert s["fp"] == 2 * 2 * 2 and s["label"] == "SZO-RGE(q=2)"
     ck = torch.load(root / "fixed-int" / "checkpoints" / "last.pt", weights_only=True)
     assert ck["optimizer"]["on_chip"]["c"].dtype == torch.int64
+    # both arithmetics reported at conversion; training through the Lava-exact one with hard reset
+    assert set(conv["arithmetics"]) == {"szo, reset=own", "szo, reset=zero", "loihi, reset=own", "loihi, reset=zero"}
+    assert conv["fixed_test_acc"] == conv["arithmetics"]["szo, reset=own"]["test_acc"]
+    s = run_recipe(load_recipe("digits-fixed", small + ["hw.arithmetic=loihi", "hw.reset=zero"]), root / "fixed-loihi")
+    assert (s["hw"]["arithmetic"], s["hw"]["reset"]) == ("loihi", "zero") and s["fp"] == 2 * 2 * 6
+    assert s["conversion"]["fixed_test_acc"] == s["conversion"]["arithmetics"]["loihi, reset=zero"]["test_acc"]
 
 
 def test_fixed_backend_bad_combinations_are_one_clear_error():
@@ -130,6 +136,20 @@ def test_fixed_backend_bad_combinations_are_one_clear_error():
         load_recipe("digits-scratch", ["hw.learner=integer"])
     with pytest.raises(ValueError, match="invalid backend 'loihi'; valid: float, fixed"):
         load_recipe("digits-scratch", ["backend=loihi"])
+    with pytest.raises(ValueError, match="invalid hw.arithmetic 'lava'; valid: szo, loihi"):
+        load_recipe("digits-fixed", ["hw.arithmetic=lava"])
+    with pytest.raises(ValueError, match="invalid hw.reset 'hard'; valid: subtract, zero"):
+        load_recipe("digits-fixed", ["hw.reset=hard"])
+    with pytest.raises(ValueError, match="with backend 'float' leave them at 'szo' / null"):
+        load_recipe("digits-fixed", ["backend=float", "hw.arithmetic=loihi"])
+
+
+def test_config_hw_choices_are_the_backends():
+    from szo import config
+    from szo.hw.fixed import ARITHMETICS
+    from szo.hw.neuron import RESETS
+
+    assert config.HW_ARITHMETICS == ARITHMETICS and config.HW_RESETS == RESETS
 
 
 def test_event_frame_recipe_batches_are_time_major(tmp_path):

@@ -226,3 +226,61 @@ def test_reset_override_and_bad_arithmetic():
     with pytest.raises(ValueError, match="sn1.*loihi arithmetic.*tau > 1"):
         to_fixed(m, arithmetic="loihi")
     assert to_fixed(m, arithmetic="szo")._neurons["sn1"].voltage_decay_int == 4096
+
+
+def _conv_as_dense(w_int: torch.Tensor, conv: torch.nn.Conv2d, in_shape: tuple[int, int, int]) -> np.ndarray:
+    """The convolution as the weight matrix of a Lava Dense (Toeplitz, channel-major flattening)."""
+    n_in = int(np.prod(in_shape))
+    basis = torch.eye(n_in, dtype=torch.float64).view(n_in, *in_shape)
+    cols = torch.nn.functional.conv2d(basis, w_int.to(torch.float64), None, conv.stride, conv.padding)
+    return cols.reshape(n_in, -1).t().round().to(torch.int64).numpy()
+
+
+def test_loihi_convnet_bit_exact_with_lava_dense_chain():
+    """spike_convnet (conv-BN-LIF x2, 2x2 sum pool, fc) with hard reset against Lava Dense/LIF over 300 steps.
+
+    Each conv is the Dense of its Toeplitz matrix (Lava's bit-accurate synapse; its Conv model
+    is not tagged bit-accurate); the sum pool is computed on the LIF2 spikes and sent as graded
+    counts to the fc Dense. Three Dense stages: the readout is 3 steps late in Lava.
+    """
+    from szo.models import create
+
+    torch.manual_seed(0)
+    m = create("spike_convnet", T=4, width=4).eval()
+    with torch.no_grad():
+        m.conv1.weight.mul_(4.0)
+        m.conv2.weight.mul_(3.0)
+        m.bn1.running_mean.fill_(0.1)
+        m.bn2.running_var.fill_(0.5)
+        m.fc.weight.mul_(4.0)
+    T = 300
+    g = torch.Generator().manual_seed(1)
+    x_int = torch.randint(-40, 160, (T, 1, 1, 8, 8), generator=g)
+    net = to_fixed(m, arithmetic="loihi", reset="zero")
+    ours = (net(x_int.to(torch.float32) / 64) * 4096).round().to(torch.int64)[:, 0].numpy()
+    q = net.quantized_layers()
+    assert all(q[p]["exp"] + 6 - (6 if p == "conv1" else 0) - 1 < 0 for p in q)  # every Lava exponent negative
+
+    def lif(path: str, bias_int: torch.Tensor, hw: int) -> LavaLIF:
+        mant, exp = _bias_parts(bias_int.repeat_interleave(hw))
+        return LavaLIF(mant.size, bias_mant=mant, bias_exp=exp, **net._neurons[path].lava_params())
+
+    d1 = LavaDense(2 * _conv_as_dense(q["conv1"]["w_int"], m.conv1, (1, 8, 8)), q["conv1"]["exp"] - 1,
+                   num_message_bits=16)
+    l1 = lif("sn1", q["conv1"]["bias_int"], 64)
+    d2 = LavaDense(2 * _conv_as_dense(q["conv2"]["w_int"], m.conv2, (4, 8, 8)), q["conv2"]["exp"] + 5)
+    l2 = lif("sn2", q["conv2"]["bias_int"], 64)
+    d3 = LavaDense(2 * q["fc"]["w_int"].numpy(), q["fc"]["exp"] + 5, num_message_bits=16)
+    ref = np.zeros_like(ours)
+    n1 = n2 = 0
+    for t in range(T + 3):
+        x_t = x_int[t, 0].reshape(-1).numpy() if t < T else np.zeros(64, np.int64)
+        s1 = l1.run_spk(d1.run_spk(x_t))
+        s2 = l2.run_spk(d2.run_spk(s1))
+        n1, n2 = n1 + int(s1.sum()), n2 + int(s2.sum())
+        pooled = s2.reshape(4, 4, 2, 4, 2).sum(axis=(2, 4)).reshape(-1)  # 8x8 -> 4x4 sum pool of the spikes
+        a3 = d3.run_spk(pooled)
+        if t >= 3:
+            ref[t - 3] = (a3.astype(np.int64) << 6) + q["fc"]["bias_int"].numpy()
+    assert np.array_equal(ours, ref)
+    assert 0 < n1 < T * 256 and 0 < n2 < T * 256  # both layers spike, neither saturates
