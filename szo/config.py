@@ -52,7 +52,7 @@ REFERENCES = ("first", "last")
 BACKENDS = ("float", "fixed")  # = szo.hw.BACKENDS
 BN_STATS = ("batch", "deployed")
 HW_LEARNERS = ("float", "integer")  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
-HW_ARITHMETICS = ("szo", "loihi")  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's bit-accurate LIF/Dense
+HW_ARITHMETICS = ("szo", "loihi")  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
 HW_RESETS = ("subtract", "zero")  # = szo.hw.neuron.RESETS (null: each LIF's own)
 DIST_MODES = ("data", "perturbation")  # = szo.distributed.MODES
 

@@ -72,7 +72,8 @@ A_IN_SHIFT: int = 6
 a Dense output ``a`` is ``a << 6`` state units, so ``STATE_SHIFT = WGT_SHIFT + A_IN_SHIFT``."""
 
 ARITHMETICS: tuple[str, ...] = ("szo", "loihi")
-"""``"szo"``: saturating, exact synaptic shifts; ``"loihi"``: bit-exact with Lava's PyLifModelBitAcc / PyDenseModelBitAcc."""
+"""``"szo"``: saturating, exact synaptic shifts; ``"loihi"``: bit-exact with Lava's PyLifModelBitAcc /
+PyDenseModelBitAcc."""
 
 
 def check_arithmetic(arithmetic: object) -> str:

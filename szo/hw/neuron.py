@@ -196,8 +196,9 @@ class FixedCubaLIF(CubaLIFBase):
         ValueError where Lava's registers cannot hold the parameters.
         """
         if self.current_decay_int < LAVA_DS_OFFSET:
-            raise ValueError(f"current_decay {self.current_decay!r} -> {self.current_decay_int}/4096: Lava's LIF decays the "
-                             f"current by du + {LAVA_DS_OFFSET} (ds_offset), so the smallest current decay is 1/4096")
+            raise ValueError(f"current_decay {self.current_decay!r} -> {self.current_decay_int}/4096: Lava's LIF "
+                             f"decays the current by du + {LAVA_DS_OFFSET} (ds_offset), so the smallest current "
+                             "decay is 1/4096")
         if self.voltage_decay_int - LAVA_DM_OFFSET > (1 << DECAY_SHIFT) - 1:
             raise ValueError(f"voltage_decay {self.voltage_decay!r} -> {self.voltage_decay_int}/4096: Lava's 12-bit dv "
                              "register holds 0..4095 (dm_offset 0), so a full voltage leak (tau = 1) is not "

@@ -182,7 +182,8 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
 
     Only the first synapse sees identical inputs in both; deeper layers also differ because their
     input spikes do. ``rounding_only_*``: Lava's floor shift applied to szo's own synaptic sums
-    (the rounding alone, same inputs).
+    (the rounding alone, same inputs). ``reset_layers``: spikes that differ between each LIF's own
+    (soft) reset and the hard reset, both in the loihi arithmetic.
     """
     runs = {a: to_fixed(model, precision=precision, arithmetic=a, record=True) for a in ARITHMETICS}
     runs["loihi, reset=zero"] = to_fixed(model, precision=precision, arithmetic="loihi", reset="zero", record=True)
@@ -206,6 +207,13 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
             row["rounding_only_differ_fraction"] = float((ra != same).double().mean())
             row["rounding_only_max_abs_diff"] = float((ra - same).abs().max()) / (1 << 12) if ra.numel() else 0.0
         out["layers"].append(row)
+    hard = runs["loihi, reset=zero"]  # what the standard LIF's hard reset changes (same arithmetic)
+    out["reset_layers"] = []
+    for p, n in b._neurons.items():
+        if n.reset != "zero":
+            own, zero = b.last_record[p], hard.last_record[p]
+            out["reset_layers"].append({"layer": p, "differ_fraction": float((own != zero).double().mean()),
+                                        "spikes_own_reset": int(own.sum()), "spikes_hard_reset": int(zero.sum())})
     return out
 
 
@@ -354,6 +362,12 @@ def _arithmetics_markdown(rep: dict[str, Any]) -> list[str]:
             lines.append(f"| {r['layer']} | {r['quantity']} | {100 * r['differ_fraction']:.2f} % | "
                          f"{_fmt(r.get('max_abs_diff'))} | {'-' if same is None else f'{100 * same:.2f} %'} | "
                          f"{_fmt(r.get('rounding_only_max_abs_diff'))} |")
+        if cmp.get("reset_layers"):
+            lines += ["", "Spikes that differ between each LIF's own (soft) reset and the standard hard reset "
+                      "(loihi arithmetic):", "", "| layer | differ | spikes, own reset | spikes, hard reset |",
+                      "|---|---|---|---|"]
+            lines += [f"| {r['layer']} | {100 * r['differ_fraction']:.2f} % | {r['spikes_own_reset']} | "
+                      f"{r['spikes_hard_reset']} |" for r in cmp["reset_layers"]]
         lines.append("")
     feats = rep.get("loihi2_features") or []
     lines += ["## What a standard Loihi 2 LIF process runs as is", "",

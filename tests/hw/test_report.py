@@ -110,6 +110,8 @@ def test_report_compares_arithmetics_and_lists_loihi2_features(rep):
     # conv1 sees the same input in both: every difference is Lava's floor shift, below 2**-6 of a unit
     assert rows["conv1"]["differ_fraction"] == rows["conv1"]["rounding_only_differ_fraction"]
     assert 0 < rows["conv1"]["rounding_only_max_abs_diff"] < 2 ** -6 + 1e-12
+    resets = {r["layer"]: r for r in cmp["reset_layers"]}
+    assert set(resets) == {"sn1", "sn2"} and all(0.0 <= r["differ_fraction"] <= 1.0 for r in resets.values())
     feats = {f["feature"]: f for f in rep["loihi2_features"]}
     assert feats["soft reset (v -= threshold)"]["layers"] == ["sn1", "sn2"]
     assert not feats["soft reset (v -= threshold)"]["standard_loihi2_lif"]
