@@ -143,3 +143,15 @@ def test_cli_arithmetic_and_reset(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["hw-report", "spike_convnet", "--arithmetic", "lava"])
     assert "invalid choice: 'lava'" in capsys.readouterr().err
+
+
+def test_report_of_a_converted_network_keeps_its_arithmetic():
+    from szo.hw import to_fixed
+    from szo.models import create
+
+    net = to_fixed(create("spike_convnet"), arithmetic="loihi")
+    r = hw_report(net, batch=2, k=2, arithmetic="loihi")
+    assert r["arithmetic"] == "loihi" and r["arithmetics"] is None
+    assert "## What a standard Loihi 2 LIF process runs as is" in to_markdown(r)
+    with pytest.raises(ValueError, match="converted with arithmetic='loihi'"):
+        hw_report(net, batch=2, k=2)
