@@ -155,3 +155,16 @@ def test_report_of_a_converted_network_keeps_its_arithmetic():
     assert "## What a standard Loihi 2 LIF process runs as is" in to_markdown(r)
     with pytest.raises(ValueError, match="converted with arithmetic='loihi'"):
         hw_report(net, batch=2, k=2)
+
+
+def test_report_names_a_model_lava_cannot_hold_and_still_reports_szo():
+    from szo.models import create
+
+    m = create("spike_convnet")
+    m.sn1.tau = 1.0  # full voltage leak: dv = 4096 does not fit Lava's 12-bit register
+    r = hw_report(m, data="digits", batch=4, k=2)
+    runs = r["arithmetics"]["runs"]
+    assert "accuracy" in runs["szo"] and "tau > 1" in runs["loihi"]["error"] and r["arithmetics"]["layers"] == []
+    feats = {f["feature"]: f for f in r["loihi2_features"]}
+    assert feats["neuron parameters outside Lava's registers"]["layers"][0].startswith("sn1: ")
+    assert "not convertible" in to_markdown(r)
