@@ -284,3 +284,19 @@ def test_loihi_convnet_bit_exact_with_lava_dense_chain():
             ref[t - 3] = (a3.astype(np.int64) << 6) + q["fc"]["bias_int"].numpy()
     assert np.array_equal(ours, ref)
     assert 0 < n1 < T * 256 and 0 < n2 < T * 256  # both layers spike, neither saturates
+
+
+def test_soft_reset_same_in_both_arithmetics_until_overflow_then_loihi_wraps():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(-3000, 9000, (1000, 32), generator=g)
+    bias = torch.randint(-500, 500, (32,), generator=g)
+    a, b = paper_lif("fixed", reset="subtract"), paper_lif("loihi", reset="subtract")
+    s_a, _, rec_a = a.run(x, record=True, bias=bias)
+    s_b, _, rec_b = b.run(x, record=True, bias=bias)
+    assert torch.equal(s_a, s_b) and torch.equal(rec_a.voltage, rec_b.voltage) and s_a.sum() > 0
+    # one step past the 24-bit range: szo clamps to 2**23 - 1 and spikes, Lava wraps negative and stays silent
+    big = torch.tensor([[2**23 + 4096]])
+    s_a, _, rec_a = paper_lif("fixed", reset="subtract").run(big, record=True)
+    s_b, _, rec_b = paper_lif("loihi", reset="subtract").run(big, record=True)
+    assert (int(s_a), int(rec_a.current)) == (1, 2**23 - 1)
+    assert (int(s_b), int(rec_b.current)) == (0, -(2**23) + 4096)
