@@ -1,0 +1,146 @@
+"""NIR export / import of zoo models: round trip through a .nir file, metadata, bad input."""
+import h5py
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nir")
+pytest.importorskip("nirtorch")
+
+import nir  # noqa: E402
+
+from szo.export import from_nir, read_nir, to_nir, write_nir  # noqa: E402
+from szo.models import create  # noqa: E402
+
+
+def _randomize_bn(model, seed=0):
+    """Non-trivial running statistics and affine BN parameters (so folding is exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            n = m.num_features
+            m.running_mean.copy_(torch.rand(n, generator=g) * 0.4 - 0.2)
+            m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.5)
+            m.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
+            m.bias.data.copy_(torch.rand(n, generator=g) * 0.5 - 0.2)
+    return model.eval()
+
+
+CASES = [("spike_convnet", (1, 8, 8), {}), ("spike_resnet20", (3, 8, 8), {"num_classes": 5})]
+
+
+@pytest.mark.parametrize("name,shape,kw", CASES)
+def test_file_round_trip_is_bit_exact_in_float64(tmp_path, name, shape, kw):
+    torch.manual_seed(0)
+    model = _randomize_bn(create(name, **kw))
+    write_nir(to_nir(model, shape), tmp_path / "m.nir")
+    back = from_nir(tmp_path / "m.nir").eval()
+    assert back.T == model.T and back.num_classes == model.num_classes and back.model_name == name
+    x = torch.rand(6, *shape, generator=torch.Generator().manual_seed(1)) * 3
+    with torch.no_grad():
+        a, b = model.double()(x.double()), back.double()(x.double())
+    assert a.abs().sum() > 0
+    # BN folded into the conv changes membrane values by float rounding only; the spikes, and
+    # hence the logits (a Linear of the spikes), are identical
+    assert torch.equal(a, b)
+
+
+def test_resnet_graph_holds_the_residual_add():
+    g = to_nir(create("spike_resnet20", num_classes=3), (3, 8, 8))
+    into = {}
+    for s, d in g.edges:
+        into.setdefault(d, []).append(s)
+    # the identity shortcut: the block's input spikes and its second conv both feed sn2
+    assert sorted(into["stages_0_0_sn2"]) == ["stages_0_0_conv2_0", "stem_1"]
+    lif = g.nodes["stages_0_0_sn2"]
+    assert isinstance(lif, nir.LIF) and lif.metadata["reset"] == "subtract"
+    assert not any(isinstance(n, nir.NIRGraph) for n in g.nodes.values())
+
+
+def test_lif_fields_encode_the_paper_neuron(tmp_path):
+    g = to_nir(create("spike_convnet"), (1, 8, 8), dt=1e-3)
+    write_nir(g, tmp_path / "c.nir")
+    lif = read_nir(tmp_path / "c.nir").nodes["sn1"]
+    # tau_m = tau * dt, r = tau (input not decayed), v_leak = 0, threshold 1
+    np.testing.assert_allclose(lif.tau, 1.1e-3, rtol=1e-6)
+    np.testing.assert_allclose(lif.r, 1.1, rtol=1e-6)
+    assert np.all(lif.v_leak == 0) and np.all(lif.v_threshold == 1.0)
+    assert lif.tau.shape == (16, 8, 8)
+
+
+def test_vgg_maxpool_of_spikes_is_sumpool_threshold(tmp_path):
+    torch.manual_seed(0)
+    model = _randomize_bn(create("spike_vgg11", num_classes=4, T=2))
+    g = to_nir(model, (2, 224, 224))
+    kinds = {type(n).__name__ for n in g.nodes.values()}
+    assert {"SumPool2d", "Threshold"} <= kinds
+    back = from_nir(g).eval()
+    x = torch.rand(1, 2, 224, 224, generator=torch.Generator().manual_seed(2)) * 3
+    with torch.no_grad():
+        assert torch.equal(model.double()(x.double()), back.double()(x.double()))
+
+
+def test_unsupported_layer_is_named():
+    relu = create("spike_convnet", activation="relu")
+    with pytest.raises(ValueError, match=r"layer 'sn1' \(torch.nn.modules.activation.ReLU\)"):
+        to_nir(relu, (1, 8, 8))
+    with pytest.raises(ValueError, match="not a multiple"):
+        to_nir(create("spike_convnet"), (1, 6, 6))  # 6x6 -> adaptive 4x4 is no AvgPool2d
+
+
+def test_bad_arguments():
+    m = create("spike_convnet")
+    with pytest.raises(ValueError, match="input_shape"):
+        to_nir(m, (8, 8))
+    with pytest.raises(ValueError, match="dt"):
+        to_nir(m, (1, 8, 8), dt=0)
+    with pytest.raises(ValueError, match="SpikingModel"):
+        to_nir(torch.nn.Linear(2, 2), (1, 8, 8))
+
+
+def test_malformed_files_raise_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        from_nir(tmp_path / "missing.nir")
+    junk = tmp_path / "junk.nir"
+    junk.write_bytes(b"not hdf5")
+    with pytest.raises(ValueError, match="junk.nir is not a valid NIR file"):
+        from_nir(junk)
+    good = tmp_path / "good.nir"
+    write_nir(to_nir(create("spike_convnet"), (1, 8, 8)), good)
+    with h5py.File(good, "r+") as f:
+        del f["node/nodes/conv1/weight"]
+    with pytest.raises(ValueError, match=r"node 'conv1' \(Conv2d\): .*'weight'"):
+        from_nir(good)
+
+
+def test_unknown_node_and_bad_lif_fields_are_named():
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    g.nodes["sn1"].r = np.full_like(g.nodes["sn1"].r, 0.5)
+    with pytest.raises(ValueError, match=r"NIR node 'sn1': LIF field 'r'"):
+        from_nir(g)
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    g.nodes["sn2"] = nir.CubaLIF(tau_syn=np.ones(3), tau_mem=np.ones(3), r=np.ones(3), v_leak=np.zeros(3),
+                                 v_threshold=np.ones(3))
+    with pytest.raises(ValueError, match=r"NIR node 'sn2' has type CubaLIF"):
+        from_nir(g)
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    g.nodes["sn1"].metadata["reset"] = "bounce"
+    with pytest.raises(ValueError, match=r"metadata 'reset'"):
+        from_nir(g)
+
+
+def test_write_is_atomic_and_failed_write_keeps_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "m.nir"
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    write_nir(g, path)
+    before = path.read_bytes()
+    import nir as nir_mod
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(nir_mod, "write", boom)
+    with pytest.raises(OSError):
+        write_nir(g, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.nir"]
