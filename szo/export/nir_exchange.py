@@ -138,6 +138,19 @@ def _deploy_module(model: nn.Module) -> fx.GraphModule:
     return gm
 
 
+class _SumPool2d(nn.Module):
+    """Multi-step sum pooling (``avg_pool2d`` with ``divisor_override=1``: an exact sum)."""
+
+    def __init__(self, kernel_size, stride, padding) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.avg_pool2d(x_seq.flatten(0, 1), self.kernel_size, self.stride, self.padding,
+                                           divisor_override=1)
+        return y.unflatten(0, x_seq.shape[:2])
+
+
 class _Mapper:
     """Module -> NIR node maps for ``nirtorch.torch_to_nir`` (shapes from one traced forward)."""
 
@@ -174,7 +187,7 @@ class _Mapper:
                 layer.Linear: self.linear, nn.AvgPool2d: self.avgpool, layer.AvgPool2d: self.avgpool,
                 nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
                 nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
-                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif}
+                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, _SumPool2d: self.sumpool}
 
     def _meta(self, m: nn.Module) -> dict[str, Any]:
         meta: dict[str, Any] = {"szo_layer": self.path.get(m, "")}
@@ -198,6 +211,11 @@ class _Mapper:
     def _pool(self, m: nn.Module, kernel, stride, padding) -> Any:
         pair = lambda v: np.array(v if isinstance(v, (tuple, list)) else (v, v))  # noqa: E731
         return self.nir.AvgPool2d(kernel_size=pair(kernel), stride=pair(stride), padding=pair(padding),
+                                  metadata=self._meta(m))
+
+    def sumpool(self, m: _SumPool2d) -> Any:
+        pair = lambda v: np.array(v if isinstance(v, (tuple, list)) else (v, v))  # noqa: E731
+        return self.nir.SumPool2d(kernel_size=pair(m.kernel_size), stride=pair(m.stride), padding=pair(m.padding),
                                   metadata=self._meta(m))
 
     def avgpool(self, m: nn.AvgPool2d) -> Any:
@@ -270,18 +288,74 @@ def _flatten_subgraphs(nir, nodes: dict[str, Any], edges: list[tuple[str, str]])
     return nodes, edges
 
 
-def _quant_metadata(net: Any) -> dict[str, dict[str, Any]]:
-    """Per layer path: integer mantissas / exponents of a ``szo.hw.FixedPointNetwork``."""
-    out: dict[str, dict[str, Any]] = {}
-    for path, q in net.quantized_layers().items():
-        meta: dict[str, Any] = {"fixed_point": 1}
-        for k, v in q.items():
-            if isinstance(v, torch.Tensor):
-                meta[k] = v.detach().cpu().numpy().copy()
-            elif isinstance(v, (bool, int, float, str)):
-                meta[k] = int(v) if isinstance(v, bool) else v
-        out[path] = meta
-    return out
+def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.GraphModule, dict[str, dict[str, Any]],
+                                                                         dict[str, Any]]:
+    """The float graph that the integer forward of a ``szo.hw.FixedPointNetwork`` computes, and
+    the per-layer integer parameters (node metadata).
+
+    Synapses carry ``w_int * 2**exp`` (BN and the pooling factor already folded, as on chip)
+    and ``bias_int / 2**STATE_SHIFT``; average pools become the sum pools the chip runs; the
+    LIF's ``tau`` is the one of the 12-bit decay (``4096 / decay_int``). What the float graph
+    does not hold: the rounding of the input to ``ACT_SHIFT`` fractional bits, the toward-zero
+    rounding of the integer leak and of right shifts, saturation, and the strict ``v > th``.
+    """
+    from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
+
+    with torch.no_grad():
+        net(torch.zeros(1, *shape))  # fixes the pooling factors that quantized_layers() reports
+    functional.reset_net(net)
+    quant = net.quantized_layers()
+    gm = fx.GraphModule(net, copy.deepcopy(net.graph))
+    with torch.no_grad():
+        ShapeProp(gm).propagate(torch.zeros(1, 1, *shape))  # float modules: shapes for the pools
+    functional.reset_net(gm)
+    meta: dict[str, dict[str, Any]] = {}
+
+    def put(path: str, module: nn.Module) -> None:
+        parent, _, name = path.rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, name, module)
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        m = gm.get_submodule(node.target)
+        path = node.target
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)):  # BN: folded into w_int
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif path in quant:
+            q = quant[path]
+            new = copy.deepcopy(m)
+            new.weight = nn.Parameter(q["w_int"].to(torch.float64).mul(2.0 ** q["exp"]).to(torch.float32))
+            bias = (q["bias_int"].to(torch.float64) / (1 << STATE_SHIFT) if q["bias_int"] is not None
+                    else torch.zeros(new.weight.shape[0], dtype=torch.float64))
+            new.bias = nn.Parameter(bias.to(torch.float32))
+            put(path, new)
+            meta[path] = {"fixed_point": 1, "w_int": q["w_int"].to(torch.int32).numpy().copy(), "exp": int(q["exp"]),
+                          "mult": float(q["mult"])}
+            if q["bias_int"] is not None:
+                meta[path]["bias_int"] = q["bias_int"].to(torch.int64).numpy().copy()
+        elif isinstance(m, (nn.AvgPool2d, nn.AdaptiveAvgPool2d)):
+            h, w = node.args[0].meta["tensor_meta"].shape[-2:]
+            if isinstance(m, nn.AdaptiveAvgPool2d):
+                o = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
+                k = (h // (o[0] or h), w // (o[1] or w))
+                put(path, _SumPool2d(k, k, (0, 0)))
+            else:
+                put(path, _SumPool2d(m.kernel_size, m.stride if m.stride is not None else m.kernel_size, m.padding))
+        elif isinstance(m, sj_neuron.LIFNode):
+            d = decay_to_int(1.0 / float(m.tau), DECAY_SHIFT)
+            put(path, make_neuron("lif", tau=(1 << DECAY_SHIFT) / d, v_threshold=float(m.v_threshold),
+                                  v_reset=m.v_reset))
+            meta[path] = {"fixed_point": 1, "voltage_decay_int": d, "current_decay_int": 1 << DECAY_SHIFT,
+                          "threshold_int": threshold_to_int(float(m.v_threshold))}
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    P = net.precision.as_dict()
+    graph_meta = {f"precision_{k}": int(v) for k, v in P.items()}
+    graph_meta.update(state_shift=STATE_SHIFT, decay_shift=DECAY_SHIFT)
+    return gm, meta, graph_meta
 
 
 @torch.no_grad()
@@ -303,8 +377,14 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     if len(shape) != 3 or not all(isinstance(v, int) and v > 0 for v in shape):
         raise ValueError(f"input_shape must be (C, H, W) positive ints, got {input_shape!r}")
     quant: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
     source = model
-    gm = _deploy_module(source)
+    from szo.hw.convert import FixedPointNetwork
+
+    if isinstance(model, FixedPointNetwork):
+        gm, quant, extra = _fixed_deploy_module(model, shape)
+    else:
+        gm = _deploy_module(source)
     example = torch.zeros(1, 1, *shape)
     mapper = _Mapper(gm, example, float(dt), quant)
     graph = nirtorch.torch_to_nir(gm, mapper.map_dict, default_dict=None, type_check=False)
@@ -319,7 +399,7 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
             nodes[k] = nir.Output(output_type=np.array([source.num_classes]))
     meta = {"format": FORMAT, "model_name": source.model_name, "T": int(source.T), "dt": float(dt),
             "num_classes": int(source.num_classes), "input_shape": np.array(shape),
-            "fixed_point": int(bool(quant))}
+            "fixed_point": int(bool(quant)), **extra}
     return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta, type_check=False)
 
 
@@ -385,19 +465,6 @@ def _uniform(node_name: str, field: str, value: Any) -> float:
 def _meta_str(meta: dict[str, Any], key: str, default: str) -> str:
     v = meta.get(key, default)
     return v.decode() if isinstance(v, bytes) else str(v)
-
-
-class _SumPool2d(nn.Module):
-    """Multi-step sum pooling (``avg_pool2d`` with ``divisor_override=1``: an exact sum)."""
-
-    def __init__(self, kernel_size, stride, padding) -> None:
-        super().__init__()
-        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-
-    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.avg_pool2d(x_seq.flatten(0, 1), self.kernel_size, self.stride, self.padding,
-                                           divisor_override=1)
-        return y.unflatten(0, x_seq.shape[:2])
 
 
 class _Threshold(nn.Module):

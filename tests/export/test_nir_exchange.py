@@ -144,3 +144,30 @@ def test_write_is_atomic_and_failed_write_keeps_old_file(tmp_path, monkeypatch):
         write_nir(g, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["m.nir"]
+
+
+def test_fixed_point_network_exports_integer_weights_and_exponents(tmp_path):
+    from szo.hw.convert import to_fixed
+    from szo.hw.fixed import STATE_SHIFT, decay_to_int
+
+    torch.manual_seed(0)
+    net = to_fixed(_randomize_bn(create("spike_convnet")))
+    write_nir(to_nir(net, (1, 8, 8)), tmp_path / "f.nir")
+    g = read_nir(tmp_path / "f.nir")
+    q = net.quantized_layers()
+    assert int(g.metadata["fixed_point"]) == 1 and int(g.metadata["precision_weight_bits"]) == 8
+    for path in ("conv1", "conv2", "fc"):
+        node, ql = g.nodes[path], q[path]
+        assert np.array_equal(node.metadata["w_int"], ql["w_int"].numpy())
+        assert int(node.metadata["exp"]) == ql["exp"]
+        # the float weight NIR carries is exactly w_int * 2**exp (BN and the pool factor folded in)
+        assert np.array_equal(node.weight, (ql["w_int"].double() * 2.0 ** ql["exp"]).float().numpy())
+        np.testing.assert_array_equal(node.bias * (1 << STATE_SHIFT), ql["bias_int"].numpy())
+    assert type(g.nodes["pool"]).__name__ == "SumPool2d"  # the chip's sum pool; 1/4 is in fc's w_int
+    d = decay_to_int(1 / 1.1)
+    assert int(g.nodes["sn1"].metadata["voltage_decay_int"]) == d
+    np.testing.assert_allclose(g.nodes["sn1"].tau, 1e-4 * 4096 / d, rtol=1e-6)
+    back = from_nir(g)
+    x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert back(x).shape == (4, 3, 10)
