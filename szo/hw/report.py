@@ -110,8 +110,13 @@ def _input_batch(model: SpikingModel, data: str, batch: int, input_size: int | N
 @torch.no_grad()
 def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 16, k: int = 40,
               basis_bits: int = 8, coord_bits: int = 32, ref_bits: int = 16, input_size: int | None = None,
-              precision: Precision | None = None, chip: ChipModel = LOIHI2, seed: int = 0) -> dict[str, Any]:
-    """Measure one batch through the fixed-point network and tabulate memory, synops and energy."""
+              precision: Precision | None = None, chip: ChipModel = LOIHI2, seed: int = 0,
+              neurobench: bool = True) -> dict[str, Any]:
+    """Measure one batch through the fixed-point network and tabulate memory, synops and energy.
+
+    ``neurobench``: also compute NeuroBench's metrics (``szo.hw.neurobench``) of the float model
+    on the same batch, next to szo's counterparts (skipped, with the reason, if ``neurobench``
+    is not installed or the target is already a fixed-point network)."""
     for n, v in (("batch", batch), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{n} must be a positive int, got {v!r}")
@@ -175,13 +180,29 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "largest_layer_bytes": max((r["bytes"] for r in rows), default=0),
         "core_memory_bytes": int(chip.core_memory_kb * 1024),
     }
-    return {
+    rep = {
         "target": label, "model": model.model_name, "d": d, "k": k, "T": T, "batch": N, "data": data,
         "input_shape": list(x.shape[-3:]), "precision": P.as_dict(),
         "learner_precision": {"basis_bits": basis_bits, "coord_bits": coord_bits, "ref_bits": ref_bits},
         "chip": asdict(chip), "layers": rows, "learner": learner, "totals": totals, "fit": fit,
         "saturations": net.saturation_counts(),
     }
+    if neurobench:
+        rep["neurobench"] = _neurobench_section(model, net, x, rep)
+    return rep
+
+
+def _neurobench_section(model: SpikingModel, net: FixedPointNetwork, x: torch.Tensor,
+                        rep: dict[str, Any]) -> dict[str, Any]:
+    """NeuroBench's own metrics of the float model on the measurement batch, and szo's counterparts."""
+    if isinstance(model, FixedPointNetwork):
+        return {"skipped": "the target is a fixed-point network; NeuroBench hooks need the float model's layers"}
+    try:
+        from szo.hw.neurobench import neurobench_metrics, szo_counterparts
+        nb = neurobench_metrics(model, x)
+    except ModuleNotFoundError as exc:
+        return {"skipped": str(exc)}
+    return {"neurobench": nb, "szo": szo_counterparts(rep, net.quantized_layers())}
 
 
 def _fmt(v: Any) -> str:
@@ -216,7 +237,29 @@ def to_markdown(rep: dict[str, Any]) -> str:
               "- one layer per core (no packing of layers into shared cores); conv weights stored once per layer "
               "(weight sharing); synops = measured input events x exact fan-out.",
               f"- saturations during the measured forward: {rep['saturations'] or 'none'}", ""]
+    if "neurobench" in rep:
+        lines += _neurobench_markdown(rep["neurobench"])
     return "\n".join(lines)
+
+
+def _neurobench_markdown(sec: dict[str, Any]) -> list[str]:
+    if "skipped" in sec:
+        return ["## NeuroBench", "", f"- skipped: {sec['skipped']}", ""]
+    from szo.hw.neurobench import NOTES
+
+    nb, own = sec["neurobench"], sec["szo"]
+    lines = ["## NeuroBench metrics", "",
+             f"Computed by NeuroBench {nb['neurobench_version']} itself on the float model and the same "
+             f"{nb['samples']} samples (T = {nb['T']}), next to szo's figures for the fixed-point network above.", "",
+             "| metric | NeuroBench | szo | definitions |", "|---|---|---|---|",
+             f"| synaptic ops / sample | {_fmt(nb['synops_effective_acs'])} ACs + {_fmt(nb['synops_effective_macs'])} "
+             f"MACs (dense {_fmt(nb['synops_dense'])}) | {_fmt(own['synops_per_sample'])} | {NOTES['synops']} |",
+             f"| activation sparsity | {_fmt(nb['activation_sparsity'])} | {_fmt(own['activation_sparsity'])} | "
+             f"{NOTES['activation_sparsity']} |",
+             f"| footprint (bytes) | {nb['footprint_bytes']} | {own['footprint_bytes']} | {NOTES['footprint']} |",
+             f"| connection sparsity | {_fmt(nb['connection_sparsity'])} | {_fmt(own['connection_sparsity'])} | "
+             f"{NOTES['connection_sparsity']} |", ""]
+    return lines
 
 
 def write_report(rep: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
