@@ -49,14 +49,20 @@ def run_export(args: argparse.Namespace) -> int:
     from szo.export.nir_exchange import DEFAULT_DT, to_nir, write_nir
     from szo.hw.report import _input_batch, load_target
 
-    model, label, cfg = load_target(args.target)
+    stream_meta = _stream_metadata(Path(args.target))
+    if stream_meta is not None:  # a dvs-stream source model: keep its frame length for the demo
+        model, label = stream_meta.pop("model"), str(args.target)
+        w, h, p = stream_meta["sensor_size"]
+        shape = (int(p), int(h), int(w))
+    else:
+        model, label, cfg = load_target(args.target)
+        shape = tuple(_input_batch(model, "random", 1, args.input_size, 0, cfg).shape[-3:])
     model.eval()
-    shape = tuple(_input_batch(model, "random", 1, args.input_size, 0, cfg).shape[-3:])
     if args.fixed:
         from szo.hw.convert import to_fixed
 
         model = to_fixed(model, weight_bits=args.weight_bits)
-    graph = to_nir(model, shape, dt=DEFAULT_DT if args.dt is None else args.dt)
+    graph = to_nir(model, shape, dt=DEFAULT_DT if args.dt is None else args.dt, metadata=stream_meta)
     digest = write_nir(graph, args.out)
     kinds: dict[str, int] = {}
     for node in graph.nodes.values():
@@ -65,6 +71,26 @@ def run_export(args: argparse.Namespace) -> int:
           f"T={model.T}, {len(graph.nodes)} nodes: "
           + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + f"; sha256 {digest[:12]})")
     return 0
+
+
+def _stream_metadata(target: Path) -> dict | None:
+    """``{"model", "bin_us", "sensor_size", "duration_us"}`` of a dvs-stream source model directory (source.json)
+    or a synthetic-gesture BPTT recipe run; None for anything else."""
+    if not target.is_dir():
+        return None
+    is_gesture_run = False
+    if (target / "config.yaml").is_file():
+        import yaml
+
+        raw = yaml.safe_load((target / "config.yaml").read_text(encoding="utf-8")) or {}
+        is_gesture_run = (raw.get("data") or {}).get("name") == "synthetic-gesture" and raw.get("kind") == "bp"
+    if not ((target / "source.json").is_file() or is_gesture_run):
+        return None
+    from szo.demos.dvs_stream import load_source_model
+
+    src = load_source_model(target)
+    return {"model": src.model, "bin_us": int(src.bin_us), "sensor_size": list(src.sensor_size),
+            "duration_us": int(src.meta["settings"]["duration_us"])}
 
 
 @torch.no_grad()

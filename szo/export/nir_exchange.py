@@ -359,11 +359,14 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
 
 
 @torch.no_grad()
-def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float = DEFAULT_DT) -> Any:
+def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float = DEFAULT_DT,
+           metadata: dict[str, Any] | None = None) -> Any:
     """``nir.NIRGraph`` of ``model`` (eval mode: BN folded with its running statistics).
 
     ``input_shape``: ``(C, H, W)`` of one frame (shapes of NIR nodes are per sample, without
-    time or batch). ``dt``: seconds per time step written into NIR time constants. A
+    time or batch). ``dt``: seconds per time step written into NIR time constants. ``metadata``:
+    extra graph metadata (str / int / float / lists; e.g. ``bin_us`` and ``sensor_size`` of an
+    event-stream model, which ``szo demo dvs-stream --model OUT.nir`` needs). A
     ``szo.hw.FixedPointNetwork`` is exported with its dequantised weights plus the integer
     mantissas / exponents as node metadata. Raises ``ValueError`` naming the first layer
     NIR cannot express.
@@ -400,6 +403,8 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     meta = {"format": FORMAT, "model_name": source.model_name, "T": int(source.T), "dt": float(dt),
             "num_classes": int(source.num_classes), "input_shape": np.array(shape),
             "fixed_point": int(bool(quant)), **extra}
+    for k, v in (metadata or {}).items():
+        meta[str(k)] = np.asarray(v) if isinstance(v, (list, tuple)) else v
     return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta, type_check=False)
 
 
