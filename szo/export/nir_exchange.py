@@ -25,7 +25,9 @@ reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold,
   Exact in real arithmetic; in float32 the folded product rounds differently (see
   docs/deploy.md for the measured error).
 * **Adaptive average pooling** is written as ``nir.AvgPool2d`` with kernel = stride = input /
-  output size (exact when the input divides; otherwise an error names the layer).
+  output size when the input divides; otherwise (VGG's 7x7 pool on a 4x4 map), when it feeds
+  ``Flatten -> Linear``, it is folded into that Linear's weight (exact in real arithmetic), and
+  anywhere else an error names the layer.
 * **Max pooling** has no NIR node. After a spiking layer its input is 0/1, where
   ``max = H(sum - 1/2)``: it is written as a ``nir.SumPool2d`` followed by a
   ``nir.Threshold(0.5)`` (exact for spikes; an error for graded inputs).
@@ -102,9 +104,55 @@ class _Tracer(fx.Tracer):
         return isinstance(m, _LEAVES) or super().is_leaf_module(m, qualname)
 
 
-def _deploy_module(model: nn.Module) -> fx.GraphModule:
-    """A traced eval-mode copy of ``model.forward_seq`` with BN folded into its conv and
-    ``nn.Identity`` / BN nodes removed: what the NIR graph will hold, runnable in torch."""
+def _fold_adaptive_pool_into_linear(gm: fx.GraphModule, shape: tuple[int, int, int]) -> None:
+    """``AdaptiveAvgPool2d -> Flatten -> Linear`` whose pool is no ``AvgPool2d`` (the input size is
+    not a multiple of the output size, e.g. VGG's 7x7 pool on a 4x4 map) becomes
+    ``Flatten -> Linear`` with the pool folded into the weight: ``W' = W P`` (P: the pool as a
+    matrix, found as the Jacobian of the linear map). Exact in real arithmetic."""
+    with torch.no_grad():
+        ShapeProp(gm).propagate(torch.zeros(1, 1, *shape))
+    functional.reset_net(gm)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.AdaptiveAvgPool2d):
+            continue
+        pool = gm.get_submodule(node.target)
+        c, h, w = node.args[0].meta["tensor_meta"].shape[-3:]
+        o = pool.output_size if isinstance(pool.output_size, (tuple, list)) else (pool.output_size,) * 2
+        oh, ow = o[0] or h, o[1] or w
+        if h % oh == 0 and w % ow == 0:
+            continue  # one AvgPool2d: exported as is
+        flat = next(iter(node.users)) if len(node.users) == 1 else None
+        if flat is None or flat.op != "call_module" or not isinstance(gm.get_submodule(flat.target), nn.Flatten):
+            continue
+        lin = next(iter(flat.users)) if len(flat.users) == 1 else None
+        if lin is None or lin.op != "call_module" or not isinstance(gm.get_submodule(lin.target), nn.Linear):
+            continue
+        f = gm.get_submodule(flat.target)
+        if (f.start_dim, f.end_dim) != (1, -1):
+            continue
+        fc = gm.get_submodule(lin.target)
+        wt = fc.weight.detach().double()
+
+        def head(x: torch.Tensor, wt=wt, out=(oh, ow)) -> torch.Tensor:
+            return torch.nn.functional.adaptive_avg_pool2d(x, out).flatten(1) @ wt.t()
+
+        jac = torch.autograd.functional.jacobian(head, torch.zeros(1, c, h, w, dtype=torch.float64))
+        new = layer.Linear(c * h * w, fc.out_features, bias=fc.bias is not None, step_mode="m")
+        with torch.no_grad():
+            new.weight.copy_(jac.reshape(fc.out_features, c * h * w).float())
+            if fc.bias is not None:
+                new.bias.copy_(fc.bias)
+        parent, _, name = lin.target.rpartition(".")
+        setattr(gm.get_submodule(parent), name, new)
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphModule:
+    """A traced eval-mode copy of ``model.forward_seq`` with BN folded into its conv,
+    ``nn.Identity`` / BN nodes removed and a non-uniform adaptive pool folded into the classifier:
+    what the NIR graph will hold, runnable in torch."""
     root = _Root(copy.deepcopy(model).cpu().float().eval())
     functional.reset_net(root)
     gm = fx.GraphModule(root, _Tracer().trace(root))
@@ -132,6 +180,9 @@ def _deploy_module(model: nn.Module) -> fx.GraphModule:
                              f"graphs express is the sum of a node's inputs (residual '+')")
         if node.op == "call_method" and node.target != "add":
             raise ValueError(f"cannot export method call .{node.target}() ({node.name}) to NIR: only '+' is expressible")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _fold_adaptive_pool_into_linear(gm, shape)
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()
@@ -387,7 +438,7 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     if isinstance(model, FixedPointNetwork):
         gm, quant, extra = _fixed_deploy_module(model, shape)
     else:
-        gm = _deploy_module(source)
+        gm = _deploy_module(source, shape)
     example = torch.zeros(1, 1, *shape)
     mapper = _Mapper(gm, example, float(dt), quant)
     graph = nirtorch.torch_to_nir(gm, mapper.map_dict, default_dict=None, type_check=False)

@@ -48,5 +48,6 @@ def test_import_bad_file_is_one_line_error(tmp_path, capsys):
     assert main(["import", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "bad.nir is not a valid NIR file" in err and len(err.strip().splitlines()) == 1
-    assert main(["export", "spike_convnet", str(tmp_path / "x.nir"), "--input-size", "6"]) == 2
-    assert "not a multiple" in capsys.readouterr().err
+    assert main(["export", "no_such_model", str(tmp_path / "x.nir")]) == 2
+    assert "neither a registered model" in capsys.readouterr().err
+    assert not (tmp_path / "x.nir").exists()

@@ -11,7 +11,7 @@ from szo.export import from_nir, to_nir  # noqa: E402
 from szo.export.simulators import run_snntorch, snntorch_from_nir  # noqa: E402
 from szo.models import create, make_neuron  # noqa: E402
 
-from tests.export.test_nir_exchange import _randomize_bn  # noqa: E402
+from tests.export.test_nir_exchange import _randomize_bn, _spike_rates  # noqa: E402
 
 
 def _hard_reset(model):
@@ -37,6 +37,7 @@ def test_snntorch_reproduces_hard_reset_networks(name, shape, kw):
     model = _randomize_bn(_hard_reset(create(name, **kw)))
     g = to_nir(model, shape)
     x = torch.rand(4, *shape, generator=torch.Generator().manual_seed(3)) * 3
+    assert min(_spike_rates(model, x)) > 0.05  # every layer spikes
     with torch.no_grad():
         ours = model(x)
     run = run_snntorch(snntorch_from_nir(g), _seq(model, x))
