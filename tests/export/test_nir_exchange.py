@@ -197,3 +197,22 @@ def test_fixed_point_network_exports_integer_weights_and_exponents(tmp_path):
     x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert back(x).shape == (4, 3, 10)
+
+
+SIZES = {"spike_convnet": 8, "spike_vgg11": 64}
+
+
+@pytest.mark.parametrize("name", __import__("szo.models", fromlist=["names"]).names())
+def test_every_registered_model_round_trips(name):
+    """Every model of the zoo exports, and its import computes the same logits (float64, T = 1)."""
+    torch.manual_seed(0)
+    model = _randomize_bn(create(name, num_classes=3, T=1))
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    shape = (first.in_channels, SIZES.get(name, 32), SIZES.get(name, 32))
+    back = from_nir(to_nir(model, shape)).eval()
+    x = torch.rand(1, *shape, generator=torch.Generator().manual_seed(3)) * 3
+    assert min(_spike_rates(model, x)) > 0.1  # every layer spikes
+    with torch.no_grad():
+        a, b = model.double()(x.double()), back.double()(x.double())
+    # same spikes; only VGG's folded 7x7 classifier weight is rounded to float32 (~1e-7 relative)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
