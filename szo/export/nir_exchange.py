@@ -14,8 +14,8 @@ reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold,
 * **Soft reset.** NIR's ``LIF`` resets *to* ``v_reset``; the paper's LIF subtracts the
   threshold. The node is written as ``nir.LIF`` with every field exact (below) and
   ``metadata["reset"] = "subtract"``. A reader that ignores metadata runs a hard reset to 0
-  (a different network). :func:`from_nir` honours the flag; ``szo.export.snntorch_from_nir``
-  applies it to snnTorch's importer.
+  (a different network). :func:`from_nir` honours the flag;
+  ``szo.export.simulators.snntorch_from_nir`` applies it to snnTorch's importer.
 * **Discrete time.** The eq. (1) LIF ``h[t] = (1 - 1/tau) v[t-1] + x[t]`` is the forward-Euler
   step of NIR's ``tau_m dv/dt = (v_leak - v) + r I`` with step ``dt``: ``tau_m = tau * dt``,
   ``r = tau``, ``v_leak = 0`` (the convention of SpikingJelly's and snnTorch's exchanges;
@@ -31,10 +31,12 @@ reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold,
 * **Max pooling** has no NIR node. After a spiking layer its input is 0/1, where
   ``max = H(sum - 1/2)``: it is written as a ``nir.SumPool2d`` followed by a
   ``nir.Threshold(0.5)`` (exact for spikes; an error for graded inputs).
-* **Fixed point** (``szo.hw.FixedPointNetwork``): the graph carries the dequantised weights
-  ``w_int * 2**exp`` (exactly representable in float32) and, per synapse node,
-  ``metadata`` with the integer mantissas and exponents; the integer neuron (CUBA decay
-  shifts, saturation) is not expressible in NIR and is documented in the metadata only.
+* **Fixed point** (``szo.hw.FixedPointNetwork``): the graph is the float network its integer
+  forward computes: weights ``w_int * 2**exp`` (exactly representable in float32), biases
+  ``bias_int / 2**12``, sum pools, ``tau`` of the 12-bit decay; node metadata carries the
+  integers (``w_int``, ``exp``, ``bias_int``, ``voltage_decay_int``, ``threshold_int``) and the
+  graph metadata the bit widths. The integer roundings (input, leak, right shifts), saturation
+  and the strict ``v > th`` are not expressible in NIR (:func:`_fixed_deploy_module`).
 """
 from __future__ import annotations
 
@@ -56,8 +58,7 @@ from szo.io import atomic_write_bytes
 from szo.models.base import SpikingModel
 from szo.models.neurons import make_neuron
 
-__all__ = ["DEFAULT_DT", "FORMAT", "NIRNetwork", "from_nir", "read_nir",
-           "to_nir", "write_nir"]
+__all__ = ["DEFAULT_DT", "FORMAT", "NIRNetwork", "from_nir", "read_nir", "to_nir", "write_nir"]
 
 DEFAULT_DT: float = 1e-4
 """Seconds per time step written into NIR time constants (snnTorch / SpikingJelly convention)."""
