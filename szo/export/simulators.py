@@ -22,8 +22,21 @@ import torch
 __all__ = ["SnnTorchRun", "run_snntorch", "snntorch_from_nir", "spike_agreement"]
 
 
-def snntorch_from_nir(graph: Any) -> torch.nn.Module:
-    """snnTorch's import of ``graph`` (a ``nir.NIRGraph``), with subtractive resets restored."""
+class _NoLateResetLeaky:
+    """Mixin: ``mem_reset`` returns 0, so ``Leaky(subtract, reset_delay=False)`` computes
+    ``mem = beta * mem + x; spk = H(mem - thr); mem -= spk * thr`` = eq. (1)-(2) (a diagnostic
+    patch of snnTorch 1.0's neuron, see :func:`run_snntorch`)."""
+
+    def mem_reset(self, mem: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(mem)
+
+
+def snntorch_from_nir(graph: Any, *, patch_late_reset: bool = False) -> torch.nn.Module:
+    """snnTorch's import of ``graph`` (a ``nir.NIRGraph``), with subtractive resets restored.
+
+    ``patch_late_reset=True`` (a diagnostic, not snnTorch's behaviour) also drops the
+    carried-over reset term of snnTorch 1.0's ``Leaky`` (snntorch issue #364), leaving exactly
+    eq. (1)-(2): what remains between szo and snnTorch is then float rounding alone."""
     import snntorch as snn
     from snntorch.import_nir import import_from_nir
 
@@ -39,8 +52,9 @@ def snntorch_from_nir(graph: Any) -> torch.nn.Module:
         old = getattr(net, key)
         if not isinstance(old, snn.Leaky):
             raise ValueError(f"snnTorch imported NIR node {name!r} as {type(old).__name__}, not snn.Leaky")
-        new = snn.Leaky(beta=old.beta.detach().clone(), threshold=float(old.threshold), reset_mechanism="subtract",
-                        init_hidden=True, reset_delay=False)
+        cls = type("Eq1Leaky", (_NoLateResetLeaky, snn.Leaky), {}) if patch_late_reset else snn.Leaky
+        new = cls(beta=old.beta.detach().clone(), threshold=float(old.threshold), reset_mechanism="subtract",
+                  init_hidden=True, reset_delay=False)
         setattr(net, key, new)
     return net
 

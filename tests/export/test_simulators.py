@@ -88,3 +88,20 @@ def test_snntorch_late_reset_is_flagged():
     net = snntorch_from_nir(g)
     x = torch.full((2, 1, 1, 8, 8), 5.0)  # a strong input: currents above 2 thresholds in sn1
     assert run_snntorch(net, x).late_reset.tolist() == [True]
+
+
+@pytest.mark.parametrize("name,shape,kw", CASES)
+def test_snntorch_with_the_late_reset_patched_reproduces_the_paper_lif(name, shape, kw):
+    """The soft-reset (paper) networks: with snnTorch 1.0's carried-over reset term dropped
+    (patch_late_reset, the one known departure) snnTorch's executor and layers give szo's
+    spikes and logits to float32 rounding -- the graph itself holds eq. (1)-(2) exactly."""
+    torch.manual_seed(0)
+    model = _randomize_bn(create(name, **kw))
+    g = to_nir(model, shape)
+    x = torch.rand(4, *shape, generator=torch.Generator().manual_seed(3)) * 3
+    with torch.no_grad():
+        ours = model(x)
+    plain = run_snntorch(snntorch_from_nir(g), _seq(model, x))
+    patched = run_snntorch(snntorch_from_nir(g, patch_late_reset=True), _seq(model, x))
+    torch.testing.assert_close(patched.logits, ours, rtol=0, atol=1e-5)
+    assert plain.late_reset.any() and not patched.late_reset.any()
