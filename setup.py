@@ -18,6 +18,8 @@ EXTRAS_REQUIRE = {
     "dvs": ["tonic>=1.4"],
     "corruptions": ["imagecorruptions-imaug>=1.1.5"],
     "cuda": ["spikingjelly[triton]>=2.0"],
+    # NIR export / import, the snnTorch round trip, NeuroBench metrics (szo.export, szo hw-report)
+    "deploy": ["nir>=1.0.8", "nirtorch>=2.6", "snntorch>=1.0", "neurobench>=2.3"],
 }
 
 setup(

@@ -6,6 +6,7 @@
     szo demo digits [--out DIR]
     szo report RUN_DIR [RUN_DIR ...] [--out DIR]
     szo subspace build|ls|show|rm ...          (subspace_store.cli)
+    szo export RUN_DIR --to nir OUT.nir / szo import IN.nir [--data NAME]   (szo.export.cli)
 
 Other packages add commands through ``_REGISTRARS``: each module is imported lazily and its
 ``register(subparsers)`` adds a parser whose ``func(args) -> int`` runs it; a module may
@@ -27,7 +28,7 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 
-_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli"]
+_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.export.cli"]
 
 
 def _import_registrar(name: str):

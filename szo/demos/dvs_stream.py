@@ -287,12 +287,31 @@ def _load_recipe_run(directory: Path) -> SourceModel:
     return SourceModel(model=model, subspace=subspace, meta=meta, directory=directory)
 
 
+def _load_nir(path: Path) -> SourceModel:
+    """A model exported with ``szo export`` (``szo.export.from_nir``): runs as is; it has no
+    subspace (BN folded, its own parameter layout), so the stream runs without adaptation."""
+    from szo.export import from_nir
+
+    model = from_nir(path).eval()
+    meta = dict(model.nir_metadata)
+    if "bin_us" not in meta or "sensor_size" not in meta:
+        raise ValueError(f"{path} does not record the frame length (metadata 'bin_us' / 'sensor_size'); export a "
+                         "dvs-stream source model or a synthetic-gesture run: szo export DIR --to nir OUT.nir")
+    meta = {"format": SOURCE_FORMAT, "version": SOURCE_VERSION, "model": model.model_name,
+            "bin_us": int(meta["bin_us"]), "sensor_size": [int(v) for v in meta["sensor_size"]], "nir": str(path),
+            "settings": {"duration_us": int(meta.get("duration_us", int(meta["bin_us"]) * model.T))}}
+    return SourceModel(model=model, subspace=None, meta=meta, directory=path)
+
+
 def load_source_model(directory: str | os.PathLike) -> SourceModel:
-    """Read a source-model directory written by ``train_source_model``, or a
-    ``szo recipe synthetic-gesture`` run directory (its subspace from the recipe's store)."""
+    """Read a source-model directory written by ``train_source_model``, a ``szo recipe
+    synthetic-gesture`` run directory (its subspace from the recipe's store), or a ``.nir``
+    file written by ``szo export`` from either (no subspace: ``adapt="none"`` only)."""
     from subspace_store import SubspaceStore
 
     directory = Path(directory)
+    if directory.suffix == ".nir" and directory.is_file():
+        return _load_nir(directory)
     meta_path = directory / "source.json"
     if not meta_path.is_file() and (directory / "config.yaml").is_file():
         return _load_recipe_run(directory)
@@ -601,6 +620,9 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
     t_wall = time.perf_counter()
     src = load_source_model(model_dir) if model_dir else train_source_model(
         out_dir / "source", source_settings, progress=progress, log=log)
+    if src.subspace is None and stream.adapt != "none":
+        raise ValueError(f"{model_dir} is an exported NIR model: it has no subspace to adapt in; "
+                         f"run it with --adapt none")
     shift_at = None
     report = None
     if source == "synthetic":

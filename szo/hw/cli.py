@@ -41,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--energy-pj", type=float, default=LOIHI2.energy_per_synop_pj, help="energy per synaptic op")
     p.add_argument("--out", type=Path, default=None, help="directory for hw_report.md / .json (default: print)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-neurobench", action="store_true",
+                   help="skip NeuroBench's own metrics (SynOps, sparsity, footprint; needs the deploy extra)")
     p.set_defaults(func=run_hw_report)
     return p
 
@@ -50,7 +52,7 @@ def run_hw_report(args: argparse.Namespace) -> int:
     rep = hw_report(args.target, data=args.data, batch=args.batch, k=args.k, basis_bits=args.basis_bits,
                     coord_bits=args.coord_bits, ref_bits=args.ref_bits, input_size=args.input_size,
                     precision=Precision(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
-                    arithmetic=args.arithmetic, reset=args.reset)
+                    arithmetic=args.arithmetic, reset=args.reset, neurobench=not args.no_neurobench)
     if args.out is None:
         sys.stdout.write(to_markdown(rep))
     else:

@@ -226,10 +226,14 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
 def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 16, k: int = 40,
               basis_bits: int = 8, coord_bits: int = 32, ref_bits: int = 16, input_size: int | None = None,
               precision: Precision | None = None, chip: ChipModel = LOIHI2, seed: int = 0,
-              arithmetic: str = "szo", reset: str | None = None) -> dict[str, Any]:
+              arithmetic: str = "szo", reset: str | None = None, neurobench: bool = True) -> dict[str, Any]:
     """Measure one batch through the fixed-point network (``arithmetic``, ``reset``: see
     :func:`szo.hw.to_fixed`) and tabulate memory, synops and energy; compare the arithmetics
-    (:func:`compare_arithmetics`) and list what a standard Loihi 2 LIF cannot run (:func:`loihi2_features`)."""
+    (:func:`compare_arithmetics`) and list what a standard Loihi 2 LIF cannot run (:func:`loihi2_features`).
+
+    ``neurobench``: also compute NeuroBench's metrics (``szo.hw.neurobench``) of the float model
+    on the same batch, next to szo's counterparts (skipped, with the reason, if ``neurobench``
+    is not installed or the target is already a fixed-point network)."""
     for n, v in (("batch", batch), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{n} must be a positive int, got {v!r}")
@@ -301,7 +305,7 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "core_memory_bytes": int(chip.core_memory_kb * 1024),
     }
     compare = None if isinstance(model, FixedPointNetwork) else compare_arithmetics(model, x, labels, precision=P)
-    return {
+    rep = {
         "target": label, "model": model.model_name, "d": d, "k": k, "T": T, "batch": N, "data": data,
         "arithmetic": net.arithmetic, "reset": net.reset_override,
         "input_shape": list(x.shape[-3:]), "precision": P.as_dict(),
@@ -310,6 +314,22 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "saturations": net.saturation_counts(),
         "arithmetics": compare, "loihi2_features": loihi2_features(net),
     }
+    if neurobench:
+        rep["neurobench"] = _neurobench_section(model, net, x, rep)
+    return rep
+
+
+def _neurobench_section(model: SpikingModel, net: FixedPointNetwork, x: torch.Tensor,
+                        rep: dict[str, Any]) -> dict[str, Any]:
+    """NeuroBench's own metrics of the float model on the measurement batch, and szo's counterparts."""
+    if isinstance(model, FixedPointNetwork):
+        return {"skipped": "the target is a fixed-point network; NeuroBench hooks need the float model's layers"}
+    try:
+        from szo.hw.neurobench import neurobench_metrics, szo_counterparts
+        nb = neurobench_metrics(model, x)
+    except ModuleNotFoundError as exc:
+        return {"skipped": str(exc)}
+    return {"neurobench": nb, "szo": szo_counterparts(rep, net.quantized_layers())}
 
 
 def _fmt(v: Any) -> str:
@@ -345,6 +365,8 @@ def to_markdown(rep: dict[str, Any]) -> str:
               "(weight sharing); synops = measured input events x exact fan-out.",
               f"- saturations during the measured forward: {rep['saturations'] or 'none'}", ""]
     lines += _arithmetics_markdown(rep)
+    if "neurobench" in rep:
+        lines += _neurobench_markdown(rep["neurobench"])
     return "\n".join(lines)
 
 
@@ -386,6 +408,26 @@ def _arithmetics_markdown(rep: dict[str, Any]) -> list[str]:
         lines.append(f"| {f['feature']} | {', '.join(f['layers'])} | {'yes' if f['standard_loihi2_lif'] else '**no**'} "
                      f"| {f['note']} |")
     lines.append("")
+    return lines
+
+
+def _neurobench_markdown(sec: dict[str, Any]) -> list[str]:
+    if "skipped" in sec:
+        return ["## NeuroBench", "", f"- skipped: {sec['skipped']}", ""]
+    from szo.hw.neurobench import NOTES
+
+    nb, own = sec["neurobench"], sec["szo"]
+    lines = ["## NeuroBench metrics", "",
+             f"Computed by NeuroBench {nb['neurobench_version']} itself on the float model and the same "
+             f"{nb['samples']} samples (T = {nb['T']}), next to szo's figures for the fixed-point network above.", "",
+             "| metric | NeuroBench | szo | definitions |", "|---|---|---|---|",
+             f"| synaptic ops / sample | {_fmt(nb['synops_effective_acs'])} ACs + {_fmt(nb['synops_effective_macs'])} "
+             f"MACs (dense {_fmt(nb['synops_dense'])}) | {_fmt(own['synops_per_sample'])} | {NOTES['synops']} |",
+             f"| activation sparsity | {_fmt(nb['activation_sparsity'])} | {_fmt(own['activation_sparsity'])} | "
+             f"{NOTES['activation_sparsity']} |",
+             f"| footprint (bytes) | {nb['footprint_bytes']} | {own['footprint_bytes']} | {NOTES['footprint']} |",
+             f"| connection sparsity | {_fmt(nb['connection_sparsity'])} | {_fmt(own['connection_sparsity'])} | "
+             f"{NOTES['connection_sparsity']} |", ""]
     return lines
 
 

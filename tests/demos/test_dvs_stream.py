@@ -170,3 +170,23 @@ def test_source_dir_whose_weights_do_not_fit_is_one_clear_error(source, tmp_path
     (d / "source.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="model.safetensors does not fit spike_convnet"):
         ds.load_source_model(d)
+
+
+def test_exported_nir_model_runs_the_stream_like_the_source(source, tmp_path, capsys):
+    pytest.importorskip("nir")
+    from szo.cli import main as szo_main
+
+    nir_path = tmp_path / "source.nir"
+    assert szo_main(["export", str(source.directory), "--to", "nir", str(nir_path)]) == 0
+    runs = {}
+    for name, model in (("torch", str(source.directory)), ("nir", str(nir_path))):
+        out = tmp_path / name
+        ds.run_demo(out, model_dir=model, n_gestures=3, stream=ds.StreamSettings(window_ms=20, adapt="none"),
+                    print_every=0, log=lambda m: None)
+        recs = json.loads((out / "windows.json").read_text())["none"]
+        runs[name] = [(r["window"], r["label"], r["pred"]) for r in recs]  # (timings differ)
+    assert len(runs["nir"]) == 15
+    assert runs["nir"] == runs["torch"]  # same windows, same predictions (BN folded: same spikes)
+    with pytest.raises(ValueError, match="--adapt none"):
+        ds.run_demo(tmp_path / "x", model_dir=str(nir_path), n_gestures=1, print_every=0, log=lambda m: None,
+                    stream=ds.StreamSettings(window_ms=20, adapt="szo-cge"))
