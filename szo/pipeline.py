@@ -62,6 +62,13 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
                              activation=m["activation"], **kw)
 
 
+def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+    """The recipe's ``compile`` setting on the model (every stage, so BPTT and SZO timings stay comparable)."""
+    c = cfg["compile"]
+    if c is not False:
+        model.set_compile(True, backend="inductor" if c is True else c)
+
+
 def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model a run directory holds, and its resolved config.
 
@@ -168,6 +175,7 @@ def run_bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
     g = torch.Generator().manual_seed(int(cfg["seed"]))
     train, test = _loaders(cfg, g)
     model = build_model(cfg).to(device)
+    _set_compile(model, cfg)
     st = cfg["bptt"]
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
     rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
@@ -290,6 +298,7 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
             else:  # OnChipSZO quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
     net.to(device)
+    _set_compile(model, cfg)
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
     model.set_streaming(sz["time_chunk"], sz["stream_bn"])
