@@ -1,8 +1,8 @@
 """Compiled forward (``model.set_compile``, ``SZO(compile=True)``) == the eager forward, without
 recompiling per probe, with BN buffers and neuron state as in eager mode.
 
-One test compiles with inductor (the production backend; one graph of a tiny ConvNet, ~10 s
-on 2 cores); the others use the ``aot_eager`` backend, which runs the same dynamo capture,
+Two tests compile with inductor (the production backend: the no-grad and the BPTT graph of a
+tiny ConvNet, ~10-20 s each on 2 cores); the others use the ``aot_eager`` backend, which runs the same dynamo capture,
 guards and AOT functionalisation of the in-place BN-buffer updates without generating code.
 """
 from __future__ import annotations
@@ -103,13 +103,14 @@ def test_szo_step_compiled_equals_eager_and_does_not_recompile():
     _assert_bn_equal(_bn(models[1]), _bn(models[0]))
 
 
-def test_bptt_step_compiled_equals_eager():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # the recipes compile BPTT with inductor
+def test_bptt_step_compiled_equals_eager(backend):
     x, y = _batch()
     grads = []
     for compiled in (False, True):
         m = _model()
         if compiled:
-            m.set_compile(True, backend="aot_eager")
+            m.set_compile(True, backend=backend)
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         for _ in range(2):
             opt.zero_grad()
@@ -128,7 +129,9 @@ def test_eval_mode_persistent_state_and_shapes_get_their_own_graphs():
         for m in (eager, comp):
             m.eval()
         _close(comp(x), eager(x))
+        g0 = graph_count()
         _close(comp(x[:3]), eager(x[:3]))  # another batch size: its own graph, same function
+        assert graph_count() == g0 + 1
         g0 = graph_count()
         _close(comp(x[:3]), eager(x[:3]))
         assert graph_count() == g0  # cached per shape
