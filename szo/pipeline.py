@@ -241,7 +241,13 @@ def _check_distributed(cfg: Mapping[str, Any]) -> None:
     sz = cfg["szo"]
     for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
                       (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
-                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'")):
+                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'"),
+                      # a compiled graph does not see forward hooks added after it was traced, and
+                      # synchronised BN all-reduces the batch statistics from such hooks
+                      (cfg["compile"] is not False and cfg["distributed"]["mode"] == "data"
+                       and cfg["distributed"]["sync_bn"],
+                       "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
+                       "distributed.sync_bn=false or distributed.mode=perturbation")):
         if bad:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 

@@ -184,6 +184,15 @@ def test_compiled_recipe_equals_eager(bp_run):
         assert hc[-1]["train_loss"] == pytest.approx(he[-1]["train_loss"], rel=1e-5)
 
 
+def test_compile_with_hook_synchronised_bn_is_refused_before_a_multi_process_run():
+    from szo.pipeline import _check_distributed
+
+    cfg = load_recipe("digits-scratch", ["compile=true", "method=szo-cge"])
+    with pytest.raises(ValueError, match="compile with distributed.mode 'data' and distributed.sync_bn"):
+        _check_distributed(cfg)
+    _check_distributed(load_recipe("digits-scratch", ["compile=true", "method=szo-cge", "distributed.sync_bn=false"]))
+
+
 def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
     from szo.pipeline import load_run_model
 

@@ -24,6 +24,10 @@ neuron reset after each forward stay eager in ``SpikingModel.forward``. Conseque
   runs eagerly). A training run usually needs 2-6: train and eval mode, the full and the
   last (shorter) batch, no-grad probes and BPTT.
 * The chunked (streaming) forward (``time_chunk``) stays eager.
+* Forward hooks registered after a graph was traced are not seen by it (torch's default
+  ``torch._dynamo.config.skip_nnmodule_hook_guards``): code that drives layers through
+  temporary hooks (``szo.distributed.SyncBatchNorm``) must not run on a compiled model;
+  ``SZO`` refuses that combination.
 
 On CPU, inductor compiles one graph of the digits ConvNet in ~10 s and one of Spike-ResNet20
 in ~50 s on 2 cores; inductor's on-disk cache (``/tmp/torchinductor_$USER``) makes a later

@@ -241,6 +241,10 @@ class SZO(SubspaceOptimizer):
                 raise ValueError("compile=True compiles the model's forward: it needs model=<a szo.models.SpikingModel> "
                                  "and engine='loop' (the batched engine folds the copies itself)")
             model.set_compile(True)
+        if distributed == "data" and sync_bn and getattr(model, "compile_opts", None) is not None:
+            raise ValueError("distributed='data' with sync_bn synchronises BN through forward hooks, which a compiled "
+                             "forward does not see: use model.set_compile(False), sync_bn=False or "
+                             "distributed='perturbation'")
         super().__init__(params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model)
         self.estimator = estimator
         self.q = q

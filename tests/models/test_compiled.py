@@ -173,3 +173,19 @@ def test_set_compile_off_and_bad_input():
         SZO(m.parameters(), sub, compile=True)
     with pytest.raises(ValueError, match="engine='loop'"):
         SZO(m.parameters(), sub, model=m, engine="batched", compile=True)
+
+
+def test_compiled_forward_refuses_hook_based_sync_bn(tmp_path):
+    # a compiled graph does not see forward hooks added after tracing (torch's default
+    # skip_nnmodule_hook_guards), and data-parallel sync_bn works through such hooks
+    import torch.distributed as dist
+
+    m = _model().set_compile(True, backend="aot_eager")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="forward hooks, which a compiled forward does not see"):
+            SZO(m.parameters(), _subspace(m), model=m, distributed="data")
+        SZO(m.parameters(), _subspace(m), model=m, distributed="data", sync_bn=False)
+        SZO(m.parameters(), _subspace(m), model=m, distributed="perturbation")
+    finally:
+        dist.destroy_process_group()
