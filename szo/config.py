@@ -91,8 +91,8 @@ DEFAULTS: dict[str, Any] = {
     "bn_stats": "batch",
     # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
     # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
-    # szo.models.compiled. Off by default: on CPU it pays only after ~1000s of forwards
-    # (docs/performance.md)
+    # szo.models.compiled. Off by default, on in the Spike-ResNet / VGG recipes: on CPU the compile
+    # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     "compile": False,
     "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
            "ref_bits": 16},

@@ -21,17 +21,18 @@ neuron reset after each forward stay eager in ``SpikingModel.forward``. Conseque
   compiled with ``dynamic=False``: one graph per input shape, grad mode and train/eval mode
   of the layers, each compiled once on first use (torch keeps at most
   ``torch._dynamo.config.recompile_limit`` graphs per function, 8 by default; beyond that it
-  runs eagerly). A training run usually needs 2-6: train and eval mode, the full and the
-  last (shorter) batch, no-grad probes and BPTT.
+  runs eagerly). A run meets a few: e.g. the full and the last (shorter) batch, eval mode for
+  the test set, grad mode for BPTT.
 * The chunked (streaming) forward (``time_chunk``) stays eager.
 * Forward hooks registered after a graph was traced are not seen by it (torch's default
   ``torch._dynamo.config.skip_nnmodule_hook_guards``): code that drives layers through
   temporary hooks (``szo.distributed.SyncBatchNorm``) must not run on a compiled model;
   ``SZO`` refuses that combination.
 
-On CPU, inductor compiles one graph of the digits ConvNet in ~10 s and one of Spike-ResNet20
-in ~50 s on 2 cores; inductor's on-disk cache (``/tmp/torchinductor_$USER``) makes a later
-process compile the same graph in a few seconds. docs/performance.md has the measurements.
+On 2 CPU cores inductor compiled one graph of the digits ConvNet in 8-20 s and one of
+Spike-ResNet20 in 53 s (quiet machine) to ~250 s (heavily loaded); its on-disk cache
+(``/tmp/torchinductor_$USER``) let a later process compile a digits graph it had seen in 3 s.
+docs/performance.md has the measurements and when compiling pays.
 """
 from __future__ import annotations
 
