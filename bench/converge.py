@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 < a.target <= 1.0:
         ap.error(f"--target must be in (0, 1], got {a.target}")
     set_threads(a.threads)
-    name = ("converge-quick" if a.quick else "converge") + ("-compile" if a.compile else "")
-    out = RESULTS / name
+    result = ("converge-quick" if a.quick else "converge") + ("-compile" if a.compile else "")
+    out = RESULTS / result
     histories = run_all(out, a.quick, a.compile)
     rows = []
     for name, h in histories.items():
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * r['max_acc']:.2f} |")
         else:
             print(f"| {r['method']} | not reached in {r['epochs_run']} | - | - | - | {100 * r['max_acc']:.2f} |")
-    path = write_result(name,
+    path = write_result(result,
                         {"machine": machine_info(), "target": a.target, "rows": rows})
     png = path.with_suffix(".png")
     plot(histories, a.target, png)
