@@ -68,10 +68,24 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
         tet_loss(model(x), y).backward()
         sgd.step()
 
-    t_bptt, _ = median_time(bptt, max(reps, 3), warmup=1)
+    t0 = time.perf_counter()
+    bptt()  # warm-up (compiled: the grad-mode graph)
+    bptt_first_s = time.perf_counter() - t0
+    # interleaved with eager forwards, wall and process-CPU clocks (as the SZO rows below)
+    bw, bc, ew, ec = [], [], [], []
+    for _ in range(max(reps, 3)):
+        w, c = timed(fwd_eager)
+        ew.append(w)
+        ec.append(c)
+        w, c = timed(bptt)
+        bw.append(w)
+        bc.append(c)
+    t_bptt, t_bptt_cpu = statistics.median(bw), statistics.median(bc)
     model.load_state_dict(state)
     bptt_row = dict(config=config, method="bptt", mode=mode, batch=batch, T=T, t_fwd=t_fwd, t_step=t_bptt,
-                    ratio_to_fwd=t_bptt / t_fwd, first_forward_s=compile_s)
+                    t_step_cpu=t_bptt_cpu, t_fwd_eager=statistics.median(ew), t_fwd_eager_cpu=statistics.median(ec),
+                    ratio_to_fwd=t_bptt / t_fwd, ratio_to_eager_fwd_cpu=t_bptt_cpu / statistics.median(ec),
+                    first_forward_s=compile_s, first_bptt_step_s=bptt_first_s)
     if epoch_samples:
         bptt_row["epoch_s"] = t_bptt * -(-epoch_samples // batch)
     rows.append(bptt_row)
@@ -131,7 +145,8 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
                     print(f"{'':9s} one epoch of {epoch_samples} samples: {row['epoch_s']:.0f}s", flush=True)
                 rows.append(row)
         model.load_state_dict(state)
-    print(f"{config:9s} bptt {mode} step {t_bptt:.3f}s = {bptt_row['ratio_to_fwd']:.2f} forwards"
+    print(f"{config:9s} bptt {mode} step {t_bptt:.3f}s = {bptt_row['ratio_to_fwd']:.2f} forwards; CPU time "
+          f"{t_bptt_cpu:.3f}s = {bptt_row['ratio_to_eager_fwd_cpu']:.2f} eager forwards"
           + (f" (first forward incl. compile {compile_s:.0f}s)" if compiled else "")
           + (f", one epoch {bptt_row['epoch_s']:.0f}s" if epoch_samples else ""), flush=True)
     return rows
