@@ -29,6 +29,13 @@ from szo.optim import SZO  # noqa: E402
 TARGETS = {("loop", "digits"): 1.2, ("loop", "resnet20"): 1.2, ("batched", "digits"): 0.7, ("batched", "resnet20"): 1.0}
 
 
+def timed_into(fn, wall: list[float], cpu: list[float]) -> None:
+    """Append the wall and process-CPU seconds of one call of ``fn`` (``common.timed``)."""
+    w, c = timed(fn)
+    wall.append(w)
+    cpu.append(c)
+
+
 def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chunk: int | None, device,
                  compiled: bool = False, q: int | None = None, epoch_samples: int | None = None) -> list[dict]:
     """Rows of one model; ``compiled``: the model's forward through torch.compile (inductor) for
@@ -74,12 +81,8 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
     # interleaved with eager forwards, wall and process-CPU clocks (as the SZO rows below)
     bw, bc, ew, ec = [], [], [], []
     for _ in range(max(reps, 3)):
-        w, c = timed(fwd_eager)
-        ew.append(w)
-        ec.append(c)
-        w, c = timed(bptt)
-        bw.append(w)
-        bc.append(c)
+        timed_into(fwd_eager, ew, ec)
+        timed_into(bptt, bw, bc)
     t_bptt, t_bptt_cpu = statistics.median(bw), statistics.median(bc)
     model.load_state_dict(state)
     bptt_row = dict(config=config, method="bptt", mode=mode, batch=batch, T=T, t_fwd=t_fwd, t_step=t_bptt,
@@ -110,16 +113,10 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
                 fw, fc, sw, sc, ew, ec = [], [], [], [], [], []
                 for _ in range(n):
                     for _ in range(3):
-                        w, c = timed(fwd)
-                        fw.append(w)
-                        fc.append(c)
+                        timed_into(fwd, fw, fc)
                         if compiled:
-                            w, c = timed(fwd_eager)
-                            ew.append(w)
-                            ec.append(c)
-                    w, c = timed(step)
-                    sw.append(w)
-                    sc.append(c)
+                            timed_into(fwd_eager, ew, ec)
+                    timed_into(step, sw, sc)
                 # this row's forward reference (measured between its steps), not the BPTT row's
                 f_wall, f_cpu = statistics.median(fw), statistics.median(fc)
                 t_step, t_step_cpu = statistics.median(sw), statistics.median(sc)
