@@ -91,6 +91,11 @@ DEFAULTS: dict[str, Any] = {
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
     "backend": "float",
     "bn_stats": "batch",
+    # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
+    # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
+    # szo.models.compiled. Off by default, on in the Spike-ResNet / VGG recipes: on CPU the compile
+    # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
+    "compile": False,
     # hw.arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
     # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); hw.reset: null keeps each LIF's reset, zero = standard Loihi LIF
     "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
@@ -113,7 +118,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
     "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
     "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
-    "backend": (_STR, False), "bn_stats": (_STR, False),
+    "backend": (_STR, False), "bn_stats": (_STR, False), "compile": ((bool, str), False),
     "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
     "hw.arithmetic": (_STR, False), "hw.reset": (_STR, True),
@@ -353,6 +358,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if full["kind"] == "subspace":
         _check_method_options(full)
     _check_hw(full)
+    _check_compile(full)
     if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     return full
@@ -373,6 +379,23 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
+
+
+def _check_compile(full: Mapping[str, Any]) -> None:
+    """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
+    own multi-step forward (batched engine, streaming forward, integer backend)."""
+    c = full["compile"]
+    if c is False:
+        return
+    from szo.models.compiled import check_compile
+
+    check_compile("inductor" if c is True else c)
+    sz = full["szo"]
+    for bad, what in ((sz["engine"] != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
+                      (sz["time_chunk"] is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
+                      (full["backend"] != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
+        if bad:
+            raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
 
 
 def _check_hw(full: Mapping[str, Any]) -> None:

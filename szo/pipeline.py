@@ -62,6 +62,13 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
                              activation=m["activation"], **kw)
 
 
+def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+    """The recipe's ``compile`` setting on the model (every stage, so BPTT and SZO timings stay comparable)."""
+    c = cfg["compile"]
+    if c is not False:
+        model.set_compile(True, backend="inductor" if c is True else c)
+
+
 def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model a run directory holds, and its resolved config.
 
@@ -168,6 +175,7 @@ def run_bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
     g = torch.Generator().manual_seed(int(cfg["seed"]))
     train, test = _loaders(cfg, g)
     model = build_model(cfg).to(device)
+    _set_compile(model, cfg)
     st = cfg["bptt"]
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
     rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
@@ -247,7 +255,13 @@ def _check_distributed(cfg: Mapping[str, Any]) -> None:
     sz = cfg["szo"]
     for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
                       (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
-                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'")):
+                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'"),
+                      # a compiled graph does not see forward hooks added after it was traced, and
+                      # synchronised BN all-reduces the batch statistics from such hooks
+                      (cfg["compile"] is not False and cfg["distributed"]["mode"] == "data"
+                       and cfg["distributed"]["sync_bn"],
+                       "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
+                       "distributed.sync_bn=false or distributed.mode=perturbation")):
         if bad:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
@@ -304,6 +318,7 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
             else:  # OnChipSZO quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
     net.to(device)
+    _set_compile(model, cfg)
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
     model.set_streaming(sz["time_chunk"], sz["stream_bn"])

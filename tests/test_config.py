@@ -119,6 +119,24 @@ def test_streaming_options():
         load_recipe("digits-scratch", ["szo.time_chunk=1", "method=bp-subspace"])
 
 
+def test_compile_option():
+    # on where it repays its compile time (docs/performance.md): the ResNet / VGG recipes, not digits or TTA
+    assert [load_recipe(r)["compile"] for r in ("cifar10-scratch", "cifar100-continual", "imagenet-bp",
+                                                "dvs-gesture-scratch")] == [True] * 4
+    assert [load_recipe(r)["compile"] for r in ("digits-scratch", "digits-bp", "cifar10c-tta")] == [False] * 3
+    assert load_recipe("digits-scratch", ["compile=true"])["compile"] is True
+    assert load_recipe("digits-bp", ["compile=aot_eager"])["compile"] == "aot_eager"
+    with pytest.raises(ValueError, match="unknown torch.compile backend 'fast'; valid: .*inductor"):
+        load_recipe("digits-scratch", ["compile=fast"])
+    with pytest.raises(ValueError, match="'compile' must be bool/str"):
+        load_recipe("digits-scratch", ["compile=1"])
+    for extra, what in ((["szo.engine=batched"], "szo.engine 'batched'"), (["szo.time_chunk=1"], "szo.time_chunk"),
+                        (["backend=fixed", "bn_stats=deployed"], "backend 'fixed'")):
+        with pytest.raises(ValueError, match=f"compile=True compiles the model's multi-step forward and cannot be "
+                                             f"combined with {what}"):
+            load_recipe("digits-scratch", ["compile=true"] + extra)
+
+
 def test_method_specific_options_rejected_before_anything_runs():
     # each combination used to pass validation and fail only when the optimizer was built,
     # i.e. after a recipe's BPTT stage had already run

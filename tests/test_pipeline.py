@@ -178,6 +178,41 @@ def test_batched_engine_recipe_equals_loop(bp_run):
     assert hist[-1]["train_acc"] is None  # probe losses only: no outputs to score
 
 
+def test_compiled_recipe_equals_eager(bp_run):
+    # compile=aot_eager: the same dynamo capture as inductor (tests/models/test_compiled.py
+    # checks inductor itself) without minutes of code generation in the suite
+    import torch._dynamo
+
+    from szo.models.compiled import graph_count
+
+    root, sets, _ = bp_run
+    bp = ["subspace.name=null", "bptt.epochs=1", "bptt.max_steps_per_epoch=2", "trajectory.every=1"]
+    small = sets + ["train.epochs=1", "train.max_steps_per_epoch=2", "method=szo-rge", "szo.q=2"]
+    g0 = graph_count()
+    try:
+        runs = {(kind, c): run_recipe(load_recipe(f"digits-{kind}", (bp if kind == "bp" else small) + [f"compile={c}"]
+                                                  + (sets if kind == "bp" else [])), root / f"compile-{kind}-{c}")
+                for kind in ("bp", "scratch") for c in ("false", "aot_eager")}
+    finally:
+        torch._dynamo.reset()
+    assert graph_count() > g0  # the compiled runs did compile
+    for kind in ("bp", "scratch"):
+        e, c = runs[(kind, "false")], runs[(kind, "aot_eager")]
+        assert c["fp"] == e["fp"] and abs(c["best_test_acc"] - e["best_test_acc"]) < 1e-9
+        he, hc = ([json.loads(x) for x in (root / f"compile-{kind}-{v}" / "metrics.jsonl").read_text().splitlines()]
+                  for v in ("false", "aot_eager"))
+        assert hc[-1]["train_loss"] == pytest.approx(he[-1]["train_loss"], rel=1e-5)
+
+
+def test_compile_with_hook_synchronised_bn_is_refused_before_a_multi_process_run():
+    from szo.pipeline import _check_distributed
+
+    cfg = load_recipe("digits-scratch", ["compile=true", "method=szo-cge"])
+    with pytest.raises(ValueError, match="compile with distributed.mode 'data' and distributed.sync_bn"):
+        _check_distributed(cfg)
+    _check_distributed(load_recipe("digits-scratch", ["compile=true", "method=szo-cge", "distributed.sync_bn=false"]))
+
+
 def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
     from szo.pipeline import load_run_model
 
