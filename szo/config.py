@@ -93,7 +93,7 @@ DEFAULTS: dict[str, Any] = {
     "bn_stats": "batch",
     # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
     # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
-    # szo.models.compiled. Off by default, on in the Spike-ResNet / VGG recipes: on CPU the compile
+    # szo.models.compiled. Off by default (no GPU run has checked it yet); on CPU the compile
     # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     "compile": False,
     # hw.arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
