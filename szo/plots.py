@@ -91,9 +91,12 @@ def plot_training_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
     a1.set(xlabel="epoch", ylabel="test accuracy (%)", title=title)
     a2.plot(tm, [100 * a for a in acc], marker="o", ms=3)
     a2.set(xlabel="training time (min)", ylabel="test accuracy (%)")
-    for key, ls in (("train_loss", "-"), ("test_loss", "--")):
+    # forward-only training (no backward pass) averages its train loss over the perturbed probes
+    probes = bool(history) and history[-1].get("bp") == 0 and bool(history[-1].get("fp"))
+    for key, ls, label in (("train_loss", "-", "train loss" + (" (mean over the probes)" if probes else "")),
+                           ("test_loss", "--", "test loss")):
         e, _, v = _series(history, key)
-        a3.plot(e, v, ls=ls, marker="o", ms=3, label=key.replace("_", " "))
+        a3.plot(e, v, ls=ls, marker="o", ms=3, label=label)
     a3.set(xlabel="epoch", ylabel="loss")
     a3.legend()
     integer_ticks(a1.xaxis)

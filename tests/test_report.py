@@ -107,22 +107,6 @@ def test_unreadable_config_is_one_clear_error(tmp_path):
         collect_runs([tmp_path])
 
 
-@pytest.fixture
-def figures(monkeypatch):
-    """The matplotlib figures szo.plots would save, kept open for inspection."""
-    got = []
-
-    def keep(fig, path, dpi=110, layout=True):
-        if layout:
-            fig.tight_layout()
-        got.append(fig)
-
-    monkeypatch.setattr(szo.plots, "save_figure", keep)
-    yield got
-    for f in got:
-        szo.plots.pyplot().close(f)
-
-
 def test_report_plot_one_line_per_cell_legend_under_both_panels(tmp_path, figures):
     for seed in range(2):
         make_run(tmp_path, f"cge{seed}", [0.5, 0.7, 0.8], sets=[f"seed={seed}", "train.epochs=3"])

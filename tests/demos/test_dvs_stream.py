@@ -170,3 +170,25 @@ def test_source_dir_whose_weights_do_not_fit_is_one_clear_error(source, tmp_path
     (d / "source.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="model.safetensors does not fit spike_convnet"):
         ds.load_source_model(d)
+
+
+def test_timeline_names_classes_and_keeps_legends_off_the_data(tmp_path, figures):
+    from szo.data.synthetic_events import CLASSES
+
+    lab = [0] * 5 + [3] * 5 + [10] * 5
+    windows = [{"t_ms": 20.0 * i, "label": c, "pred": c, "running_acc": 1.0} for i, c in enumerate(lab)]
+    ds.plot_timeline(tmp_path / "t.png", {"szo-cge": {"windows": windows}, "none": {"windows": windows}},
+                     shift_at_s=0.15, n_classes=11, class_names=CLASSES)
+    (fig,) = figures
+    top, bottom = fig.axes
+    assert [t.get_text() for t in top.get_yticklabels()] == list(CLASSES)
+    r = fig.canvas.get_renderer()
+    for ax in (top, bottom):
+        leg = ax.get_legend()
+        assert leg.get_window_extent(r).x0 >= ax.get_window_extent(r).x1  # right of the panel, not over it
+    texts = [t.get_text() for t in top.get_legend().get_texts()]
+    assert texts == ["true class", "predicted (szo-cge)", "predicted (no adaptation)", "domain shift"]
+    # a model whose classes are not the named ones keeps numbers
+    ds.plot_timeline(tmp_path / "u.png", {"none": {"windows": windows}}, shift_at_s=None, n_classes=12,
+                     class_names=CLASSES)
+    assert [t.get_text() for t in figures[1].axes[0].get_yticklabels()] == [str(i) for i in range(12)]
