@@ -4,7 +4,6 @@ import json
 import numpy as np
 import pytest
 
-import szo.plots
 from szo.cli import main
 from szo.config import load_recipe, write_config
 from szo.report import collect_runs, like_runs, render, table1, write_report
@@ -125,21 +124,3 @@ def test_report_plot_one_line_per_cell_legend_under_both_panels(tmp_path, figure
     r = fig.canvas.get_renderer()
     leg, ax = fig.legends[0].get_window_extent(r), a1.get_window_extent(r)
     assert leg.y1 <= ax.y0
-
-
-def test_training_curve_has_whole_epoch_ticks(tmp_path, figures):
-    hist = [{"epoch": e, "train_loss": 1.0 / e, "test_loss": 1.2 / e, "test_acc": 0.3 * e, "train_time_s": e}
-            for e in (1, 2, 3)]
-    szo.plots.plot_training_curve(hist, tmp_path / "c.png")
-    (fig,) = figures
-    for ax in (fig.axes[0], fig.axes[2]):
-        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
-        assert ticks and all(float(t).is_integer() for t in ticks)
-
-
-def test_time_axis_goes_log_when_runs_differ_by_orders_of_magnitude(tmp_path, figures):
-    fast = [{"epoch": e, "test_acc": 0.9, "train_time_s": 0.5 * e} for e in (1, 2)]
-    slow = [{"epoch": e, "test_acc": 0.8, "train_time_s": 60.0 * e} for e in (1, 2)]
-    szo.plots.plot_runs({"fast": [fast], "slow": [slow]}, tmp_path / "a.png")
-    szo.plots.plot_runs({"fast": [fast]}, tmp_path / "b.png")
-    assert figures[0].axes[1].get_xscale() == "log" and figures[1].axes[1].get_xscale() == "linear"
