@@ -124,7 +124,8 @@ def plot_runs(runs: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], path: s
     handles, labels, all_times = [], [], []
     for j, (label, histories) in enumerate(runs.items()):
         ep, mean, lo, hi, tm = _mean_curve(histories)
-        style = dict(marker=MARKERS[j % len(MARKERS)], ls=LINESTYLES[(j // len(MARKERS)) % len(LINESTYLES)], ms=4)
+        style = dict(marker=MARKERS[j % len(MARKERS)], ls=LINESTYLES[(j // len(MARKERS)) % len(LINESTYLES)], ms=4,
+                     markevery=max(1, len(ep) // 15))  # a 60-epoch run: markers, not a solid bead chain
         h, = a1.plot(ep, mean, **style)
         a2.plot(tm, mean, color=h.get_color(), **style)
         if len(histories) > 1:
