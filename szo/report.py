@@ -25,7 +25,7 @@ import yaml
 
 from szo.io import atomic_write_json, atomic_write_text
 
-__all__ = ["collect_runs", "like_runs", "table1", "table3", "render", "write_report", "IGNORED_KEYS"]
+__all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "render", "write_report", "IGNORED_KEYS"]
 
 #: config keys that do not change what a run trains (names, where files go, how progress is shown)
 IGNORED_KEYS = ("name", "description", "kind", "seed", "progress", "data.data_dir", "data.download",
