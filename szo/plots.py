@@ -98,7 +98,7 @@ def plot_training_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
         e, _, v = _series(history, key)
         a3.plot(e, v, ls=ls, marker="o", ms=3, label=label)
     a3.set(xlabel="epoch", ylabel="loss")
-    a3.legend()
+    a3.legend(fontsize=8)
     integer_ticks(a1.xaxis)
     integer_ticks(a3.xaxis)
     save_figure(fig, path)
