@@ -81,9 +81,11 @@ def _cmd_demo_digits(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from szo.report import collect_runs, render, write_report
+    from szo.report import collect_runs, like_runs, render, write_report
 
     runs = collect_runs(args.run_dirs)
+    for note in like_runs(runs)[1]:
+        print(f"warning: {note}", file=sys.stderr)
     print(render(runs))
     if args.out:
         paths = write_report(runs, args.out)

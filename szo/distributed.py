@@ -7,9 +7,11 @@ with a bounded timeout. SZO then runs
 * data-parallel (``mode="data"``): every rank evaluates every probe on its contiguous shard of
   the same global batch (:meth:`Parallel.shard`); the probe losses are all-reduced. With
   BatchNorm in train mode, each BN layer's batch statistics are also all-reduced per probe
-  (:class:`SyncBatchNorm`, ``2C + 1`` float64 per layer), which makes the run equal the
-  one-process run with the global batch; without that each shard would be normalised by its
-  own statistics (a different objective, like DDP without SyncBN).
+  (:class:`SyncBatchNorm`, ``2C + 1`` float64 per layer), so the run computes the objective of
+  the one-process run with the global batch (equal to rounding in float64; in float32 the
+  shard-wise sums round differently and a spiking net amplifies that, as it amplifies the
+  float32-vs-float64 difference of one process: docs/distributed.md); without sync BN each
+  shard would be normalised by its own statistics (a different objective, like DDP without SyncBN).
 * perturbation-parallel (``mode="perturbation"``): every rank evaluates a slice of the probes
   on the full batch; only the probe losses cross the network.
 

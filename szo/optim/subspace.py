@@ -189,7 +189,8 @@ class SZO(SubspaceOptimizer):
     (``process_group`` or the default one). Per step the m probe losses (float64) and, with BN,
     the running-statistic sums (once) are all-reduced; in data mode with ``sync_bn`` and BN in
     train mode also each BN layer's batch statistics per probe (``szo.distributed.SyncBatchNorm``),
-    so that the result equals one process with the whole batch. ``bytes_communicated`` counts
+    so that the step computes the one-process objective with the whole batch (the same numbers
+    up to float summation order, docs/distributed.md). ``bytes_communicated`` counts
     these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
