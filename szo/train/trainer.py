@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -289,6 +290,9 @@ def fit(
     def diverged(why: str) -> None:
         """Close the progress bar (the error gets its own line), mark results.json, stop."""
         bar.close()
+        if progress and not sys.stderr.isatty():  # a log file keeps the bar's text: end its line
+            sys.stderr.write("\n")
+            sys.stderr.flush()
         msg = (f"training diverged at step {step + 1} (epoch {epoch + 1} of {epochs}"
                f"{f', method {method}' if method else ''}): {why}; lower the learning rate"
                + (" (train.lr) or the perturbation scale (szo.mu)" if forward_only else ""))
