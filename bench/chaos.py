@@ -212,7 +212,7 @@ def main() -> int:
     done = tmp / "ref"
 
     def tampered(name: str, damage, phrase: str) -> None:
-        d = tmp / f"t-{name}"
+        d = tmp / f"tamper{len(rows)}"
         shutil.copytree(done, d)
         damage(d)
         r = run(szo_cmd("digits-scratch", d, ["progress=false"], "--resume"))

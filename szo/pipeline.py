@@ -465,6 +465,11 @@ def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "
         res = out / name / "results.json"
         if res.is_file():
             summaries[name] = json.loads(res.read_text(encoding="utf-8"))
+            if summaries[name].get("status") == "diverged":  # the same settings would diverge again
+                from szo.train import TrainingDiverged
+
+                raise TrainingDiverged(f"demo stage {name} diverged in an earlier run ({summaries[name].get('error')}); "
+                                       f"remove {out / name} to run it again")
             print(f"[demo] {name}: already done ({res})")
             return
         print(f"[demo] {name} ...", flush=True)

@@ -240,3 +240,14 @@ def test_diverged_run_is_one_line_for_every_method(store, tmp_path, capsys, meth
     assert line.startswith("error: training diverged at step ") and "lower the learning rate" in line, line
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "diverged" and res["error"] in line and res["method"] == method
+
+
+def test_demo_does_not_count_a_diverged_stage_as_done(tmp_path):
+    from szo.pipeline import run_demo_digits
+    from szo.train import TrainingDiverged
+
+    (tmp_path / "bp").mkdir()
+    (tmp_path / "bp" / "results.json").write_text(json.dumps({"status": "diverged", "error": "training diverged at "
+                                                                                               "step 3"}))
+    with pytest.raises(TrainingDiverged, match=f"demo stage bp diverged in an earlier run .*remove {tmp_path / 'bp'}"):
+        run_demo_digits(tmp_path, progress=False)
