@@ -249,7 +249,7 @@ def main() -> int:
     row("tamper: trajectory sample, BPTT resumed", "exit 2, one line, before training", ok,
         f"exit={r.returncode} '{line}'")
     # --- resume with an override that changes the run
-    for key in ("method=szo-rge", "szo.mu=0.5", "train.epochs=5", "model.kwargs={width: 8}"):
+    for key in ("method=szo-rge", "szo.mu=0.5", "train.epochs=5", "model.T=3", "seed=1"):
         r = run(szo_cmd("digits-scratch", done, ["progress=false", key], "--resume"))
         ok, line = one_line(r, 2, f"{key.split('=')[0]} is ")
         row(f"resume with --set {key}", "exit 2, one line naming key and both values", ok,

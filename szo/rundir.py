@@ -205,7 +205,8 @@ def check_resume_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], stag
     key, old, new = diffs[0]
     more = f" (and {len(diffs) - 1} more: {', '.join(d[0] for d in diffs[1:4])}{', ...' if len(diffs) > 4 else ''})" \
         if len(diffs) > 1 else ""
-    hint = ("a cosine schedule's length is part of the run; " if key.endswith(".epochs") else "")
+    hint = ("a cosine schedule's length is part of the run (only constant-LR runs can be extended); "
+            if key.endswith(".epochs") else "")
     raise ResumeMismatchError(
         f"cannot resume {run_dir}: {key} is {old!r} in its config.yaml but {new!r} now{more}; {hint}resume "
         f"without changing it, or start a new run with another --out")

@@ -226,8 +226,9 @@ def fit(
             if max_steps_per_epoch is not None:
                 n_steps = min(n_steps, max_steps_per_epoch)
             into = f", {int(mid['batches_done'])} of its {n_steps} steps done" if mid is not None else ""
-            print(f"resuming {run_dir} after step {step}: epoch {min(epoch + 1, epochs)} of {epochs}{into}"
-                  f"{f' (method {method})' if method else ''}", flush=True)
+            where = (f"epoch {epoch + 1} of {epochs}{into}" if epoch < epochs
+                     else f"all {epochs} epochs were done already")
+            print(f"resuming {run_dir} after step {step}: {where}{f' (method {method})' if method else ''}", flush=True)
     if par is not None:
         par.broadcast_model(model)  # once; afterwards identical updates keep the ranks in sync
     if logger is not None:
