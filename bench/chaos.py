@@ -118,10 +118,10 @@ def same_trajectory(a: Path, b: Path) -> bool:
 
 
 def kill_and_resume(cmd: list[str], out: Path, rng: random.Random, t_run: float, env: dict | None = None
-                    ) -> tuple[int, int, bool, int]:
+                    ) -> tuple[str, int, bool, int]:
     """SIGKILL the run at a random moment of its training phase (uniform in [0, t_run] after it
-    took its lock), then --resume until it exits; returns (kills done, resumes, saw a
-    stale-lock takeover line, final exit code)."""
+    took its lock), then --resume until it exits; returns (where the kill landed, resumes,
+    saw a stale-lock takeover line, final exit code)."""
     env = env or _env()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     started(p, out)
@@ -130,6 +130,13 @@ def kill_and_resume(cmd: list[str], out: Path, rng: random.Random, t_run: float,
     if killed:
         p.kill()
     p.wait()
+    rec = out / "checkpoints" / "last.json"
+    for d in (out, out / "bptt"):
+        if (d / "checkpoints" / "last.json").is_file():
+            rec = d / "checkpoints" / "last.json"
+    at = json.loads(rec.read_text())["step"] if rec.is_file() else None
+    lock = out / ".lock"
+    held = lock.is_file() and lock.stat().st_size > 0  # killed while it held the run directory
     resumes, stale, code = 0, False, p.returncode
     while resumes < 5:
         r = run(cmd + ["--resume"], env)
@@ -138,7 +145,9 @@ def kill_and_resume(cmd: list[str], out: Path, rng: random.Random, t_run: float,
         code = r.returncode
         if code == 0:
             break
-    return int(killed), resumes, stale, code
+    where = ("after the run" if not held else f"in the run, last checkpoint at step {at}" if at is not None
+             else "in the run, before its first checkpoint")
+    return where if killed else "not killed (ended first)", resumes, stale, code
 
 
 def main() -> int:
@@ -153,6 +162,7 @@ def main() -> int:
     rows: list[dict] = []
 
     def row(case: str, expect: str, ok: bool, got: str) -> None:
+        got = got.replace(str(tmp), "$TMP")
         rows.append({"case": case, "expected": expect, "outcome": got, "ok": bool(ok)})
         print(f"{'ok  ' if ok else 'FAIL'} {case}: {got}", flush=True)
 
@@ -172,7 +182,7 @@ def main() -> int:
         killed, resumes, stale, code = kill_and_resume(szo_cmd("digits-scratch", out, sets), out, rng, t_ref)
         exact = code == 0 and same(final_state(out, False), ref)
         row(f"SIGKILL SZO-CGE run #{i + 1}", "exact resume",
-            exact, f"killed={bool(killed)} resumes={resumes} stale-lock line={stale} exit={code} "
+            exact, f"killed {killed}; stale lock taken over: {'yes' if stale else 'no'}; resume exit={code}, "
                    f"params {'bit-identical' if exact else 'DIFFER'}")
     # --- SIGKILL during a BPTT run (trajectory, model, subspace build), resume: exact?
     bsets = lambda name: TINY + BPTT + [f"subspace.root={tmp / ('st-' + name)}"]  # noqa: E731
@@ -184,8 +194,8 @@ def main() -> int:
         ok = code == 0 and same(final_state(out, True), bref)
         ok = ok and same_trajectory(out / "trajectory", tmp / "bref" / "trajectory")
         row(f"SIGKILL BPTT run #{i + 1}", "exact resume", ok,
-            f"killed={bool(killed)} resumes={resumes} exit={code} model+trajectory "
-            f"{'bit-identical' if ok else 'DIFFER'}")
+            f"killed {killed}; stale lock taken over: {'yes' if stale else 'no'}; resume exit={code}, "
+            f"model + trajectory {'bit-identical' if ok else 'DIFFER'}")
     # --- torchrun: rank 1 SIGKILLs itself after step 5; resume; equal to an uninterrupted 2-process run
     if not args.no_torchrun:
         def cmd(out: Path) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
-__all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunLockedError", "ResumeMismatchError", "run_lock", "lock_holder",
+__all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunLockedError", "ResumeMismatchError", "run_lock",
            "check_resume_config", "config_differences", "saved_config_path", "resumed_config"]
 
 LOCK_NAME = ".lock"
@@ -72,16 +72,12 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def lock_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The holder recorded in ``run_dir/.lock`` (None when there is none); does not lock."""
-    p = Path(run_dir) / LOCK_NAME
-    if not p.is_file():
-        return None
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        return _read_holder(fd)
-    finally:
-        os.close(fd)
+def _command() -> str:
+    """This process' command line, ``szo ...`` for the console script and ``python -m szo``."""
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+    if prog in ("__main__.py", "szo"):
+        prog = "szo"
+    return " ".join([prog] + sys.argv[1:])[:500]
 
 
 @contextlib.contextmanager
@@ -118,7 +114,7 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
                   file=sys.stderr, flush=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:])[:500]}
+              "command": _command()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode("utf-8"), 0)
         os.fsync(fd)
