@@ -97,12 +97,16 @@ def started(p: subprocess.Popen, out: Path) -> float:
 
 
 def timed_run(cmd: list[str], out: Path) -> float:
-    """Seconds a run spends holding its lock (its training phase)."""
+    """Seconds a run holds its lock (from taking it to clearing it: its training phase)."""
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=REPO)
     started(p, out)
     t = time.perf_counter()
+    lock = out / ".lock"
+    while p.poll() is None and lock.stat().st_size > 0:
+        time.sleep(0.02)
+    held = time.perf_counter() - t
     p.wait()
-    return time.perf_counter() - t
+    return held
 
 
 def same_trajectory(a: Path, b: Path) -> bool:

@@ -458,6 +458,8 @@ def _load_start_state(ckpt_path: Path, run_dir: Path, resume: bool, par: Any
     blob = main_decides(read, par.group) if par is not None else read()
     if blob is None:
         return None, None
+    if par is not None:
+        par.startup_bytes += len(blob) + 17  # header + tag + the checkpoint's bytes
     return checkpoint_from_bytes(blob, ckpt_path), hashlib.sha256(blob).hexdigest()
 
 
