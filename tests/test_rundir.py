@@ -251,3 +251,18 @@ def test_demo_does_not_count_a_diverged_stage_as_done(tmp_path):
                                                                                                "step 3"}))
     with pytest.raises(TrainingDiverged, match=f"demo stage bp diverged in an earlier run .*remove {tmp_path / 'bp'}"):
         run_demo_digits(tmp_path, progress=False)
+
+
+def test_constant_lr_run_extended_on_resume_equals_the_longer_run(store, tmp_path, capsys):
+    const = ["train.scheduler=constant", "train.lr=0.3"]
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "long")] + _sets(store, *const)) == 0
+    short = _sets(store, *const, "train.epochs=1")
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + short) == 0
+    capsys.readouterr()
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.epochs=2"]) == 0
+    assert "after step 4: epoch 2 of 2 (method szo-cge)" in capsys.readouterr().out
+    a = torch.load(checkpoint_path(tmp_path / "long"), weights_only=True)
+    b = torch.load(checkpoint_path(tmp_path / "run"), weights_only=True)
+    assert a["step"] == b["step"] == 8 and all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.epochs=1"]) == 2
+    assert "train.epochs is 2 in its config.yaml but 1 now" in _one_error_line(capsys)
