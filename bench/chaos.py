@@ -123,13 +123,13 @@ def same_trajectory(a: Path, b: Path) -> bool:
 
 def kill_and_resume(cmd: list[str], out: Path, rng: random.Random, t_run: float, env: dict | None = None
                     ) -> tuple[str, int, bool, int]:
-    """SIGKILL the run at a random moment of its training phase (uniform in [0, t_run] after it
+    """SIGKILL the run at a random moment of its training phase (uniform in [0, 0.7 t_run] after it
     took its lock), then --resume until it exits; returns (where the kill landed, resumes,
     saw a stale-lock takeover line, final exit code)."""
     env = env or _env()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     started(p, out)
-    time.sleep(rng.uniform(0.0, t_run))
+    time.sleep(rng.uniform(0.0, 0.7 * t_run))  # the hold time varies with the load: stay inside it
     killed = p.poll() is None
     if killed:
         p.kill()
