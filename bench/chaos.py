@@ -5,12 +5,12 @@ case ends either in an exact resume (the final parameters equal, bit for bit, th
 uninterrupted run) or in one clear ``error:`` line (no traceback) with the expected exit
 status. Prints a summary table and writes bench/results/chaos.json.
 
-    python bench/chaos.py                  # all cases (~3-5 min on 2 busy cores)
+    python bench/chaos.py                  # all cases (12 min measured on 2 cores shared with other jobs)
     python bench/chaos.py --kills 5        # more random SIGKILL trials per method
     python bench/chaos.py --no-torchrun    # skip the 2-process case
 
 Cases: SIGKILL at random moments of an SZO-CGE run and of a BPTT run (trajectory + subspace
-build), then ``--resume`` until done; a 2-process torchrun run whose rank 1 SIGKILLs itself,
+build), and right after a random optimizer step of an SZO-CGE run, then ``--resume`` until done; a 2-process torchrun run whose rank 1 SIGKILLs itself,
 then resumed; a flipped byte / truncated / empty / random / record-less checkpoint; a BPTT
 checkpoint copied into an SZO run; a trajectory sample flipped before a resume; resuming
 with an override that changes the run; two runs started at once on one --out; a diverging
@@ -185,9 +185,22 @@ def main() -> int:
         out = tmp / f"szo-kill{i}"
         killed, resumes, stale, code = kill_and_resume(szo_cmd("digits-scratch", out, sets), out, rng, t_ref)
         exact = code == 0 and same(final_state(out, False), ref)
-        row(f"SIGKILL SZO-CGE run #{i + 1}", "exact resume",
+        row(f"SIGKILL SZO-CGE run #{i + 1} (random moment)", "exact resume",
             exact, f"killed {killed}; stale lock taken over: {'yes' if stale else 'no'}; resume exit={code}, "
                    f"params {'bit-identical' if exact else 'DIFFER'}")
+    # --- SIGKILL right after a random optimizer step (the run kills itself: $SZO_FAULT_INJECT=0:STEP)
+    for i in range(args.kills):
+        out = tmp / f"szo-step{i}"
+        at = rng.randint(1, 23)  # 2 epochs x 12 steps
+        r = run(szo_cmd("digits-scratch", out, sets), dict(_env(), SZO_FAULT_INJECT=f"0:{at}"))
+        rec = out / "checkpoints" / "last.json"
+        ck = json.loads(rec.read_text())["step"] if rec.is_file() else None
+        r2 = run(szo_cmd("digits-scratch", out, sets, "--resume"))
+        exact = r.returncode == -9 and r2.returncode == 0 and same(final_state(out, False), ref)
+        row(f"SIGKILL SZO-CGE run after step {at}", "exact resume", exact,
+            f"exit={r.returncode} (SIGKILL), last checkpoint at step {ck}; stale lock taken over: "
+            f"{'yes' if 'taking over the stale lock' in r2.stderr else 'no'}; resume exit={r2.returncode}, "
+            f"params {'bit-identical' if exact else 'DIFFER'}")
     # --- SIGKILL during a BPTT run (trajectory, model, subspace build), resume: exact?
     bsets = lambda name: TINY + BPTT + [f"subspace.root={tmp / ('st-' + name)}"]  # noqa: E731
     tb = timed_run(szo_cmd("digits-bp", tmp / "bref", bsets("bref")), tmp / "bref")
