@@ -5,7 +5,7 @@
   hook on every rank lists its writes) and the bytes communicated per step are reported.
 * a rank that dies (SIGKILL after step 2) makes the other exit with one clear error line within a
   bounded time; ``--resume`` then finishes the run from rank 0's checkpoint, again equal to the
-  one-process run.
+  one-process run; a ``--resume`` with an override that changes the run is refused on every rank.
 """
 import json
 import os
@@ -104,6 +104,14 @@ def test_dead_rank_stops_the_other_and_resume_continues(setup):
     assert re.search(r"exitcode\s*:\s*3\b", p.stderr), p.stderr  # rank 0 exited by itself (RankFailure)
     st = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert 1 <= st["step"] < STEPS
+    # rank 0 reads the run's config.yaml and refuses an override that changes the run; every
+    # rank stops with that same line (none waits for a collective)
+    p, elapsed = _torchrun("szo", sets, out, "--resume", "--set", "method=szo-rge")
+    lines = sorted(ln for ln in p.stderr.splitlines() if ln.startswith("error: "))
+    assert p.returncode != 0 and len(lines) == 2 and elapsed < 60, p.stderr
+    assert lines[0].startswith("error: [rank 0/2] cannot resume") and lines[1].startswith("error: [rank 1/2]")
+    assert "method is 'szo-cge' in its config.yaml but 'szo-rge' now" in lines[1]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == st["step"]
     p, _ = _torchrun("szo", sets, out, "--resume")
     assert p.returncode == 0, p.stdout + p.stderr
     _assert_same_as_single(torch.load(out / "checkpoints" / "last.pt", weights_only=True), ref)

@@ -24,6 +24,7 @@ __all__ = [
     "rge_coefficients",
     "forward_difference_coefficients",
     "check_loss",
+    "NonFiniteLossError",
     "cge",
     "rge",
     "one_point",
@@ -31,6 +32,10 @@ __all__ = [
 ]
 
 LossFn = Callable[[torch.Tensor], "float | torch.Tensor"]
+
+
+class NonFiniteLossError(ValueError):
+    """A probe's loss is NaN or infinite (the parameters were restored before raising)."""
 
 
 def check_loss(value: "float | torch.Tensor", where: str = "closure") -> float:
@@ -47,7 +52,7 @@ def check_loss(value: "float | torch.Tensor", where: str = "closure") -> float:
     else:
         raise ValueError(f"{where} must return a scalar loss (float or 1-element tensor), got {type(value).__name__}")
     if not math.isfinite(value):
-        raise ValueError(f"{where} returned a non-finite loss ({value}); the parameters were restored")
+        raise NonFiniteLossError(f"{where} returned a non-finite loss ({value}); the parameters were restored")
     return value
 
 
