@@ -127,7 +127,7 @@ def _loss(cfg: Mapping[str, Any]):
 
 
 def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
-    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge") else None
+    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace") else None
     return {"recipe": cfg["name"], "label": method_label(method, q, cfg["model"]["activation"]), "method": method,
             "mode": mode, "dataset": cfg["data"]["name"], "model": cfg["model"]["name"],
             "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
@@ -289,6 +289,11 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                 extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
             else:  # OnChipSZO quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
+    tt = cfg["tt"]
+    if cfg["method"] == "tt-zo":  # ZO in TT-factor space: the large weights become TT cores (TT-SVD of the start)
+        from szo.models.tt import tt_parametrize
+
+        extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
     net.to(device)
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
@@ -307,7 +312,8 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                               coords_per_step=sz["coords_per_step"], generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"])
+                              engine=sz["engine"], chunk=sz["chunk"],
+                              tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
