@@ -33,7 +33,7 @@ from torch.func import functional_call
 
 from .models.forward_mode import jvp_neurons
 
-__all__ = ["split_stages", "stage_tangent", "run_stage", "reference_async_fgd", "stage_versions"]
+__all__ = ["split_stages", "stage_tangent", "run_stage", "reference_async_fgd", "stage_versions", "gather_stages"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]  # activation dtypes sent between stages
@@ -160,6 +160,23 @@ def run_stage(stage: nn.Module, k: int, K: int, batches: Sequence[tuple[torch.Te
     for h, _ in pending:
         h.wait()
     return {"losses": losses, "jvps": jvps}
+
+
+def gather_stages(stages: Sequence[nn.Module], k: int, K: int, dst: int = 0, group=None) -> None:
+    """After ``run_stage``: copy every stage's trained parameters and buffers (BN statistics) into
+    rank ``dst``'s copy of the stages, so that rank holds the whole trained model (a collective)."""
+    if K == 1:
+        return
+    for j, s in enumerate(stages):
+        tensors = [t for _, t in s.named_parameters()] + [t for _, t in s.named_buffers()]
+        for t in tensors:
+            if j == k and k != dst:
+                dist.send(t.detach().contiguous(), dst=dst, group=group)
+            elif j != k and k == dst:
+                buf = torch.empty_like(t)
+                dist.recv(buf, src=j, group=group)
+                with torch.no_grad():
+                    t.copy_(buf)
 
 
 def reference_async_fgd(stages: Sequence[nn.Module], batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
