@@ -83,6 +83,10 @@ def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[tor
         state = load_file(run_dir / "model.safetensors")
     else:
         state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
+    if cfg.get("kind") == "subspace" and cfg["method"] == "tt-zo":  # the run trained TT cores
+        from szo.models.tt import tt_parametrize
+
+        tt_parametrize(model, cfg["tt"]["rank"], cores=cfg["tt"]["cores"], min_params=cfg["tt"]["min_params"])
     model.load_state_dict(state, strict=True)
     return model.to(device), cfg
 

@@ -191,6 +191,10 @@ def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra
     assert 0.0 <= s["final_test_acc"] <= 1.0
     if method == "tt-zo":
         assert {r["layer"] for r in s["tt"]["layers"]} == {"conv2", "fc"} and s["tt"]["d_tt"] < s["tt"]["d_dense"]
+        from szo.pipeline import load_run_model
+
+        model, _ = load_run_model(root / method)  # rebuilt with the run's TT cores
+        assert sum(p.numel() for p in model.parameters()) == s["tt"]["d_tt"]
 
 
 def test_unknown_method_lists_the_valid_ones():

@@ -80,6 +80,26 @@ def jvp_closure(model: nn.Module, names: list[str], closure: Callable[[], torch.
         return loss, F.check_loss(tangent, f"{where} (directional derivative)")
 
 
+def _jvp_passes(opt, closure: Callable[[], torch.Tensor],
+                tangents: Callable[[int], list[torch.Tensor]]) -> tuple[list[float], torch.Tensor]:
+    """``opt.q`` JVP passes (losses, directional derivatives), BN statistics handled as in SZO."""
+    jvps = torch.empty(opt.q, dtype=torch.float64)
+    losses = []
+    opt.bn.snapshot()
+    try:
+        for j in range(opt.q):
+            opt.bn.restore()
+            lj, jvps[j] = jvp_closure(opt.model, opt._names, closure, tangents(j), f"closure (tangent {j + 1}/{opt.q})")
+            opt.forward_passes += 1
+            losses.append(lj)
+            opt.bn.accumulate()
+    except BaseException:
+        opt.bn.restore()
+        raise
+    opt.bn.commit()
+    return losses, jvps
+
+
 class ForwardGradient(torch.optim.Optimizer):
     """Full-space forward gradient descent: ``v ~ N(0, I_d)``, heavy-ball update in parameter space.
 
@@ -131,22 +151,7 @@ class ForwardGradient(torch.optim.Optimizer):
             raise ValueError("ForwardGradient.step needs a closure that runs a forward pass and returns the loss")
         p0 = self._params[0]
         z = F.sample_gaussian(self.q, self.d, self.generator, dtype=torch.float32)
-        jvps = torch.empty(self.q, dtype=torch.float64)
-        losses = []
-        self.bn.snapshot()
-        try:
-            for j in range(self.q):
-                self.bn.restore()
-                lj, jvps[j] = jvp_closure(self.model, self._names, closure,
-                                          self._split(z[j].to(device=p0.device, dtype=p0.dtype)),
-                                          f"closure (tangent {j + 1}/{self.q})")
-                self.forward_passes += 1
-                losses.append(lj)
-                self.bn.accumulate()
-        except BaseException:
-            self.bn.restore()
-            raise
-        self.bn.commit()
+        losses, jvps = _jvp_passes(self, closure, lambda j: self._split(z[j].to(device=p0.device, dtype=p0.dtype)))
         g = F.forward_gradient_coefficients(jvps, z).to(device=p0.device, dtype=p0.dtype)
         group = self.param_groups[0]
         vel = self.state[p0]["velocity"]
@@ -197,23 +202,12 @@ class SubspaceForwardGradient(SubspaceOptimizer):
             raise ValueError("SubspaceForwardGradient.step needs a closure that runs a forward pass and returns "
                              "the loss")
         z = F.sample_gaussian(self.q, self.k, self.generator, dtype=torch.float64)
-        jvps = torch.empty(self.q, dtype=torch.float64)
-        losses = []
-        self.bn.snapshot()
-        try:
-            for j in range(self.q):
-                self.bn.restore()
-                u = z[j].to(device=self._Pt.device, dtype=self._Pt.dtype)
-                tangents = [(u @ pt).view_as(p) for p, pt in zip(self._params, self._Pt_views)]
-                lj, jvps[j] = jvp_closure(self.model, self._names, closure, tangents,
-                                          f"closure (tangent {j + 1}/{self.q})")
-                self.forward_passes += 1
-                losses.append(lj)
-                self.bn.accumulate()
-        except BaseException:
-            self.bn.restore()
-            raise
-        self.bn.commit()
+
+        def tangents(j: int) -> list[torch.Tensor]:
+            u = z[j].to(device=self._Pt.device, dtype=self._Pt.dtype)
+            return [(u @ pt).view_as(p) for p, pt in zip(self._params, self._Pt_views)]
+
+        losses, jvps = _jvp_passes(self, closure, tangents)
         self._apply_update(F.forward_gradient_coefficients(jvps, z))
         return torch.tensor(sum(losses) / len(losses))
 
