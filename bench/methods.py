@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, cpu_alloc_peak, machine_info, write_result  # noqa: E402
+from common import RESULTS, cpu_alloc_peak, machine_info, median_time, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "digits-scratch"
@@ -106,6 +106,27 @@ def step_peak(name: str, root: Path) -> int | None:
     return cpu_alloc_peak(lambda: opt.step(closure))
 
 
+def jvp_over_forward(batch: int = 64, reps: int = 20) -> dict:
+    """Time of one FG JVP pass (ForwardGradient step, q = 1, lr 0) / one plain no-grad forward, same process."""
+    import szo.models as M
+    from szo.losses import tet_loss
+    from szo.optim import ForwardGradient
+
+    torch.manual_seed(0)
+    model = M.create("spike_convnet", num_classes=10, T=4).train()
+    x, y = torch.rand(batch, 1, 8, 8) * 2, torch.randint(0, 10, (batch,))
+    opt = ForwardGradient(model.parameters(), model=model, lr=0.0, momentum=0.0)
+    closure = lambda: tet_loss(model(x), y)  # noqa: E731
+
+    def plain():
+        with torch.no_grad():
+            closure()
+
+    t_fwd, _ = median_time(plain, reps)
+    t_jvp, _ = median_time(lambda: opt.step(closure), reps)
+    return {"batch": batch, "forward_ms": 1e3 * t_fwd, "jvp_pass_ms": 1e3 * t_jvp, "ratio": t_jvp / t_fwd}
+
+
 def run_row(name: str, runs: Path, root: Path) -> dict:
     out = runs / name
     cmd = command(name, out, root)
@@ -161,7 +182,12 @@ def main(argv=None) -> None:
               f"{old[name]['fit_wall_min']:.2f} min", flush=True)
         rows = [old[n] for n in ROWS if n in old]
         write_result("methods", {"bench": "methods", "recipe": RECIPE, "machine": machine_info(), "rows": rows})
+    ratio = jvp_over_forward()
+    write_result("methods", {"bench": "methods", "recipe": RECIPE, "machine": machine_info(), "rows": rows,
+                             "jvp_over_forward": ratio})
     print(table(rows))
+    print(f"one JVP pass = {ratio['ratio']:.2f} plain forwards ({ratio['jvp_pass_ms']:.1f} ms vs "
+          f"{ratio['forward_ms']:.1f} ms, batch {ratio['batch']})")
 
 
 if __name__ == "__main__":

@@ -419,14 +419,20 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 
 
+# train.lr defaults of the methods from other seed papers: full-space forward gradient (AsyncFGD's
+# grid 1e-5..1e-2, SGD here) and TT-ZO (seed 000 Sec. 4: SGD lr 1e-3)
+_PAPER_LR = {"fg": 1.0e-3, "tt-zo": 1.0e-3}
+
+
 def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``validate`` plus defaults that depend on other values (``train.lr: null`` -> method default:
-    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP)."""
+    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP,
+    ``_PAPER_LR`` for fg and tt-zo)."""
     full = validate(cfg)
     if full["kind"] in EXTERNAL_KINDS:
         return full
     if full["train"]["lr"] is None:
-        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else 1.0
+        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else _PAPER_LR.get(full["method"], 1.0)
     return full
 
 

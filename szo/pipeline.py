@@ -329,6 +329,9 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
         summary["saturations"] = net.saturation_counts()
         summary["saturations_total"] = net.counter.total()
         atomic_write_json(run_dir / "results.json", summary)
+    if cfg["method"] == "tt-zo" and (par is None or par.is_main):  # when HybridZO left signRGE for CGE
+        summary["tt"] = dict(summary["tt"], switched_at_step=opt.hybrid_state["switched_at"])
+        atomic_write_json(run_dir / "results.json", summary)
     return summary
 
 

@@ -191,6 +191,7 @@ def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra
     assert 0.0 <= s["final_test_acc"] <= 1.0
     if method == "tt-zo":
         assert {r["layer"] for r in s["tt"]["layers"]} == {"conv2", "fc"} and s["tt"]["d_tt"] < s["tt"]["d_dense"]
+        assert s["tt"]["switched_at_step"] == 2
         from szo.pipeline import load_run_model
 
         model, _ = load_run_model(root / method)  # rebuilt with the run's TT cores
