@@ -15,7 +15,8 @@ The digits-bp subspace is built first if the store lacks it (not timed).
 
     python bench/methods.py                       # all rows -> bench/results/methods.json + a markdown table
     python bench/methods.py --rows fg fg-subspace  # some rows
-    python bench/methods.py --table-only          # print the table of the saved JSON
+    python bench/methods.py --rows fg --name methods-fg   # into bench/results/methods-fg.json
+    python bench/methods.py --table-only methods methods-fg   # print the table of saved JSONs (merged)
 """
 from __future__ import annotations
 
@@ -165,11 +166,16 @@ def main(argv=None) -> None:
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     p.add_argument("--runs", default=str(ROOT / "runs" / "methods"), help="run directories")
     p.add_argument("--root", default=None, help="subspace store (default: RUNS/subspaces)")
-    p.add_argument("--table-only", action="store_true")
+    p.add_argument("--name", default="methods", help="result name (bench/results/NAME.json)")
+    p.add_argument("--table-only", nargs="*", metavar="NAME",
+                   help="print the table of saved results (several names are merged, later ones win)")
     args = p.parse_args(argv)
-    path = RESULTS / "methods.json"
-    if args.table_only:
-        print(table(json.loads(path.read_text())["rows"]))
+    path = RESULTS / f"{args.name}.json"
+    if args.table_only is not None:
+        merged: dict = {}
+        for name in args.table_only or [args.name]:
+            merged.update({r["method"]: r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]})
+        print(table([merged[n] for n in ROWS if n in merged]))
         return
     torch.set_num_threads(1)
     runs = Path(args.runs)
@@ -181,9 +187,9 @@ def main(argv=None) -> None:
         print(f"{name}: {100 * old[name]['best_test_acc']:.2f} % best, #FP {old[name]['fp']:,}, "
               f"{old[name]['fit_wall_min']:.2f} min", flush=True)
         rows = [old[n] for n in ROWS if n in old]
-        write_result("methods", {"bench": "methods", "recipe": RECIPE, "machine": machine_info(), "rows": rows})
+        write_result(args.name, {"bench": "methods", "recipe": RECIPE, "machine": machine_info(), "rows": rows})
     ratio = jvp_over_forward()
-    write_result("methods", {"bench": "methods", "recipe": RECIPE, "machine": machine_info(), "rows": rows,
+    write_result(args.name, {"bench": "methods", "recipe": RECIPE, "machine": machine_info(), "rows": rows,
                              "jvp_over_forward": ratio})
     print(table(rows))
     print(f"one JVP pass = {ratio['ratio']:.2f} plain forwards ({ratio['jvp_pass_ms']:.1f} ms vs "
