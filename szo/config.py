@@ -28,6 +28,7 @@ from szo.methods import (  # the one method table (no torch import)
     FORWARD_ONLY_METHODS,
     INTEGER_LEARNER_METHODS,
     METHODS,
+    STREAMING_METHODS,
     SUBSPACE_METHODS,
 )
 
@@ -368,9 +369,10 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     method, sz = full["method"], full["szo"]
     if method in SUBSPACE_METHODS and full["train"]["weight_decay"]:
         raise ValueError(f"method {method!r} uses no weight decay (paper App. G); set train.weight_decay=0")
-    if sz["time_chunk"] is not None and method not in FORWARD_ONLY_METHODS:
+    if sz["time_chunk"] is not None and method not in STREAMING_METHODS:
+        why = "backpropagates" if method not in FORWARD_ONLY_METHODS else "takes forward-mode derivatives"
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{method!r} backpropagates; valid methods with szo.time_chunk: {', '.join(FORWARD_ONLY_METHODS)}")
+                         f"{method!r} {why}; valid methods with szo.time_chunk: {', '.join(STREAMING_METHODS)}")
     if sz["engine"] != "loop" and method not in ENGINE_METHODS:
         raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
                          f"engine 'loop'; valid methods for it: {', '.join(ENGINE_METHODS)}")

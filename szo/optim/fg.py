@@ -64,6 +64,9 @@ def _check_model(model: nn.Module | None, params: list[torch.Tensor], who: str) 
 def jvp_closure(model: nn.Module, names: list[str], closure: Callable[[], torch.Tensor],
                 tangents: list[torch.Tensor], where: str = "closure") -> tuple[float, float]:
     """``(L(theta), grad L . v)`` from one forward pass with tangent ``v`` (one tensor per parameter)."""
+    if getattr(model, "time_chunk", None) is not None:
+        raise ValueError("forward gradients need the multi-step forward: the JVP through a time-chunked "
+                         "(streaming) forward is not exact; call model.set_streaming(None)")
     wrapper = _CallClosure(model)
     with jvp_neurons(model), fwAD.dual_level():
         duals = {f"model.{n}": fwAD.make_dual(p.detach(), t.to(p.dtype))

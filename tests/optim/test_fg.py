@@ -115,3 +115,15 @@ def test_bad_input_gets_one_clear_error():
     assert torch.equal(flat(model), before)
     with pytest.raises(ValueError, match="needs a subspace"):
         build_optimizer("fg-subspace", model, lr=0.1)
+
+
+def test_streaming_forward_is_rejected_in_config_and_optimizer():
+    from szo.config import load_recipe
+
+    with pytest.raises(ValueError, match="method 'fg' takes forward-mode derivatives"):
+        load_recipe("digits-scratch", ["method=fg", "szo.time_chunk=1"])
+    model = M.create("spike_convnet", num_classes=10, T=2).set_streaming(1)
+    opt = build_optimizer("fg", model, lr=0.1)
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="multi-step forward"):
+        opt.step(lambda: tet_loss(model(x), y))
