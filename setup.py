@@ -11,6 +11,7 @@ INSTALL_REQUIRES = [
     "pyyaml>=6.0",
     "safetensors>=0.4",
     "matplotlib>=3.7",
+    "tensorly>=0.8",  # TT-SVD of method tt-zo (szo.functional.tt)
 ]
 
 EXTRAS_REQUIRE = {

@@ -94,6 +94,10 @@ def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[tor
         state = load_file(run_dir / "model.safetensors")
     else:
         state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
+    if cfg.get("kind") == "subspace" and cfg["method"] == "tt-zo":  # the run trained TT cores
+        from szo.models.tt import tt_parametrize
+
+        tt_parametrize(model, cfg["tt"]["rank"], cores=cfg["tt"]["cores"], min_params=cfg["tt"]["min_params"])
     model.load_state_dict(state, strict=True)
     return model.to(device), cfg
 
@@ -184,7 +188,7 @@ def _loss(cfg: Mapping[str, Any]):
 
 
 def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
-    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge") else None
+    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace") else None
     return {"recipe": cfg["name"], "label": method_label(method, q, cfg["model"]["activation"]), "method": method,
             "mode": mode, "dataset": cfg["data"]["name"], "model": cfg["model"]["name"],
             "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
@@ -389,6 +393,11 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                 extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
             else:  # OnChipSZO quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
+    tt = cfg["tt"]
+    if cfg["method"] == "tt-zo":  # ZO in TT-factor space: the large weights become TT cores (TT-SVD of the start)
+        from szo.models.tt import tt_parametrize
+
+        extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
     net.to(device)
     _set_compile(model, cfg)
     tr, sz = cfg["train"], cfg["szo"]
@@ -408,7 +417,8 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                               coords_per_step=sz["coords_per_step"], generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"])
+                              engine=sz["engine"], chunk=sz["chunk"],
+                              tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
@@ -419,6 +429,9 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
     if cfg["backend"] == "fixed" and (par is None or par.is_main):  # every clamp of the integer forwards
         summary["saturations"] = net.saturation_counts()
         summary["saturations_total"] = net.counter.total()
+        atomic_write_json(run_dir / "results.json", summary)
+    if cfg["method"] == "tt-zo" and (par is None or par.is_main):  # when HybridZO left signRGE for CGE
+        summary["tt"] = dict(summary["tt"], switched_at_step=opt.hybrid_state["switched_at"])
         atomic_write_json(run_dir / "results.json", summary)
     return summary
 

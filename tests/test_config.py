@@ -159,3 +159,16 @@ def test_method_table_is_shared():
 
     assert C.METHODS is O.METHODS is M.METHODS
     assert O.SUBSPACE_METHODS is M.SUBSPACE_METHODS and O.DISTRIBUTED_METHODS is M.DISTRIBUTED_METHODS
+
+
+def test_new_methods_resolve_in_every_subspace_recipe():
+    from szo.config import _raw_recipe
+
+    subspace = [n for n in recipe_names() if _raw_recipe(n).get("kind") == "subspace" and n != "digits-fixed"]
+    assert "digits-scratch" in subspace and "imagenet-continual" in subspace
+    for name in subspace:
+        for method, lr in (("fg", 1e-3), ("tt-zo", 1e-3), ("fg-subspace", 1.0)):
+            cfg = load_recipe(name, [f"method={method}"])
+            assert cfg["method"] == method
+            if name != "digits-scratch":  # digits-scratch overrides them (method_defaults)
+                assert cfg["train"]["lr"] == lr, (name, method)

@@ -228,3 +228,31 @@ def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in ck["model"].items()) and cfg["method"] == "szo-cge"
     with pytest.raises(FileNotFoundError, match="no config.yaml"):
         load_run_model(tmp_path)
+
+
+@pytest.mark.parametrize("method,extra,fp", [
+    ("fg", ["szo.q=2", "train.lr=0.01"], 4 * 2),
+    ("fg-subspace", ["szo.q=1", "train.lr=0.05"], 4 * 1),
+    # 2 signRGE steps of sign_q + 1 = 4 forwards, then 2 CGE steps over 3 coordinates (6 forwards)
+    ("tt-zo", ["tt.min_params=100", "tt.rank=3", "tt.sign_q=3", "tt.switch_step=2", "szo.coords_per_step=3"],
+     2 * 4 + 2 * 6),
+])
+def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra, fp):
+    root, sets, _ = bp_run
+    cfg = load_recipe("digits-scratch", sets + ["train.epochs=1", "train.max_steps_per_epoch=4",
+                                                f"method={method}"] + extra)
+    s = run_recipe(cfg, root / method)
+    assert s["fp"] == fp and s["bp"] == 0 and s["method"] == method
+    assert 0.0 <= s["final_test_acc"] <= 1.0
+    if method == "tt-zo":
+        assert {r["layer"] for r in s["tt"]["layers"]} == {"conv2", "fc"} and s["tt"]["d_tt"] < s["tt"]["d_dense"]
+        assert s["tt"]["switched_at_step"] == 2
+        from szo.pipeline import load_run_model
+
+        model, _ = load_run_model(root / method)  # rebuilt with the run's TT cores
+        assert sum(p.numel() for p in model.parameters()) == s["tt"]["d_tt"]
+
+
+def test_unknown_method_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"invalid method .sgd.; valid: bp, .*fg, fg-subspace, tt-zo"):
+        load_recipe("digits-scratch", ["method=sgd"])
