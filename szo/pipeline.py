@@ -59,7 +59,7 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg["seed"]))
         return models.create(m["name"], num_classes=info.num_classes, T=m["T"] or info.default_T,
-                             activation=m["activation"], **kw)
+                             activation=m["activation"], bn_time=m["bn_time"], **kw)
 
 
 def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -307,7 +307,8 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                               coords_per_step=sz["coords_per_step"], generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"])
+                              engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
+                              start="current")  # already at sub.reference (loaded above)
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
