@@ -72,7 +72,10 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "device": "cpu",
     "progress": True,
-    "model": {"name": None, "T": None, "activation": "lif", "kwargs": _FREE},
+    # bn_time: BatchNorm over time, "shared" (one normalisation over all T*N samples of a forward,
+    # one running-statistics update) or "per-step" (the authors' single-step convention: each
+    # time step normalised with its own statistics, T updates per forward); see docs/bn.md
+    "model": {"name": None, "T": None, "activation": "lif", "bn_time": "shared", "kwargs": _FREE},
     "data": {"name": None, "data_dir": None, "download": False, "augment": None, "batch_size": 128,
              "test_batch_size": 256, "num_workers": 0, "kwargs": _FREE},
     "loss": {"name": "tet", "lamb": 0.05, "phi": 1.0},
@@ -85,8 +88,11 @@ DEFAULTS: dict[str, Any] = {
     # forward (exact | running | chunk, see szo.models.streaming)
     # engine: how the 2k (2q) probes of an SZO step are evaluated: loop (one forward each) or
     # batched (perturbed copies folded into one forward per chunk of probes, szo.engine)
+    # bn_update: BN running statistics after a forward-only step: recompute (one unperturbed
+    # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
+    # free, biased); szo.optim.bn and docs/bn.md
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
-            "engine": "loop", "chunk": None},
+            "engine": "loop", "chunk": None, "bn_update": "recompute"},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
     # bn_stats "deployed" normalises with the source model's running statistics, frozen
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
@@ -117,6 +123,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "name": (_STR, False), "description": (_STR, False), "kind": (_STR, False), "mode": (_STR, False),
     "method": (_STR, False), "seed": (_INT, False), "device": (_STR, False), "progress": (_BOOL, False),
     "model.name": (_STR, False), "model.T": (_INT, True), "model.activation": (_STR, False),
+    "model.bn_time": (_STR, False), "szo.bn_update": (_STR, False),
     "data.name": (_STR, False), "data.data_dir": (_STR, True), "data.download": (_BOOL, False),
     "data.augment": (_BOOL, True), "data.batch_size": (_INT, False), "data.test_batch_size": (_INT, False),
     "data.num_workers": (_INT, False),
@@ -346,8 +353,13 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     _choice(full, "distributed.mode", DIST_MODES)
     from szo.models.streaming import STREAM_BN_MODES
 
+    from szo.models.streaming import BN_TIMES
+    from szo.optim.bn import BN_UPDATES
+
     _choice(full, "szo.stream_bn", STREAM_BN_MODES)
     _choice(full, "szo.engine", ENGINES)
+    _choice(full, "szo.bn_update", BN_UPDATES)
+    _choice(full, "model.bn_time", BN_TIMES)
     ev = full["trajectory"]["every"]
     if ev != "epoch" and (isinstance(ev, str) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")

@@ -63,7 +63,7 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg["seed"]))
         return models.create(m["name"], num_classes=info.num_classes, T=m["T"] or info.default_T,
-                             activation=m["activation"], **kw)
+                             activation=m["activation"], bn_time=m["bn_time"], **kw)
 
 
 def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
@@ -417,7 +417,8 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                               coords_per_step=sz["coords_per_step"], generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"],
+                              engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
+                              start="current",  # already at sub.reference (loaded above)
                               tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)

@@ -33,10 +33,10 @@ def batches():
             for _ in range(STEPS)]
 
 
-def train(mode, bn, rank=0, world=1, estimator="rge"):
+def train(mode, bn, rank=0, world=1, estimator="rge", bn_update="recompute"):
     model = make_model(bn)
     opt = SZO(model.parameters(), make_subspace(model), mu=0.1, lr=0.5, estimator=estimator, q=3, model=model,
-              generator=torch.Generator().manual_seed(3), distributed=mode)
+              generator=torch.Generator().manual_seed(3), distributed=mode, bn_update=bn_update)
     for x, y in batches():
         if mode == "data":
             shard = GLOBAL_BATCH // world
@@ -45,10 +45,10 @@ def train(mode, bn, rank=0, world=1, estimator="rge"):
     return model, opt
 
 
-def _worker(rank, world, init_file, out_dir, mode, bn):
+def _worker(rank, world, init_file, out_dir, mode, bn, bn_update="recompute"):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model, opt = train(mode, bn, rank, world)
+        model, opt = train(mode, bn, rank, world, bn_update=bn_update)
         if rank == 0:
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
             state["bytes_per_step"] = torch.tensor([opt.bytes_communicated / STEPS])
@@ -57,22 +57,31 @@ def _worker(rank, world, init_file, out_dir, mode, bn):
         shutdown()  # barrier, then destroy: leaving one by one can SIGABRT a gloo peer
 
 
-@pytest.mark.parametrize("mode,bn", [("data", False), ("data", True), ("perturbation", True)])
-def test_two_process_szo_equals_single_process(tmp_path, mode, bn):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), mode, bn), nprocs=2, join=True)
+@pytest.mark.parametrize("mode,bn,bn_update", [("data", False, "recompute"), ("data", True, "recompute"),
+                                               ("perturbation", True, "recompute"), ("data", True, "probe-mean"),
+                                               ("perturbation", True, "probe-mean")])
+def test_two_process_szo_equals_single_process(tmp_path, mode, bn, bn_update):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), mode, bn, bn_update), nprocs=2, join=True)
     got = load_file(str(tmp_path / f"{mode}.safetensors"))
-    ref, _ = train(None, bn)
+    ref, _ = train(None, bn, bn_update=bn_update)
     for k, v in ref.state_dict().items():
         if mode == "perturbation":  # every forward is the one-process forward: the same bits
             assert torch.equal(got[k], v), k
         else:  # shard-wise sums: the same numbers up to float32 summation order
             torch.testing.assert_close(got[k], v.float() if v.is_floating_point() else v, rtol=1e-5, atol=1e-6, msg=k)
-    # what crosses the network per step: the 2q = 6 probe losses (float64), plus the BN running
-    # statistic sums once per step (float64) if any, plus in data mode the BN batch statistics of
-    # every probe (sync BN: sum, sum of squares, count in float64)
-    bn_bytes = (2 * 5 + 1) * 8 if bn else 0
-    sync_bytes = 6 * (2 * 5 + 1) * 8 if bn and mode == "data" else 0
-    assert float(got["bytes_per_step"]) == 6 * 8 + bn_bytes + sync_bytes
+    # what crosses the network per step: the 2q = 6 probe losses (float64); in data mode the BN
+    # batch statistics of every probe (sync BN: sum, sum of squares, count in float64).
+    # probe-mean: plus the BN running-statistic sums and the probe count once per step (float64). recompute (with BN): in
+    # data mode the sync-BN statistics of the one unperturbed forward and its loss (float64);
+    # in perturbation mode every rank runs that forward on the whole batch: nothing to send
+    sync = (2 * 5 + 1) * 8
+    if not bn:
+        extra = 0
+    elif bn_update == "probe-mean":
+        extra = (2 * 5 + 1) * 8 + (6 * sync if mode == "data" else 0)
+    else:
+        extra = 6 * sync + sync + 8 if mode == "data" else 0
+    assert float(got["bytes_per_step"]) == 6 * 8 + extra
     print(f"{mode}-parallel: {float(got['bytes_per_step']):.0f} bytes communicated per step and rank")
 
 

@@ -80,10 +80,11 @@ def test_torchrun_data_parallel_equals_single_process(setup):
     assert any(r == "0" and path.endswith("results.json") for r, _, path in writes), p.stderr
     assert [w for w in writes if w[0] != "0"] == []
     assert p.stdout.count("done in") == 1
-    # bytes per step: 2k probe losses (float64) + BN running-statistic sums once (2 layers x 2C
-    # float64 + the probe count) + per probe and BN layer the batch statistics (2C + 1 float64)
+    # bytes per step: 2k probe losses (float64) + per probe and BN layer the batch statistics
+    # (2C + 1 float64) + the unperturbed BN forward (bn_update=recompute): its batch statistics
+    # per BN layer and its loss (float64)
     m = 2 * K
-    expected = m * 8 + (2 * 2 * WIDTH + 1) * 8 + m * 2 * (2 * WIDTH + 1) * 8
+    expected = m * 8 + (m + 1) * 2 * (2 * WIDTH + 1) * 8 + 8
     res = json.loads((out / "results.json").read_text())
     assert res["distributed"]["world_size"] == 2 and res["distributed"]["mode"] == "data"
     assert res["distributed"]["bytes_per_step"] == expected

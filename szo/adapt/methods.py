@@ -307,7 +307,7 @@ class BPSubspaceAdapt(_GradientAdapter):
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         configure_bn(model)
         model.requires_grad_(True)
-        opt = build_optimizer("bp-subspace", model, subspace=subspace, lr=lr, momentum=momentum)
+        opt = build_optimizer("bp-subspace", model, subspace=subspace, lr=lr, momentum=momentum, start="current")
         super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
 
 
@@ -319,8 +319,10 @@ class SZOAdapt(Adapter):
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         check_choice("SZO method", method, ("szo-cge", "szo-rge"))
         configure_bn(model)
+        # adaptation starts from the source model; BN normalises with test-batch statistics and
+        # never uses its running statistics, so an unperturbed BN forward per step would buy nothing
         opt = build_optimizer(method, model, subspace=subspace, lr=lr, momentum=momentum, mu=mu, q=q,
-                              generator=generator)
+                              generator=generator, start="current", bn_update="probe-mean")
         super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
         self.method = method
 

@@ -435,7 +435,7 @@ class OnlineClassifier:
         if settings.adapt != "none":
             self.opt = build_optimizer(settings.adapt, model, subspace=subspace, lr=settings.lr,
                                        momentum=settings.momentum, mu=settings.mu, q=settings.q,
-                                       generator=torch.Generator().manual_seed(settings.seed))
+                                       generator=torch.Generator().manual_seed(settings.seed), start="current")
         self._entropy, self._tet = entropy_loss, tet_loss
         self._buffer: list[tuple[torch.Tensor, list[dict[str, Any]], int]] = []
 

@@ -19,7 +19,14 @@ leaf modules is swapped for the duration of the call (and restored afterwards).
 
 BN running statistics follow ``szo.optim.BNStatsFreezer``: after the evaluation the running
 statistics are the mean over the m probes of what each probe would have produced from
-the same starting statistics, and ``num_batches_tracked`` is incremented once.
+the same starting statistics, and ``num_batches_tracked`` is incremented once (T times for
+per-time-step BN); with ``update_bn=False`` (what ``SZO(bn_update="recompute")`` asks for)
+they are left exactly as they were. Per-time-step BN (``bn_time="per-step"``, ``szo.models``)
+is folded step by step: each copy normalises every time step with its own statistics.
+
+Neuron state: the model is reset (SpikingJelly ``functional.reset_net``) before and after
+every folded forward, so a foreign model whose ``forward`` does not reset gets the same
+losses as the loop, and no folded-shape state is left behind for the next plain forward.
 
 Streaming over T combines with the folding: the engine calls the model's own ``forward``,
 so a model with ``time_chunk`` set (``model.set_streaming`` / ``model.streaming()``) runs the
@@ -40,7 +47,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as Fn
-from spikingjelly.activation_based.functional import seq_to_ann_forward
+from spikingjelly.activation_based.functional import reset_net, seq_to_ann_forward
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -174,6 +181,9 @@ def _installed_forward(mod: nn.Module, fn, active: list) -> Callable[[torch.Tens
     merge_steps = fn is not _linear_forward  # Linear acts on the last dim whatever leads it
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if fn is _bn_forward and getattr(mod, "bn_time", "shared") == "per-step" and mod.step_mode == "m":
+            # per-time-step BN (szo.models.streaming.BatchNorm2d): one normalisation per step
+            return torch.stack([fn(mod, active[0], x[t]) for t in range(x.shape[0])])
         if merge_steps and getattr(mod, "step_mode", "s") == "m":
             # SpikingJelly multi-step Conv2d / BatchNorm take [T, N, ...]: run on [T*N, ...]
             return seq_to_ann_forward(x, lambda z: fn(mod, active[0], z))
@@ -339,16 +349,18 @@ class BatchedEvaluator:
         return (theta0, Pt, U.to(device=dev, dtype=dt), float(mu), None), U.shape[0]
 
     @torch.no_grad()
-    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas, loss_fn: LossFn | None = None) -> torch.Tensor:
+    def losses(self, x: torch.Tensor, y: torch.Tensor, thetas, loss_fn: LossFn | None = None, *,
+               update_bn: bool = True) -> torch.Tensor:
         """Loss of ``(x, y)`` at each parameter vector; float64 ``[m]``.
 
         ``loss_fn``: this call's loss (default: the one given to the constructor).
+        ``update_bn``: False leaves the BN running statistics as they were.
 
         ``thetas``: ``theta_batch [m, d]`` (flat layout order), or ``(theta0, P_t, U, mu)``
         meaning ``theta_j = theta0 + mu * P U[j]`` (``theta0 [d]`` or per-parameter tensors,
         ``P_t [k, d]`` or per-parameter ``[k, numel]`` views, ``U [m, k]``). The model's
-        parameters are not modified; BN running statistics get one update with the mean
-        over copies (train mode only).
+        parameters are not modified; with ``update_bn`` BN running statistics get one update
+        with the mean over copies (train mode only).
         """
         if loss_fn is None:
             loss_fn = self.loss_fn
@@ -385,15 +397,22 @@ class BatchedEvaluator:
                     acc[0] += s_mean
                     acc[1] += s_var
             self.forward_passes += ctx.m
-        # one BN update with the mean over the m copies: the optimizer's BNStatsFreezer does the
-        # arithmetic (snapshot + per-copy sums + commit), the same as for the sequential loop
-        self._bn.snapshot()
-        self._bn.add_probe_sums(bn_sums, m)
-        self._bn.commit()
+        if update_bn:
+            # one BN update with the mean over the m copies: the optimizer's BNStatsFreezer does the
+            # arithmetic (snapshot + per-copy sums + commit), the same as for the sequential loop
+            per_step = [mod for mod in bn_sums if getattr(mod, "bn_time", "shared") == "per-step"]
+            advance = x.shape[0] if per_step and x.dim() == 5 else (self._static_T() if per_step else 1)
+            self._bn.snapshot()
+            self._bn.add_probe_sums(bn_sums, m, advance)
+            self._bn.commit()
         return losses
+
+    def _static_T(self) -> int:
+        return int(getattr(self.model, "T", 1))
 
     def _folded_forward(self, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
         self._active[0] = ctx
+        reset_net(self.model)  # a foreign model's forward may not reset: no state from earlier calls
         try:
             for mod, fn in self._forwards.items():
                 mod.forward = fn  # instance attribute shadows the class's forward
@@ -402,6 +421,7 @@ class BatchedEvaluator:
             for mod in self._forwards:
                 mod.__dict__.pop("forward", None)
             self._active[0] = None
+            reset_net(self.model)  # no folded-shape neuron state left for the next plain forward
 
 
 # ---------------------------------------------------------------------- optimizer hook
@@ -439,7 +459,9 @@ class BatchedPlanEvaluator:
             self._checked_opt = weakref.ref(opt)
         mu = opt.param_groups[0]["mu"]
         theta0 = [p.detach() for p in opt._params]
-        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu), loss_fn)
+        guard = getattr(opt, "guard", None)
+        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu), loss_fn,
+                           update_bn=guard is None or guard.probe_mean)
         opt.forward_passes += U.shape[0]
         return losses
 
@@ -447,8 +469,10 @@ class BatchedPlanEvaluator:
 def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
     """``closure() = loss_fn(model(x), y)`` carrying ``closure.batch = (x, y, loss_fn)``, so that
     ``SZO.step`` can evaluate it with either engine (the loop calls it; the batched engine folds
-    the probes over ``x``)."""
+    the probes over ``x``). The model's neuron state is reset (SpikingJelly ``reset_net``)
+    before each call, so the closure is right for a model whose ``forward`` does not reset."""
     def closure() -> torch.Tensor:
+        reset_net(model)
         return loss_fn(model(x), y)
 
     closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]

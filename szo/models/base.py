@@ -17,7 +17,7 @@ from torch import nn
 
 from szo.layout import layout_fingerprint, param_layout
 from szo.models.compiled import check_compile, compiled_forward_seq
-from szo.models.streaming import check_stream_bn, check_time_chunk, chunked_forward
+from szo.models.streaming import BatchNorm2d, check_bn_time, check_stream_bn, check_time_chunk, chunked_forward
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -80,6 +80,23 @@ class SpikingModel(nn.Module):
         finally:
             if self._persist_depth == 0:
                 functional.reset_net(self)
+
+    # ------------------------------------------------------------- BN over time
+    @property
+    def bn_time(self) -> str:
+        """``"shared"`` or ``"per-step"``: how every BN layer treats time (``set_bn_time``)."""
+        modes = {m.bn_time for m in self.modules() if isinstance(m, BatchNorm2d)}
+        return modes.pop() if len(modes) == 1 else ("shared" if not modes else "mixed")
+
+    def set_bn_time(self, bn_time: str) -> SpikingModel:
+        """BN over time for every BN layer: ``"shared"`` (statistics over all T*N samples of a
+        forward, one running-statistics update) or ``"per-step"`` (each time step with its own
+        statistics, T updates per forward: the single-step convention); docs/bn.md."""
+        check_bn_time(bn_time)
+        for m in self.modules():
+            if isinstance(m, BatchNorm2d):
+                m.bn_time = bn_time
+        return self
 
     # ---------------------------------------------------------------- streaming
     def set_streaming(self, time_chunk: int | None = None, stream_bn: str = "exact") -> SpikingModel:

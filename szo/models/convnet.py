@@ -42,7 +42,8 @@ class SpikeConvNet(SpikingModel):
 
 @register_model
 def spike_convnet(num_classes: int = 10, T: int = 4, activation: str = "lif",
-                  in_channels: int = 1, width: int = 16) -> SpikeConvNet:
-    """Small spiking ConvNet for 8x8 digits (~5k params at width 16)."""
-    return SpikeConvNet(num_classes=num_classes, T=T, in_channels=in_channels, width=width,
-                        activation=activation, model_name="spike_convnet")
+                  in_channels: int = 1, width: int = 16, bn_time: str = "shared") -> SpikeConvNet:
+    """Small spiking ConvNet for 8x8 digits (~5k params at width 16); ``bn_time``: ``SpikingModel.set_bn_time``."""
+    model = SpikeConvNet(num_classes=num_classes, T=T, in_channels=in_channels, width=width,
+                         activation=activation, model_name="spike_convnet")
+    return model.set_bn_time(bn_time)

@@ -132,25 +132,28 @@ class SpikeResNet(SpikingModel):
 
 @register_model
 def spike_resnet20(num_classes: int = 10, T: int = 4, activation: str = "lif",
-                   in_channels: int = 3) -> SpikeResNet:
+                   in_channels: int = 3, bn_time: str = "shared") -> SpikeResNet:
     """CIFAR ResNet20 (3x3 BasicBlocks, 16-32-64), ~0.27M params."""
-    return SpikeResNet(BasicBlock, (3, 3, 3), (16, 32, 64), stem="cifar", num_classes=num_classes,
-                       T=T, in_channels=in_channels, activation=activation, model_name="spike_resnet20")
+    model = SpikeResNet(BasicBlock, (3, 3, 3), (16, 32, 64), stem="cifar", num_classes=num_classes,
+                        T=T, in_channels=in_channels, activation=activation, model_name="spike_resnet20")
+    return model.set_bn_time(bn_time)
 
 
 @register_model
 def spike_resnet18(num_classes: int = 100, T: int = 4, activation: str = "lif",
-                   in_channels: int = 3) -> SpikeResNet:
+                   in_channels: int = 3, bn_time: str = "shared") -> SpikeResNet:
     """CIFAR-style ResNet18 (3x3 stem, no maxpool, 64-128-256-512), ~11.22M params."""
-    return SpikeResNet(BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512), stem="cifar",
-                       num_classes=num_classes, T=T, in_channels=in_channels,
-                       activation=activation, model_name="spike_resnet18")
+    model = SpikeResNet(BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512), stem="cifar",
+                        num_classes=num_classes, T=T, in_channels=in_channels,
+                        activation=activation, model_name="spike_resnet18")
+    return model.set_bn_time(bn_time)
 
 
 @register_model
 def spike_resnet50(num_classes: int = 1000, T: int = 4, activation: str = "lif",
-                   in_channels: int = 3) -> SpikeResNet:
+                   in_channels: int = 3, bn_time: str = "shared") -> SpikeResNet:
     """ImageNet ResNet50 (7x7 s2 stem + maxpool, Bottleneck 3-4-6-3), ~25.56M params."""
-    return SpikeResNet(Bottleneck, (3, 4, 6, 3), (64, 128, 256, 512), stem="imagenet",
-                       num_classes=num_classes, T=T, in_channels=in_channels,
-                       activation=activation, model_name="spike_resnet50")
+    model = SpikeResNet(Bottleneck, (3, 4, 6, 3), (64, 128, 256, 512), stem="imagenet",
+                        num_classes=num_classes, T=T, in_channels=in_channels,
+                        activation=activation, model_name="spike_resnet50")
+    return model.set_bn_time(bn_time)

@@ -52,7 +52,8 @@ class SpikeVGG(SpikingModel):
 
 @register_model
 def spike_vgg11(num_classes: int = 11, T: int = 20, activation: str = "lif",
-                in_channels: int = 2) -> SpikeVGG:
+                in_channels: int = 2, bn_time: str = "shared") -> SpikeVGG:
     """VGG11 (BN) for 2-channel 128x128 DVS-Gesture frames, ~9.50M params."""
-    return SpikeVGG(VGG11_CFG, num_classes=num_classes, T=T, in_channels=in_channels,
-                    activation=activation, model_name="spike_vgg11")
+    model = SpikeVGG(VGG11_CFG, num_classes=num_classes, T=T, in_channels=in_channels,
+                     activation=activation, model_name="spike_vgg11")
+    return model.set_bn_time(bn_time)

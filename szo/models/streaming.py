@@ -56,6 +56,11 @@ statistics are updated (and ``num_batches_tracked`` incremented) once per forwar
 the last chunk, so ``szo.optim.BNStatsFreezer`` (snapshot / restore / accumulate / commit
 per SZO step) works unchanged.
 
+Per-time-step BN (``bn_time="per-step"``, see ``BatchNorm2d``) normalises every time step
+with that step's own statistics, so a chunk sees everything it needs: such layers take no
+policy, and every chunk size gives the multi-step result (T running-statistics updates per
+forward, as without chunks).
+
 Only the zoo's ``szo.models.streaming.BatchNorm2d`` (a drop-in subclass of SpikingJelly's
 ``layer.BatchNorm2d``, same parameters and buffers) can be driven by a policy; a chunked
 forward with any other BatchNorm that would use batch statistics raises ``ValueError``.
@@ -74,11 +79,24 @@ from torch.nn.modules.batchnorm import _BatchNorm
 if TYPE_CHECKING:  # pragma: no cover
     from szo.models.base import SpikingModel
 
-__all__ = ["STREAM_BN_MODES", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
+__all__ = ["STREAM_BN_MODES", "BN_TIMES", "check_bn_time", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
            "chunked_forward", "batch_stat_bn_layers"]
 
 STREAM_BN_MODES: tuple[str, ...] = ("exact", "running", "chunk")
 """Policies for train-mode BatchNorm in a chunked forward (see the module docstring)."""
+
+
+BN_TIMES: tuple[str, ...] = ("shared", "per-step")
+"""BatchNorm over time (``BatchNorm2d.bn_time``): one normalisation over the T*N samples of a
+multi-step forward (``"shared"``, SpikingJelly's multi-step BN) or one per time step
+(``"per-step"``, the single-step BN of a loop over T, as the SZO authors ran it)."""
+
+
+def check_bn_time(value: object) -> str:
+    if value not in BN_TIMES:
+        raise ValueError(f"unknown bn_time {value!r}; valid: {', '.join(BN_TIMES)} (shared: BN statistics over "
+                         "all T*N samples of a forward; per-step: each time step normalised with its own)")
+    return value  # type: ignore[return-value]
 
 
 def check_time_chunk(value: object) -> int | None:
@@ -200,13 +218,26 @@ class BNStream:
 
 
 class BatchNorm2d(layer.BatchNorm2d):
-    """SpikingJelly ``layer.BatchNorm2d`` that a chunked forward can drive (``stream_bn``).
+    """SpikingJelly ``layer.BatchNorm2d`` that a chunked forward can drive (``stream_bn``), with
+    a choice of BN over time (``bn_time``, ``BN_TIMES``).
 
-    Outside a chunked forward (``_szo_stream is None``) it is exactly the SpikingJelly layer;
-    same parameters, buffers and state_dict keys.
+    ``bn_time="shared"`` (default): outside a chunked forward (``_szo_stream is None``) it is
+    exactly the SpikingJelly layer; same parameters, buffers and state_dict keys.
+    ``bn_time="per-step"`` (multi-step mode): ``[T, N, C, H, W]`` is normalised one time step
+    at a time, ``y[t] = BN(x[t])``, as a single-step BN called in a loop over T: train mode
+    uses each step's own batch statistics and updates the running statistics T times per
+    forward. Eval mode (running statistics) computes the same function either way.
     """
 
     _szo_stream: BNStream | None = None
+    bn_time: str = "shared"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bn_time == "per-step" and self.step_mode == "m":
+            if x.dim() != 5:
+                raise ValueError(f"expected x with shape [T, N, C, H, W], but got x with shape {tuple(x.shape)}")
+            return torch.stack([self.super_forward(x[t]) for t in range(x.shape[0])])
+        return super().forward(x)
 
     def super_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The BN on ``[B, C, H, W]`` (SpikingJelly's ``forward`` merges T and N into B in
@@ -218,9 +249,11 @@ class BatchNorm2d(layer.BatchNorm2d):
 
 
 def batch_stat_bn_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
-    """BN layers that would normalise with batch statistics (train mode, or no running stats)."""
+    """BN layers that would normalise with batch statistics over time steps (train mode, or no
+    running stats); per-time-step BN is exact in any chunk and not listed."""
     return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)]
+            if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
+            and getattr(m, "bn_time", "shared") != "per-step"]
 
 
 def chunked_forward(model: SpikingModel, x: torch.Tensor, *, static: bool, T: int, chunk: int,

@@ -1,7 +1,7 @@
 """Optimizers: SZO (forward-only, in a trajectory subspace) and the paper's baselines.
 
 >>> from szo.optim import SZO
->>> opt = SZO(model.parameters(), subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge", model=model)
+>>> opt = SZO(model, subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge")  # starts at subspace.reference
 >>> loss = opt.step(lambda: loss_fn(model(x), y))
 """
 from __future__ import annotations
@@ -11,8 +11,9 @@ from torch import nn
 
 from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, METHODS, SUBSPACE_METHODS
 
-from .bn import BNStatsFreezer, bn_layers
+from .bn import BN_UPDATES, BNStatsFreezer, bn_layers
 from .fg import ForwardGradient, SubspaceForwardGradient
+from .probes import START_POINTS
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .tt import HybridZO
 from .zo import FullSpaceZO
@@ -27,6 +28,8 @@ __all__ = [
     "SubspaceOptimizer",
     "BNStatsFreezer",
     "bn_layers",
+    "BN_UPDATES",
+    "START_POINTS",
     "check_layout",
     "METHODS",
     "SUBSPACE_METHODS",
@@ -54,6 +57,8 @@ def build_optimizer(
     chunk: int | None = None,
     process_group=None,
     tt: dict | None = None,
+    bn_update: str = "recompute",
+    start: str = "reference",
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
 
@@ -70,6 +75,11 @@ def build_optimizer(
     and the small dense tensors): ``mu`` / ``lr`` / ``momentum`` / ``coords_per_step`` are the
     CGE phase's, ``tt`` holds the signRGE phase and switch options (``sign_lr``, ``sign_q``,
     ``sign_mu``, ``window``, ``tol``, ``switch_step``).
+
+    ``bn_update`` (forward-only methods; ``szo.optim.bn``): ``"recompute"`` or ``"probe-mean"``.
+    ``start`` (subspace methods): ``"reference"`` moves the parameters to ``subspace.reference``
+    (as ``SZO(model, subspace)`` does), ``"current"`` keeps them (test-time adaptation starts
+    from the source model).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -79,7 +89,11 @@ def build_optimizer(
     if engine != "loop" and method not in ENGINE_METHODS:
         raise ValueError(f"engine {engine!r} applies to the SZO methods ({', '.join(ENGINE_METHODS)}); "
                          f"method {method!r} runs with engine 'loop'")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"build_optimizer needs the model (a torch.nn.Module), got {type(model).__name__}")
     params = list(model.parameters())
+    if not params:
+        raise ValueError(f"the model ({type(model).__name__}) has no parameters to train")
     if method == "bp":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if method in SUBSPACE_METHODS:
@@ -88,14 +102,14 @@ def build_optimizer(
         if weight_decay:
             raise ValueError(f"method {method!r} uses no weight decay (paper App. G); got weight_decay={weight_decay}")
         if method == "bp-subspace":
-            return BPSubspace(params, subspace, lr=lr, momentum=momentum, model=model)
+            return BPSubspace(model, subspace, lr=lr, momentum=momentum, start=start)
         if method == "fg-subspace":
             return SubspaceForwardGradient(params, subspace, model=model, lr=lr, momentum=momentum, q=q,
                                            generator=generator)
         estimator = {"szo-cge": "cge", "szo-rge": "rge", "szo-1pt": "one-point"}[method]
-        return SZO(params, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q, model=model,
+        return SZO(model, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q,
                    generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group,
-                   engine=engine, chunk=chunk)
+                   engine=engine, chunk=chunk, bn_update=bn_update, start=start)
     if method == "fg":
         return ForwardGradient(params, model=model, lr=lr, momentum=momentum, q=q, generator=generator)
     if method == "tt-zo":
@@ -109,5 +123,5 @@ def build_optimizer(
     # full-space ZO
     if method == "zo-cge" and coords_per_step is None and subspace is not None:
         coords_per_step = int(subspace.basis.shape[1])
-    return FullSpaceZO(params, estimator=method.split("-")[1], mu=mu, lr=lr, momentum=momentum, q=q,
-                       coords_per_step=coords_per_step, model=model, generator=generator)
+    return FullSpaceZO(model, estimator=method.split("-")[1], mu=mu, lr=lr, momentum=momentum, q=q,
+                       coords_per_step=coords_per_step, generator=generator, bn_update=bn_update)

@@ -1,7 +1,20 @@
 """Frozen BatchNorm running statistics across the perturbed forwards of one step.
 
 Paper Sec. 6 / App. G: "we keep the running statistics of batch norm layers before each
-perturbation on training step t the same". Exactly what happens here:
+perturbation on training step t the same". What the statistics become after the step is
+``bn_update`` (``BN_UPDATES``, an argument of every forward-only optimizer):
+
+* ``"recompute"`` (default): the probes leave the running statistics exactly as they were
+  (snapshot / restore below, no commit), and after the update the optimizer runs ONE
+  unperturbed train-mode forward of theta_{t+1} on the same batch, which updates them as
+  an ordinary training step would. This is the authors' procedure (probes on copies, then
+  one forward of the updated model that also gives the logged train accuracy); it costs
+  one forward per step, counted in ``forward_passes`` / ``forwards_per_step``. A model with
+  no BN layer in train mode costs nothing extra (no forward is run).
+* ``"probe-mean"``: free but biased. The running statistics become the mean of what the
+  probes produced around theta_t (steps 1-4 below). docs/bn.md measures the bias.
+
+The snapshot / restore machinery (both modes):
 
 1. ``snapshot()`` before the first probe of a step stores every BN layer's
    ``running_mean``, ``running_var`` and ``num_batches_tracked``.
@@ -19,6 +32,8 @@ perturbation on training step t the same". Exactly what happens here:
    without paying for that extra forward.
 
 If the model is in eval mode, or has no BN layers, all of this is a no-op.
+``num_batches_tracked`` advances by what one probe advanced it (1, or T for the
+per-time-step BN of ``bn_time="per-step"``, ``szo.models``).
 
 The streaming forward (``model.set_streaming(time_chunk=...)``, ``szo.models.streaming``)
 also updates the running statistics once per forward, after its last time chunk, for every
@@ -30,7 +45,18 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["BNStatsFreezer", "bn_layers"]
+__all__ = ["BNStatsFreezer", "bn_layers", "BN_UPDATES", "check_bn_update"]
+
+BN_UPDATES: tuple[str, ...] = ("recompute", "probe-mean")
+"""What a forward-only step does to the BN running statistics (see the module docstring)."""
+
+
+def check_bn_update(value: object) -> str:
+    if value not in BN_UPDATES:
+        raise ValueError(f"unknown bn_update {value!r}; valid: {', '.join(BN_UPDATES)} (recompute: one unperturbed "
+                         "forward of the updated model sets the BN running statistics; probe-mean: the mean over "
+                         "the probes, free but biased)")
+    return value  # type: ignore[return-value]
 
 
 def bn_layers(model: nn.Module) -> list[_BatchNorm]:
@@ -45,6 +71,7 @@ class BNStatsFreezer:
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._sum: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._count = 0
+        self._advance: list[int] = []  # num_batches_tracked advance of one probe, per layer
 
     @property
     def active(self) -> bool:
@@ -58,6 +85,7 @@ class BNStatsFreezer:
         self._sum = [(torch.zeros_like(m.running_mean, dtype=torch.float64),
                       torch.zeros_like(m.running_var, dtype=torch.float64)) for m in self.layers]
         self._count = 0
+        self._advance = [1] * len(self.layers)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -68,17 +96,20 @@ class BNStatsFreezer:
 
     @torch.no_grad()
     def accumulate(self) -> None:
-        for m, (s_mean, s_var) in zip(self.layers, self._sum):
+        for i, (m, (s_mean, s_var), saved) in enumerate(zip(self.layers, self._sum, self._saved)):
             s_mean.add_(m.running_mean)
             s_var.add_(m.running_var)
+            if m.training:
+                self._advance[i] = int(m.num_batches_tracked - saved[2]) or 1
         self._count += 1
 
     @torch.no_grad()
-    def add_probe_sums(self, sums: dict, count: int) -> None:
+    def add_probe_sums(self, sums: dict, count: int, advance: int = 1) -> None:
         """``accumulate()`` for ``count`` probes evaluated elsewhere (``szo.engine``, which keeps
         one copy of the statistics per folded probe): ``sums[layer] = (sum over the probes of the
         running_mean, of the running_var)`` that layer produced from the snapshot. A layer not in
-        ``sums`` (eval mode) adds ``count`` times its current statistics, as ``accumulate`` would."""
+        ``sums`` (eval mode) adds ``count`` times its current statistics, as ``accumulate`` would.
+        ``advance``: running-statistics updates one probe makes per layer (T for per-step BN)."""
         for m, (s_mean, s_var) in zip(self.layers, self._sum):
             if m in sums:
                 s_mean.add_(sums[m][0])
@@ -86,6 +117,7 @@ class BNStatsFreezer:
             else:
                 s_mean.add_(m.running_mean, alpha=count)
                 s_var.add_(m.running_var, alpha=count)
+        self._advance = [advance] * len(self.layers)
         self._count += count
 
     @torch.no_grad()
@@ -113,7 +145,7 @@ class BNStatsFreezer:
         if count == 0 or not self.active:
             self.restore()
             return sent
-        for m, (s_mean, s_var), (mean0, var0, n) in zip(self.layers, self._sum, self._saved):
+        for m, (s_mean, s_var), (mean0, var0, n), adv in zip(self.layers, self._sum, self._saved, self._advance):
             if not m.training:  # eval mode: a forward leaves its statistics alone; keep them bit-exact
                 m.running_mean.copy_(mean0)
                 m.running_var.copy_(var0)
@@ -121,5 +153,5 @@ class BNStatsFreezer:
                 continue
             m.running_mean.copy_(s_mean / count)
             m.running_var.copy_(s_var / count)
-            m.num_batches_tracked.copy_(n + 1)
+            m.num_batches_tracked.copy_(n + adv)
         return sent

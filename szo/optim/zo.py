@@ -5,16 +5,20 @@ comparison at a fixed forward-pass budget, CGE perturbs ``coords_per_step`` coor
 drawn uniformly without replacement each step (sparse CGE as in DeepZero; ``None`` = all d
 coordinates, 2d forwards per step), and RGE uses ``q`` Gaussian directions ``z ~ N(0, I_d)``.
 The update is eq. (6) in parameter space (velocity form heavy ball).
+
+``FullSpaceZO(model, ...)`` or ``FullSpaceZO(model.parameters(), ..., model=model)``; BN
+freezing, neuron resets before every probe and ``bn_update`` as for ``szo.optim.SZO``
+(``szo.optim.probes``).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..functional import zo as F
-from .bn import BNStatsFreezer
+from .probes import ProbeGuard, resolve_model
 
 __all__ = ["FullSpaceZO"]
 
@@ -26,7 +30,7 @@ class FullSpaceZO(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor],
+        params,
         *,
         estimator: str = "cge",
         mu: float = 5e-3,
@@ -36,6 +40,7 @@ class FullSpaceZO(torch.optim.Optimizer):
         coords_per_step: int | None = None,
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
+        bn_update: str = "recompute",
     ):
         if estimator not in ("cge", "rge"):
             raise ValueError(f"unknown estimator {estimator!r}; valid: cge, rge")
@@ -45,9 +50,7 @@ class FullSpaceZO(torch.optim.Optimizer):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if estimator == "rge" and (not isinstance(q, int) or q < 1):
             raise ValueError(f"q must be an integer >= 1, got {q!r}")
-        params = list(params)
-        if not params:
-            raise ValueError("optimizer got an empty parameter list")
+        params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
         self.d = sum(p.numel() for p in params)
         if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
@@ -56,7 +59,11 @@ class FullSpaceZO(torch.optim.Optimizer):
         self.q = q
         self.coords_per_step = coords_per_step
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.bn = BNStatsFreezer(model)
+        self.model = model
+        self.guard = ProbeGuard(model, "FullSpaceZO", bn_update=bn_update)
+        self.bn = self.guard.bn
+        self.bn_update = self.guard.bn_update
+        self.last_outputs_unperturbed = False
         self.forward_passes = 0
         anchor = self.state[params[0]]
         anchor["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
@@ -67,9 +74,11 @@ class FullSpaceZO(torch.optim.Optimizer):
 
     @property
     def forwards_per_step(self) -> int:
+        """Probe forwards per step, plus one unperturbed BN forward under ``bn_update="recompute"``."""
+        extra = int(self.guard.recomputes)
         if self.estimator == "rge":
-            return 2 * self.q
-        return 2 * (self.coords_per_step or self.d)
+            return 2 * self.q + extra
+        return 2 * (self.coords_per_step or self.d) + extra
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self._params])
@@ -86,10 +95,13 @@ class FullSpaceZO(torch.optim.Optimizer):
     def _loss_at(self, closure, vec: torch.Tensor, j: int, m: int) -> float:
         self.bn.restore()
         self._load(vec)
-        value = closure()
+        self.guard.reset()
+        with self.guard.watch():
+            value = closure()
         self.forward_passes += 1
         out = F.check_loss(value, f"closure (probe {j + 1}/{m})")
-        self.bn.accumulate()
+        if self.guard.probe_mean:
+            self.bn.accumulate()
         return out
 
     @torch.no_grad()
@@ -130,10 +142,18 @@ class FullSpaceZO(torch.optim.Optimizer):
             self.bn.restore()
             self._load(theta)
             raise
-        self.bn.commit()
+        if self.guard.probe_mean:
+            self.bn.commit()
+        else:
+            self.bn.restore()
         vel = self.state[self._params[0]]["velocity"]
         vel.mul_(group["momentum"]).add_(grad, alpha=-group["lr"])
         self._load(theta + vel)
+        self.last_outputs_unperturbed = self.guard.recomputes
+        if self.last_outputs_unperturbed:
+            loss = self.guard.unperturbed_forward(closure)
+            self.forward_passes += 1
+            return torch.tensor(loss)
         return torch.tensor(sum(losses) / len(losses))
 
     def state_dict(self):

@@ -6,9 +6,11 @@
 * Every other optimizer (``torch.optim.SGD`` for BP, ``BPSubspace``) gets a closure that
   does ``zero_grad``, forward, ``backward`` and returns the loss: 1 FP + 1 BP per step.
 
-Train loss / accuracy of an epoch are averaged over the closure calls of its steps, i.e.
-for forward-only optimizers over the perturbed probes (no extra unperturbed forward is spent
-on bookkeeping).
+Train loss / accuracy of a step come from its unperturbed forward when it has one: the
+forward-only optimizers' BN forward of theta_{t+1} (``bn_update="recompute"``, the default,
+with BN in train mode; ``optimizer.last_outputs_unperturbed``), and for BP the step's own
+forward. Otherwise (``bn_update="probe-mean"``, or no train-mode BN) they are averaged over
+the step's perturbed probes (the batched engine returns no outputs: no train accuracy then).
 
 Resume semantics (``resume=True``): the run continues from ``run_dir/checkpoints/last.pt``,
 written at every epoch end and every ``checkpoint_every_steps`` steps. A mid-epoch
@@ -260,6 +262,7 @@ def fit(
     def _record(out: torch.Tensor) -> None:
         m = out.detach().mean(0)
         acc_buf["sum"] = m if acc_buf.get("sum") is None else acc_buf["sum"] + m
+        acc_buf["last"] = m
 
     def closure() -> torch.Tensor:
         x, y = x_cur["x"], x_cur["y"]
@@ -277,8 +280,15 @@ def fit(
         _record(out)
         return loss
 
-    # the batched engine returns probe losses only (no outputs): no train accuracy then
-    acc_known = not (forward_only and getattr(optimizer, "engine", "loop") == "batched")
+    def accuracy_known() -> bool:
+        """The batched engine returns probe losses only (no outputs): train accuracy only from
+        the unperturbed BN forward then (``bn_update="recompute"`` with train-mode BN)."""
+        if not (forward_only and getattr(optimizer, "engine", "loop") == "batched"):
+            return True
+        guard = getattr(optimizer, "guard", None)
+        return guard is not None and guard.recomputes
+
+    acc_known = accuracy_known()
     correct_local = 0  # this rank's correct predictions since the last reduction
 
     def reduce_correct() -> float:
@@ -328,6 +338,7 @@ def fit(
         if bn_stats == "deployed":
             for m in bn_layers(model):
                 m.eval()
+        acc_known = accuracy_known()
         bar = tqdm(total=len(batches), initial=done, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
                    disable=not progress, dynamic_ncols=True)
         t_last = time.perf_counter()
@@ -336,7 +347,7 @@ def fit(
             x_cur["x"], x_cur["y"] = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             closure.batch = (x_cur["x"], x_cur["y"], loss_fn)  # type: ignore[attr-defined]  # batched engine
             x_cur["scale"] = par.world_size * int(y.shape[0]) / n if shard else 1.0
-            acc_buf["sum"] = None
+            acc_buf["sum"] = acc_buf["last"] = None
             fp_before = int(getattr(optimizer, "forward_passes", 0))
             try:
                 loss_t = optimizer.step(closure)
@@ -354,7 +365,9 @@ def fit(
             if why is not None:
                 diverged(why)
             loss_sum += loss * n
-            correct_local += int((acc_buf["sum"].argmax(1) == x_cur["y"]).sum()) if acc_buf["sum"] is not None else 0
+            # accuracy of the unperturbed forward when the step ran one, else of all its probes
+            acc_out = acc_buf["last"] if getattr(optimizer, "last_outputs_unperturbed", False) else acc_buf["sum"]
+            correct_local += int((acc_out.argmax(1) == x_cur["y"]).sum()) if acc_out is not None else 0
             seen += n
             step += 1
             done += 1

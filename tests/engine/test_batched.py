@@ -26,8 +26,9 @@ def _setup(name: str, k: int | None = None, estimator: str = "cge", seed: int = 
     model = M.create(name, T=2).train()
     d = model.num_params()
     basis = torch.linalg.qr(torch.randn(d, k, generator=g))[0]
+    # probe-mean: the engines' own BN update (the mean over the probes) is what is compared here
     opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, model=model,
-              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed))
+              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed), bn_update="probe-mean")
     x = torch.randn(2, c, h, h, generator=g)
     y = torch.randint(0, model.num_classes, (2,), generator=g)
     return model, opt, x, y
@@ -245,7 +246,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
     torch.testing.assert_close(o_bat.coordinates, o_loop.coordinates, rtol=1e-4, atol=1e-6)
     for (k, a), b in zip(m_loop.state_dict().items(), m_bat.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-    assert o_bat.forward_passes == o_loop.forward_passes == 8
+    assert o_bat.forward_passes == o_loop.forward_passes == 10  # 2 steps x (2q = 4 probes + 1 BN forward)
     with pytest.raises(ValueError, match="needs the batch"):
         o_bat.step(lambda: tet_loss(m_bat(torch.zeros(2, 1, 8, 8)), torch.zeros(2, dtype=torch.long)))
     with pytest.raises(ValueError, match="unknown engine 'vmap'; valid: loop, batched"):

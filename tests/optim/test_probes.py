@@ -1,0 +1,129 @@
+"""szo.optim.probes: model-first API, start point, unknown-module guard, recompute BN update, bad input."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import szo.models as M
+from szo.optim import SZO, BPSubspace, FullSpaceZO, build_optimizer
+
+
+class Net(nn.Module):
+    def __init__(self, bn: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6) if bn else nn.Identity()
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def sub_for(model, k=3, reference=True):
+    d = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(d, k, generator=g))[0]
+    ref = torch.randn(d, generator=g) if reference else None
+    return SimpleNamespace(basis=basis, layout=[(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                           reference=ref)
+
+
+def flat(model):
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def batch(n=16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_model_first_starts_at_the_reference_params_form_where_it_is():
+    torch.manual_seed(0)
+    model = Net()
+    sub = sub_for(model)
+    here = flat(model)
+    SZO(model.parameters(), sub, model=model)
+    assert torch.equal(flat(model), here)  # params form: start="current"
+    SZO(model, sub, start="current")
+    assert torch.equal(flat(model), here)
+    SZO(model, sub)
+    assert torch.equal(flat(model), sub.reference)
+    model2 = Net()
+    BPSubspace(model2, sub)
+    assert torch.equal(flat(model2), sub.reference)
+    model3 = Net()
+    build_optimizer("szo-rge", model3, subspace=sub, lr=1.0)
+    assert torch.equal(flat(model3), sub.reference)
+
+
+@pytest.mark.parametrize("make", ["szo", "zo"])
+def test_recompute_stats_equal_an_unperturbed_forward_of_the_new_parameters(make):
+    torch.manual_seed(0)
+    model = Net().train()
+    sub = sub_for(model)
+    x, y = batch()
+    opt = (SZO(model, sub, mu=0.3, lr=0.2, estimator="rge", q=2) if make == "szo"
+           else FullSpaceZO(model, estimator="rge", q=2, mu=0.1, lr=0.1))
+    before = copy.deepcopy(model.state_dict())  # after the start point was set
+    loss = opt.step(lambda: nn.functional.cross_entropy(model(x), y))
+    assert opt.forward_passes == opt.forwards_per_step == 5
+    oracle = Net().train()
+    oracle.load_state_dict(before)
+    torch.nn.utils.vector_to_parameters(flat(model), oracle.parameters())
+    with torch.no_grad():
+        ref_loss = nn.functional.cross_entropy(oracle(x), y)
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert torch.equal(model.state_dict()[k], oracle.state_dict()[k]), k
+    assert float(loss) == pytest.approx(float(ref_loss), abs=1e-6)  # step returns the unperturbed loss
+    assert opt.last_outputs_unperturbed
+
+
+def test_recompute_costs_nothing_without_train_mode_bn():
+    x, y = batch()
+    for model in (Net(bn=False), Net().eval()):
+        opt = SZO(model, sub_for(model), estimator="cge")
+        calls = []
+        opt.step(lambda: calls.append(1) or nn.functional.cross_entropy(model(x), y))
+        assert len(calls) == opt.forward_passes == opt.forwards_per_step == 6
+        assert not opt.last_outputs_unperturbed
+
+
+def test_params_form_without_model_is_fine_for_a_stateless_bn_free_closure_and_refuses_bn():
+    x, y = batch()
+    plain = Net(bn=False)
+    SZO(plain.parameters(), sub_for(plain)).step(lambda: nn.functional.cross_entropy(plain(x), y))
+    model = Net().train()
+    with pytest.raises(ValueError, match="runs BatchNorm1d, a train-mode BatchNorm layer .* given no model"):
+        FullSpaceZO(model.parameters()).step(lambda: nn.functional.cross_entropy(model(x), y))
+    other = Net().train()
+    opt = SZO(model, sub_for(model))
+    with pytest.raises(ValueError, match="not part of model= \\(Net\\)"):
+        opt.step(lambda: nn.functional.cross_entropy(other(x), y))
+
+
+def test_bad_input_one_clear_error_each():
+    model = Net()
+    sub = sub_for(model)
+    with pytest.raises(ValueError, match="the model \\(Identity\\) has no parameters to train"):
+        SZO(nn.Identity(), sub)
+    with pytest.raises(ValueError, match="has no parameters to train"):
+        build_optimizer("szo-cge", nn.Identity(), subspace=sub, lr=1.0)
+    convnet = M.create("spike_convnet", T=2)
+    with pytest.raises(ValueError, match="the subspace does not fit these parameters"):
+        SZO(convnet, sub)
+    with pytest.raises(ValueError, match="needs subspace.reference"):
+        SZO(model, sub_for(model, reference=False))
+    with pytest.raises(ValueError, match="unknown start 'best'; valid: reference"):
+        SZO(model, sub, start="best")
+    with pytest.raises(ValueError, match="unknown bn_update 'mean'; valid: recompute, probe-mean"):
+        SZO(model, sub, bn_update="mean")
+    with pytest.raises(ValueError, match="unknown bn_update 'mean'"):
+        FullSpaceZO(model, bn_update="mean")
+    with pytest.raises(ValueError, match="give the model once"):
+        SZO(model, sub, model=Net())
+    with pytest.raises(ValueError, match="not all parameters of model="):
+        SZO(Net().parameters(), sub, model=model)
