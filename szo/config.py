@@ -83,7 +83,7 @@ DEFAULTS: dict[str, Any] = {
     # engine: how the 2k (2q) probes of an SZO step are evaluated: loop (one forward each) or
     # batched (perturbed copies folded into one forward per chunk of probes, szo.engine)
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
-            "engine": "loop", "chunk": None},
+            "engine": "loop", "chunk": None, "layers": None},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
     # bn_stats "deployed" normalises with the source model's running statistics, frozen
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
@@ -115,6 +115,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
     "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
     "szo.engine": (_STR, False), "szo.chunk": (_INT, True),
+    "szo.layers": ((list,), True),  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -365,6 +366,13 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     if sz["engine"] != "loop" and method not in ENGINE_METHODS:
         raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
                          f"engine 'loop'; valid methods for it: {', '.join(ENGINE_METHODS)}")
+    from szo.methods import LAYERWISE_METHODS
+
+    if sz["layers"] is not None and method not in LAYERWISE_METHODS:
+        raise ValueError(f"'szo.layers' (sparse layer-wise training) applies to {', '.join(LAYERWISE_METHODS)}; "
+                         f"method {method!r} trains every parameter: leave szo.layers null")
+    if sz["time_chunk"] is not None and method in LAYERWISE_METHODS:
+        raise ValueError(f"method {method!r} perturbs layer outputs over all T steps at once; leave szo.time_chunk null")
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")

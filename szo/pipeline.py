@@ -307,7 +307,7 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                               coords_per_step=sz["coords_per_step"], generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"])
+                              engine=sz["engine"], chunk=sz["chunk"], layers=sz["layers"])
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),

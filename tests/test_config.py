@@ -141,3 +141,12 @@ def test_method_table_is_shared():
 
     assert C.METHODS is O.METHODS is M.METHODS
     assert O.SUBSPACE_METHODS is M.SUBSPACE_METHODS and O.DISTRIBUTED_METHODS is M.DISTRIBUTED_METHODS
+
+
+def test_layerwise_methods_and_sparse_layers():
+    c = load_recipe("digits-scratch", ["method=np-zo", "szo.layers=[fc]"])
+    assert c["method"] == "np-zo" and c["szo"]["layers"] == ["fc"]
+    with pytest.raises(ValueError, match="szo.layers"):
+        load_recipe("digits-scratch", ["method=szo-cge", "szo.layers=[fc]"])
+    with pytest.raises(ValueError, match="unknown|invalid|valid"):
+        load_recipe("digits-scratch", ["method=np_zo"])

@@ -9,16 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, METHODS, SUBSPACE_METHODS
+from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, LAYERWISE_METHODS, METHODS, QZO_METHODS, SUBSPACE_METHODS
 
 from .bn import BNStatsFreezer, bn_layers
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
+from .layerwise import LayerwiseZO
 from .zo import FullSpaceZO
 
 __all__ = [
     "SZO",
     "BPSubspace",
     "FullSpaceZO",
+    "LayerwiseZO",
     "SubspaceOptimizer",
     "BNStatsFreezer",
     "bn_layers",
@@ -48,6 +50,7 @@ def build_optimizer(
     engine: str = "loop",
     chunk: int | None = None,
     process_group=None,
+    layers: list[str] | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
 
@@ -57,6 +60,11 @@ def build_optimizer(
     ``zo-cge`` perturbs ``coords_per_step`` random coordinates per step (default: the
     subspace's k when a subspace is given, so it spends the same 2k forwards per step as
     SZO-CGE, else all d coordinates).
+
+    ``np-zo`` / ``wp-zo`` / ``awp-zo`` (:class:`LayerwiseZO`) perturb the layers named in ``layers``
+    (default: every linear / convolution layer), ``q`` probes per layer. ``qzo`` is the integer
+    on-chip learner (``szo.hw.train.OnChipSZO(rule="eq8")``), built by the pipeline from the
+    recipe's ``hw`` block.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -66,6 +74,14 @@ def build_optimizer(
     if engine != "loop" and method not in ENGINE_METHODS:
         raise ValueError(f"engine {engine!r} applies to the SZO methods ({', '.join(ENGINE_METHODS)}); "
                          f"method {method!r} runs with engine 'loop'")
+    if method in QZO_METHODS:
+        raise ValueError(f"method {method!r} is the integer on-chip learner: build szo.hw.train.OnChipSZO(model, "
+                         "subspace, rule='eq8', ...) (the pipeline does so from the recipe's hw block)")
+    if method in LAYERWISE_METHODS:
+        if weight_decay:
+            raise ValueError(f"method {method!r} uses no weight decay; got weight_decay={weight_decay}")
+        return LayerwiseZO(model, perturbation=LAYERWISE_METHODS[method], layers=layers, mu=mu, lr=lr,
+                           momentum=momentum, q=q, generator=generator)
     params = list(model.parameters())
     if method == "bp":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
