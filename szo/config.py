@@ -407,6 +407,9 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         if full["szo"]["time_chunk"] is not None:
             raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
                              "szo.time_chunk applies to backend 'float' (set it to null)")
+    if full["method"] == "qzo" and hw["learner"] != "integer":
+        raise ValueError("method 'qzo' (seed-004 quantized ZO) is an integer learner on the fixed-point forward: "
+                         "set backend=fixed, bn_stats=deployed and hw.learner=integer (recipe digits-fixed does)")
     if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in INTEGER_LEARNER_METHODS):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          f"backend 'fixed' and a method in: {', '.join(INTEGER_LEARNER_METHODS)}")
@@ -464,12 +467,14 @@ def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 _LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
            "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
+_LABELS.update({"np-zo": "NP-ZO", "wp-zo": "WP-ZO", "awp-zo": "WP/NP-ZO", "qzo": "QZO"})  # seed 004
+_Q_LABELED = ("szo-rge", "szo-1pt", "zo-rge", "np-zo", "wp-zo", "awp-zo", "qzo")
 
 
 def method_label(method: str, q: int | None = None, activation: str = "lif") -> str:
     """Paper-style column name: ``SZO-RGE(q=1)``, ``BP-Subspace``; ``(ANN)`` for relu twins."""
     label = _LABELS.get(method, method)
-    if method in ("szo-rge", "szo-1pt", "zo-rge") and q is not None:
+    if method in _Q_LABELED and q is not None:
         label += f"(q={q})"
     if activation == "relu":
         label += " (ANN)"
