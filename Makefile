@@ -16,7 +16,7 @@ help:
 $(STAMP): setup.py environment.yml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,dvs,corruptions]"
+	$(PY) -m pip install --quiet -e ".[test,dvs,corruptions,federated]"
 	touch $(STAMP)
 
 install: $(STAMP)

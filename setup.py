@@ -18,6 +18,7 @@ EXTRAS_REQUIRE = {
     "dvs": ["tonic>=1.4"],
     "corruptions": ["imagecorruptions-imaug>=1.1.5"],
     "cuda": ["spikingjelly[triton]>=2.0"],
+    "federated": ["flwr>=1.41,<2"],  # szo federated: BAFFLE on Flower (legacy gRPC start_server/start_client)
 }
 
 setup(
