@@ -277,6 +277,9 @@ def _free_port() -> int:
 def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig) -> dict[str, Any]:
     """Run BAFFLE for ``fc.rounds`` rounds with ``fc.clients`` client processes; write ``out_dir``
     (config.yaml, federated.json, metrics.jsonl, results.json); return the summary."""
+    if cfg.get("kind") != "subspace":
+        raise ValueError(f"szo federated trains in a stored subspace: use a 'kind: subspace' recipe "
+                         f"(e.g. digits-scratch); {cfg.get('name')!r} is kind {cfg.get('kind')!r}")
     try:
         import flwr as fl
     except ModuleNotFoundError as e:
@@ -287,9 +290,6 @@ def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Federa
     from szo.io import atomic_write_json
     from szo.pipeline import run_bptt_stage, subspace_store_for
 
-    if cfg.get("kind") != "subspace":
-        raise ValueError(f"szo federated trains in a stored subspace: use a 'kind: subspace' recipe "
-                         f"(e.g. digits-scratch); {cfg.get('name')!r} is kind {cfg.get('kind')!r}")
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)

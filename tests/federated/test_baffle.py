@@ -98,3 +98,13 @@ def test_federated_config_rejects_zero_clients():
         FederatedConfig(clients=0)
     with pytest.raises(ValueError, match="valid: subspace, full"):
         FederatedConfig(space="tt")
+
+
+def test_cli_zero_clients_is_one_clear_error(capsys):
+    from szo.cli import main
+
+    assert main(["federated", "digits-scratch", "--clients", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: clients must be an int >= 1, got 0 (a federation needs at least one client)"]
+    assert main(["federated", "digits-bp", "--clients", "2"]) == 2
+    assert "kind: subspace" in capsys.readouterr().err
