@@ -55,6 +55,14 @@ def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> di
     return {n: m for n, m in found.items() if n in names}
 
 
+def _load(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``params`` in place (their storage stays theirs)."""
+    off = 0
+    for p in params:
+        p.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
+
+
 class LayerwiseZO(torch.optim.Optimizer):
     """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``)."""
 
@@ -162,11 +170,11 @@ class LayerwiseZO(torch.optim.Optimizer):
                     try:
                         for j in range(q):
                             xi = self._noise(flat0)
-                            torch.nn.utils.vector_to_parameters(flat0 + mu * xi, own)
+                            _load(own, flat0 + mu * xi)
                             losses.append(self._loss(closure, f"closure (layer {name}, weight probe {j + 1}/{q})"))
                             xis.append(xi)
                     finally:
-                        torch.nn.utils.vector_to_parameters(flat0, own)
+                        _load(own, flat0)
                     g = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
                                                           torch.stack(xis), mu)
                     off = 0

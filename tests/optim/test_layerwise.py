@@ -99,3 +99,10 @@ def test_bad_input():
         trainable_layers(nn.Sequential(nn.Tanh()))
     with pytest.raises(ValueError, match="unknown method"):
         build_optimizer("np_zo", model, lr=0.1)
+
+
+def test_weight_probes_keep_parameter_storage():
+    model, closure = _toy()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    LayerwiseZO(model, perturbation="weight", q=2).step(closure)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, not re-pointed
