@@ -173,3 +173,15 @@ def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in ck["model"].items()) and cfg["method"] == "szo-cge"
     with pytest.raises(FileNotFoundError, match="no config.yaml"):
         load_run_model(tmp_path)
+
+
+def test_seed004_methods_run_through_the_recipes(bp_run):
+    root, sets, _ = bp_run
+    small = sets + ["train.epochs=1", "train.max_steps_per_epoch=2"]
+    s = run_recipe(load_recipe("digits-fixed", small + ["method=qzo", "szo.q=3"]), root / "qzo")
+    assert s["fp"] == 2 * (1 + 3) and s["bp"] == 0 and s["label"] == "QZO(q=3)"
+    ck = torch.load(root / "qzo" / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["optimizer"]["on_chip"]["c"].dtype == torch.int64
+    s = run_recipe(load_recipe("digits-scratch", small + ["method=np-zo", "szo.q=2", "szo.layers=[fc]"]),
+                   root / "np")
+    assert s["fp"] == 2 * (1 + 2 * 1) and s["bp"] == 0 and s["label"] == "NP-ZO(q=2)"
