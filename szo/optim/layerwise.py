@@ -21,6 +21,7 @@ layers included) and ``Q = q`` probes per layer:
    Algorithm 1's recomputation of the activations), heavy ball in velocity form like
    :class:`~szo.optim.FullSpaceZO`.
 
+Only the parameters of those layers are trained (BN affine parameters are in no perturbed layer).
 ``layers`` picks a subset of the trainable layers by module name (the paper's *sparse* training:
 only those layers are perturbed and updated); the default trains all of them. Forwards per step:
 ``1 + q * L``. BN running statistics: one update per step (:class:`BNStatsFreezer`).
