@@ -11,6 +11,7 @@ INSTALL_REQUIRES = [
     "pyyaml>=6.0",
     "safetensors>=0.4",
     "matplotlib>=3.7",
+    "tensorly>=0.8",  # TT-SVD of method tt-zo (szo.functional.tt)
 ]
 
 EXTRAS_REQUIRE = {
@@ -18,6 +19,8 @@ EXTRAS_REQUIRE = {
     "dvs": ["tonic>=1.4"],
     "corruptions": ["imagecorruptions-imaug>=1.1.5"],
     "cuda": ["spikingjelly[triton]>=2.0"],
+    # NIR export / import, the snnTorch round trip, NeuroBench metrics (szo.export, szo hw-report)
+    "deploy": ["nir>=1.0.8", "nirtorch>=2.6", "snntorch>=1.0", "neurobench>=2.3"],
     "federated": ["flwr>=1.41,<2"],  # szo federated: BAFFLE on Flower (legacy gRPC start_server/start_client)
 }
 

@@ -28,6 +28,7 @@ from szo.methods import (  # the one method table (no torch import)
     FORWARD_ONLY_METHODS,
     INTEGER_LEARNER_METHODS,
     METHODS,
+    STREAMING_METHODS,
     SUBSPACE_METHODS,
 )
 
@@ -52,6 +53,8 @@ REFERENCES = ("first", "last")
 BACKENDS = ("float", "fixed")  # = szo.hw.BACKENDS
 BN_STATS = ("batch", "deployed")
 HW_LEARNERS = ("float", "integer")  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
+HW_ARITHMETICS = ("szo", "loihi")  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
+HW_RESETS = ("subtract", "zero")  # = szo.hw.neuron.RESETS (null: each LIF's own)
 DIST_MODES = ("data", "perturbation")  # = szo.distributed.MODES
 
 _STAGE = {
@@ -89,8 +92,21 @@ DEFAULTS: dict[str, Any] = {
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
     "backend": "float",
     "bn_stats": "batch",
+    # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
+    # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
+    # szo.models.compiled. Off by default (no GPU run has checked it yet); on CPU the compile
+    # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
+    "compile": False,
+    # hw.arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
+    # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); hw.reset: null keeps each LIF's reset, zero = standard Loihi LIF
     "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
-           "ref_bits": 16},
+           "ref_bits": 16, "arithmetic": "szo", "reset": None},
+    # method tt-zo (szo.models.tt, szo.optim.tt): TT rank(s), cores per weight, which layers (weights
+    # with >= min_params entries), the signRGE phase (seed 000: N = 10 directions, mu = 0.1) and the
+    # switch to CGE (plateau over `window` steps by less than `tol`, or at switch_step); the CGE
+    # phase takes szo.mu / szo.coords_per_step / train.lr / train.momentum
+    "tt": {"rank": 4, "cores": 2, "min_params": 1024, "sign_lr": 1.0e-3, "sign_q": 10, "sign_mu": 0.1,
+           "window": 20, "tol": 0.01, "switch_step": None},
     # multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process
     "distributed": {"mode": "data", "sync_bn": True, "timeout_s": 300.0},
 }
@@ -109,12 +125,16 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
     "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
     "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
-    "backend": (_STR, False), "bn_stats": (_STR, False),
+    "backend": (_STR, False), "bn_stats": (_STR, False), "compile": ((bool, str), False),
     "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
+    "hw.arithmetic": (_STR, False), "hw.reset": (_STR, True),
     "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
     "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
     "szo.engine": (_STR, False), "szo.chunk": (_INT, True),
+    "tt.rank": ((int, list), False), "tt.cores": (_INT, False), "tt.min_params": (_INT, False),
+    "tt.sign_lr": (_FLOAT, False), "tt.sign_q": (_INT, False), "tt.sign_mu": (_FLOAT, False),
+    "tt.window": (_INT, False), "tt.tol": (_FLOAT, False), "tt.switch_step": (_INT, True),
     "szo.layers": ((list,), True),  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
 }
 for _s in ("bptt", "train"):
@@ -127,7 +147,7 @@ _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "
              "szo.time_chunk", "szo.chunk",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
              "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
-             "distributed.timeout_s"}
+             "distributed.timeout_s", "tt.cores", "tt.min_params", "tt.sign_q", "tt.window"}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -349,6 +369,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if full["kind"] == "subspace":
         _check_method_options(full)
     _check_hw(full)
+    _check_compile(full)
     if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     return full
@@ -360,22 +381,46 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     method, sz = full["method"], full["szo"]
     if method in SUBSPACE_METHODS and full["train"]["weight_decay"]:
         raise ValueError(f"method {method!r} uses no weight decay (paper App. G); set train.weight_decay=0")
-    if sz["time_chunk"] is not None and method not in FORWARD_ONLY_METHODS:
+    if sz["time_chunk"] is not None and method not in STREAMING_METHODS:
+        from szo.methods import LAYERWISE_METHODS
+
+        why = ("backpropagates" if method not in FORWARD_ONLY_METHODS
+               else "perturbs layer outputs over all T steps at once" if method in LAYERWISE_METHODS
+               else "takes forward-mode derivatives")
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{method!r} backpropagates; valid methods with szo.time_chunk: {', '.join(FORWARD_ONLY_METHODS)}")
+                         f"{method!r} {why}; valid methods with szo.time_chunk: {', '.join(STREAMING_METHODS)}")
     if sz["engine"] != "loop" and method not in ENGINE_METHODS:
         raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
                          f"engine 'loop'; valid methods for it: {', '.join(ENGINE_METHODS)}")
+    tt = full["tt"]
+    if method == "tt-zo" and not (tt["sign_mu"] > 0 and tt["sign_lr"] >= 0 and tt["tol"] >= 0):
+        raise ValueError(f"tt.sign_mu must be > 0 and tt.sign_lr, tt.tol >= 0; got sign_mu={tt['sign_mu']}, "
+                         f"sign_lr={tt['sign_lr']}, tol={tt['tol']}")
     from szo.methods import LAYERWISE_METHODS
 
     if sz["layers"] is not None and method not in LAYERWISE_METHODS:
         raise ValueError(f"'szo.layers' (sparse layer-wise training) applies to {', '.join(LAYERWISE_METHODS)}; "
                          f"method {method!r} trains every parameter: leave szo.layers null")
-    if sz["time_chunk"] is not None and method in LAYERWISE_METHODS:
-        raise ValueError(f"method {method!r} perturbs layer outputs over all T steps at once; leave szo.time_chunk null")
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
+
+
+def _check_compile(full: Mapping[str, Any]) -> None:
+    """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
+    own multi-step forward (batched engine, streaming forward, integer backend)."""
+    c = full["compile"]
+    if c is False:
+        return
+    from szo.models.compiled import check_compile
+
+    check_compile("inductor" if c is True else c)
+    sz = full["szo"]
+    for bad, what in ((sz["engine"] != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
+                      (sz["time_chunk"] is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
+                      (full["backend"] != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
+        if bad:
+            raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
 
 
 def _check_hw(full: Mapping[str, Any]) -> None:
@@ -383,7 +428,13 @@ def _check_hw(full: Mapping[str, Any]) -> None:
     _choice(full, "backend", BACKENDS)
     _choice(full, "bn_stats", BN_STATS)
     _choice(full, "hw.learner", HW_LEARNERS)
+    _choice(full, "hw.arithmetic", HW_ARITHMETICS)
     hw = full["hw"]
+    if hw["reset"] is not None:
+        _choice(full, "hw.reset", HW_RESETS)
+    if full["backend"] != "fixed" and (hw["arithmetic"] != "szo" or hw["reset"] is not None):
+        raise ValueError("hw.arithmetic / hw.reset choose the integer arithmetic of backend 'fixed'; with backend "
+                         f"{full['backend']!r} leave them at 'szo' / null")
     for key in ("weight_bits", "basis_bits"):
         if hw[key] is not None and not 2 <= hw[key] <= 16:
             raise ValueError(f"'hw.{key}' must be an int in [2, 16] (e.g. 8 or 4){' or null' if key == 'basis_bits' else ''}, "
@@ -417,14 +468,20 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 
 
+# train.lr defaults of the methods from other seed papers: full-space forward gradient (AsyncFGD's
+# grid 1e-5..1e-2, SGD here) and TT-ZO (seed 000 Sec. 4: SGD lr 1e-3)
+_PAPER_LR = {"fg": 1.0e-3, "tt-zo": 1.0e-3}
+
+
 def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``validate`` plus defaults that depend on other values (``train.lr: null`` -> method default:
-    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP)."""
+    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP,
+    ``_PAPER_LR`` for fg and tt-zo)."""
     full = validate(cfg)
     if full["kind"] in EXTERNAL_KINDS:
         return full
     if full["train"]["lr"] is None:
-        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else 1.0
+        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else _PAPER_LR.get(full["method"], 1.0)
     return full
 
 
@@ -467,8 +524,9 @@ def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 _LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
            "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
+_LABELS.update({"fg": "FG", "fg-subspace": "FG-Subspace", "tt-zo": "TT-ZO"})
 _LABELS.update({"np-zo": "NP-ZO", "wp-zo": "WP-ZO", "awp-zo": "WP/NP-ZO", "qzo": "QZO"})  # seed 004
-_Q_LABELED = ("szo-rge", "szo-1pt", "zo-rge", "np-zo", "wp-zo", "awp-zo", "qzo")
+_Q_LABELED = ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace", "np-zo", "wp-zo", "awp-zo", "qzo")
 
 
 def method_label(method: str, q: int | None = None, activation: str = "lif") -> str:

@@ -56,9 +56,9 @@ def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q", type=int, default=d.q, help=f"RGE directions per step (default {d.q})")
     p.add_argument("--buffer", type=int, default=d.buffer,
                    help=f"SZO loss over the last N windows, each from its own saved state (default {d.buffer})")
-    p.add_argument("--model", default=None, metavar="RUN_DIR",
-                   help="source-model directory from an earlier run (OUT/source); default: train one "
-                        "(cached under OUT/source)")
+    p.add_argument("--model", default=None, metavar="RUN_DIR|OUT.nir",
+                   help="source-model directory from an earlier run (OUT/source), or a .nir file exported from "
+                        "one with szo export (runs with --adapt none); default: train one (cached under OUT/source)")
     p.add_argument("--out", default="runs/dvs-stream", help="output directory (default runs/dvs-stream)")
     p.add_argument("--seed", type=int, default=d.seed, help="stream / RGE seed (default 0)")
     p.add_argument("--gestures", type=int, default=30, help="synthetic stream length in gestures (default 30)")

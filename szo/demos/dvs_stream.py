@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -287,12 +287,31 @@ def _load_recipe_run(directory: Path) -> SourceModel:
     return SourceModel(model=model, subspace=subspace, meta=meta, directory=directory)
 
 
+def _load_nir(path: Path) -> SourceModel:
+    """A model exported with ``szo export`` (``szo.export.from_nir``): runs as is; it has no
+    subspace (BN folded, its own parameter layout), so the stream runs without adaptation."""
+    from szo.export import from_nir
+
+    model = from_nir(path).eval()
+    meta = dict(model.nir_metadata)
+    if "bin_us" not in meta or "sensor_size" not in meta:
+        raise ValueError(f"{path} does not record the frame length (metadata 'bin_us' / 'sensor_size'); export a "
+                         "dvs-stream source model or a synthetic-gesture run: szo export DIR --to nir OUT.nir")
+    meta = {"format": SOURCE_FORMAT, "version": SOURCE_VERSION, "model": model.model_name,
+            "bin_us": int(meta["bin_us"]), "sensor_size": [int(v) for v in meta["sensor_size"]], "nir": str(path),
+            "settings": {"duration_us": int(meta.get("duration_us", int(meta["bin_us"]) * model.T))}}
+    return SourceModel(model=model, subspace=None, meta=meta, directory=path)
+
+
 def load_source_model(directory: str | os.PathLike) -> SourceModel:
-    """Read a source-model directory written by ``train_source_model``, or a
-    ``szo recipe synthetic-gesture`` run directory (its subspace from the recipe's store)."""
+    """Read a source-model directory written by ``train_source_model``, a ``szo recipe
+    synthetic-gesture`` run directory (its subspace from the recipe's store), or a ``.nir``
+    file written by ``szo export`` from either (no subspace: ``adapt="none"`` only)."""
     from subspace_store import SubspaceStore
 
     directory = Path(directory)
+    if directory.suffix == ".nir" and directory.is_file():
+        return _load_nir(directory)
     meta_path = directory / "source.json"
     if not meta_path.is_file() and (directory / "config.yaml").is_file():
         return _load_recipe_run(directory)
@@ -545,38 +564,49 @@ def _class_names() -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- plot
-def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
-                  n_classes: int, smooth: int = 20) -> None:
-    """PNG: true label and predictions per window (top), running and sliding accuracy (bottom)."""
-    from szo.plots import pyplot, save_figure
+def _run_label(name: str) -> str:
+    return "no adaptation" if name == "none" else name
 
-    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
+
+def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
+                  n_classes: int, class_names: Sequence[str] | None = None, smooth: int = 20) -> None:
+    """PNG: true label and predictions per window (top, classes by name when ``class_names``
+    has one per class), running and sliding accuracy (bottom); the legends sit right of the
+    panels, never over the data."""
+    from szo.plots import MARKERS, pyplot, save_figure
+
+    names = list(class_names) if class_names is not None and len(class_names) == n_classes else None
+    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(12, 6.5), sharex=True)
     smooth = max(1, min(smooth, len(next(iter(runs.values()))["windows"])))
     first = next(iter(runs.values()))["windows"]
     t = np.array([r["t_ms"] for r in first]) / 1000
     lab = np.array([r["label"] for r in first])
-    ax1.step(t, np.where(lab >= 0, lab, np.nan), where="post", color="k", lw=2, label="true label")
-    markers = ["o", "x", "^", "s"]
+    ax1.step(t, np.where(lab >= 0, lab, np.nan), where="post", color="k", lw=2, label="true class")
     for j, (name, run) in enumerate(runs.items()):
         pred = np.array([r["pred"] for r in run["windows"]])
-        ax1.scatter(t, pred + 0.15 * (j - 0.5), s=8, marker=markers[j % 4], label=f"prediction ({name})")
+        ax1.scatter(t, pred + 0.15 * (j - 0.5), s=10, marker=MARKERS[j % len(MARKERS)],
+                    label=f"predicted ({_run_label(name)})")
         ok = (pred == lab).astype(float)
         valid = lab >= 0
         run_acc = np.array([r["running_acc"] if r["running_acc"] is not None else np.nan for r in run["windows"]])
         slide = np.convolve(np.where(valid, ok, 0), np.ones(smooth), "same") / np.maximum(
             np.convolve(valid.astype(float), np.ones(smooth), "same"), 1)
-        line, = ax2.plot(t, run_acc, lw=2, label=f"running accuracy ({name})")
-        ax2.plot(t, slide, lw=1, ls="--", color=line.get_color(), label=f"last {smooth} windows ({name})")
+        line, = ax2.plot(t, run_acc, lw=2, label=f"since the start ({_run_label(name)})")
+        ax2.plot(t, slide, lw=1, ls="--", color=line.get_color(), label=f"last {smooth} windows ({_run_label(name)})")
     for ax in (ax1, ax2):
         if shift_at_s is not None:
-            ax.axvline(shift_at_s, color="r", ls=":", lw=2, label="domain shift" if ax is ax1 else None)
+            ax.axvline(shift_at_s, color="r", ls=":", lw=2, label="domain shift")
+        ax.grid(alpha=0.3)
     ax1.set_ylabel("class")
     ax1.set_yticks(range(n_classes))
-    ax1.legend(loc="upper left", fontsize=7, ncol=2)
+    if names is not None:
+        ax1.set_yticklabels(names, fontsize=8)
+    ax1.set_ylim(-0.6, n_classes - 0.4)
     ax2.set_ylabel("accuracy")
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_xlabel("stream time (s)")
-    ax2.legend(loc="lower left", fontsize=7, ncol=2)
+    ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="per window", title_fontsize=8)
+    ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="accuracy", title_fontsize=8)
     save_figure(fig, path, dpi=110)
 
 
@@ -601,6 +631,9 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
     t_wall = time.perf_counter()
     src = load_source_model(model_dir) if model_dir else train_source_model(
         out_dir / "source", source_settings, progress=progress, log=log)
+    if src.subspace is None and stream.adapt != "none":
+        raise ValueError(f"{model_dir} is an exported NIR model: it has no subspace to adapt in; "
+                         f"run it with --adapt none")
     shift_at = None
     report = None
     if source == "synthetic":
@@ -645,7 +678,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
         "wall_seconds": None,
     }
     plot_timeline(out_dir / "timeline.png", runs, shift_at_s=summary["shift_at_s"],
-                  n_classes=int(src.model.num_classes))
+                  n_classes=int(src.model.num_classes), class_names=_class_names())
     atomic_write_json(out_dir / "windows.json", {k: v["windows"] for k, v in runs.items()})
     summary["wall_seconds"] = round(time.perf_counter() - t_wall, 2)
     atomic_write_json(out_dir / "summary.json", summary)

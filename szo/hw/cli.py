@@ -6,7 +6,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from szo.hw.fixed import Precision
+from szo.hw.fixed import ARITHMETICS, Precision
+from szo.hw.neuron import RESETS
 from szo.hw.report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
 
 __all__ = ["register", "run_hw_report", "main"]
@@ -24,6 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "the digits test set, or the run's own test set")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--k", type=int, default=40, help="subspace dimension (SZO-CGE step = 2k forwards)")
+    p.add_argument("--arithmetic", choices=ARITHMETICS, default="szo",
+                   help="integer arithmetic of the measured forward: szo (saturating) or loihi (bit-exact with "
+                        "Lava's bit-accurate Dense/LIF: wrapping current, floor shifts); the report compares both")
+    p.add_argument("--reset", choices=RESETS, default=None,
+                   help="override every LIF's reset (default: its own; 'zero' is the standard Loihi 2 LIF)")
     p.add_argument("--weight-bits", type=int, default=8)
     p.add_argument("--basis-bits", type=int, default=8)
     p.add_argument("--coord-bits", type=int, default=32)
@@ -35,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--energy-pj", type=float, default=LOIHI2.energy_per_synop_pj, help="energy per synaptic op")
     p.add_argument("--out", type=Path, default=None, help="directory for hw_report.md / .json (default: print)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-neurobench", action="store_true",
+                   help="skip NeuroBench's own metrics (SynOps, sparsity, footprint; needs the deploy extra)")
     p.set_defaults(func=run_hw_report)
     return p
 
@@ -43,7 +51,8 @@ def run_hw_report(args: argparse.Namespace) -> int:
     chip = replace(LOIHI2, core_memory_kb=args.core_kb, cores=args.cores, energy_per_synop_pj=args.energy_pj)
     rep = hw_report(args.target, data=args.data, batch=args.batch, k=args.k, basis_bits=args.basis_bits,
                     coord_bits=args.coord_bits, ref_bits=args.ref_bits, input_size=args.input_size,
-                    precision=Precision(weight_bits=args.weight_bits), chip=chip, seed=args.seed)
+                    precision=Precision(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
+                    arithmetic=args.arithmetic, reset=args.reset, neurobench=not args.no_neurobench)
     if args.out is None:
         sys.stdout.write(to_markdown(rep))
     else:

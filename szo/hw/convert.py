@@ -9,8 +9,11 @@ integer current sum) and returns a :class:`FixedPointNetwork` that
   flat-parameter code work unchanged: the float parameters are the master copy;
 * re-quantises them on every forward (``W = Q(theta)``: BN folded with its running
   statistics, 8-bit mantissa with a per-layer exponent, 13-bit bias mantissa with exponent);
-* runs the forward on int64 tensors holding values of the documented widths, saturating
-  (never wrapping) every narrowing and counting every saturation per layer;
+* runs the forward on int64 tensors holding values of the documented widths in one of two
+  arithmetics (``szo.hw.fixed.ARITHMETICS``): ``"szo"`` saturates every narrowing (counted
+  per layer) and shifts synaptic sums exactly; ``"loihi"`` is bit-exact with Lava's
+  ``PyDenseModelBitAcc`` -> ``PyLifModelBitAcc`` (floor shift by the weight exponent, current
+  wrapping modulo 2**24, bias into the voltage; every wrap counted);
 * returns float logits ``[T, N, num_classes]`` (readout current / 2**12).
 
 Integer products and sums are exact: convolutions / matmuls run in float32 only when the
@@ -31,16 +34,20 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import fx, nn
 
 from szo.hw.fixed import (
+    A_IN_SHIFT,
     ACT_SHIFT,
     STATE_SHIFT,
     Precision,
     SaturationCounter,
+    check_arithmetic,
+    floor_shift,
+    int_range,
     quantize_bias,
     quantize_weight,
     saturate,
     shift,
 )
-from szo.hw.neuron import FixedCubaLIF
+from szo.hw.neuron import RESETS, FixedCubaLIF, LoihiCubaLIF
 from szo.models.base import SpikingModel
 
 __all__ = ["BACKENDS", "FLOAT32_EXACT", "FLOAT64_EXACT", "FixedPointNetwork", "SUPPORTED_LAYERS",
@@ -108,6 +115,7 @@ class _Val:
     mult: float = 1.0  # pending factor (1/k^2 from sum pooling), folded into the next synapse
     binary: bool = False  # 0/1 spikes
     counts: bool = False  # sums of spikes (events per element = the value)
+    bias: torch.Tensor | None = None  # "loihi": bias of a current, added to the voltage of the neuron it feeds
 
     def events(self) -> torch.Tensor:
         """Per-element number of input events (spikes) this tensor stands for."""
@@ -150,15 +158,25 @@ class FixedPointNetwork(SpikingModel):
     """
 
     def __init__(self, model: SpikingModel, precision: Precision | None = None, *,
-                 verify_exact: bool = False, collect_stats: bool = False) -> None:
+                 verify_exact: bool = False, collect_stats: bool = False, arithmetic: str = "szo",
+                 reset: str | None = None, record: bool = False) -> None:
         if not isinstance(model, SpikingModel):
             raise ValueError(f"to_fixed needs a szo SpikingModel, got {type(model).__name__}")
+        arithmetic = check_arithmetic(arithmetic)
+        if reset is not None and reset not in RESETS:
+            raise ValueError(f"unknown reset {reset!r}; valid: None (each LIF's own: v_reset None -> 'subtract', "
+                             f"0 -> 'zero') or one of {list(RESETS)}")
         super().__init__(num_classes=model.num_classes, T=model.T, model_name=model.model_name)
         if precision is not None and not isinstance(precision, Precision):
             raise ValueError(f"precision must be a szo.hw.fixed.Precision, got {type(precision).__name__}")
         self.precision = precision or Precision()
         self.verify_exact = bool(verify_exact)
         self.collect_stats = bool(collect_stats)  # per-layer events / synops / spikes in last_stats (costs syncs)
+        self.arithmetic = arithmetic  # 'szo' | 'loihi' (szo.hw.fixed.ARITHMETICS)
+        self.reset_override = reset
+        self.record = bool(record)  # keep every synaptic current / spike tensor of the last forward in last_record
+        self.last_record: dict[str, torch.Tensor] = {}
+        self.last_record_lava_rounding: dict[str, torch.Tensor] = {}  # "szo": the same sums floor-shifted as Lava
         if model._parameters:
             raise _unsupported("<root>", type(model).__name__, "parameters registered directly on the model")
         for name, child in model.named_children():
@@ -222,9 +240,13 @@ class FixedPointNetwork(SpikingModel):
                         raise _unsupported(path, tname, "decay_input=True is not a CUBA neuron; use decay_input=False")
                     if m.v_reset not in (None, 0.0):
                         raise _unsupported(path, tname, f"v_reset={m.v_reset}; valid: None (soft) or 0.0 (hard)")
-                    reset = "subtract" if m.v_reset is None else "zero"
-                    self._neurons[path] = FixedCubaLIF(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
-                                                       self.precision, self.counter, path)
+                    reset = self.reset_override or ("subtract" if m.v_reset is None else "zero")
+                    neuron_cls = LoihiCubaLIF if self.arithmetic == "loihi" else FixedCubaLIF
+                    try:
+                        self._neurons[path] = neuron_cls(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
+                                                         self.precision, self.counter, path)
+                    except ValueError as exc:
+                        raise _unsupported(path, tname, f"{self.arithmetic} arithmetic: {exc}") from None
                 if isinstance(m, nn.Flatten) and (m.start_dim, m.end_dim) != (1, -1):
                     raise _unsupported(path, tname, "only Flatten(start_dim=1, end_dim=-1)")
                 if isinstance(m, nn.AvgPool2d) and (m.ceil_mode or (m.padding and not m.count_include_pad)
@@ -302,6 +324,8 @@ class FixedPointNetwork(SpikingModel):
                              f"graded spikes with {ACT_SHIFT} fractional bits), got {x_seq.dtype}")
         env: dict[fx.Node, _Val] = {}
         self.last_stats = {}
+        self.last_record = {}
+        self.last_record_lava_rounding = {}
         result = None
         for node in self.graph.nodes:
             if node.op == "placeholder":
@@ -317,6 +341,8 @@ class FixedPointNetwork(SpikingModel):
         if result is None:
             raise RuntimeError("internal: traced graph has no output node")
         if result.kind == "current":
+            if result.bias is not None:  # "loihi": no neuron to take the bias; the host adds it to the readout
+                result = _Val(result.data + result.bias, "current")
             acc = saturate(result.data.sum(0), self.precision.readout_bits, self.counter, "readout", "accumulator")
             self.last_readout_sum = acc  # integer readout accumulated over T
             return result.data.to(torch.float32) / (1 << STATE_SHIFT)  # de-scale to float logits
@@ -329,7 +355,8 @@ class FixedPointNetwork(SpikingModel):
         if isinstance(m, (nn.Identity, nn.Dropout)):
             return x
         if isinstance(m, nn.Flatten):
-            return _Val(x.data.flatten(2), x.kind, x.frac, x.mult, x.binary, x.counts)
+            bias = None if x.bias is None else x.bias.expand(x.data.shape[1:]).flatten(1)
+            return _Val(x.data.flatten(2), x.kind, x.frac, x.mult, x.binary, x.counts, bias)
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             if x.kind != "act":
                 raise _unsupported(path, _type_name(m), "input is a current (no neuron between two synapses)")
@@ -338,7 +365,9 @@ class FixedPointNetwork(SpikingModel):
             if x.kind != "current":
                 raise _unsupported(path, _type_name(m), "a neuron needs a synaptic current input (Conv2d/Linear before it)")
             n = self._neurons[path]
-            spikes, _, _ = n.run(x.data)
+            spikes, _, _ = n.run(x.data, bias=x.bias)  # "loihi": the synapse's bias enters the voltage (Lava)
+            if self.record:
+                self.last_record[path] = spikes
             if self.collect_stats:
                 self.last_stats[path] = {"type": "neuron", "neurons": int(x.data[0, 0].numel()),
                                          "spikes": int(spikes.sum()), "T": int(x.data.shape[0]),
@@ -418,10 +447,24 @@ class FixedPointNetwork(SpikingModel):
             ref = self._int64_reference(m, xin, w_int)
             if not torch.equal(acc, ref):
                 raise RuntimeError(f"{path}: float kernel result differs from the int64 reference")
-        cur = shift(acc, e - x.frac + STATE_SHIFT)  # into state units: exact left shift, or toward-zero right shift
-        if bias_int is not None:
-            cur = cur + bias_int.view(1, -1, *([1] * (cur.dim() - 2)))
-        cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
+        bias = None if bias_int is None else bias_int.view(1, -1, *([1] * (acc.dim() - 2)))
+        if self.arithmetic == "szo":
+            cur = shift(acc, e - x.frac + STATE_SHIFT)  # into state units: exact left shift, or toward-zero right shift
+            syn = cur
+            if bias is not None:
+                cur = cur + bias
+            cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
+            bias = None
+            if self.record:  # what Lava's Dense makes of the same sum (floor shift to a_out, << 6)
+                lava = floor_shift(acc, e - x.frac + STATE_SHIFT - A_IN_SHIFT) << A_IN_SHIFT
+                self.last_record_lava_rounding[path] = lava.view(T, N, *lava.shape[1:])
+        else:  # Lava PyDenseModelBitAcc: a_out = acc shifted by the weight exponent, floor for negative ones
+            a_out = floor_shift(acc, e - x.frac + STATE_SHIFT - A_IN_SHIFT)
+            lo, hi = int_range(16)  # Lava declares a_out / a_in 16-bit but does not clip: count, do not change
+            self.counter.add(path, "a_out_beyond_16bit", ((a_out < lo) | (a_out > hi)).sum())
+            cur = syn = a_out << A_IN_SHIFT  # PyLifModelBitAcc: activation_in << act_shift (exact)
+        if self.record:
+            self.last_record[path] = syn.view(T, N, *syn.shape[1:])  # synaptic current without bias, state units
         if self.collect_stats:
             ev = x.events().flatten(0, 1)
             if isinstance(m, nn.Conv2d):
@@ -434,7 +477,7 @@ class FixedPointNetwork(SpikingModel):
                 "synops": synops, "bound": bound, "kernel_dtype": str(dt), "T": int(T), "N": int(N),
                 "has_bias": bias_int is not None,
             }
-        return _Val(cur.view(T, N, *cur.shape[1:]), "current")
+        return _Val(cur.view(T, N, *cur.shape[1:]), "current", bias=bias)
 
     @staticmethod
     def _int64_reference(m: nn.Module, xin: torch.Tensor, w_int: torch.Tensor) -> torch.Tensor:
@@ -465,13 +508,25 @@ class FixedPointNetwork(SpikingModel):
                 self.last_stats[f"{name}.{which}"] = {"type": "identity", "events": n_ev, "synops": n_ev, "weights": 0}
             return v.data << STATE_SHIFT  # spike (1.0) -> current 1.0 = 2**12 state units
         s = as_current(a, "a") + as_current(b, "b")
+        if self.arithmetic == "loihi":  # Lava sums the projections into one in-port without clipping; the LIF wraps
+            bias = a.bias if b.bias is None else (b.bias if a.bias is None else a.bias + b.bias)
+            return _Val(s, "current", bias=bias)
         return _Val(saturate(s, self.precision.state_bits, self.counter, name, "current"), "current")
 
 
 def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, precision: Precision | None = None,
-             verify_exact: bool = False, collect_stats: bool = False) -> FixedPointNetwork:
+             verify_exact: bool = False, collect_stats: bool = False, arithmetic: str = "szo",
+             reset: str | None = None, record: bool = False) -> FixedPointNetwork:
     """Convert a szo model to the fixed-point backend (sharing its float parameters).
 
+    ``arithmetic``: ``"szo"`` (default: saturating, exact synaptic shifts) or ``"loihi"``
+    (bit-exact with Lava's ``PyDenseModelBitAcc`` / ``PyLifModelBitAcc``: floor shift, wrapping
+    current, bias into the voltage); see docs/hardware.md.
+    ``reset``: None keeps each LIF's own reset (``v_reset=None`` -> ``"subtract"``, ``0`` ->
+    ``"zero"``); ``"zero"`` is what a standard Loihi 2 LIF process does, ``"subtract"`` needs a
+    custom neuron program on Loihi.
+    ``record``: keep the last forward's synaptic currents (without bias) and spikes per layer in
+    ``net.last_record`` (to compare arithmetics).
     ``weight_bits`` (default 8) is a shortcut for ``Precision(weight_bits=...)``.
     ``collect_stats``: fill ``net.last_stats`` (per-layer input events, exact synaptic
     operations, spikes, kernel bounds) on every forward, as ``szo hw-report`` does; off by
@@ -481,7 +536,8 @@ def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, precision: 
         precision = Precision(weight_bits=8 if weight_bits is None else weight_bits)
     elif weight_bits is not None and weight_bits != precision.weight_bits:
         raise ValueError(f"weight_bits={weight_bits} conflicts with precision.weight_bits={precision.weight_bits}")
-    return FixedPointNetwork(model, precision, verify_exact=verify_exact, collect_stats=collect_stats)
+    return FixedPointNetwork(model, precision, verify_exact=verify_exact, collect_stats=collect_stats,
+                             arithmetic=arithmetic, reset=reset, record=record)
 
 
 def backend(model: SpikingModel, kind: str = "fixed", **kw: Any) -> nn.Module:

@@ -12,6 +12,17 @@ and lava-dl's ``cuba.Neuron``):
 * threshold: ``vth_int = round(v_th * 2**STATE_SHIFT)`` = Loihi ``vThMant << VTH_SHIFT``;
 * weights: an 8-bit mantissa ``w`` with a per-layer exponent ``e``: ``W = w * 2**e``;
 * graded input activations: integer ``a`` means ``a / 2**ACT_SHIFT`` (the ``2**6`` scale).
+
+Two arithmetics (:data:`ARITHMETICS`) share these formats and differ only where Lava's
+bit-accurate models differ from szo's own:
+
+* ``"szo"``: every narrowing saturates (clamp, counted); synaptic sums are shifted into state
+  units exactly (right shifts only below ``2**-12``, toward zero); bias added to the current.
+* ``"loihi"``: bit-exact with lava-nc ``PyDenseModelBitAcc`` + ``PyLifModelBitAcc``
+  (``src/lava/proc/dense/models.py``, ``src/lava/proc/lif/models.py``): the Dense output is
+  ``acc`` arithmetically shifted by its weight exponent (*floor* for negative exponents), the
+  LIF left-shifts it by :data:`A_IN_SHIFT`, the current *wraps* into ``(-2**23, 2**23]``
+  (:func:`wrap_lava`), the voltage clips to ``+-(2**23 - 1)``, the bias is added to the voltage.
 """
 
 from __future__ import annotations
@@ -25,13 +36,17 @@ from spikingjelly.activation_based import lava_exchange
 
 __all__ = [
     "ACT_SHIFT",
+    "ARITHMETICS",
+    "A_IN_SHIFT",
     "DECAY_SHIFT",
     "STATE_SHIFT",
     "VTH_SHIFT",
     "WGT_SHIFT",
     "Precision",
     "SaturationCounter",
+    "check_arithmetic",
     "decay_to_int",
+    "floor_shift",
     "int_range",
     "quantize_bias",
     "quantize_weight",
@@ -39,6 +54,7 @@ __all__ = [
     "saturate",
     "shift",
     "threshold_to_int",
+    "wrap_lava",
 ]
 
 DECAY_SHIFT: int = 12
@@ -51,6 +67,21 @@ STATE_SHIFT: int = 12
 """Current/voltage carry 12 fractional bits (lava ``s_scale = scale << 6 = 1 << 12``)."""
 VTH_SHIFT: int = 6
 """Loihi threshold ``vth_int = vThMant << VTH_SHIFT`` (so ``vThMant = v_th * 2**6``)."""
+A_IN_SHIFT: int = 6
+"""Lava's LIF left-shifts its synaptic input ``a_in`` by 6 (``PyLifModelBitAcc.act_shift``):
+a Dense output ``a`` is ``a << 6`` state units, so ``STATE_SHIFT = WGT_SHIFT + A_IN_SHIFT``."""
+
+ARITHMETICS: tuple[str, ...] = ("szo", "loihi")
+"""``"szo"``: saturating, exact synaptic shifts; ``"loihi"``: bit-exact with Lava's PyLifModelBitAcc /
+PyDenseModelBitAcc."""
+
+
+def check_arithmetic(arithmetic: object) -> str:
+    """``arithmetic`` if it is one of :data:`ARITHMETICS`, else one clear ValueError."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {list(ARITHMETICS)} "
+                         "('szo': saturating; 'loihi': bit-exact with Lava's bit-accurate LIF/Dense, wrapping current)")
+    return str(arithmetic)
 
 
 def int_range(bits: int, signed: bool = True) -> tuple[int, int]:
@@ -140,11 +171,12 @@ def _check_int(x: torch.Tensor, what: str) -> None:
 
 
 def saturate(x: torch.Tensor, bits: int, counter: SaturationCounter | None = None,
-             layer: str = "", quantity: str = "") -> torch.Tensor:
-    """Clamp a signed integer tensor to ``bits`` (two's complement range); count clamped elements."""
+             layer: str = "", quantity: str = "", symmetric: bool = False) -> torch.Tensor:
+    """Clamp a signed integer tensor to ``bits`` (two's complement range; ``symmetric``:
+    ``+-(2**(bits-1) - 1)``, Lava's voltage limits); count clamped elements."""
     _check_int(x, "saturate")
     lo, hi = int_range(bits)
-    y = x.clamp(lo, hi)  # saturate, never wrap
+    y = x.clamp(-hi if symmetric else lo, hi)  # saturate, never wrap
     if counter is not None:
         counter.add(layer, quantity, (y != x).sum())  # a device tensor: no sync here
     return y
@@ -159,6 +191,33 @@ def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
         raise ValueError(f"shift must be a non-negative int, got {bits!r}")
     return lava_exchange.right_shift_to_zero(x, bits)
+
+
+def floor_shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``floor(x * 2**n)``: left shift for ``n >= 0``, arithmetic right shift (floor: -7 >> 1 = -4) for ``n < 0``.
+
+    Lava ``PyDenseModelBitAcc.run_spk``: ``np.left_shift(a_accum, weight_exp)`` if
+    ``weight_exp > 0`` else ``np.right_shift(a_accum, -weight_exp)``.
+    """
+    _check_int(x, "floor_shift")
+    return x << n if n >= 0 else x >> -n  # int64 >> is arithmetic: rounds toward -inf
+
+
+def wrap_lava(x: torch.Tensor, bits: int, counter: SaturationCounter | None = None,
+              layer: str = "", quantity: str = "") -> torch.Tensor:
+    """Lava's overflow rule for the LIF current: ``x - 2**bits`` where ``x > 2**(bits-1)``,
+    ``x + 2**bits`` where ``x <= -2**(bits-1)`` (once; PyLifModelBitAcc ``subthr_dynamics``).
+
+    A wrap modulo ``2**bits`` into ``(-2**(bits-1), 2**(bits-1)]``, one wrap per step: a sum
+    beyond ``3 * 2**(bits-1)`` stays outside the range, as in Lava. Wrapped elements are counted.
+    """
+    _check_int(x, "wrap_lava")
+    top = int_range(bits)[1] + 1  # 2**(bits-1): Lava's max_uv_val
+    y = torch.where(x > top, x - 2 * top, x)  # positive overflow wraps to negative
+    y = torch.where(y <= -top, x + 2 * top, y)  # negative overflow (and -2**(bits-1) itself) wraps to positive
+    if counter is not None:
+        counter.add(layer, quantity, (y != x).sum())  # a device tensor: no sync here
+    return y
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,6 +8,13 @@ Dynamics shared in :class:`CubaLIFBase` (lava ``proc/lif`` / lava-dl ``cuba.Neur
     V[t] <- V[t] - th s[t]   (reset="subtract", the paper's soft reset)
     V[t] <- V[t] (1 - s[t])  (reset="zero", Loihi / lava_exchange hard reset)
 
+An optional per-neuron ``bias`` (state units) is added to the voltage each step, as Lava's
+LIF does (``v = v (1 - dv) + u + bias``). Two integer arithmetics: :class:`FixedCubaLIF`
+(``"szo"``: every add saturates) and :class:`LoihiCubaLIF` (``"loihi"``: bit-exact with
+lava-nc ``PyLifModelBitAcc``: the current wraps, the voltage clips to ``+-(2**23 - 1)``).
+A standard Lava/Loihi 2 LIF process resets hard (``reset="zero"``); ``reset="subtract"`` on
+Loihi needs a custom neuron program.
+
 The paper's LIF (eq. 1) is this neuron with ``dI = 1`` (no synaptic memory: I[t] = x[t]),
 ``dV = 1/tau`` and ``reset="subtract"`` (:func:`paper_lif`). In fixed point the voltage decay
 ``1/tau = 1/1.1`` becomes ``round(4096/1.1) = 3724`` on the 12-bit scale, i.e. a retained
@@ -23,17 +30,26 @@ import torch
 
 from szo.hw.fixed import (
     DECAY_SHIFT,
+    VTH_SHIFT,
     Precision,
     SaturationCounter,
     decay_to_int,
     right_shift_to_zero,
     saturate,
     threshold_to_int,
+    wrap_lava,
 )
 
-__all__ = ["RESETS", "CubaState", "CubaLIFBase", "FloatCubaLIF", "FixedCubaLIF", "paper_lif", "voltage_decay_error"]
+__all__ = ["LAVA_DM_OFFSET", "LAVA_DS_OFFSET", "LAVA_VTH_BITS", "RESETS", "CubaState", "CubaLIFBase",
+           "FloatCubaLIF", "FixedCubaLIF", "LoihiCubaLIF", "paper_lif", "voltage_decay_error"]
 
 RESETS: tuple[str, ...] = ("subtract", "zero")
+LAVA_DS_OFFSET: int = 1
+"""Lava adds 1 to the 12-bit ``du`` register (Loihi ``ds_offset``): current decays 1..4096."""
+LAVA_DM_OFFSET: int = 0
+"""Lava adds 0 to the 12-bit ``dv`` register (Loihi ``dm_offset``): voltage decays 0..4095."""
+LAVA_VTH_BITS: int = 17
+"""Lava ``PyLifModelBitAcc.vth``: unsigned 17-bit threshold mantissa (``vThMant``)."""
 
 
 class CubaState(NamedTuple):
@@ -80,10 +96,14 @@ class CubaLIFBase(ABC):
     def initial_state(self, like: torch.Tensor) -> CubaState: ...
 
     # -- dynamics (shared) ------------------------------------------------------------
-    def step(self, x: torch.Tensor, state: CubaState) -> tuple[torch.Tensor, CubaState]:
-        """One time step; returns ``(spike, new_state)`` (voltage after reset)."""
+    def step(self, x: torch.Tensor, state: CubaState, bias: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, CubaState]:
+        """One time step; returns ``(spike, new_state)`` (voltage after reset).
+
+        ``bias`` (broadcastable to ``x``, state units) is added to the voltage, as in Lava.
+        """
         i = self._add(self._leak_current(state.current), x, "current")
-        v = self._add(self._leak_voltage(state.voltage), i, "voltage")
+        v = self._add(self._leak_voltage(state.voltage), i if bias is None else i + bias, "voltage")
         s = self._fire(v)
         if self.reset == "subtract":
             v = v - s * self._threshold()  # v > th before, so no overflow below
@@ -91,15 +111,15 @@ class CubaLIFBase(ABC):
             v = v * (1 - s)  # hard reset to 0
         return s, CubaState(i, v)
 
-    def run(self, x_seq: torch.Tensor, state: CubaState | None = None,
-            record: bool = False) -> tuple[torch.Tensor, CubaState, CubaState | None]:
+    def run(self, x_seq: torch.Tensor, state: CubaState | None = None, record: bool = False,
+            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, CubaState, CubaState | None]:
         """Run ``x_seq [T, ...]``; returns spikes ``[T, ...]``, final state and (if ``record``) the state sequence."""
         if not isinstance(x_seq, torch.Tensor) or x_seq.dim() < 1:
             raise ValueError("x_seq must be a tensor [T, ...]")
         state = self.initial_state(x_seq[0]) if state is None else state
         spikes, cur, vol = [], [], []
         for t in range(x_seq.shape[0]):
-            s, state = self.step(x_seq[t], state)
+            s, state = self.step(x_seq[t], state, bias)
             spikes.append(s)
             if record:
                 cur.append(state.current)
@@ -170,22 +190,71 @@ class FixedCubaLIF(CubaLIFBase):
     def _threshold(self) -> int:
         return self.threshold_int
 
+    def lava_params(self) -> dict[str, int]:
+        """This neuron as a Lava ``LIF`` process: ``du``, ``dv`` (12-bit registers), ``vth`` (vThMant).
+
+        ValueError where Lava's registers cannot hold the parameters.
+        """
+        if self.current_decay_int < LAVA_DS_OFFSET:
+            raise ValueError(f"current_decay {self.current_decay!r} -> {self.current_decay_int}/4096: Lava's LIF "
+                             f"decays the current by du + {LAVA_DS_OFFSET} (ds_offset), so the smallest current "
+                             "decay is 1/4096")
+        if self.voltage_decay_int - LAVA_DM_OFFSET > (1 << DECAY_SHIFT) - 1:
+            raise ValueError(f"voltage_decay {self.voltage_decay!r} -> {self.voltage_decay_int}/4096: Lava's 12-bit dv "
+                             "register holds 0..4095 (dm_offset 0), so a full voltage leak (tau = 1) is not "
+                             "representable; use tau > 1")
+        if (self.threshold_int >> VTH_SHIFT) >= 1 << LAVA_VTH_BITS:  # Lava: effective_vth = vth << vth_shift
+            raise ValueError(f"v_threshold {self.v_threshold!r} needs vThMant = {self.threshold_int >> VTH_SHIFT} > "
+                             f"2**{LAVA_VTH_BITS} - 1 (Lava's unsigned {LAVA_VTH_BITS}-bit vth)")
+        return {"du": self.current_decay_int - LAVA_DS_OFFSET, "dv": self.voltage_decay_int - LAVA_DM_OFFSET,
+                "vth": self.threshold_int >> VTH_SHIFT}
+
     def initial_state(self, like: torch.Tensor) -> CubaState:
         z = torch.zeros_like(like, dtype=torch.int64)
         return CubaState(z, z.clone())
 
 
+class LoihiCubaLIF(FixedCubaLIF):
+    """Bit-exact with lava-nc ``PyLifModelBitAcc`` (``src/lava/proc/lif/models.py``,
+    ``AbstractPyLifModelFixed.subthr_dynamics`` / ``reset_voltage``, ``PyLifModelBitAcc.spiking_activation``).
+
+    Differs from :class:`FixedCubaLIF` only in overflow: the current wraps modulo ``2**24``
+    into ``(-2**23, 2**23]`` (counted as ``current_wrap``), the voltage clips to
+    ``+-(2**23 - 1)`` (counted as ``voltage``). Inputs are ``a_in << A_IN_SHIFT`` (state units).
+    Lava's registers: ``lava_params()``; decays Lava cannot hold raise ValueError.
+    """
+
+    def __init__(self, current_decay: float, voltage_decay: float, v_threshold: float = 1.0,
+                 reset: str = "zero", precision: Precision | None = None,
+                 counter: SaturationCounter | None = None, layer: str = "neuron") -> None:
+        super().__init__(current_decay, voltage_decay, v_threshold, reset, precision, counter, layer)
+        self.lava_params()  # raises ValueError where Lava's registers cannot hold the parameters
+
+    def _add(self, a: torch.Tensor, b: torch.Tensor, quantity: str) -> torch.Tensor:
+        if b.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"fixed-point neuron input must be an integer tensor (state units), got {b.dtype}")
+        s = a + b.to(torch.int64)
+        if quantity == "current":
+            return wrap_lava(s, self.precision.state_bits, self.counter, self.layer, "current_wrap")  # wrap, once
+        return saturate(s, self.precision.state_bits, self.counter, self.layer, quantity, symmetric=True)  # np.clip
+
+
 def paper_lif(kind: str = "fixed", *, tau: float = 1.1, v_threshold: float = 1.0, reset: str = "subtract",
               precision: Precision | None = None, counter: SaturationCounter | None = None,
               layer: str = "neuron") -> CubaLIFBase:
-    """The paper's LIF (eq. 1) as a CUBA neuron: ``dI = 1``, ``dV = 1/tau``, soft reset."""
+    """The paper's LIF (eq. 1) as a CUBA neuron: ``dI = 1``, ``dV = 1/tau``, soft reset.
+
+    ``kind``: ``"float"``, ``"fixed"`` (szo arithmetic) or ``"loihi"`` (Lava bit-accurate arithmetic).
+    """
     if not isinstance(tau, (int, float)) or not tau >= 1.0:
         raise ValueError(f"tau must be >= 1 (decay 1/tau in (0, 1]), got {tau!r}")
     if kind == "float":
         return FloatCubaLIF(1.0, 1.0 / tau, v_threshold, reset)
     if kind == "fixed":
         return FixedCubaLIF(1.0, 1.0 / tau, v_threshold, reset, precision, counter, layer)
-    raise ValueError(f"unknown neuron kind {kind!r}; valid: ['float', 'fixed']")
+    if kind == "loihi":
+        return LoihiCubaLIF(1.0, 1.0 / tau, v_threshold, reset, precision, counter, layer)
+    raise ValueError(f"unknown neuron kind {kind!r}; valid: ['float', 'fixed', 'loihi']")
 
 
 def voltage_decay_error(tau: float) -> dict[str, float]:

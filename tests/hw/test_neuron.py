@@ -115,7 +115,7 @@ def test_bad_arguments_raise_clear_errors():
         FloatCubaLIF(1.5, 0.5)
     with pytest.raises(ValueError, match="multiple of 2\\*\\*-6"):
         FixedCubaLIF(1.0, 0.5, v_threshold=1.001)
-    with pytest.raises(ValueError, match="valid: \\['float', 'fixed'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['float', 'fixed', 'loihi'\\]"):
         paper_lif("int")
     with pytest.raises(ValueError, match="integer tensor"):
         FixedCubaLIF(1.0, 0.5).run(torch.ones(3, 2))

@@ -64,7 +64,8 @@ def test_digits_batch_is_standardised_like_training():
     from szo.hw.report import _input_batch
     from szo.models import create
 
-    x = _input_batch(create("spike_convnet"), "digits", 16, None, 0, None)
+    x, y = _input_batch(create("spike_convnet"), "digits", 16, None, 0, None)
+    assert y is not None and y.shape == (16,)
     test = get_dataset("digits", "test")
     pool = torch.stack([test[i][0] for i in range(len(test))])
     assert x.shape == (16, 1, 8, 8) and x.min() < 0  # standardised, not pixel / 16 in [0, 1]
@@ -98,3 +99,72 @@ def test_run_directory_rebuilds_the_runs_model(gesture_run):
     assert seq["totals"]["neuron_updates_per_forward"] == sum(r["neurons"] for r in seq["layers"]) * 10
     with pytest.raises(ValueError, match="trained on 'synthetic-gesture', not digits"):
         hw_report(str(gesture_run), data="digits")
+
+
+def test_report_compares_arithmetics_and_lists_loihi2_features(rep):
+    cmp = rep["arithmetics"]
+    assert set(cmp["runs"]) == {"szo", "loihi", "loihi, reset=zero"}
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in cmp["runs"].values())  # digits batch: labelled
+    rows = {r["layer"]: r for r in cmp["layers"]}
+    assert rows["sn1"]["quantity"] == "spikes" and rows["conv1"]["quantity"] == "synaptic current"
+    # conv1 sees the same input in both: every difference is Lava's floor shift, below 2**-6 of a unit
+    assert rows["conv1"]["differ_fraction"] == rows["conv1"]["rounding_only_differ_fraction"]
+    assert 0 < rows["conv1"]["rounding_only_max_abs_diff"] < 2 ** -6 + 1e-12
+    resets = {r["layer"]: r for r in cmp["reset_layers"]}
+    assert set(resets) == {"sn1", "sn2"} and all(0.0 <= r["differ_fraction"] <= 1.0 for r in resets.values())
+    feats = {f["feature"]: f for f in rep["loihi2_features"]}
+    assert feats["soft reset (v -= threshold)"]["layers"] == ["sn1", "sn2"]
+    assert not feats["soft reset (v -= threshold)"]["standard_loihi2_lif"]
+    assert not feats["sum pooling into a synapse"]["standard_loihi2_lif"]
+    assert feats["BatchNorm"]["layers"] == ["bn1", "bn2"] and "residual add" not in feats
+    md = to_markdown(rep)
+    assert "| soft reset (v -= threshold) | sn1, sn2 | **no** |" in md and "| loihi, reset=zero |" in md
+
+
+def test_report_loihi_arithmetic_hard_reset_and_resnet_residual():
+    r = hw_report("spike_convnet", data="random", batch=2, k=2, arithmetic="loihi", reset="zero")
+    assert (r["arithmetic"], r["reset"]) == ("loihi", "zero")
+    assert "soft reset (v -= threshold)" not in {f["feature"] for f in r["loihi2_features"]}
+    assert "accuracy" not in r["arithmetics"]["runs"]["szo"]  # random input has no labels
+    res = hw_report("spike_resnet20", data="random", batch=1, k=2, input_size=8)
+    feats = {f["feature"]: f for f in res["loihi2_features"]}
+    assert feats["residual add"]["layers"] and not feats["residual add"]["standard_loihi2_lif"]
+    with pytest.raises(ValueError, match="valid: \\['szo', 'loihi'\\]"):
+        hw_report("spike_convnet", arithmetic="lava")
+    with pytest.raises(ValueError, match="unknown reset"):
+        hw_report("spike_convnet", reset="hard")
+
+
+def test_cli_arithmetic_and_reset(tmp_path, capsys):
+    assert main(["hw-report", "spike_convnet", "--batch", "2", "--k", "2", "--arithmetic", "loihi",
+                 "--reset", "zero", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "hw_report.json").read_text())
+    assert (data["arithmetic"], data["reset"]) == ("loihi", "zero")
+    with pytest.raises(SystemExit):
+        main(["hw-report", "spike_convnet", "--arithmetic", "lava"])
+    assert "invalid choice: 'lava'" in capsys.readouterr().err
+
+
+def test_report_of_a_converted_network_keeps_its_arithmetic():
+    from szo.hw import to_fixed
+    from szo.models import create
+
+    net = to_fixed(create("spike_convnet"), arithmetic="loihi")
+    r = hw_report(net, batch=2, k=2, arithmetic="loihi")
+    assert r["arithmetic"] == "loihi" and r["arithmetics"] is None
+    assert "## What a standard Loihi 2 LIF process runs as is" in to_markdown(r)
+    with pytest.raises(ValueError, match="converted with arithmetic='loihi'"):
+        hw_report(net, batch=2, k=2)
+
+
+def test_report_names_a_model_lava_cannot_hold_and_still_reports_szo():
+    from szo.models import create
+
+    m = create("spike_convnet")
+    m.sn1.tau = 1.0  # full voltage leak: dv = 4096 does not fit Lava's 12-bit register
+    r = hw_report(m, data="digits", batch=4, k=2)
+    runs = r["arithmetics"]["runs"]
+    assert "accuracy" in runs["szo"] and "tau > 1" in runs["loihi"]["error"] and r["arithmetics"]["layers"] == []
+    feats = {f["feature"]: f for f in r["loihi2_features"]}
+    assert feats["neuron parameters outside Lava's registers"]["layers"][0].startswith("sn1: ")
+    assert "not convertible" in to_markdown(r)

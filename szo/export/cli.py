@@ -1,0 +1,132 @@
+"""``szo export TARGET --to nir OUT.nir`` and ``szo import IN.nir`` (``register(subparsers)``).
+
+``szo export`` writes the NIR graph of a run directory's model (or of a registered model,
+random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead (dequantised
+weights, integer mantissas / exponents in node metadata). ``szo import`` reads a ``.nir``
+file into a :class:`szo.export.NIRNetwork` (SpikingJelly layers, the zoo's forward
+interface), prints what it holds and, with ``--data``, its test accuracy; ``--compare
+RUN_DIR`` also runs the run's own model on the same batches and prints the largest logit
+difference and the prediction agreement.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+__all__ = ["register", "run_export", "run_import"]
+
+TARGETS: tuple[str, ...] = ("nir",)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    e = subparsers.add_parser("export", help="write a trained model as a NIR graph (snnTorch, Norse, Lava, Sinabs...)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("target", metavar="RUN_DIR_OR_MODEL",
+                   help="run directory (config.yaml + model.safetensors or checkpoints/last.pt) or registered model name")
+    e.add_argument("--to", choices=TARGETS, default="nir", help="exchange format (default nir)")
+    e.add_argument("out", metavar="OUT.nir", type=Path)
+    e.add_argument("--input-size", type=int, default=None,
+                   help="H = W of one frame (default: the run's data set; 8 for spike_convnet, else 32)")
+    e.add_argument("--dt", type=float, default=None, help="seconds per time step in NIR time constants (default 1e-4)")
+    e.add_argument("--fixed", action="store_true", help="export the fixed-point network (szo.hw) instead of the float one")
+    e.add_argument("--weight-bits", type=int, default=8, help="with --fixed: weight mantissa bits")
+    e.set_defaults(func=run_export)
+
+    i = subparsers.add_parser("import", help="load a NIR graph as a szo model; optionally evaluate it",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("source", metavar="IN.nir", type=Path)
+    i.add_argument("--data", default=None, help="evaluate on this data set's test split (e.g. digits)")
+    i.add_argument("--batch", type=int, default=128)
+    i.add_argument("--T", type=int, default=None, help="time steps for static inputs (default: the graph's metadata)")
+    i.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
+                   help="with --data: also run this run directory's model and report the logit difference")
+    i.set_defaults(func=run_import)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from szo.export.nir_exchange import DEFAULT_DT, to_nir, write_nir
+    from szo.hw.report import _input_batch, load_target
+
+    stream_meta = _stream_metadata(Path(args.target))
+    if stream_meta is not None:  # a dvs-stream source model: keep its frame length for the demo
+        model, label = stream_meta.pop("model"), str(args.target)
+        w, h, p = stream_meta["sensor_size"]
+        shape = (int(p), int(h), int(w))
+    else:
+        model, label, cfg = load_target(args.target)
+        shape = tuple(_input_batch(model, "random", 1, args.input_size, 0, cfg)[0].shape[-3:])
+    model.eval()
+    if args.fixed:
+        from szo.hw.convert import to_fixed
+
+        model = to_fixed(model, weight_bits=args.weight_bits)
+    graph = to_nir(model, shape, dt=DEFAULT_DT if args.dt is None else args.dt, metadata=stream_meta)
+    digest = write_nir(graph, args.out)
+    kinds: dict[str, int] = {}
+    for node in graph.nodes.values():
+        kinds[type(node).__name__] = kinds.get(type(node).__name__, 0) + 1
+    print(f"wrote {args.out} ({'fixed-point' if args.fixed else 'float'} {label}, input {list(shape)}, "
+          f"T={model.T}, {len(graph.nodes)} nodes: "
+          + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + f"; sha256 {digest[:12]})")
+    return 0
+
+
+def _stream_metadata(target: Path) -> dict | None:
+    """``{"model", "bin_us", "sensor_size", "duration_us"}`` of a dvs-stream source model directory (source.json)
+    or a synthetic-gesture BPTT recipe run; None for anything else."""
+    if not target.is_dir():
+        return None
+    is_gesture_run = False
+    if (target / "config.yaml").is_file():
+        import yaml
+
+        raw = yaml.safe_load((target / "config.yaml").read_text(encoding="utf-8")) or {}
+        is_gesture_run = (raw.get("data") or {}).get("name") == "synthetic-gesture" and raw.get("kind") == "bp"
+    if not ((target / "source.json").is_file() or is_gesture_run):
+        return None
+    from szo.demos.dvs_stream import load_source_model
+
+    src = load_source_model(target)
+    return {"model": src.model, "bin_us": int(src.bin_us), "sensor_size": list(src.sensor_size),
+            "duration_us": int(src.meta["settings"]["duration_us"])}
+
+
+@torch.no_grad()
+def run_import(args: argparse.Namespace) -> int:
+    from szo.export.nir_exchange import from_nir
+
+    net = from_nir(args.source, T=args.T).eval()
+    meta = net.nir_metadata
+    print(f"{args.source}: {net.model_name}, T={net.T}, {net.num_classes} classes, input "
+          f"{list(map(int, meta['input_shape'])) if 'input_shape' in meta else '?'}, dt={net.dt:g} s, "
+          f"{net.num_params()} parameters (BN folded){', fixed-point weights' if int(meta.get('fixed_point', 0)) else ''}")
+    if args.data is None:
+        if args.compare is not None:
+            raise ValueError("--compare needs --data (the batches to compare on)")
+        return 0
+    from szo.data import get_dataset, make_loader
+
+    ref = None
+    if args.compare is not None:
+        from szo.pipeline import load_run_model
+
+        ref = load_run_model(args.compare)[0].eval()
+    loader = make_loader(get_dataset(args.data, "test"), args.batch, shuffle=False)
+    correct = agree = seen = 0
+    max_diff = 0.0
+    for x, y in loader:
+        out = net(x)
+        pred = out.mean(0).argmax(-1)
+        correct += int((pred == y).sum())
+        seen += int(y.numel())
+        if ref is not None:
+            r = ref(x)
+            max_diff = max(max_diff, float((r - out).abs().max()))
+            agree += int((r.mean(0).argmax(-1) == pred).sum())
+    print(f"test accuracy on {args.data}: {100 * correct / seen:.2f}% ({correct}/{seen})")
+    if ref is not None:
+        print(f"vs {args.compare}: max |logit difference| {max_diff:.3g}, predictions agree on "
+              f"{100 * agree / seen:.2f}% of samples")
+    return 0

@@ -1,0 +1,689 @@
+"""szo models <-> NIR (Neuromorphic Intermediate Representation) graphs.
+
+:func:`to_nir` turns any zoo model (float, or the fixed-point network of ``szo.hw``) into a
+``nir.NIRGraph``; :func:`from_nir` turns such a graph (or a ``.nir`` file) back into a
+:class:`NIRNetwork`, a :class:`~szo.models.SpikingModel` built from SpikingJelly multi-step
+layers that every szo evaluation path runs (``model(x)`` -> logits ``[T, N, classes]``,
+neuron state reset after each forward, ``persistent_state()`` for streaming).
+
+Tracing, add-node handling and the graph executor are nirtorch's (``torch_to_nir`` /
+``nir_to_torch``); the per-layer maps are here because SpikingJelly's own
+``nir_exchange`` refuses soft reset (``NotImplementedError("NIR does not distinguish soft
+reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold, said plainly:
+
+* **Soft reset.** NIR's ``LIF`` resets *to* ``v_reset``; the paper's LIF subtracts the
+  threshold. The node is written as ``nir.LIF`` with every field exact (below) and
+  ``metadata["reset"] = "subtract"``. A reader that ignores metadata runs a hard reset to 0
+  (a different network). :func:`from_nir` honours the flag;
+  ``szo.export.simulators.snntorch_from_nir`` applies it to snnTorch's importer.
+* **Discrete time.** The eq. (1) LIF ``h[t] = (1 - 1/tau) v[t-1] + x[t]`` is the forward-Euler
+  step of NIR's ``tau_m dv/dt = (v_leak - v) + r I`` with step ``dt``: ``tau_m = tau * dt``,
+  ``r = tau``, ``v_leak = 0`` (the convention of SpikingJelly's and snnTorch's exchanges;
+  ``dt`` defaults to 1e-4 s, snnTorch's hard-coded value). The graph metadata records ``dt``.
+* **BatchNorm** has no NIR node: it is folded (eval mode, running statistics) into the
+  preceding convolution's weight and bias, ``torch.nn.utils.fusion.fuse_conv_bn_eval``.
+  Exact in real arithmetic; in float32 the folded product rounds differently (see
+  docs/deploy.md for the measured error).
+* **Adaptive average pooling** is written as ``nir.AvgPool2d`` with kernel = stride = input /
+  output size when the input divides; otherwise (VGG's 7x7 pool on a 4x4 map), when it feeds
+  ``Flatten -> Linear``, it is folded into that Linear's weight (exact in real arithmetic), and
+  anywhere else an error names the layer.
+* **Max pooling** has no NIR node. After a spiking layer its input is 0/1, where
+  ``max = H(sum - 1/2)``: it is written as a ``nir.SumPool2d`` followed by a
+  ``nir.Threshold(0.5)`` (exact for spikes; an error for graded inputs).
+* **Fixed point** (``szo.hw.FixedPointNetwork``): the graph is the float network its integer
+  forward computes: weights ``w_int * 2**exp`` (exactly representable in float32), biases
+  ``bias_int / 2**12``, sum pools, ``tau`` of the 12-bit decay; node metadata carries the
+  integers (``w_int``, ``exp``, ``bias_int``, ``voltage_decay_int``, ``threshold_int``) and the
+  graph metadata the bit widths. The integer roundings (input, leak, right shifts), saturation
+  and the strict ``v > th`` are not expressible in NIR (:func:`_fixed_deploy_module`).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import operator
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from spikingjelly.activation_based import functional, layer
+from spikingjelly.activation_based import neuron as sj_neuron
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from szo.io import atomic_write_bytes
+from szo.models.base import SpikingModel
+from szo.models.neurons import make_neuron
+
+__all__ = ["DEFAULT_DT", "FORMAT", "NIRNetwork", "from_nir", "read_nir", "to_nir", "write_nir"]
+
+DEFAULT_DT: float = 1e-4
+"""Seconds per time step written into NIR time constants (snnTorch / SpikingJelly convention)."""
+FORMAT: str = "szo-nir-1"
+"""``graph.metadata["format"]`` of graphs written by :func:`to_nir`."""
+_RESETS = ("subtract", "value")
+
+
+# --------------------------------------------------------------------------- helpers
+def _nir():
+    try:
+        import nir
+        import nirtorch
+    except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
+        raise ModuleNotFoundError(f"NIR exchange needs the 'deploy' extra: pip install 'szo[deploy]' ({exc})") from None
+    return nir, nirtorch
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().to(torch.float32).numpy().copy()
+
+
+def _unsupported(path: str, m: nn.Module, why: str) -> ValueError:
+    return ValueError(f"cannot export layer {path!r} ({type(m).__module__}.{type(m).__qualname__}) to NIR: {why}")
+
+
+class _Root(nn.Module):
+    """Traceable root: ``forward`` is the model's ``forward_seq`` (multi-step ``[T, N, ...]``)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        return self.net.forward_seq(x_seq)
+
+
+_LEAVES: tuple[type, ...] = (nn.Conv2d, nn.Linear, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.Flatten,
+                             sj_neuron.BaseNode, nn.modules.batchnorm._BatchNorm, nn.Identity, nn.ReLU, nn.Dropout)
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, _LEAVES) or super().is_leaf_module(m, qualname)
+
+
+def _fold_adaptive_pool_into_linear(gm: fx.GraphModule, shape: tuple[int, int, int]) -> None:
+    """``AdaptiveAvgPool2d -> Flatten -> Linear`` whose pool is no ``AvgPool2d`` (the input size is
+    not a multiple of the output size, e.g. VGG's 7x7 pool on a 4x4 map) becomes
+    ``Flatten -> Linear`` with the pool folded into the weight: ``W' = W P`` (P: the pool as a
+    matrix, found as the Jacobian of the linear map). Exact in real arithmetic."""
+    with torch.no_grad():
+        ShapeProp(gm).propagate(torch.zeros(1, 1, *shape))
+    functional.reset_net(gm)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.AdaptiveAvgPool2d):
+            continue
+        pool = gm.get_submodule(node.target)
+        c, h, w = node.args[0].meta["tensor_meta"].shape[-3:]
+        o = pool.output_size if isinstance(pool.output_size, (tuple, list)) else (pool.output_size,) * 2
+        oh, ow = o[0] or h, o[1] or w
+        if h % oh == 0 and w % ow == 0:
+            continue  # one AvgPool2d: exported as is
+        flat = next(iter(node.users)) if len(node.users) == 1 else None
+        if flat is None or flat.op != "call_module" or not isinstance(gm.get_submodule(flat.target), nn.Flatten):
+            continue
+        lin = next(iter(flat.users)) if len(flat.users) == 1 else None
+        if lin is None or lin.op != "call_module" or not isinstance(gm.get_submodule(lin.target), nn.Linear):
+            continue
+        f = gm.get_submodule(flat.target)
+        if (f.start_dim, f.end_dim) != (1, -1):
+            continue
+        fc = gm.get_submodule(lin.target)
+        wt = fc.weight.detach().double()
+
+        def head(x: torch.Tensor, wt=wt, out=(oh, ow)) -> torch.Tensor:
+            return torch.nn.functional.adaptive_avg_pool2d(x, out).flatten(1) @ wt.t()
+
+        jac = torch.autograd.functional.jacobian(head, torch.zeros(1, c, h, w, dtype=torch.float64))
+        new = layer.Linear(c * h * w, fc.out_features, bias=fc.bias is not None, step_mode="m")
+        with torch.no_grad():
+            new.weight.copy_(jac.reshape(fc.out_features, c * h * w).float())
+            if fc.bias is not None:
+                new.bias.copy_(fc.bias)
+        parent, _, name = lin.target.rpartition(".")
+        setattr(gm.get_submodule(parent), name, new)
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphModule:
+    """A traced eval-mode copy of ``model.forward_seq`` with BN folded into its conv,
+    ``nn.Identity`` / BN nodes removed and a non-uniform adaptive pool folded into the classifier:
+    what the NIR graph will hold, runnable in torch."""
+    root = _Root(copy.deepcopy(model).cpu().float().eval())
+    functional.reset_net(root)
+    gm = fx.GraphModule(root, _Tracer().trace(root))
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        m = gm.get_submodule(node.target)
+        path = node.target.removeprefix("net.")
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            src = node.args[0]
+            conv = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" else None
+            if not isinstance(conv, nn.Conv2d) or len(src.users) != 1 or m.running_mean is None:
+                raise ValueError(f"cannot export layer {path!r} ({type(m).__name__}) to NIR: NIR has no BatchNorm node "
+                                 f"and this one cannot be folded (it must follow a Conv2d whose output feeds it "
+                                 f"alone, and track running statistics)")
+            parent, _, name = src.target.rpartition(".")
+            setattr(gm.get_submodule(parent), name, torch.nn.utils.fusion.fuse_conv_bn_eval(conv, m))
+        elif not isinstance(m, (nn.Identity, nn.Dropout)):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target not in (operator.add, torch.add):
+            raise ValueError(f"cannot export operation {node.target} ({node.name}) to NIR: the only function NIR "
+                             f"graphs express is the sum of a node's inputs (residual '+')")
+        if node.op == "call_method" and node.target != "add":
+            raise ValueError(f"cannot export method call .{node.target}() ({node.name}) to NIR: only '+' is expressible")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _fold_adaptive_pool_into_linear(gm, shape)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
+
+
+class _SumPool2d(nn.Module):
+    """Multi-step sum pooling (``avg_pool2d`` with ``divisor_override=1``: an exact sum)."""
+
+    def __init__(self, kernel_size, stride, padding) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.avg_pool2d(x_seq.flatten(0, 1), self.kernel_size, self.stride, self.padding,
+                                           divisor_override=1)
+        return y.unflatten(0, x_seq.shape[:2])
+
+
+class _Mapper:
+    """Module -> NIR node maps for ``nirtorch.torch_to_nir`` (shapes from one traced forward)."""
+
+    def __init__(self, gm: fx.GraphModule, example: torch.Tensor, dt: float,
+                 quant: dict[str, dict[str, Any]]) -> None:
+        nir, _ = _nir()
+        self.nir, self.dt, self.quant = nir, dt, quant
+        self.in_shape: dict[nn.Module, tuple[int, ...]] = {}
+        self.path: dict[nn.Module, str] = {}
+        self.prev: dict[nn.Module, nn.Module | None] = {}
+        for node in gm.graph.nodes:
+            if node.op != "call_module":
+                continue
+            m = gm.get_submodule(node.target)
+            path = node.target.removeprefix("net.")
+            if type(m) not in self.map_dict:
+                raise _unsupported(path, m, "no NIR mapping; supported: Conv2d (+ BatchNorm, folded), Linear, "
+                                            "AvgPool2d, AdaptiveAvgPool2d, MaxPool2d right after spikes, Flatten, "
+                                            "SpikingJelly LIFNode, residual '+'")
+            self.path[m] = path
+            src = node.args[0]
+            self.prev[m] = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" \
+                else None
+        with torch.no_grad():
+            ShapeProp(gm).propagate(example)
+        functional.reset_net(gm)
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                self.in_shape[gm.get_submodule(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
+
+    @property
+    def map_dict(self) -> dict[type, Callable[[nn.Module], Any]]:
+        return {nn.Conv2d: self.conv2d, layer.Conv2d: self.conv2d, nn.Linear: self.linear,
+                layer.Linear: self.linear, nn.AvgPool2d: self.avgpool, layer.AvgPool2d: self.avgpool,
+                nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
+                nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
+                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, _SumPool2d: self.sumpool}
+
+    def _meta(self, m: nn.Module) -> dict[str, Any]:
+        meta: dict[str, Any] = {"szo_layer": self.path.get(m, "")}
+        q = self.quant.get(meta["szo_layer"])
+        if q is not None:  # fixed point: integer mantissas and exponents next to the float weights
+            meta.update(q)
+        return meta
+
+    def conv2d(self, m: nn.Conv2d) -> Any:
+        if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
+            raise _unsupported(self.path.get(m, "?"), m, "only ungrouped, zero-padded convolutions with integer padding")
+        bias = _np(m.bias) if m.bias is not None else np.zeros(m.out_channels, dtype=np.float32)
+        return self.nir.Conv2d(input_shape=tuple(self.in_shape[m][-2:]), weight=_np(m.weight), stride=m.stride,
+                               padding=m.padding, dilation=m.dilation, groups=1, bias=bias, metadata=self._meta(m))
+
+    def linear(self, m: nn.Linear) -> Any:
+        if m.bias is None:
+            return self.nir.Linear(_np(m.weight), metadata=self._meta(m))
+        return self.nir.Affine(_np(m.weight), _np(m.bias), metadata=self._meta(m))
+
+    def _pool(self, m: nn.Module, kernel, stride, padding) -> Any:
+        pair = lambda v: np.array(v if isinstance(v, (tuple, list)) else (v, v))  # noqa: E731
+        return self.nir.AvgPool2d(kernel_size=pair(kernel), stride=pair(stride), padding=pair(padding),
+                                  metadata=self._meta(m))
+
+    def sumpool(self, m: _SumPool2d) -> Any:
+        pair = lambda v: np.array(v if isinstance(v, (tuple, list)) else (v, v))  # noqa: E731
+        return self.nir.SumPool2d(kernel_size=pair(m.kernel_size), stride=pair(m.stride), padding=pair(m.padding),
+                                  metadata=self._meta(m))
+
+    def avgpool(self, m: nn.AvgPool2d) -> Any:
+        if m.ceil_mode or m.divisor_override is not None or (np.any(m.padding) and not m.count_include_pad):
+            raise _unsupported(self.path.get(m, "?"), m, "NIR AvgPool2d has no ceil_mode / divisor_override")
+        return self._pool(m, m.kernel_size, m.stride if m.stride is not None else m.kernel_size, m.padding)
+
+    def adaptive_avgpool(self, m: nn.AdaptiveAvgPool2d) -> Any:
+        h, w = self.in_shape[m][-2:]
+        out = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
+        oh, ow = (h if out[0] is None else out[0]), (w if out[1] is None else out[1])
+        if h % oh or w % ow:
+            raise _unsupported(self.path.get(m, "?"), m, f"input {h}x{w} is not a multiple of the output {oh}x{ow}, "
+                                                         f"so it is not one AvgPool2d")
+        return self._pool(m, (h // oh, w // ow), (h // oh, w // ow), (0, 0))
+
+    def maxpool(self, m: nn.MaxPool2d) -> Any:
+        prev = self.prev.get(m)
+        if not isinstance(prev, sj_neuron.LIFNode):
+            raise _unsupported(self.path.get(m, "?"), m, "NIR has no max pooling; it is exported (as SumPool2d + "
+                                                         "Threshold 0.5) only right after a spiking layer")
+        if m.dilation not in (1, (1, 1)) or m.ceil_mode:
+            raise _unsupported(self.path.get(m, "?"), m, "dilation / ceil_mode have no NIR form")
+        pair = lambda v: np.array(v if isinstance(v, (tuple, list)) else (v, v))  # noqa: E731
+        stride = m.stride if m.stride is not None else m.kernel_size
+        c, h, w = self.in_shape[m][-3:]
+        k, s, p = pair(m.kernel_size), pair(stride), pair(m.padding)
+        out = (c, (h + 2 * p[0] - k[0]) // s[0] + 1, (w + 2 * p[1] - k[1]) // s[1] + 1)
+        meta = self._meta(m)
+        nodes = {"input": self.nir.Input(input_type=np.array([c, h, w])),
+                 "sum": self.nir.SumPool2d(kernel_size=k, stride=s, padding=p, metadata=meta),
+                 "any": self.nir.Threshold(threshold=np.full(out, 0.5, dtype=np.float32), metadata=meta),
+                 "output": self.nir.Output(output_type=np.array(out))}
+        return self.nir.NIRGraph(nodes=nodes, edges=[("input", "sum"), ("sum", "any"), ("any", "output")],
+                                 type_check=False, metadata={"szo_layer": meta["szo_layer"], "op": "max_pool_of_spikes"})
+
+    def flatten(self, m: nn.Flatten) -> Any:
+        start, end = m.start_dim, m.end_dim
+        start = start - 1 if start > 0 else start  # NIR shapes have no batch dim
+        end = end - 1 if end > 0 else end
+        return self.nir.Flatten(input_type={"input": np.array(self.in_shape[m][2:])}, start_dim=start, end_dim=end,
+                                metadata=self._meta(m))
+
+    def lif(self, m: sj_neuron.LIFNode) -> Any:
+        shape = self.in_shape[m][2:]
+        tau = float(m.tau)
+        full = lambda v: np.full(shape, v, dtype=np.float32)  # noqa: E731
+        reset = "subtract" if m.v_reset is None else "value"
+        v_reset = 0.0 if m.v_reset is None else float(m.v_reset)
+        meta = self._meta(m)
+        meta.update(reset=reset, tau_steps=tau, decay_input=int(bool(m.decay_input)))
+        # forward Euler with step dt: v += dt/tau_m ((v_leak - v) + r I)  ==  SpikingJelly's charge
+        return self.nir.LIF(tau=full(tau * self.dt), r=full(1.0 if m.decay_input else tau),
+                            v_leak=full(0.0 if m.v_reset is None else v_reset), v_threshold=full(float(m.v_threshold)),
+                            v_reset=full(v_reset), metadata=meta)
+
+
+def _flatten_subgraphs(nir, nodes: dict[str, Any], edges: list[tuple[str, str]]) -> tuple[dict, list]:
+    """Inline the one-level subgraphs of :meth:`_Mapper.maxpool` (``name.sum`` -> ``name.any``)."""
+    for name in [n for n, v in nodes.items() if isinstance(v, nir.NIRGraph)]:
+        sub = nodes.pop(name)
+        inner = {k: v for k, v in sub.nodes.items() if not isinstance(v, (nir.Input, nir.Output))}
+        first = next(d for s, d in sub.edges if isinstance(sub.nodes[s], nir.Input))
+        last = next(s for s, d in sub.edges if isinstance(sub.nodes[d], nir.Output))
+        nodes.update({f"{name}.{k}": v for k, v in inner.items()})
+        new_edges = [(f"{name}.{s}", f"{name}.{d}") for s, d in sub.edges if s in inner and d in inner]
+        for s, d in edges:
+            new_edges.append((f"{name}.{last}" if s == name else s, f"{name}.{first}" if d == name else d))
+        edges = new_edges
+    return nodes, edges
+
+
+def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.GraphModule, dict[str, dict[str, Any]],
+                                                                         dict[str, Any]]:
+    """The float graph that the integer forward of a ``szo.hw.FixedPointNetwork`` computes, and
+    the per-layer integer parameters (node metadata).
+
+    Synapses carry ``w_int * 2**exp`` (BN and the pooling factor already folded, as on chip)
+    and ``bias_int / 2**STATE_SHIFT``; average pools become the sum pools the chip runs; the
+    LIF's ``tau`` is the one of the 12-bit decay (``4096 / decay_int``). What the float graph
+    does not hold: the rounding of the input to ``ACT_SHIFT`` fractional bits, the toward-zero
+    rounding of the integer leak and of right shifts, saturation, and the strict ``v > th``.
+    """
+    from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
+
+    with torch.no_grad():
+        net(torch.zeros(1, *shape))  # fixes the pooling factors that quantized_layers() reports
+    functional.reset_net(net)
+    quant = net.quantized_layers()
+    gm = fx.GraphModule(net, copy.deepcopy(net.graph))
+    with torch.no_grad():
+        ShapeProp(gm).propagate(torch.zeros(1, 1, *shape))  # float modules: shapes for the pools
+    functional.reset_net(gm)
+    meta: dict[str, dict[str, Any]] = {}
+
+    def put(path: str, module: nn.Module) -> None:
+        parent, _, name = path.rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, name, module)
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        m = gm.get_submodule(node.target)
+        path = node.target
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)):  # BN: folded into w_int
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif path in quant:
+            q = quant[path]
+            new = copy.deepcopy(m)
+            new.weight = nn.Parameter(q["w_int"].to(torch.float64).mul(2.0 ** q["exp"]).to(torch.float32))
+            bias = (q["bias_int"].to(torch.float64) / (1 << STATE_SHIFT) if q["bias_int"] is not None
+                    else torch.zeros(new.weight.shape[0], dtype=torch.float64))
+            new.bias = nn.Parameter(bias.to(torch.float32))
+            put(path, new)
+            meta[path] = {"fixed_point": 1, "w_int": q["w_int"].to(torch.int32).numpy().copy(), "exp": int(q["exp"]),
+                          "mult": float(q["mult"])}
+            if q["bias_int"] is not None:
+                meta[path]["bias_int"] = q["bias_int"].to(torch.int64).numpy().copy()
+        elif isinstance(m, (nn.AvgPool2d, nn.AdaptiveAvgPool2d)):
+            h, w = node.args[0].meta["tensor_meta"].shape[-2:]
+            if isinstance(m, nn.AdaptiveAvgPool2d):
+                o = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
+                k = (h // (o[0] or h), w // (o[1] or w))
+                put(path, _SumPool2d(k, k, (0, 0)))
+            else:
+                put(path, _SumPool2d(m.kernel_size, m.stride if m.stride is not None else m.kernel_size, m.padding))
+        elif isinstance(m, sj_neuron.LIFNode):
+            d = decay_to_int(1.0 / float(m.tau), DECAY_SHIFT)
+            put(path, make_neuron("lif", tau=(1 << DECAY_SHIFT) / d, v_threshold=float(m.v_threshold),
+                                  v_reset=m.v_reset))
+            meta[path] = {"fixed_point": 1, "voltage_decay_int": d, "current_decay_int": 1 << DECAY_SHIFT,
+                          "threshold_int": threshold_to_int(float(m.v_threshold))}
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    P = net.precision.as_dict()
+    graph_meta = {f"precision_{k}": int(v) for k, v in P.items()}
+    graph_meta.update(state_shift=STATE_SHIFT, decay_shift=DECAY_SHIFT)
+    return gm, meta, graph_meta
+
+
+@torch.no_grad()
+def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float = DEFAULT_DT,
+           metadata: dict[str, Any] | None = None) -> Any:
+    """``nir.NIRGraph`` of ``model`` (eval mode: BN folded with its running statistics).
+
+    ``input_shape``: ``(C, H, W)`` of one frame (shapes of NIR nodes are per sample, without
+    time or batch). ``dt``: seconds per time step written into NIR time constants. ``metadata``:
+    extra graph metadata (str / int / float / lists; e.g. ``bin_us`` and ``sensor_size`` of an
+    event-stream model, which ``szo demo dvs-stream --model OUT.nir`` needs). A
+    ``szo.hw.FixedPointNetwork`` is exported with its dequantised weights plus the integer
+    mantissas / exponents as node metadata. Raises ``ValueError`` naming the first layer
+    NIR cannot express.
+    """
+    nir, nirtorch = _nir()
+    if not isinstance(model, SpikingModel):
+        raise ValueError(f"to_nir exports a szo SpikingModel, got {type(model).__name__}")
+    if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
+        raise ValueError(f"dt must be a positive number of seconds, got {dt!r}")
+    shape = tuple(input_shape)
+    if len(shape) != 3 or not all(isinstance(v, int) and v > 0 for v in shape):
+        raise ValueError(f"input_shape must be (C, H, W) positive ints, got {input_shape!r}")
+    quant: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    source = model
+    from szo.hw.convert import FixedPointNetwork
+
+    if isinstance(model, FixedPointNetwork):
+        gm, quant, extra = _fixed_deploy_module(model, shape)
+    else:
+        gm = _deploy_module(source, shape)
+    example = torch.zeros(1, 1, *shape)
+    mapper = _Mapper(gm, example, float(dt), quant)
+    graph = nirtorch.torch_to_nir(gm, mapper.map_dict, default_dict=None, type_check=False)
+    nodes, edges = _flatten_subgraphs(nir, dict(graph.nodes), list(graph.edges))
+    rename = {k: (k[4:] if k.startswith("net_") else k) for k in nodes}
+    nodes = {rename[k]: v for k, v in nodes.items()}
+    edges = [(rename.get(s, s), rename.get(d, d)) for s, d in edges]
+    for k, v in nodes.items():
+        if isinstance(v, nir.Input):
+            nodes[k] = nir.Input(input_type=np.array(shape))
+        elif isinstance(v, nir.Output):
+            nodes[k] = nir.Output(output_type=np.array([source.num_classes]))
+    meta = {"format": FORMAT, "model_name": source.model_name, "T": int(source.T), "dt": float(dt),
+            "num_classes": int(source.num_classes), "input_shape": np.array(shape),
+            "fixed_point": int(bool(quant)), **extra}
+    for k, v in (metadata or {}).items():
+        meta[str(k)] = np.asarray(v) if isinstance(v, (list, tuple)) else v
+    return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta, type_check=False)
+
+
+def write_nir(graph: Any, path: str | os.PathLike) -> str:
+    """Write ``graph`` to an HDF5 ``.nir`` file atomically (temp file + rename); returns its sha256."""
+    nir, _ = _nir()
+    buf = io.BytesIO()
+    nir.write(buf, graph)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def read_nir(path: str | os.PathLike) -> Any:
+    """Read a ``.nir`` file; a missing file raises ``FileNotFoundError``, anything else that is
+    not a NIR graph raises one ``ValueError`` naming the file and the bad field."""
+    nir, _ = _nir()
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no NIR file {str(p)!r}")
+    try:
+        return nir.read(p)
+    except Exception as exc:  # h5py / nir raise many types for a bad file: one ValueError naming the culprit
+        raise ValueError(f"{p} is not a valid NIR file: {_locate_bad_node(p) or _why(exc)}") from None
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing field {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _locate_bad_node(path: Path) -> str | None:
+    """``node 'NAME' (TYPE): why`` for the first node of a NIR file that does not parse."""
+    import h5py
+    import nir
+    from nir.serialization import hdf2dict
+
+    try:
+        with h5py.File(path, "r") as f:
+            nodes = hdf2dict(f["node"]).get("nodes")
+    except Exception as exc:
+        return f"not an HDF5 NIR container ({_why(exc)})"
+    if not isinstance(nodes, dict):
+        return "missing field 'node/nodes'"
+    for name, d in nodes.items():
+        try:
+            kind = d.get("type", "?") if isinstance(d, dict) else "?"
+            nir.dict2NIRNode(dict(d))
+        except Exception as exc:
+            return f"node {name!r} ({kind}): {_why(exc)}"
+    return None
+
+
+# ----------------------------------------------------------------------------- import
+def _uniform(node_name: str, field: str, value: Any) -> float:
+    arr = np.asarray(value, dtype=np.float64)
+    u = np.unique(arr)
+    if u.size != 1:
+        raise ValueError(f"NIR node {node_name!r}: field {field!r} must be the same for every neuron "
+                         f"(szo's LIF has scalar parameters), got {u.size} distinct values")
+    return float(u[0])
+
+
+def _meta_str(meta: dict[str, Any], key: str, default: str) -> str:
+    v = meta.get(key, default)
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class _Threshold(nn.Module):
+    """NIR ``Threshold``: ``H(x - threshold)`` (strictly above: ``x > threshold``)."""
+
+    def __init__(self, threshold: np.ndarray) -> None:
+        super().__init__()
+        self.register_buffer("threshold", torch.as_tensor(np.asarray(threshold, dtype=np.float32)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x > self.threshold).to(x.dtype)
+
+
+def _pair(node_name: str, field: str, v: Any) -> tuple[int, int]:
+    a = np.atleast_1d(np.asarray(v)).astype(np.int64).tolist()
+    if len(a) == 1:
+        a = a * 2
+    if len(a) != 2:
+        raise ValueError(f"NIR node {node_name!r}: field {field!r} must hold 1 or 2 ints, got {v!r}")
+    return int(a[0]), int(a[1])
+
+
+class _NodeMap:
+    """NIR node -> SpikingJelly multi-step module (``nirtorch.nir_to_torch`` node map)."""
+
+    def __init__(self, dt: float) -> None:
+        self.dt = dt
+        self.name: dict[int, str] = {}
+
+    def __call__(self, nir):  # the node map
+        return {nir.Input: lambda n: nn.Identity(), nir.Output: lambda n: nn.Identity(),
+                nir.Conv2d: self.conv2d, nir.Affine: self.affine, nir.Linear: self.linear,
+                nir.AvgPool2d: self.avgpool, nir.SumPool2d: self.sumpool, nir.Threshold: self.threshold,
+                nir.Flatten: self.flatten, nir.LIF: self.lif}
+
+    def _n(self, node: Any) -> str:
+        return self.name.get(id(node), type(node).__name__)
+
+    def conv2d(self, n: Any) -> nn.Module:
+        w = np.asarray(n.weight, dtype=np.float32)
+        if w.ndim != 4:
+            raise ValueError(f"NIR node {self._n(n)!r}: Conv2d field 'weight' must be 4-D, got shape {w.shape}")
+        if int(np.asarray(n.groups)) != 1:
+            raise ValueError(f"NIR node {self._n(n)!r}: Conv2d field 'groups' must be 1, got {n.groups}")
+        m = layer.Conv2d(w.shape[1], w.shape[0], w.shape[2:], stride=_pair(self._n(n), "stride", n.stride),
+                         padding=_pair(self._n(n), "padding", n.padding),
+                         dilation=_pair(self._n(n), "dilation", n.dilation), bias=True, step_mode="m")
+        m.weight.data.copy_(torch.from_numpy(w))
+        m.bias.data.copy_(torch.from_numpy(np.asarray(n.bias, dtype=np.float32).reshape(-1)))
+        return m
+
+    def affine(self, n: Any) -> nn.Module:
+        w = np.asarray(n.weight, dtype=np.float32)
+        m = layer.Linear(w.shape[1], w.shape[0], bias=True, step_mode="m")
+        m.weight.data.copy_(torch.from_numpy(w))
+        m.bias.data.copy_(torch.from_numpy(np.asarray(n.bias, dtype=np.float32)))
+        return m
+
+    def linear(self, n: Any) -> nn.Module:
+        w = np.asarray(n.weight, dtype=np.float32)
+        m = layer.Linear(w.shape[1], w.shape[0], bias=False, step_mode="m")
+        m.weight.data.copy_(torch.from_numpy(w))
+        return m
+
+    def avgpool(self, n: Any) -> nn.Module:
+        return layer.AvgPool2d(_pair(self._n(n), "kernel_size", n.kernel_size), _pair(self._n(n), "stride", n.stride),
+                               _pair(self._n(n), "padding", n.padding), step_mode="m")
+
+    def sumpool(self, n: Any) -> nn.Module:
+        return _SumPool2d(_pair(self._n(n), "kernel_size", n.kernel_size), _pair(self._n(n), "stride", n.stride),
+                          _pair(self._n(n), "padding", n.padding))
+
+    def threshold(self, n: Any) -> nn.Module:
+        return _Threshold(n.threshold)
+
+    def flatten(self, n: Any) -> nn.Module:
+        start, end = int(n.start_dim), int(n.end_dim)  # NIR dims exclude the batch; add it (and time, below)
+        return layer.Flatten(start + 1 if start >= 0 else start, end + 1 if end >= 0 else end, step_mode="m")
+
+    def lif(self, n: Any) -> nn.Module:
+        name = self._n(n)
+        meta = getattr(n, "metadata", None) or {}
+        tau = _uniform(name, "tau", n.tau) / self.dt
+        if not np.isfinite(tau) or tau <= 1.0:
+            raise ValueError(f"NIR node {name!r}: LIF field 'tau' / dt must be > 1 (one step of dt = {self.dt} s), "
+                             f"got {tau:g}")
+        r = _uniform(name, "r", n.r)
+        if np.isclose(r, tau, rtol=1e-6):
+            decay_input = False
+        elif np.isclose(r, 1.0, rtol=1e-6):
+            decay_input = True
+        else:
+            raise ValueError(f"NIR node {name!r}: LIF field 'r' must be tau/dt = {tau:g} (input not decayed, the "
+                             f"paper's LIF) or 1 (decayed input), got {r:g}")
+        reset = _meta_str(meta, "reset", "value")
+        if reset not in _RESETS:
+            raise ValueError(f"NIR node {name!r}: metadata 'reset' must be one of {list(_RESETS)}, got {reset!r}")
+        v_leak, v_reset = _uniform(name, "v_leak", n.v_leak), _uniform(name, "v_reset", n.v_reset)
+        if reset == "subtract" and v_leak != 0.0:
+            raise ValueError(f"NIR node {name!r}: LIF field 'v_leak' must be 0 with a subtractive reset, got {v_leak:g}")
+        if reset == "value" and v_leak != v_reset:
+            raise ValueError(f"NIR node {name!r}: LIF field 'v_leak' must equal 'v_reset' ({v_reset:g}) for "
+                             f"SpikingJelly's LIF, got {v_leak:g}")
+        if "tau_steps" in meta:  # written by szo: the exact float tau (tau/dt can round in the last bit)
+            tau = float(meta["tau_steps"])
+        return make_neuron("lif", tau=tau, decay_input=decay_input, v_threshold=_uniform(name, "v_threshold",
+                                                                                          n.v_threshold),
+                           v_reset=None if reset == "subtract" else v_reset)
+
+
+class NIRNetwork(SpikingModel):
+    """A NIR graph run by SpikingJelly multi-step layers: ``model(x)`` -> ``[T, N, num_classes]``.
+
+    ``forward`` takes ``[N, C, H, W]`` (repeated over ``T``) or ``[T, N, C, H, W]`` like every
+    zoo model; ``T`` and ``num_classes`` come from the graph (szo metadata or its output
+    type). The parameters are those of the graph (BN already folded), so the flat-parameter
+    layout is not the source model's: an imported network is for evaluation, streaming and
+    deployment checks, not for resuming SZO in the source model's subspace.
+    """
+
+    def __init__(self, graph: Any, *, T: int | None = None, dt: float | None = None) -> None:
+        nir, nirtorch = _nir()
+        if not isinstance(graph, nir.NIRGraph):
+            raise ValueError(f"from_nir needs a nir.NIRGraph or a .nir path, got {type(graph).__name__}")
+        meta = dict(graph.metadata or {})
+        dt = float(meta.get("dt", DEFAULT_DT)) if dt is None else float(dt)
+        node_map = _NodeMap(dt)
+        supported = node_map(nir)
+        outputs = []
+        for name, node in graph.nodes.items():
+            if type(node) not in supported:
+                raise ValueError(f"NIR node {name!r} has type {type(node).__name__}, which szo cannot run; supported: "
+                                 f"{sorted(t.__name__ for t in supported)}")
+            node_map.name[id(node)] = name
+            if isinstance(node, nir.Output):
+                outputs.append(node)
+        names = set(graph.nodes)
+        for s, d in graph.edges:
+            if s not in names or d not in names:
+                raise ValueError(f"NIR graph edge ({s!r}, {d!r}) names a node that is not in the graph")
+        if len(outputs) != 1:
+            raise ValueError(f"NIR graph must have exactly one Output node, got {len(outputs)}")
+        out_t = np.asarray(outputs[0].output_type.get("output", []) if outputs[0].output_type else []).reshape(-1)
+        num_classes = int(meta.get("num_classes", int(np.prod(out_t)) if out_t.size else 0))
+        if num_classes < 1:
+            raise ValueError("NIR graph: cannot tell the number of classes (no 'num_classes' metadata and no Output "
+                             "type)")
+        T = int(meta.get("T", 0)) if T is None else T
+        if T < 1:
+            raise ValueError("NIR graph has no 'T' metadata: pass T= (time steps for static inputs)")
+        super().__init__(num_classes=num_classes, T=T, model_name=_meta_str(meta, "model_name", "nir"))
+        self.dt = dt
+        self.nir_metadata = meta
+        self.graph_module = nirtorch.nir_to_torch(graph, supported)
+
+    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
+        out = self.graph_module(x_seq)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def from_nir(source: Any, *, T: int | None = None, dt: float | None = None) -> NIRNetwork:
+    """:class:`NIRNetwork` from a ``nir.NIRGraph`` or a ``.nir`` file path."""
+    if isinstance(source, (str, os.PathLike)):
+        source = read_nir(source)
+    return NIRNetwork(source, T=T, dt=dt)
