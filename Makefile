@@ -16,7 +16,7 @@ help:
 $(STAMP): setup.py environment.yml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,dvs,corruptions,deploy]"
+	$(PY) -m pip install --quiet -e ".[test,dvs,corruptions,deploy,federated]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,7 @@ EXTRAS_REQUIRE = {
     "cuda": ["spikingjelly[triton]>=2.0"],
     # NIR export / import, the snnTorch round trip, NeuroBench metrics (szo.export, szo hw-report)
     "deploy": ["nir>=1.0.8", "nirtorch>=2.6", "snntorch>=1.0", "neurobench>=2.3"],
+    "federated": ["flwr>=1.41,<2"],  # szo federated: BAFFLE on Flower (legacy gRPC start_server/start_client)
 }
 
 setup(

@@ -92,7 +92,7 @@ DEFAULTS: dict[str, Any] = {
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.optim.bn and docs/bn.md
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
-            "engine": "loop", "chunk": None, "bn_update": "recompute"},
+            "engine": "loop", "chunk": None, "bn_update": "recompute", "layers": None},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
     # bn_stats "deployed" normalises with the source model's running statistics, frozen
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
@@ -142,6 +142,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "tt.rank": ((int, list), False), "tt.cores": (_INT, False), "tt.min_params": (_INT, False),
     "tt.sign_lr": (_FLOAT, False), "tt.sign_q": (_INT, False), "tt.sign_mu": (_FLOAT, False),
     "tt.window": (_INT, False), "tt.tol": (_FLOAT, False), "tt.switch_step": (_INT, True),
+    "szo.layers": ((list,), True),  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -393,7 +394,11 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     if method in SUBSPACE_METHODS and full["train"]["weight_decay"]:
         raise ValueError(f"method {method!r} uses no weight decay (paper App. G); set train.weight_decay=0")
     if sz["time_chunk"] is not None and method not in STREAMING_METHODS:
-        why = "backpropagates" if method not in FORWARD_ONLY_METHODS else "takes forward-mode derivatives"
+        from szo.methods import LAYERWISE_METHODS
+
+        why = ("backpropagates" if method not in FORWARD_ONLY_METHODS
+               else "perturbs layer outputs over all T steps at once" if method in LAYERWISE_METHODS
+               else "takes forward-mode derivatives")
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
                          f"{method!r} {why}; valid methods with szo.time_chunk: {', '.join(STREAMING_METHODS)}")
     if sz["engine"] != "loop" and method not in ENGINE_METHODS:
@@ -403,6 +408,11 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     if method == "tt-zo" and not (tt["sign_mu"] > 0 and tt["sign_lr"] >= 0 and tt["tol"] >= 0):
         raise ValueError(f"tt.sign_mu must be > 0 and tt.sign_lr, tt.tol >= 0; got sign_mu={tt['sign_mu']}, "
                          f"sign_lr={tt['sign_lr']}, tol={tt['tol']}")
+    from szo.methods import LAYERWISE_METHODS
+
+    if sz["layers"] is not None and method not in LAYERWISE_METHODS:
+        raise ValueError(f"'szo.layers' (sparse layer-wise training) applies to {', '.join(LAYERWISE_METHODS)}; "
+                         f"method {method!r} trains every parameter: leave szo.layers null")
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
@@ -460,6 +470,9 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         if full["szo"]["time_chunk"] is not None:
             raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
                              "szo.time_chunk applies to backend 'float' (set it to null)")
+    if full["method"] == "qzo" and hw["learner"] != "integer":
+        raise ValueError("method 'qzo' (seed-004 quantized ZO) is an integer learner on the fixed-point forward: "
+                         "set backend=fixed, bn_stats=deployed and hw.learner=integer (recipe digits-fixed does)")
     if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in INTEGER_LEARNER_METHODS):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          f"backend 'fixed' and a method in: {', '.join(INTEGER_LEARNER_METHODS)}")
@@ -524,12 +537,14 @@ def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
 _LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
            "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
 _LABELS.update({"fg": "FG", "fg-subspace": "FG-Subspace", "tt-zo": "TT-ZO"})
+_LABELS.update({"np-zo": "NP-ZO", "wp-zo": "WP-ZO", "awp-zo": "WP/NP-ZO", "qzo": "QZO"})  # seed 004
+_Q_LABELED = ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace", "np-zo", "wp-zo", "awp-zo", "qzo")
 
 
 def method_label(method: str, q: int | None = None, activation: str = "lif") -> str:
     """Paper-style column name: ``SZO-RGE(q=1)``, ``BP-Subspace``; ``(ANN)`` for relu twins."""
     label = _LABELS.get(method, method)
-    if method in ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace") and q is not None:
+    if method in _Q_LABELED and q is not None:
         label += f"(q={q})"
     if activation == "relu":
         label += " (ANN)"

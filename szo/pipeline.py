@@ -188,7 +188,9 @@ def _loss(cfg: Mapping[str, Any]):
 
 
 def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
-    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace") else None
+    from szo.config import _Q_LABELED
+
+    q = cfg["szo"]["q"] if method in _Q_LABELED else None
     return {"recipe": cfg["name"], "label": method_label(method, q, cfg["model"]["activation"]), "method": method,
             "mode": mode, "dataset": cfg["data"]["name"], "model": cfg["model"]["name"],
             "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
@@ -403,14 +405,15 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
     model.set_streaming(sz["time_chunk"], sz["stream_bn"])
-    if hw["learner"] == "integer":
+    if hw["learner"] == "integer":  # method qzo: rule eq8 (seed 004), config makes it an integer learner
         from szo.hw.train import OnChipSZO
 
         opt = OnChipSZO(net, sub, lr=tr["lr"], momentum=tr["momentum"],
                         mu_lsb=max(1, round(sz["mu"] * 2 ** hw["coord_frac"])),
                         estimator="cge" if cfg["method"] == "szo-cge" else "rademacher", q=sz["q"],
                         seed=int(cfg["seed"]) % 0xFFFFFFFF + 1, basis_bits=hw["basis_bits"] or 16,
-                        coord_bits=hw["coord_bits"], coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"])
+                        coord_bits=hw["coord_bits"], coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
+                        rule="eq8" if cfg["method"] == "qzo" else "momentum")
     else:
         opt = build_optimizer(cfg["method"], net, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
                               weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
@@ -418,7 +421,7 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
                               engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
-                              start="current",  # already at sub.reference (loaded above)
+                              layers=sz["layers"], start="current",  # already at sub.reference (loaded above)
                               tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)

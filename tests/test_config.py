@@ -172,3 +172,12 @@ def test_new_methods_resolve_in_every_subspace_recipe():
             assert cfg["method"] == method
             if name != "digits-scratch":  # digits-scratch overrides them (method_defaults)
                 assert cfg["train"]["lr"] == lr, (name, method)
+
+
+def test_layerwise_methods_and_sparse_layers():
+    c = load_recipe("digits-scratch", ["method=np-zo", "szo.layers=[fc]"])
+    assert c["method"] == "np-zo" and c["szo"]["layers"] == ["fc"]
+    with pytest.raises(ValueError, match="szo.layers"):
+        load_recipe("digits-scratch", ["method=szo-cge", "szo.layers=[fc]"])
+    with pytest.raises(ValueError, match="unknown|invalid|valid"):
+        load_recipe("digits-scratch", ["method=np_zo"])

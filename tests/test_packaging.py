@@ -6,7 +6,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 # extras installed by `make install` / environment.yml; "cuda" (triton) is GPU-only and left out
-ENV_EXTRAS = ("test", "dvs", "corruptions", "deploy")
+ENV_EXTRAS = ("test", "dvs", "corruptions", "deploy", "federated")
 
 
 def _setup_lists():

@@ -13,6 +13,9 @@ Two ways to train on the fixed-point backend:
    ``"rademacher"`` (seed-004 style: 2q probes +/- mu z, z in {-1, +1}^k from XORShift32,
    regenerated from a 32-bit seed instead of stored). mu is an integer number of coordinate
    LSBs. The loss is computed on the host from the integer readout (a float).
+   ``rule="eq8"`` (method ``qzo``) is seed 004's quantized ZO instead: one clean forward and q
+   XORShift32 Rademacher forward differences of ``mu_lsb`` LSBs (eq. 6), then the rounded,
+   clipped integer update of eq. 8 (:func:`quantized_zo_update`), no momentum (no optimizer state).
 """
 from __future__ import annotations
 
@@ -24,15 +27,40 @@ from torch import nn
 
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, right_shift_to_zero, saturate
-from szo.functional.zo import check_loss
+from szo.functional.zo import check_loss, forward_difference_coefficients
 from szo.hw.xorshift import XorShift32
 
-__all__ = ["MOMENTUM_SHIFT", "OnChipSZO", "basis_error", "dequantize_basis", "evaluate_fixed",
+__all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "OnChipSZO", "quantized_zo_update", "basis_error", "dequantize_basis", "evaluate_fixed",
            "learner_state_bits", "quantize_basis", "quantized_subspace"]
 
 MOMENTUM_SHIFT: int = 8
 """The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
 ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
+ON_CHIP_RULES: tuple[str, ...] = ("momentum", "eq8")
+
+
+def quantized_zo_update(theta_int: torch.Tensor, grad: torch.Tensor, *, lr: float, scale: float, n: int, q: int,
+                        d: int, bits: int, counter: SaturationCounter | None = None, layer: str = "",
+                        quantity: str = "") -> torch.Tensor:
+    """Seed-004 eq. 8: ``clip(theta_int - round(N Q / (N Q + d - 1) * lr / s**2 * grad), -Q_N, Q_P)``.
+
+    ``theta_int``: the integer (quantised, scaled) variables, int64; ``grad``: the ZO estimate of
+    the gradient with respect to them (eq. 6, loss per integer unit); ``scale`` = ``s``, the value
+    of one integer unit (quantization-aware scaling ``1 / s**2``, App. B); ``n * q`` perturbed
+    evaluations over ``d`` variables (gradient-norm scaling ``NQ / (NQ + d - 1)``, Sec. 3.1.2);
+    ``bits``: the signed width, ``-Q_N = -2**(bits-1)``, ``Q_P = 2**(bits-1) - 1``. Rounding is to
+    nearest (ties to even); clipped elements are counted in ``counter``.
+    """
+    if not isinstance(theta_int, torch.Tensor) or theta_int.dtype != torch.int64:
+        raise ValueError("theta_int must be an int64 tensor (the quantised variables)")
+    for name, v in (("n", n), ("q", q), ("d", d)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not scale > 0 or not lr >= 0:
+        raise ValueError(f"need scale > 0 and lr >= 0, got scale={scale}, lr={lr}")
+    factor = n * q / (n * q + d - 1) * lr / scale ** 2
+    step = torch.round(factor * grad.to(torch.float64)).to(torch.int64)  # [.]: round to nearest
+    return saturate(theta_int - step, bits, counter, layer, quantity)  # clip(., -Q_N, Q_P)
 
 
 def learner_state_bits(d: int, k: int, *, basis_bits: int = 8, coord_bits: int = 32,
@@ -132,9 +160,15 @@ class OnChipSZO(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
                  mu_lsb: int = 1 << 12, estimator: str = "cge", q: int = 1, seed: int = 1,
-                 basis_bits: int = 8, coord_bits: int = 32, coord_frac: int = 16, ref_bits: int = 16) -> None:
+                 basis_bits: int = 8, coord_bits: int = 32, coord_frac: int = 16, ref_bits: int = 16,
+                 rule: str = "momentum") -> None:
         if estimator not in ON_CHIP_ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; valid: {list(ON_CHIP_ESTIMATORS)}")
+        if rule not in ON_CHIP_RULES:
+            raise ValueError(f"unknown update rule {rule!r}; valid: {list(ON_CHIP_RULES)}")
+        if rule == "eq8" and estimator != "rademacher":
+            raise ValueError("rule 'eq8' (seed-004 quantized ZO) uses Rademacher forward differences: "
+                             "valid estimator for it: 'rademacher'")
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0.0 <= momentum < 1.0:
@@ -153,7 +187,7 @@ class OnChipSZO(torch.optim.Optimizer):
         super().__init__(model.parameters(), dict(lr=float(lr), momentum=float(momentum)))
         self.model = model
         self.mu_lsb = mu_lsb
-        self.estimator, self.q = estimator, q
+        self.estimator, self.q, self.rule = estimator, q, rule
         self.coord_bits, self.coord_frac = coord_bits, coord_frac
         self.basis_bits, self.ref_bits = basis_bits, ref_bits
         P_int, self.P_scale = quantize_basis(subspace.basis.detach().cpu(), basis_bits)
@@ -215,6 +249,8 @@ class OnChipSZO(torch.optim.Optimizer):
 
     @property
     def forwards_per_step(self) -> int:
+        if self.rule == "eq8":
+            return 1 + self.q  # clean forward + q forward differences (eq. 6)
         return 2 * self.k if self.estimator == "cge" else 2 * self.q
 
     @property
@@ -239,6 +275,8 @@ class OnChipSZO(torch.optim.Optimizer):
         if closure is None:
             raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
         Z = self._directions()  # [m, k] integer directions
+        if self.rule == "eq8":
+            return self._step_eq8(closure, Z)
         plus, minus = [], []
         try:
             for z in Z:
@@ -264,7 +302,34 @@ class OnChipSZO(torch.optim.Optimizer):
         self._load(self.c)
         return torch.tensor(float((lp.mean() + lm.mean()) / 2))
 
+    def _probe(self, closure, c_int: torch.Tensor) -> float:
+        self._load(c_int)
+        out = check_loss(closure(), f"closure (probe {self.forward_passes + 1})")
+        self.forward_passes += 1
+        return out
+
+    def _step_eq8(self, closure, Z: torch.Tensor) -> torch.Tensor:
+        """Seed-004 quantized ZO: eq. 6 (one-sided, mu = mu_lsb integer units), then eq. 8 on c."""
+        try:
+            l0 = self._probe(closure, self.c)
+            lq = [self._probe(closure, saturate(self.c + self.mu_lsb * z, self.coord_bits, self.counter,
+                                                "coords", "probe")) for z in Z]
+        except BaseException:
+            self._load(self.c)
+            raise
+        g = forward_difference_coefficients(torch.tensor(lq, dtype=torch.float64), l0, Z.to(torch.float64),
+                                            float(self.mu_lsb))  # per integer unit of c
+        self.c = quantized_zo_update(self.c, g, lr=self.lr, scale=2.0 ** -self.coord_frac, n=1, q=self.q, d=self.k,
+                                     bits=self.coord_bits, counter=self.counter, layer="coords", quantity="c")
+        self.step_count += 1
+        self._load(self.c)
+        return torch.tensor(l0)
+
     def state_bits(self) -> dict[str, int]:
-        """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed): :func:`learner_state_bits`."""
-        return learner_state_bits(self.d, self.k, basis_bits=self.basis_bits, coord_bits=self.coord_bits,
+        """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed): :func:`learner_state_bits`
+        (``rule="eq8"`` keeps no momentum)."""
+        bits = learner_state_bits(self.d, self.k, basis_bits=self.basis_bits, coord_bits=self.coord_bits,
                                   ref_bits=self.ref_bits)
+        if self.rule == "eq8":
+            del bits["momentum"]
+        return bits

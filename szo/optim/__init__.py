@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, METHODS, SUBSPACE_METHODS
+from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, LAYERWISE_METHODS, METHODS, QZO_METHODS, SUBSPACE_METHODS
 
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers
 from .fg import ForwardGradient, SubspaceForwardGradient
 from .probes import START_POINTS
+from .layerwise import LayerwiseZO
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .tt import HybridZO
 from .zo import FullSpaceZO
@@ -25,6 +26,7 @@ __all__ = [
     "ForwardGradient",
     "SubspaceForwardGradient",
     "HybridZO",
+    "LayerwiseZO",
     "SubspaceOptimizer",
     "BNStatsFreezer",
     "bn_layers",
@@ -59,6 +61,7 @@ def build_optimizer(
     tt: dict | None = None,
     bn_update: str = "recompute",
     start: str = "reference",
+    layers: list[str] | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
 
@@ -80,6 +83,10 @@ def build_optimizer(
     ``start`` (subspace methods): ``"reference"`` moves the parameters to ``subspace.reference``
     (as ``SZO(model, subspace)`` does), ``"current"`` keeps them (test-time adaptation starts
     from the source model).
+    ``np-zo`` / ``wp-zo`` / ``awp-zo`` (:class:`LayerwiseZO`) perturb the layers named in ``layers``
+    (default: every linear / convolution layer), ``q`` probes per layer. ``qzo`` is the integer
+    on-chip learner (``szo.hw.train.OnChipSZO(rule="eq8")``), built by the pipeline from the
+    recipe's ``hw`` block.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -91,6 +98,14 @@ def build_optimizer(
                          f"method {method!r} runs with engine 'loop'")
     if not isinstance(model, nn.Module):
         raise ValueError(f"build_optimizer needs the model (a torch.nn.Module), got {type(model).__name__}")
+    if method in QZO_METHODS:
+        raise ValueError(f"method {method!r} is the integer on-chip learner: build szo.hw.train.OnChipSZO(model, "
+                         "subspace, rule='eq8', ...) (the pipeline does so from the recipe's hw block)")
+    if method in LAYERWISE_METHODS:
+        if weight_decay:
+            raise ValueError(f"method {method!r} uses no weight decay; got weight_decay={weight_decay}")
+        return LayerwiseZO(model, perturbation=LAYERWISE_METHODS[method], layers=layers, mu=mu, lr=lr,
+                           momentum=momentum, q=q, generator=generator)
     params = list(model.parameters())
     if not params:
         raise ValueError(f"the model ({type(model).__name__}) has no parameters to train")

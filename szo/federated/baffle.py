@@ -1,0 +1,147 @@
+"""BAFFLE math (seed 002, Feng et al., Algorithm 1): seeds, loss differences, zero-sum masks, aggregation.
+
+No Flower and no I/O here (``szo.federated.flower`` runs it over the network). One round:
+
+1. the server draws a 32-bit round seed; every client regenerates the same ``K`` directions
+   ``z_k ~ N(0, I_k)`` from it (:func:`round_directions`), so no direction crosses the network;
+2. client ``c`` evaluates ``dL_k = L_c(theta + sigma u_k) - L_c(theta - sigma u_k)`` on its local
+   batch (:func:`loss_differences`), ``u_k = P z_k`` in the subspace (``P`` the stored basis) or
+   ``u_k = z_k`` in full space, and uploads only ``K`` numbers: ``(N_c / N) dL_k`` in fixed point
+   plus its secure-aggregation mask (:func:`encode`, :func:`pairwise_masks`);
+3. the server adds the uploads modulo 2**64 (the masks cancel exactly: they are zero-sum
+   integers), decodes ``dL_k = sum_c (N_c / N) dL_k^c``, the loss difference on the union of the
+   clients' data, and forms Stein's estimate (eq. 6) ``g = 1/K sum_k dL_k / (2 sigma) z_k``
+   (:func:`stein_coordinates`, the central-difference RGE of ``szo.functional.zo``).
+
+Secure aggregation (Bonawitz et al. 2017, as BAFFLE adapts it): each pair of clients ``i < j``
+shares a seed, expands it to ``K`` uniform 64-bit integers ``r_ij``; client ``i`` adds
+``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64). Every ``r_ij`` appears once with each sign,
+so the masks sum to exactly 0 mod 2**64 and each single upload is uniformly random to the server.
+Here the pair seeds are derived from a secret the launcher gives the clients (never the server)
+with SHA-256; a deployment derives them by Diffie-Hellman key agreement and handles dropped
+clients (secret-shared seeds), which this engine does not: every client must answer every round.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from szo.functional.zo import check_loss, rge_coefficients, sample_gaussian
+
+__all__ = ["FRAC_BITS", "dirichlet_split", "round_directions", "loss_differences", "stein_coordinates",
+           "encode", "decode", "pairwise_masks", "aggregate"]
+
+FRAC_BITS: int = 32
+"""Fixed-point fractional bits of an upload: resolution 2**-32 ~ 2.3e-10 of a weighted loss difference."""
+_MOD = 1 << 64
+
+
+def dirichlet_split(labels: Sequence[int] | np.ndarray, n_clients: int, alpha: float, seed: int,
+                    min_size: int = 1) -> list[np.ndarray]:
+    """Non-IID label-skew split (Hsu et al. 2019): each class's samples are divided among the
+    clients in proportions drawn from ``Dirichlet(alpha)``; smaller ``alpha`` = more skew.
+    Redraws (same seeded stream) until every client holds ``min_size`` samples. Returns sorted
+    index arrays, one per client, that partition ``range(len(labels))``."""
+    labels = np.asarray(labels)
+    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or n_clients < 1:
+        raise ValueError(f"the number of clients must be an int >= 1, got {n_clients!r}")
+    if not alpha > 0:
+        raise ValueError(f"Dirichlet alpha must be > 0 (e.g. 0.5 skewed, 100 ~ IID), got {alpha}")
+    if n_clients * min_size > len(labels):
+        raise ValueError(f"{len(labels)} samples cannot give {n_clients} clients {min_size} each")
+    rng = np.random.default_rng(seed)
+    for _ in range(1000):
+        parts: list[list[int]] = [[] for _ in range(n_clients)]
+        for cls in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == cls))
+            cuts = (np.cumsum(rng.dirichlet([alpha] * n_clients)) * len(idx)).astype(int)[:-1]
+            for c, chunk in enumerate(np.split(idx, cuts)):
+                parts[c].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    raise ValueError(f"no Dirichlet(alpha={alpha}) split gave every one of {n_clients} clients {min_size} "
+                     "samples in 1000 draws; raise alpha or lower the number of clients")
+
+
+def round_directions(seed: int, K: int, k: int) -> torch.Tensor:
+    """The round's ``K`` Gaussian directions ``[K, k]`` (float64), regenerated from the round seed."""
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ValueError(f"K (directions per round) must be an int >= 1, got {K!r}")
+    return sample_gaussian(K, k, torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+
+
+def loss_differences(loss_at: Callable[[torch.Tensor], "float | torch.Tensor"], theta: torch.Tensor,
+                     z: torch.Tensor, sigma: float, basis: torch.Tensor | None = None) -> torch.Tensor:
+    """``dL_k = L(theta + sigma u_k) - L(theta - sigma u_k)``, ``u_k = basis @ z_k`` (or ``z_k``), float64 ``[K]``.
+
+    ``theta`` is the point the loss is evaluated around in parameter space (``[d]``)."""
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    out = torch.empty(z.shape[0], dtype=torch.float64)
+    for j, zj in enumerate(z):
+        u = (basis.to(torch.float64) @ zj if basis is not None else zj).to(theta.dtype)
+        lp = check_loss(loss_at(theta + sigma * u), f"loss (direction {j + 1}, +)")
+        lm = check_loss(loss_at(theta - sigma * u), f"loss (direction {j + 1}, -)")
+        out[j] = lp - lm
+    return out
+
+
+def stein_coordinates(delta: torch.Tensor, z: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Eq. 6 with ``delta_k = sigma z_k``: ``1/K sum_k dL_k / (2 sigma) z_k`` (coordinates of the
+    directions; times ``P`` for the parameter-space gradient in the subspace)."""
+    return rge_coefficients(delta.to(torch.float64), torch.zeros_like(delta, dtype=torch.float64), z, sigma)
+
+
+def encode(values: np.ndarray | torch.Tensor, frac_bits: int = FRAC_BITS) -> np.ndarray:
+    """Reals -> two's-complement fixed point mod 2**64 (``uint64``), ``round(v * 2**frac_bits)``."""
+    v = np.asarray(values, dtype=np.float64)
+    if not np.all(np.isfinite(v)):
+        raise ValueError("cannot encode non-finite values")
+    q = np.round(v * 2.0 ** frac_bits)
+    if np.any(np.abs(q) >= 2.0 ** 62):
+        raise ValueError(f"values too large for 64-bit fixed point with {frac_bits} fractional bits")
+    return q.astype(np.int64).view(np.uint64)
+
+
+def decode(words: np.ndarray, frac_bits: int = FRAC_BITS) -> np.ndarray:
+    """``uint64`` words (a sum mod 2**64) -> float64 reals (signed two's complement)."""
+    return np.asarray(words, dtype=np.uint64).view(np.int64).astype(np.float64) / 2.0 ** frac_bits
+
+
+def _pair_words(secret: bytes, rnd: int, i: int, j: int, K: int) -> np.ndarray:
+    digest = hashlib.sha256(b"baffle-mask|%s|%d|%d|%d" % (secret, rnd, i, j)).digest()
+    return np.random.default_rng(int.from_bytes(digest, "little")).integers(0, _MOD, size=K, dtype=np.uint64,
+                                                                          endpoint=False)
+
+
+def pairwise_masks(client: int, clients: Sequence[int], rnd: int, K: int, secret: bytes) -> np.ndarray:
+    """Client ``client``'s mask ``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64, ``uint64 [K]``).
+
+    Over all ``clients`` the masks sum to exactly 0 mod 2**64 (uint64 arithmetic wraps)."""
+    if client not in clients:
+        raise ValueError(f"client {client} is not one of the round's clients {list(clients)}")
+    mask = np.zeros(K, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in clients:
+            if j > client:
+                mask += _pair_words(secret, rnd, client, j, K)
+            elif j < client:
+                mask -= _pair_words(secret, rnd, j, client, K)
+    return mask
+
+
+def aggregate(uploads: Sequence[np.ndarray], frac_bits: int = FRAC_BITS) -> np.ndarray:
+    """Sum the (masked, encoded) uploads mod 2**64 and decode: ``sum_c (N_c / N) dL^c`` as float64."""
+    if not uploads:
+        raise ValueError("no client uploads to aggregate (zero clients)")
+    total = np.zeros_like(np.asarray(uploads[0], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        for u in uploads:
+            u = np.asarray(u, dtype=np.uint64)
+            if u.shape != total.shape:
+                raise ValueError(f"upload of shape {u.shape} does not match {total.shape}")
+            total += u
+    return decode(total, frac_bits)

@@ -1,0 +1,208 @@
+"""Layer-wise weight / node perturbation ZO (seed 004, Zhao et al. 2025, Sec. 3.2, Algorithm 1).
+
+One step, with ``L`` trainable layers (``nn.Linear`` / ``nn.Conv*``, SpikingJelly's multi-step
+layers included) and ``Q = q`` probes per layer:
+
+1. one clean forward ``l0 = L(theta)``; forward hooks record each trainable layer's input ``a_i``;
+2. for each trainable layer ``i`` (the others are not perturbed: *layer-wise* estimation), ``q``
+   one-sided probes (paper eq. 6 / 9):
+
+   * **node perturbation** (``"node"``): a forward hook adds ``mu * xi`` to the layer's output
+     ``z_i = W_i a_i + b_i`` (the pre-activation: the neuron input current, one scalar per node,
+     per time step and per sample, ``xi ~ N(0, I)``), giving ``g_z = 1/q sum (l_q - l0)/mu xi_q``;
+     the weight gradient is the layer's own outer product (eq. 10) ``g_W = g_z a_i^T`` computed as
+     the vector-Jacobian product of that one layer at the recorded input (a convolution's
+     ``g_z * a_i``), never a backward pass through the network;
+   * **weight perturbation** (``"weight"``): ``W_i + mu xi``, ``g_W = 1/q sum (l_q - l0)/mu xi_q``;
+   * ``"adaptive"``: node perturbation where the layer's node dimension (per sample, over T) is
+     smaller than its weight dimension, weight perturbation otherwise (Sec. 3.2.2);
+
+3. all layers are updated together from the estimates at ``theta_t`` (a *global* update, as in
+   Algorithm 1's recomputation of the activations), heavy ball in velocity form like
+   :class:`~szo.optim.FullSpaceZO`.
+
+Only the parameters of those layers are trained (BN affine parameters are in no perturbed layer).
+``layers`` picks a subset of the trainable layers by module name (the paper's *sparse* training:
+only those layers are perturbed and updated); the default trains all of them. Forwards per step:
+``1 + q * L``. BN running statistics: one update per step (:class:`BNStatsFreezer`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..functional import zo as F
+from .bn import BNStatsFreezer
+
+__all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
+
+PERTURBATIONS: tuple[str, ...] = ("node", "weight", "adaptive")
+_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """The linear / convolution layers of ``model`` by module name (``names``: a subset, in model order)."""
+    found = {n: m for n, m in model.named_modules() if isinstance(m, _LAYER_TYPES)}
+    if not found:
+        raise ValueError("the model has no nn.Linear / nn.Conv layer to perturb")
+    if names is None:
+        return found
+    names = list(names)
+    unknown = [n for n in names if n not in found]
+    if unknown or not names:
+        raise ValueError(f"unknown layer name(s) {unknown or names!r}; valid: {', '.join(found)}")
+    return {n: m for n, m in found.items() if n in names}
+
+
+def _load(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``params`` in place (their storage stays theirs)."""
+    off = 0
+    for p in params:
+        p.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
+
+
+class LayerwiseZO(torch.optim.Optimizer):
+    """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``)."""
+
+    forward_only = True
+
+    def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
+                 mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
+                 generator: torch.Generator | None = None):
+        if perturbation not in PERTURBATIONS:
+            raise ValueError(f"unknown perturbation {perturbation!r}; valid: {', '.join(PERTURBATIONS)}")
+        if not mu > 0:
+            raise ValueError(f"mu must be > 0, got {mu}")
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"q must be an int >= 1, got {q!r}")
+        self.layers = trainable_layers(model, layers)
+        params = [p for m in self.layers.values() for p in m.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            raise ValueError("the chosen layers have no trainable parameters")
+        super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
+        self.model = model
+        self.perturbation = perturbation
+        self.q = q
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.bn = BNStatsFreezer(model)
+        self.forward_passes = 0
+        self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
+        for p in params:
+            self.state[p]["velocity"] = torch.zeros_like(p)
+
+    @property
+    def forwards_per_step(self) -> int:
+        return 1 + self.q * len(self.layers)
+
+    def _loss(self, closure, where: str) -> float:
+        self.bn.restore()
+        out = F.check_loss(closure(), where)
+        self.forward_passes += 1
+        self.bn.accumulate()
+        return out
+
+    def _mode(self, name: str, m: nn.Module, node_dim: int) -> str:
+        if name not in self.modes:
+            if self.perturbation == "adaptive":
+                d_w = sum(p.numel() for p in m.parameters(recurse=False))
+                self.modes[name] = "node" if node_dim < d_w else "weight"
+            else:
+                self.modes[name] = self.perturbation
+        return self.modes[name]
+
+    def _noise(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(like.shape, generator=self.generator, dtype=like.dtype).to(like.device)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("LayerwiseZO.step needs a closure that runs a forward pass and returns the loss")
+        group = self.param_groups[0]
+        mu, q = group["mu"], self.q
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, tuple[torch.Size, int]] = {}
+
+        def record(name):
+            def hook(mod, args, out):
+                inputs[name] = args[0].detach()
+                outputs[name] = (out.shape, out.shape[1] if out.dim() > 2 else out.shape[0])  # [T, N, ...] or [N, F]
+            return hook
+
+        handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
+        self.bn.snapshot()
+        grads: dict[nn.Parameter, torch.Tensor] = {}
+        try:
+            try:
+                l0 = self._loss(closure, "closure (clean forward)")
+            finally:
+                for h in handles:
+                    h.remove()
+            for name, m in self.layers.items():
+                shape, batch = outputs[name]
+                node_dim = int(torch.Size(shape).numel()) // max(batch, 1)
+                if self._mode(name, m, node_dim) == "node":
+                    xis, losses = [], []
+                    for j in range(q):
+                        xi = self._noise(torch.empty(shape))
+                        h = m.register_forward_hook(lambda mod, args, out, xi=xi: out + mu * xi.to(out))
+                        try:
+                            losses.append(self._loss(closure, f"closure (layer {name}, node probe {j + 1}/{q})"))
+                        finally:
+                            h.remove()
+                        xis.append(xi.reshape(-1))
+                    g_z = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
+                                                            torch.stack(xis), mu).view(shape)
+                    own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                    with torch.enable_grad():  # eq. 10: this layer's VJP at its recorded input
+                        z = m(inputs[name])
+                        for p, g in zip(own, torch.autograd.grad(z, own, grad_outputs=g_z.to(z))):
+                            grads[p] = g
+                else:
+                    own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                    flat0 = torch.cat([p.reshape(-1) for p in own]).clone()
+                    xis, losses = [], []
+                    try:
+                        for j in range(q):
+                            xi = self._noise(flat0)
+                            _load(own, flat0 + mu * xi)
+                            losses.append(self._loss(closure, f"closure (layer {name}, weight probe {j + 1}/{q})"))
+                            xis.append(xi)
+                    finally:
+                        _load(own, flat0)
+                    g = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
+                                                          torch.stack(xis), mu)
+                    off = 0
+                    for p in own:
+                        grads[p] = g[off:off + p.numel()].view_as(p)
+                        off += p.numel()
+        except BaseException:
+            self.bn.restore()
+            raise
+        self.bn.commit()
+        for p in group["params"]:
+            vel = self.state[p]["velocity"]
+            vel.mul_(group["momentum"]).add_(grads[p].to(vel), alpha=-group["lr"])
+            p.add_(vel)
+        return torch.tensor(l0)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["layerwise"] = {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes,
+                           "modes": dict(self.modes)}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("layerwise", {})
+        super().load_state_dict(state_dict)
+        if "generator_state" in extra:
+            self.generator.set_state(extra["generator_state"].to(torch.uint8))
+        self.forward_passes = int(extra.get("forward_passes", 0))
+        self.modes = dict(extra.get("modes", {}))

@@ -1,0 +1,110 @@
+"""BAFFLE math: zero-sum masks cancel exactly; the secure aggregate equals the centralised estimate."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from szo.federated import baffle as B
+
+
+@pytest.mark.parametrize("n_clients", [1, 2, 5, 8])
+def test_masks_cancel_exactly(n_clients):
+    clients = list(range(n_clients))
+    masks = [B.pairwise_masks(c, clients, rnd=3, K=7, secret=b"s") for c in clients]
+    total = np.zeros(7, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for m in masks:
+            total += m
+    assert total.tolist() == [0] * 7  # exactly zero mod 2**64, not approximately
+    if n_clients > 1:
+        assert all(np.any(m != 0) for m in masks)  # every single upload is hidden
+        other = B.pairwise_masks(0, clients, rnd=4, K=7, secret=b"s")
+        assert not np.array_equal(other, masks[0])  # fresh masks every round
+
+
+def test_encode_decode_and_masked_sum():
+    v = np.array([0.5, -1.25, 3e-6, -7.0])
+    assert np.array_equal(B.decode(B.encode(v)), np.round(v * 2.0 ** 32) / 2.0 ** 32)
+    parts = [np.array([0.1, -0.2]), np.array([-0.3, 0.25]), np.array([1.0, 2.0])]
+    clients = [0, 1, 2]
+    with np.errstate(over="ignore"):
+        uploads = [B.encode(p) + B.pairwise_masks(c, clients, 0, 2, b"k") for c, p in enumerate(parts)]
+    unmasked = B.aggregate([B.encode(p) for p in parts])
+    assert np.array_equal(B.aggregate(uploads), unmasked)  # bit-identical with and without masks
+    np.testing.assert_allclose(unmasked, sum(parts), atol=3 * 2.0 ** -33)
+    with pytest.raises(ValueError, match="zero clients"):
+        B.aggregate([])
+    with pytest.raises(ValueError, match="non-finite"):
+        B.encode([float("nan")])
+
+
+def test_secure_aggregate_equals_centralised_estimate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    d = sum(p.numel() for p in model.parameters())
+    theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    basis, _ = torch.linalg.qr(torch.randn(d, 6, dtype=torch.float64))
+    x, y = torch.randn(30, 5, dtype=torch.float64), torch.randint(0, 3, (30,))
+    splits = B.dirichlet_split(y.numpy(), 4, alpha=0.5, seed=1)
+
+    def loss_on(idx):
+        def f(vec):
+            torch.nn.utils.vector_to_parameters(vec, model.parameters())
+            return nn.functional.cross_entropy(model(x[idx]), y[idx])  # mean over the samples
+        return f
+
+    seed, K, sigma = 1234, 8, 1e-2
+    for basis_or_none, dim in ((basis, 6), (None, d)):
+        z = B.round_directions(seed, K, dim)  # what every client and the server regenerate
+        uploads = []
+        for c, idx in enumerate(splits):
+            delta = B.loss_differences(loss_on(idx), theta, z, sigma, basis_or_none)
+            with np.errstate(over="ignore"):
+                uploads.append(B.encode(delta.numpy() * len(idx) / len(y))
+                               + B.pairwise_masks(c, list(range(len(splits))), 0, K, b"secret"))
+        fed = B.stein_coordinates(torch.from_numpy(B.aggregate(uploads)), z, sigma)
+        central = B.stein_coordinates(
+            B.loss_differences(loss_on(np.arange(len(y))), theta, z, sigma, basis_or_none), z, sigma)
+        # the only difference: 2**-32 fixed point per client upload, / (2 sigma), averaged over K
+        torch.testing.assert_close(fed, central, atol=len(splits) * 2.0 ** -32 / (2 * sigma) * 4, rtol=0)
+        assert central.abs().max() > 1e-3
+
+
+def test_dirichlet_split_partitions_and_skews():
+    labels = np.repeat(np.arange(10), 50)
+    parts = B.dirichlet_split(labels, 8, alpha=0.1, seed=0)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(500))
+    again = B.dirichlet_split(labels, 8, alpha=0.1, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # seeded
+    classes = lambda ps: np.mean([len(np.unique(labels[p])) for p in ps])  # noqa: E731
+    assert classes(parts) < classes(B.dirichlet_split(labels, 8, alpha=100.0, seed=0))
+    with pytest.raises(ValueError, match="number of clients"):
+        B.dirichlet_split(labels, 0, alpha=0.5, seed=0)
+    with pytest.raises(ValueError, match="alpha"):
+        B.dirichlet_split(labels, 2, alpha=0.0, seed=0)
+
+
+def test_round_directions_are_regenerated_from_the_seed():
+    assert torch.equal(B.round_directions(7, 3, 4), B.round_directions(7, 3, 4))
+    assert not torch.equal(B.round_directions(7, 3, 4), B.round_directions(8, 3, 4))
+    with pytest.raises(ValueError, match="K"):
+        B.round_directions(7, 0, 4)
+
+
+def test_federated_config_rejects_zero_clients():
+    from szo.federated.flower import FederatedConfig
+
+    with pytest.raises(ValueError, match="clients must be an int >= 1"):
+        FederatedConfig(clients=0)
+    with pytest.raises(ValueError, match="valid: subspace, full"):
+        FederatedConfig(space="tt")
+
+
+def test_cli_zero_clients_is_one_clear_error(capsys):
+    from szo.cli import main
+
+    assert main(["federated", "digits-scratch", "--clients", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: clients must be an int >= 1, got 0 (a federation needs at least one client)"]
+    assert main(["federated", "digits-bp", "--clients", "2"]) == 2
+    assert "kind: subspace" in capsys.readouterr().err

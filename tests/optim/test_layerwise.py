@@ -1,0 +1,108 @@
+"""Layer-wise node / weight perturbation (seed 004) against autograd on a smooth toy."""
+import pytest
+import torch
+from torch import nn
+
+from szo.optim import build_optimizer
+from szo.optim.layerwise import LayerwiseZO, trainable_layers
+
+
+def _toy(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    return model, (lambda: ((model(x) - y) ** 2).mean())
+
+
+def _estimate(perturbation, q, mu=1e-5):
+    """One step with lr 1, momentum 0: the parameter change is minus the estimate."""
+    model, closure = _toy()
+    with torch.enable_grad():
+        model.zero_grad()
+        closure().backward()
+    true = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    opt = LayerwiseZO(model, perturbation=perturbation, mu=mu, lr=1.0, momentum=0.0, q=q,
+                      generator=torch.Generator().manual_seed(1))
+    opt.step(closure)
+    est = before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return est, true, opt
+
+
+@pytest.mark.parametrize("perturbation", ["node", "weight"])
+def test_estimate_points_along_the_autograd_gradient(perturbation):
+    est, true, _ = _estimate(perturbation, q=400)
+    cos = float(torch.nn.functional.cosine_similarity(est, true, dim=0))
+    assert cos > 0.85, cos
+
+
+def test_more_probes_point_closer():
+    for pert in ("node", "weight"):
+        cos = [float(torch.nn.functional.cosine_similarity(*_estimate(pert, q=q)[:2], dim=0)) for q in (10, 400)]
+        assert cos[0] < cos[1], (pert, cos)
+
+
+def test_forward_count_and_sparse_layers():
+    model, closure = _toy()
+    first = model[0].weight.detach().clone()
+    opt = LayerwiseZO(model, layers=["2"], q=3, generator=torch.Generator().manual_seed(0))
+    opt.step(closure)
+    assert opt.forward_passes == opt.forwards_per_step == 1 + 3
+    assert torch.equal(model[0].weight, first)  # not in `layers`: untouched
+    opt2 = LayerwiseZO(_toy()[0], q=2)
+    assert opt2.forwards_per_step == 1 + 2 * 2
+
+
+def test_adaptive_picks_the_smaller_dimension():
+    model, closure = _toy()
+    opt = LayerwiseZO(model, perturbation="adaptive", q=1)
+    opt.step(closure)
+    # layer 0: 5 nodes per sample < 35 weights -> node; layer 2: 3 nodes < 18 weights -> node
+    assert opt.modes == {"0": "node", "2": "node"}
+    big_out = nn.Sequential(nn.Linear(2, 40)).double()
+    opt = LayerwiseZO(big_out, perturbation="adaptive", q=1)
+    opt.step(lambda: big_out(torch.ones(4, 2, dtype=torch.float64)).pow(2).mean())
+    assert opt.modes == {"0": "node"}  # 40 nodes < 120 weights
+    tiny = nn.Sequential(nn.Linear(1, 3, bias=False)).double()
+    opt = LayerwiseZO(tiny, perturbation="adaptive", q=1)
+    opt.step(lambda: tiny(torch.ones(4, 1, dtype=torch.float64)).pow(2).mean())
+    assert opt.modes == {"0": "weight"}  # 3 weights <= 3 nodes
+
+
+def test_spiking_model_step_and_state_dict_round_trip():
+    from szo.models import create
+
+    torch.manual_seed(0)
+    model = create("spike_convnet", T=2, width=4)
+    x, y = torch.rand(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    closure = lambda: nn.functional.cross_entropy(model(x).mean(0), y)  # noqa: E731
+    opt = build_optimizer("np-zo", model, lr=0.1, mu=0.01, q=2)
+    before = model.flat_params().clone()
+    opt.step(closure)
+    assert opt.forward_passes == 1 + 2 * 3  # conv1, conv2, fc
+    assert not torch.equal(before, model.flat_params())
+    opt2 = build_optimizer("np-zo", model, lr=0.1, mu=0.01, q=2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.forward_passes == opt.forward_passes and opt2.modes == opt.modes
+
+
+def test_bad_input():
+    model, _ = _toy()
+    with pytest.raises(ValueError, match="valid: node, weight, adaptive"):
+        LayerwiseZO(model, perturbation="nodes")
+    with pytest.raises(ValueError, match="unknown layer"):
+        LayerwiseZO(model, layers=["fc"])
+    with pytest.raises(ValueError, match="q must be"):
+        LayerwiseZO(model, q=0)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        trainable_layers(nn.Sequential(nn.Tanh()))
+    with pytest.raises(ValueError, match="unknown method"):
+        build_optimizer("np_zo", model, lr=0.1)
+
+
+def test_weight_probes_keep_parameter_storage():
+    model, closure = _toy()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    LayerwiseZO(model, perturbation="weight", q=2).step(closure)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, not re-pointed
