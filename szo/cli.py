@@ -28,7 +28,7 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 
-_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.export.cli"]
+_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.export.cli", "szo.study.cli"]
 
 
 def _import_registrar(name: str):

@@ -60,6 +60,19 @@ def test_rge_mean_and_variance_match_the_closed_form(q):
     assert s["cosine_of_mean"] > 0.99 * s["projected_fraction"] ** 0.5
 
 
+def test_full_space_rge_matches_the_closed_form():
+    h, b, theta, _ = _setup(3)
+    loss = lambda x: 0.5 * x @ h @ x + b @ x  # noqa: E731
+    grad = h @ theta + b
+    est = draw_estimates(loss, theta, None, 0.1, estimator="rge", q=2, repeats=3000,
+                         generator=torch.Generator().manual_seed(0))
+    s = estimate_statistics(est, grad)
+    assert s["variance"] == pytest.approx(rge_variance_closed_form(grad, None, 2), rel=0.08)
+    # full-space CGE recovers the gradient itself
+    full = draw_estimates(loss, theta, None, 0.1, estimator="cge")
+    assert torch.allclose(full[0], grad, atol=1e-9)
+
+
 def test_full_space_closed_form_and_statistics_definitions():
     g = torch.tensor([3.0, 4.0])
     assert rge_variance_closed_form(g, None, 2) == pytest.approx(3 * 25 / 2)
