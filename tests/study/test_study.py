@@ -95,3 +95,19 @@ def test_variants_share_theta0(runs):
     assert all(torch.equal(s.reference, ref) for s in v.values())
     with pytest.raises(ValueError, match="no trajectory"):
         subspace_variants(runs, 2)
+
+
+def test_study_subspaces_trains_a_scratch_recipe_in_each_variant(runs):
+    out = runs / "ss-train"
+    sets = [a for s in ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32",
+                        "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2"]
+            for a in ("--set", s)]
+    assert main(["study", "subspaces", str(runs / "bp"), "--k", "2", "--prefix", "tr", "--random-seeds", "5",
+                 "--no-bn-head", "--train", "digits-scratch", "--out", str(out)] + sets) == 0
+    res = json.loads((out / "subspaces.json").read_text())
+    assert [t["variant"] for t in res["training"]] == ["whole", "random5"]
+    for t in res["training"]:
+        cfg = json.loads((out / t["variant"] / "results.json").read_text())
+        assert cfg["label"] == "SZO-CGE" and 0.0 <= t["best_test_acc"] <= 1.0
+    import yaml
+    assert yaml.safe_load((out / "random5" / "config.yaml").read_text())["subspace"]["name"] == "tr-random5"
