@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-full-cge", type=int, default=2000, help="full-space CGE only if d <= this (2d forwards)")
     p.add_argument("--no-twin", action="store_true", help="skip the ReLU twin")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="JSON path (default RUN_DIR/diagnose.json)")
+    p.add_argument("--out", help="JSON path (default RUN_DIR/diagnose.json); the plot goes next to it (.png)")
     p.set_defaults(func=_cmd_diagnose)
 
     st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN)")

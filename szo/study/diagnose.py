@@ -14,7 +14,7 @@ draws estimates and reports :func:`szo.functional.diagnostics.estimate_statistic
 
 The model's weights and BN buffers are left exactly as loaded. Results go to
 ``RUN_DIR/diagnose.json`` (or ``--out``), one row per configuration, with the closed-form
-mu -> 0 RGE variance next to the measured one.
+mu -> 0 RGE variance next to the measured one, and a plot next to it (``.png``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 
 from szo.functional.diagnostics import draw_estimates, estimate_statistics, rge_variance_closed_form
 
-__all__ = ["diagnose_model", "diagnose_run", "run_batch"]
+__all__ = ["diagnose_model", "diagnose_run", "run_batch", "plot_diagnose", "render"]
 
 
 def _check_list(name: str, values: Sequence[Any], kind: type) -> list:
@@ -148,8 +148,33 @@ def diagnose_run(run_dir: str | os.PathLike, *, subspace: str | None = None, mus
                                seed=seed, max_full_cge=max_full_cge, label="relu-twin")
     result = {"run_dir": str(Path(run_dir).resolve()), "subspace": name if directions is not None else None,
               "batch": int(y.shape[0]), "repeats": repeats, "seed": seed, "rows": rows}
-    atomic_write_json(out or Path(run_dir) / "diagnose.json", result)
+    path = Path(out or Path(run_dir) / "diagnose.json")
+    atomic_write_json(path, result)
+    plot_diagnose(result, path.with_suffix(".png"))
     return result
+
+
+def plot_diagnose(result: dict[str, Any], path: str | os.PathLike) -> None:
+    """Cosine to the BPTT gradient (left) and variance (right, log) against mu, one line per
+    (model, space, estimator, q)."""
+    from szo.plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, (ax_c, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    for r in result["rows"]:
+        key = f"{r['model']} {r['space']} {r['estimator'].upper()}" + (f" q={r['q']}" if r["q"] else "")
+        series.setdefault(key, []).append((r["mu"], r["cosine"], r["variance"]))
+    for key, pts in series.items():
+        pts.sort()
+        mus = [p[0] for p in pts]
+        ax_c.plot(mus, [p[1] for p in pts], marker="o", label=key)
+        if any(p[2] > 0 for p in pts):
+            ax_v.plot(mus, [p[2] for p in pts], marker="o", label=key)
+    ax_c.set(xscale="log", xlabel="mu", ylabel="mean cos(g_hat, g_BPTT)", title="cosine to the BPTT gradient")
+    ax_v.set(xscale="log", yscale="log", xlabel="mu", ylabel="trace Cov(g_hat)", title="variance (RGE)")
+    ax_c.legend(fontsize=6)
+    save_figure(fig, path)
 
 
 def render(result: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ def test_diagnose_cli_rows_and_model_untouched(runs, capsys):
                 and r["mu"] == 0.01][0]
     assert twin_cge["cosine"] > 0.95
     assert "cos_P" in capsys.readouterr().out
+    assert (runs / "diag.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     model2, _ = load_run_model(runs / "bp")
     assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items())
 
