@@ -168,12 +168,13 @@ def plot_diagnose(result: dict[str, Any], path: str | os.PathLike) -> None:
     for key, pts in series.items():
         pts.sort()
         mus = [p[0] for p in pts]
-        ax_c.plot(mus, [p[1] for p in pts], marker="o", label=key)
-        if any(p[2] > 0 for p in pts):
-            ax_v.plot(mus, [p[2] for p in pts], marker="o", label=key)
+        (line,) = ax_c.plot(mus, [p[1] for p in pts], marker="o", label=key)
+        if any(p[2] > 0 for p in pts):  # same colour as its cosine line
+            ax_v.plot(mus, [p[2] for p in pts], marker="o", label=key, color=line.get_color())
     ax_c.set(xscale="log", xlabel="mu", ylabel="mean cos(g_hat, g_BPTT)", title="cosine to the BPTT gradient")
     ax_v.set(xscale="log", yscale="log", xlabel="mu", ylabel="trace Cov(g_hat)", title="variance (RGE)")
     ax_c.legend(fontsize=6)
+    ax_v.legend(fontsize=6)
     save_figure(fig, path)
 
 
