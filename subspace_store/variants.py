@@ -41,7 +41,7 @@ def _check_reference(reference: Any, d: int | None = None) -> torch.Tensor:
     return reference.detach().to("cpu", torch.float32).clone()
 
 
-def _flat(k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # no variance spectrum: every direction counts the same
     return torch.zeros(k, dtype=torch.float64), torch.full((k,), 1.0 / k, dtype=torch.float64)
 
@@ -65,7 +65,7 @@ def random_subspace(reference: torch.Tensor, k: int, seed: int, *, layout: Any =
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))
     q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(k, dtype=torch.float64))
-    ev, evr = _flat(k, dtype)
+    ev, evr = _flat(k)
     return Subspace(basis=q.to(dtype), mean=ref.clone(), reference=ref, eigenvalues=ev,
                     explained_variance_ratio=evr, layout=layout, fingerprint=fingerprint, model=model,
                     provenance={"builder": "random-orthonormal", "seed": seed, "k": k, "N": None,
@@ -96,7 +96,7 @@ def coordinate_subspace(layout: Any, names: Sequence[str], reference: torch.Tens
     k = int(rows.numel())
     basis = torch.zeros(d, k, dtype=dtype)
     basis[rows, torch.arange(k)] = 1.0
-    ev, evr = _flat(k, dtype)
+    ev, evr = _flat(k)
     return Subspace(basis=basis, mean=ref.clone(), reference=ref, eigenvalues=ev,
                     explained_variance_ratio=evr, layout=lay, fingerprint=fingerprint, model=model,
                     provenance={"builder": "coordinate", "parameters": [n for n, _ in lay if n in set(names)],
