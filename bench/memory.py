@@ -8,6 +8,10 @@ per pass). ``szo-stream`` is the loop with the streaming forward (``model.set_st
 ``--time-chunk`` steps per chunk, default 1; BN policy ``--stream-bn``, default ``running``:
 one pass per probe; ``exact`` needs one extra truncated pass per BN layer, the same memory
 but ~11x the time on ResNet20), ``szo-batched-stream`` the batched engine on top of it.
+``bptt-ckpt`` recomputes each residual block in the backward pass (SpikingJelly's
+``memopt.checkpoint_module``, neuron state handled by it; same gradients), ``bptt-bf16`` runs
+the forward under ``torch.autocast`` in bfloat16. ``--config resnet18`` measures Spike-ResNet18
+(CIFAR-100-shaped input, the paper's Fig. 5 model) instead of Spike-ResNet20.
 Targets: SZO T=16 within 1.3x of T=1; at T=16, batch 128, SZO <= 1/4 of BPTT.
 
     python bench/memory.py            # batch {16,32,64,128} x T {1,2,4,8,16}
@@ -33,7 +37,8 @@ from common import (RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_
                     proc_status_kb, run_json_worker, set_threads, write_result)
 from szo.models.streaming import STREAM_BN_MODES  # noqa: E402
 
-METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
+METHODS = ("bptt", "bptt-ckpt", "bptt-bf16", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
+BPTT_METHODS = ("bptt", "bptt-ckpt", "bptt-bf16")
 DEFAULT_METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "zo-rge")
 SZO_METHODS = tuple(m for m in METHODS if m.startswith("szo"))
 
@@ -51,7 +56,8 @@ def _malloc_trim() -> bool:
 
 
 def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *, k: int = 2,
-           time_chunk: int = 1, stream_bn: str = "running", warmup: bool = True, alloc_peak: bool = True) -> dict:
+           time_chunk: int = 1, stream_bn: str = "running", warmup: bool = True, alloc_peak: bool = True,
+           config: str = "resnet20") -> dict:
     """One training step of ``method``; returns the peak memory above the post-load baseline.
 
     ``peak_bytes``: CUDA max_memory_allocated, or on CPU peak RSS (VmHWM) of that step.
@@ -63,18 +69,27 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     from szo.losses import tet_loss
     from szo.optim import SZO, FullSpaceZO
 
-    model, shape = make_model("resnet20", T, device)
+    model, shape = make_model(config, T, device)
     x, y = make_batch(shape, batch, device)
     batch_data = {"x": x, "y": y}
     streaming = method.endswith("-stream")
     if streaming:
         model.set_streaming(time_chunk, stream_bn)
-    if method == "bptt":
+    if method in BPTT_METHODS:
+        if method == "bptt-ckpt":
+            from spikingjelly.activation_based.memopt import checkpoint_module
+
+            for stage in model.stages:  # every residual block recomputed in the backward pass
+                for i in range(len(stage)):
+                    stage[i] = checkpoint_module(stage[i])
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        bf16 = torch.autocast(device.type, dtype=torch.bfloat16, enabled=method == "bptt-bf16")
 
         def step():
             opt.zero_grad(set_to_none=True)
-            tet_loss(model(batch_data["x"]), batch_data["y"]).backward()
+            with bf16:
+                out = model(batch_data["x"])
+            tet_loss(out.float(), batch_data["y"]).backward()
             opt.step()
     elif method in SZO_METHODS:
         batched = "batched" in method
@@ -123,7 +138,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     if warmup:
         how += ", after a 2-sample warm-up step" + (" and malloc_trim" if device.type == "cpu" else "")
     alloc = int(peak) if device.type == "cuda" else (cpu_alloc_peak(step) if alloc_peak else None)
-    return dict(method=method, batch=batch, T=T, peak_bytes=int(peak), alloc_peak_bytes=alloc, step_s=step_s,
+    return dict(method=method, config=config, batch=batch, T=T, peak_bytes=int(peak), alloc_peak_bytes=alloc, step_s=step_s,
                 how=how, chunk=chunk if "batched" in method else None, k=k if method in SZO_METHODS else None,
                 time_chunk=time_chunk if streaming else None, stream_bn=stream_bn if streaming else None)
 
@@ -131,7 +146,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
 def run_point(method: str, batch: int, T: int, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", method, "--batch", str(batch), "--T", str(T),
            "--chunk", str(a.chunk), "--threads", str(a.threads), "--device", a.device, "--k", str(a.k),
-           "--time-chunk", str(a.time_chunk), "--stream-bn", a.stream_bn]
+           "--time-chunk", str(a.time_chunk), "--stream-bn", a.stream_bn, "--config", a.config]
     cmd += (["--no-warmup"] if a.no_warmup else []) + (["--no-alloc"] if a.no_alloc else [])
     env = dict(os.environ)
     if a.malloc_mmap_threshold is not None:
@@ -195,7 +210,8 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.yaxis.set_minor_formatter(NullFormatter())
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("Spike-ResNet20, memory of one training step", fontsize=10)
+    model = {"resnet20": "Spike-ResNet20", "resnet18": "Spike-ResNet18"}.get(rows[0].get("config", "resnet20"))
+    fig.suptitle(f"{model}, memory of one training step", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -242,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--T", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
+    ap.add_argument("--config", default="resnet20", choices=["resnet20", "resnet18"],
+                    help="Spike-ResNet20 (CIFAR-10 shape) or Spike-ResNet18 (CIFAR-100 shape)")
     ap.add_argument("--chunk", type=int, default=4, help="copies per batched pass")
     ap.add_argument("--k", type=int, default=2, help="SZO subspace dimension (2k probes per step)")
     ap.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk of the *-stream methods")
@@ -272,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         print(json.dumps(worker(a.worker, a.batch[0], a.T[0], a.chunk, torch.device(a.device), k=a.k,
                                 time_chunk=a.time_chunk, stream_bn=a.stream_bn, warmup=not a.no_warmup,
-                                alloc_peak=not a.no_alloc)))
+                                alloc_peak=not a.no_alloc, config=a.config)))
         return 0
     if a.quick:
         a.batch, a.T = [16, 32], [1, 4]

@@ -11,7 +11,7 @@ def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *,
     """Write a PNG of the explained-variance ratio of each component and their cumulative sum."""
     import numpy as np
 
-    from szo.plots import pyplot, save_figure
+    from szo.plots import integer_ticks, legend_below, pyplot, save_figure
 
     r = np.asarray([float(x) for x in ratios], dtype=float)
     if r.ndim != 1 or r.size == 0:
@@ -22,6 +22,7 @@ def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *,
     try:
         ax.bar(idx, 100 * r, color="#4c72b0", label="per component")
         ax.set_xlabel("principal component")
+        integer_ticks(ax.xaxis)
         ax.set_ylabel("explained variance (%)")
         ax2 = ax.twinx()
         ax2.plot(idx, 100 * np.cumsum(r), color="#dd8452", marker="o", markersize=3, label="cumulative")
@@ -29,10 +30,10 @@ def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *,
         ax2.set_ylim(0, 105)
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, loc="center right")
         if title:
             ax.set_title(title)
+        legend_below(fig, h1 + h2, l1 + l2, ncol=2)  # under the axes: the bars and the line fill them
     except BaseException:
         plt.close(fig)
         raise
-    save_figure(fig, path, dpi=120)  # tight_layout, PNG in memory, close, atomic write
+    save_figure(fig, path, dpi=120, layout=False)  # PNG in memory, close, atomic write

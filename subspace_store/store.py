@@ -134,10 +134,23 @@ class SubspaceStore:
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST_FILE).is_file())
 
+    def incomplete(self) -> list[str]:
+        """Entry directories without a manifest (a foreign or interrupted write; ``save`` never
+        leaves one): they block their name until removed (``delete`` / ``szo subspace rm``)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                      and _NAME_RE.fullmatch(p.name) and not (p / MANIFEST_FILE).is_file())
+
     def summaries(self) -> list[dict]:
-        """One dict per entry: name, model, k, N, d, storage_dtype, explained variance (sum), created."""
+        """One dict per entry: name, model, k, N, d, storage_dtype, explained variance (sum), created;
+        an unreadable or incomplete entry gives ``{"name", "error"}``."""
         out = []
-        for name in self.list():
+        for name in sorted(self.list() + self.incomplete()):
+            if not self.exists(name):
+                out.append({"name": name, "error": f"incomplete entry: no {MANIFEST_FILE} (remove it with "
+                                                   f"szo subspace rm {name})"})
+                continue
             try:
                 m = self.info(name)
             except SubspaceIntegrityError as e:
@@ -174,7 +187,9 @@ class SubspaceStore:
         if not isinstance(subspace, Subspace):
             raise ValueError(f"subspace must be a subspace_store.Subspace, got {type(subspace).__name__}")
         if final.exists() and not overwrite:
-            raise ValueError(f"subspace {name!r} already exists in {self.root}; pass overwrite=True (CLI: --overwrite)")
+            what = "already exists" if self.exists(name) else f"is taken by an incomplete entry (no {MANIFEST_FILE})"
+            raise ValueError(f"subspace {name!r} {what} in {self.root}; pass overwrite=True (CLI: --overwrite) "
+                             f"or remove it (szo subspace rm {name})")
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{name}.tmp-{os.getpid()}"
         if tmp.exists():
@@ -283,8 +298,10 @@ class SubspaceStore:
 
     # ---- delete
     def delete(self, name: str) -> None:
-        """Remove entry ``name`` (renamed away first, so it disappears atomically)."""
-        p = self._require(name)
+        """Remove entry ``name``, also an incomplete one (renamed away first, so it disappears atomically)."""
+        p = self.path(name)
+        if not p.is_dir():
+            p = self._require(name)
         gone = self.root / f".{name}.del-{os.getpid()}"
         if gone.exists():
             shutil.rmtree(gone)

@@ -16,7 +16,9 @@ that does not exist (yet) is skipped; errors inside an importable one propagate.
 Bad input (unknown recipe / key / choice, missing data) prints one line ``error: ...`` and
 exits with status 2, without a traceback. Under torchrun every rank that fails prints its own
 line prefixed with ``[rank R/W]``; a lost peer (``szo.distributed.RankFailure``) exits with
-status 3 (rerun the same command with ``--resume``). Only rank 0 prints the summary line.
+status 3 (rerun the same command with ``--resume``). A diverged run (``szo.train.TrainingDiverged``:
+non-finite or exploding loss, non-finite parameters) prints one line and exits with status 4;
+its results.json says ``"status": "diverged"``. Only rank 0 prints the summary line.
 """
 from __future__ import annotations
 
@@ -54,9 +56,14 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     from szo.pipeline import run_recipe
 
     # --device is one more override, so it is validated like the rest and lands in config.yaml
-    cfg = load_recipe(args.name, (args.set or []) + ([f"device={args.device}"] if args.device else []))
+    sets = (args.set or []) + ([f"device={args.device}"] if args.device else [])
+    cfg = load_recipe(args.name, sets)
     out = args.out or f"runs/{cfg['name']}"
     with launch(device=cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
+        if args.resume:  # the run's own config.yaml (+ --set); stages refuse what changes the run
+            from szo.rundir import resumed_config
+
+            cfg = resumed_config(out, cfg, sets)
         s = run_recipe(cfg, out, resume=args.resume)
     if info.rank != 0:
         return 0
@@ -81,9 +88,11 @@ def _cmd_demo_digits(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from szo.report import collect_runs, render, write_report
+    from szo.report import collect_runs, like_runs, render, write_report
 
     runs = collect_runs(args.run_dirs)
+    for note in like_runs(runs)[1]:
+        print(f"warning: {note}", file=sys.stderr)
     print(render(runs))
     if args.out:
         paths = write_report(runs, args.out)
@@ -102,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     r.add_argument("--out", help="run directory (default runs/NAME)")
     r.add_argument("--device", help="cpu | cuda | cuda:N (default: the recipe's)")
-    r.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint, with its own config.yaml (a --set that "
+                        "changes what is trained is refused)")
     r.set_defaults(func=_cmd_recipe)
 
     d = sub.add_parser("demo", help="self-contained demos (szo demo digits)")
@@ -139,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``szo`` console script; returns the exit status."""
     from szo.data import DataNotFoundError
     from szo.distributed import RankFailure, env_world_size
+    from szo.train import TrainingDiverged
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -152,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankFailure as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         code = 3
+    except TrainingDiverged as e:
+        print(f"error: {who}{_one_line(e)}", file=sys.stderr)
+        code = 4
     except (ValueError, DataNotFoundError, FileNotFoundError) as e:
         print(f"error: {who}{_one_line(e)}", file=sys.stderr)
         code = 2

@@ -28,6 +28,7 @@ from szo.methods import (  # the one method table (no torch import)
     FORWARD_ONLY_METHODS,
     INTEGER_LEARNER_METHODS,
     METHODS,
+    STREAMING_METHODS,
     SUBSPACE_METHODS,
 )
 
@@ -91,10 +92,21 @@ DEFAULTS: dict[str, Any] = {
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
     "backend": "float",
     "bn_stats": "batch",
+    # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
+    # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
+    # szo.models.compiled. Off by default (no GPU run has checked it yet); on CPU the compile
+    # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
+    "compile": False,
     # hw.arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
     # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); hw.reset: null keeps each LIF's reset, zero = standard Loihi LIF
     "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
            "ref_bits": 16, "arithmetic": "szo", "reset": None},
+    # method tt-zo (szo.models.tt, szo.optim.tt): TT rank(s), cores per weight, which layers (weights
+    # with >= min_params entries), the signRGE phase (seed 000: N = 10 directions, mu = 0.1) and the
+    # switch to CGE (plateau over `window` steps by less than `tol`, or at switch_step); the CGE
+    # phase takes szo.mu / szo.coords_per_step / train.lr / train.momentum
+    "tt": {"rank": 4, "cores": 2, "min_params": 1024, "sign_lr": 1.0e-3, "sign_q": 10, "sign_mu": 0.1,
+           "window": 20, "tol": 0.01, "switch_step": None},
     # multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process
     "distributed": {"mode": "data", "sync_bn": True, "timeout_s": 300.0},
 }
@@ -113,13 +125,16 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
     "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
     "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
-    "backend": (_STR, False), "bn_stats": (_STR, False),
+    "backend": (_STR, False), "bn_stats": (_STR, False), "compile": ((bool, str), False),
     "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
     "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
     "hw.arithmetic": (_STR, False), "hw.reset": (_STR, True),
     "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
     "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
     "szo.engine": (_STR, False), "szo.chunk": (_INT, True),
+    "tt.rank": ((int, list), False), "tt.cores": (_INT, False), "tt.min_params": (_INT, False),
+    "tt.sign_lr": (_FLOAT, False), "tt.sign_q": (_INT, False), "tt.sign_mu": (_FLOAT, False),
+    "tt.window": (_INT, False), "tt.tol": (_FLOAT, False), "tt.switch_step": (_INT, True),
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -131,7 +146,7 @@ _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "
              "szo.time_chunk", "szo.chunk",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
              "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
-             "distributed.timeout_s"}
+             "distributed.timeout_s", "tt.cores", "tt.min_params", "tt.sign_q", "tt.window"}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -353,6 +368,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if full["kind"] == "subspace":
         _check_method_options(full)
     _check_hw(full)
+    _check_compile(full)
     if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     return full
@@ -364,15 +380,37 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     method, sz = full["method"], full["szo"]
     if method in SUBSPACE_METHODS and full["train"]["weight_decay"]:
         raise ValueError(f"method {method!r} uses no weight decay (paper App. G); set train.weight_decay=0")
-    if sz["time_chunk"] is not None and method not in FORWARD_ONLY_METHODS:
+    if sz["time_chunk"] is not None and method not in STREAMING_METHODS:
+        why = "backpropagates" if method not in FORWARD_ONLY_METHODS else "takes forward-mode derivatives"
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{method!r} backpropagates; valid methods with szo.time_chunk: {', '.join(FORWARD_ONLY_METHODS)}")
+                         f"{method!r} {why}; valid methods with szo.time_chunk: {', '.join(STREAMING_METHODS)}")
     if sz["engine"] != "loop" and method not in ENGINE_METHODS:
         raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
                          f"engine 'loop'; valid methods for it: {', '.join(ENGINE_METHODS)}")
+    tt = full["tt"]
+    if method == "tt-zo" and not (tt["sign_mu"] > 0 and tt["sign_lr"] >= 0 and tt["tol"] >= 0):
+        raise ValueError(f"tt.sign_mu must be > 0 and tt.sign_lr, tt.tol >= 0; got sign_mu={tt['sign_mu']}, "
+                         f"sign_lr={tt['sign_lr']}, tol={tt['tol']}")
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
+
+
+def _check_compile(full: Mapping[str, Any]) -> None:
+    """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
+    own multi-step forward (batched engine, streaming forward, integer backend)."""
+    c = full["compile"]
+    if c is False:
+        return
+    from szo.models.compiled import check_compile
+
+    check_compile("inductor" if c is True else c)
+    sz = full["szo"]
+    for bad, what in ((sz["engine"] != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
+                      (sz["time_chunk"] is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
+                      (full["backend"] != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
+        if bad:
+            raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
 
 
 def _check_hw(full: Mapping[str, Any]) -> None:
@@ -417,14 +455,20 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 
 
+# train.lr defaults of the methods from other seed papers: full-space forward gradient (AsyncFGD's
+# grid 1e-5..1e-2, SGD here) and TT-ZO (seed 000 Sec. 4: SGD lr 1e-3)
+_PAPER_LR = {"fg": 1.0e-3, "tt-zo": 1.0e-3}
+
+
 def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``validate`` plus defaults that depend on other values (``train.lr: null`` -> method default:
-    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP)."""
+    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP,
+    ``_PAPER_LR`` for fg and tt-zo)."""
     full = validate(cfg)
     if full["kind"] in EXTERNAL_KINDS:
         return full
     if full["train"]["lr"] is None:
-        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else 1.0
+        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else _PAPER_LR.get(full["method"], 1.0)
     return full
 
 
@@ -467,12 +511,13 @@ def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 _LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
            "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
+_LABELS.update({"fg": "FG", "fg-subspace": "FG-Subspace", "tt-zo": "TT-ZO"})
 
 
 def method_label(method: str, q: int | None = None, activation: str = "lif") -> str:
     """Paper-style column name: ``SZO-RGE(q=1)``, ``BP-Subspace``; ``(ANN)`` for relu twins."""
     label = _LABELS.get(method, method)
-    if method in ("szo-rge", "szo-1pt", "zo-rge") and q is not None:
+    if method in ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace") and q is not None:
         label += f"(q={q})"
     if activation == "relu":
         label += " (ANN)"

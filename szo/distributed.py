@@ -7,9 +7,11 @@ with a bounded timeout. SZO then runs
 * data-parallel (``mode="data"``): every rank evaluates every probe on its contiguous shard of
   the same global batch (:meth:`Parallel.shard`); the probe losses are all-reduced. With
   BatchNorm in train mode, each BN layer's batch statistics are also all-reduced per probe
-  (:class:`SyncBatchNorm`, ``2C + 1`` float64 per layer), which makes the run equal the
-  one-process run with the global batch; without that each shard would be normalised by its
-  own statistics (a different objective, like DDP without SyncBN).
+  (:class:`SyncBatchNorm`, ``2C + 1`` float64 per layer), so the run computes the objective of
+  the one-process run with the global batch (equal to rounding in float64; in float32 the
+  shard-wise sums round differently and a spiking net amplifies that, as it amplifies the
+  float32-vs-float64 difference of one process: docs/distributed.md); without sync BN each
+  shard would be normalised by its own statistics (a different objective, like DDP without SyncBN).
 * perturbation-parallel (``mode="perturbation"``): every rank evaluates a slice of the probes
   on the full batch; only the probe losses cross the network.
 
@@ -55,6 +57,8 @@ __all__ = [
     "all_reduce_",
     "guard",
     "shutdown",
+    "broadcast_bytes",
+    "main_decides",
     "fault_injection_callbacks",
 ]
 
@@ -244,6 +248,58 @@ def launch(device: str = "cpu", timeout_s: float = 300.0) -> Iterator[DistInfo]:
     shutdown()
 
 
+def broadcast_bytes(data: bytes | None, group=None) -> bytes | None:
+    """Rank 0's ``data`` (or None) on every rank: a header ``[present, length]`` then the bytes.
+    Other ranks' ``data`` is ignored. A single process gets ``data`` back."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return data
+    main = dist.get_rank(group) == 0
+    dev = _comm_device(group)
+    head = torch.tensor([0, 0], dtype=torch.int64)
+    if main and data is not None:
+        head = torch.tensor([1, len(data)], dtype=torch.int64)
+    head = head.to(dev)
+    dist.broadcast(head, src=0, group=group)
+    present, n = (int(v) for v in head.tolist())
+    if not present:
+        return None
+    if main:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        b = buf.to(dev)
+        dist.broadcast(b, src=0, group=group)
+        buf = b.cpu()
+    return bytes(buf.numpy().tobytes()) if not main else data
+
+
+def main_decides(fn, group=None) -> bytes | None:
+    """Run ``fn() -> bytes | None`` on rank 0 only and return its result on every rank; a
+    ``ValueError`` / ``FileNotFoundError`` it raises is raised (as ``ValueError``, same line)
+    on every rank, so that a check only rank 0 can make (its run directory, its checkpoint)
+    stops all ranks with one clear line instead of leaving them waiting for a collective.
+    A single process just calls ``fn``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return fn()
+    payload = None
+    if dist.get_rank(group) == 0:
+        try:
+            got = fn()
+            payload = b"N" if got is None else b"O" + got
+        except (ValueError, FileNotFoundError) as e:
+            payload = b"E" + str(e).encode("utf-8")
+            err = e
+        else:
+            err = None
+    got = broadcast_bytes(payload, group) or b"N"  # rank 0 always sends a payload
+    if got[:1] == b"E":
+        if dist.get_rank(group) == 0 and err is not None:
+            raise err
+        raise ValueError(got[1:].decode("utf-8"))
+    return None if got[:1] == b"N" else got[1:]
+
+
 # ----------------------------------------------------------------------------- sync BN
 class SyncBatchNorm:
     """Context manager: BatchNorm layers in train mode normalise with the statistics of the
@@ -419,26 +475,10 @@ class Parallel:
         return t.tolist()
 
     def broadcast_bytes(self, data: bytes | None) -> bytes | None:
-        """Rank 0's ``data`` (or None) on every rank: a header ``[present, length]`` then the bytes."""
-        dev = _comm_device(self.group)
-        head = torch.tensor([0, 0], dtype=torch.int64)
-        if self.is_main and data is not None:
-            head = torch.tensor([1, len(data)], dtype=torch.int64)
-        head = head.to(dev)
-        dist.broadcast(head, src=0, group=self.group)
-        present, n = (int(v) for v in head.tolist())
-        if not present:
-            return None
-        if self.is_main:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8)
-        if n:
-            b = buf.to(dev)
-            dist.broadcast(b, src=0, group=self.group)
-            buf = b.cpu()
-        self.startup_bytes += n + 16
-        return bytes(buf.numpy().tobytes()) if not self.is_main else data
+        """Rank 0's ``data`` (or None) on every rank (see :func:`broadcast_bytes`)."""
+        out = broadcast_bytes(data, self.group)
+        self.startup_bytes += (len(out) if out is not None else 0) + 16
+        return out
 
     def broadcast_model(self, model: nn.Module) -> None:
         self.startup_bytes += broadcast_parameters(model, group=self.group)

@@ -14,7 +14,10 @@
   parameters and BN buffers) and set the parameters to the reference (last sample).
 
 Every run dir holds config.yaml (resolved), metrics.jsonl, checkpoints/, results.json and
-training_curve.png.
+training_curve.png. A run holds its directory's lock (``szo.rundir.run_lock``, rank 0 only);
+a resumed stage first checks the config against the directory's config.yaml
+(``szo.rundir.check_resume_config``). Both are decided on rank 0 and reported on every rank.
+See docs/runs.md.
 
 Multi-process (``torchrun --nproc_per_node=N -m szo recipe NAME``; the CLI initialises the
 process group): only ``kind: subspace`` recipes with a forward-only method (``szo-cge``,
@@ -27,6 +30,7 @@ everything else (data order, RGE directions) uses the run's own ``torch.Generato
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,7 +41,7 @@ from szo.config import method_label, write_config
 from szo.io import atomic_save_safetensors
 
 __all__ = ["run_recipe", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage", "build_store_subspace", "build_model",
-           "subspace_store_for"]
+           "subspace_store_for", "run_dir_guard", "check_store_entry"]
 
 
 def _device(cfg: Mapping[str, Any], device: str | None) -> str:
@@ -62,6 +66,13 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
                              activation=m["activation"], **kw)
 
 
+def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+    """The recipe's ``compile`` setting on the model (every stage, so BPTT and SZO timings stay comparable)."""
+    c = cfg["compile"]
+    if c is not False:
+        model.set_compile(True, backend="inductor" if c is True else c)
+
+
 def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model a run directory holds, and its resolved config.
 
@@ -83,6 +94,10 @@ def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[tor
         state = load_file(run_dir / "model.safetensors")
     else:
         state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
+    if cfg.get("kind") == "subspace" and cfg["method"] == "tt-zo":  # the run trained TT cores
+        from szo.models.tt import tt_parametrize
+
+        tt_parametrize(model, cfg["tt"]["rank"], cores=cfg["tt"]["cores"], min_params=cfg["tt"]["min_params"])
     model.load_state_dict(state, strict=True)
     return model.to(device), cfg
 
@@ -119,6 +134,52 @@ def subspace_store_for(cfg: Mapping[str, Any]):
     return SubspaceStore(cfg["subspace"]["root"])
 
 
+@contextlib.contextmanager
+def run_dir_guard(run_dir: str | os.PathLike, cfg: Mapping[str, Any], *, resume: bool, stage: str | None = None):
+    """Hold ``run_dir``'s lock for the block (rank 0 of a multi-process run; re-entrant) and,
+    when resuming a directory that holds a checkpoint, refuse a config that changes what
+    ``stage`` trains. Decided on rank 0; every rank raises the same one-line error."""
+    from szo.distributed import main_decides
+    from szo.rundir import check_resume_config, run_lock
+    from szo.train import checkpoint_path
+
+    with contextlib.ExitStack() as stack:
+        def decide() -> None:
+            stack.enter_context(run_lock(run_dir))
+            if resume and stage is not None and checkpoint_path(run_dir).exists():
+                check_resume_config(run_dir, cfg, stage)
+
+        main_decides(decide)
+        yield
+
+
+def check_store_entry(cfg: Mapping[str, Any]) -> None:
+    """A store entry directory without its manifest (an interrupted or foreign write) blocks
+    the name: say so before any compute, with the way out."""
+    store = subspace_store_for(cfg)
+    name = cfg["subspace"]["name"]
+    if name is not None and store.path(name).exists() and not store.exists(name):
+        raise ValueError(f"subspace store entry {name!r} in {store.root} is incomplete (no manifest.json: an "
+                         f"interrupted or foreign write); remove it (szo subspace rm {name} --root {store.root}) "
+                         f"or pass --set subspace.name=OTHER")
+
+
+def _check_trajectory_size(cfg: Mapping[str, Any], steps_per_epoch: int) -> None:
+    """``subspace.k`` against the samples the BPTT stage will record (k <= N - 1), before it runs."""
+    from szo.trajectory import planned_samples
+
+    st, tr, sp = cfg["bptt"], cfg["trajectory"], cfg["subspace"]
+    spe = min(steps_per_epoch, st["max_steps_per_epoch"] or steps_per_epoch)
+    n = planned_samples(st["epochs"], spe, every=tr["every"], record_initial=tr["record_initial"], window=sp["window"])
+    if sp["k"] > n - 1:
+        win = f", subspace.window={sp['window']}" if sp["window"] is not None else ""
+        raise ValueError(f"subspace.k={sp['k']} needs at least k+1 = {sp['k'] + 1} trajectory samples, but the BPTT "
+                         f"stage will record N = {n} (bptt.epochs={st['epochs']} x {spe} steps, trajectory.every="
+                         f"{tr['every']}, record_initial={str(tr['record_initial']).lower()}{win}); choose "
+                         f"subspace.k <= {max(n - 1, 1)} or record more samples (smaller trajectory.every, "
+                         "more bptt.epochs)")
+
+
 def _loss(cfg: Mapping[str, Any]):
     from szo.losses import get_loss
 
@@ -127,7 +188,7 @@ def _loss(cfg: Mapping[str, Any]):
 
 
 def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
-    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge") else None
+    q = cfg["szo"]["q"] if method in ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace") else None
     return {"recipe": cfg["name"], "label": method_label(method, q, cfg["model"]["activation"]), "method": method,
             "mode": mode, "dataset": cfg["data"]["name"], "model": cfg["model"]["name"],
             "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
@@ -152,22 +213,37 @@ def build_store_subspace(cfg: Mapping[str, Any], bptt_dir: str | os.PathLike, *,
 
 def run_bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
                    resume: bool = False, build: bool = True) -> dict[str, Any]:
-    """BPTT with the trajectory recorder, final model as safetensors, then (``build``) the subspace."""
+    """BPTT with the trajectory recorder, final model as safetensors, then (``build``) the subspace.
+
+    Before any training: the run directory's lock, the resume config check, the store entry
+    (not taken, not incomplete), ``subspace.k`` against the planned number of trajectory
+    samples, and on resume every recorded sample's sha256."""
+    with run_dir_guard(run_dir, cfg, resume=resume, stage="bptt"):
+        return _bptt_stage(cfg, Path(run_dir), device=device, resume=resume, build=build)
+
+
+def _bptt_stage(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, build: bool) -> dict[str, Any]:
     from szo.optim import build_optimizer
     from szo.train import TrajectoryCallback, fit
-    from szo.trajectory import TrajectoryRecorder
+    from szo.trajectory import Trajectory, TrajectoryRecorder
 
-    run_dir = Path(run_dir)
     store = subspace_store_for(cfg)
     name = cfg["subspace"]["name"]
     if build and name is not None and store.exists(name) and not resume:
         raise ValueError(f"subspace {name!r} already exists in {store.root}; remove it "
                          f"(szo subspace rm {name}) or pass --set subspace.name=OTHER")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(cfg, run_dir / "config.yaml")
+    if build:
+        check_store_entry(cfg)
     g = torch.Generator().manual_seed(int(cfg["seed"]))
     train, test = _loaders(cfg, g)
+    if build and name is not None and not store.exists(name):
+        _check_trajectory_size(cfg, len(train))
+    if resume and (run_dir / "trajectory" / "manifest.json").is_file():
+        Trajectory(run_dir / "trajectory", verify=True)  # a damaged sample stops the run now, not after it
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.yaml")
     model = build_model(cfg).to(device)
+    _set_compile(model, cfg)
     st = cfg["bptt"]
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
     rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
@@ -247,13 +323,28 @@ def _check_distributed(cfg: Mapping[str, Any]) -> None:
     sz = cfg["szo"]
     for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
                       (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
-                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'")):
+                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'"),
+                      # a compiled graph does not see forward hooks added after it was traced, and
+                      # synchronised BN all-reduces the batch statistics from such hooks
+                      (cfg["compile"] is not False and cfg["distributed"]["mode"] == "data"
+                       and cfg["distributed"]["sync_bn"],
+                       "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
+                       "distributed.sync_bn=false or distributed.mode=perturbation")):
         if bad:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
 
 def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
                        resume: bool = False) -> dict[str, Any]:
+    """Train ``cfg.method`` in the stored subspace (see :func:`_subspace_stage`), holding the run
+    directory's lock; a resume first checks the config against the directory's config.yaml."""
+    par = _parallel(cfg)
+    with run_dir_guard(run_dir, cfg, resume=resume, stage="subspace"):
+        return _subspace_stage(cfg, run_dir, device=device, resume=resume, par=par)
+
+
+def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str, resume: bool,
+                    par: Any) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual);
     on every rank of a multi-process run (only rank 0 writes ``run_dir``).
 
@@ -268,7 +359,6 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
     from szo.optim import build_optimizer
     from szo.train import fit
 
-    par = _parallel(cfg)
     run_dir = Path(run_dir)
     if par is None or par.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -303,7 +393,13 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                 extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
             else:  # OnChipSZO quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
+    tt = cfg["tt"]
+    if cfg["method"] == "tt-zo":  # ZO in TT-factor space: the large weights become TT cores (TT-SVD of the start)
+        from szo.models.tt import tt_parametrize
+
+        extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
     net.to(device)
+    _set_compile(model, cfg)
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
     model.set_streaming(sz["time_chunk"], sz["stream_bn"])
@@ -321,7 +417,8 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
                               coords_per_step=sz["coords_per_step"], generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"])
+                              engine=sz["engine"], chunk=sz["chunk"],
+                              tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
@@ -333,20 +430,28 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
         summary["saturations"] = net.saturation_counts()
         summary["saturations_total"] = net.counter.total()
         atomic_write_json(run_dir / "results.json", summary)
+    if cfg["method"] == "tt-zo" and (par is None or par.is_main):  # when HybridZO left signRGE for CGE
+        summary["tt"] = dict(summary["tt"], switched_at_step=opt.hybrid_state["switched_at"])
+        atomic_write_json(run_dir / "results.json", summary)
     return summary
 
 
 def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str | None = None,
                resume: bool = False) -> dict[str, Any]:
     """Run a resolved recipe config (``szo.config.load_recipe``); returns the last stage's summary."""
-    from szo.config import EXTERNAL_KINDS
-
     from szo import distributed as D
 
     dev = _device(cfg, device)
     out = Path(out_dir)
-    if D.env_world_size() > 1 or D.get_info().enabled:
-        return _run_recipe_distributed(cfg, out, dev, resume)
+    with run_dir_guard(out, cfg, resume=resume):
+        if D.env_world_size() > 1 or D.get_info().enabled:
+            return _run_recipe_distributed(cfg, out, dev, resume)
+        return _run_recipe(cfg, out, dev, resume)
+
+
+def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool) -> dict[str, Any]:
+    from szo.config import EXTERNAL_KINDS
+
     if cfg["kind"] in EXTERNAL_KINDS:  # e.g. kind: tta -> szo.adapt.cli.run_recipe
         import importlib
 
@@ -356,6 +461,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
         return run_bptt_stage(cfg, out, device=dev, resume=resume)
     store = subspace_store_for(cfg)
     if not store.exists(cfg["subspace"]["name"]):
+        check_store_entry(cfg)
         run_bptt_stage(cfg, out / "bptt", device=dev, resume=resume)
     return run_subspace_stage(cfg, out, device=dev, resume=resume)
 
@@ -401,6 +507,11 @@ def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "
         res = out / name / "results.json"
         if res.is_file():
             summaries[name] = json.loads(res.read_text(encoding="utf-8"))
+            if summaries[name].get("status") == "diverged":  # the same settings would diverge again
+                from szo.train import TrainingDiverged
+
+                raise TrainingDiverged(f"demo stage {name} diverged in an earlier run ({summaries[name].get('error')}); "
+                                       f"remove {out / name} to run it again")
             print(f"[demo] {name}: already done ({res})")
             return
         print(f"[demo] {name} ...", flush=True)

@@ -2,9 +2,16 @@
 converged epoch / time / #FP / #BP / max accuracy) as markdown and JSON, plus the test
 accuracy vs epoch and vs training time of all runs on one figure (Fig. 3/4).
 
-A RUN_DIR is any directory holding results.json (+ metrics.jsonl); a directory without one
-is searched recursively (``szo report runs/demo``). Runs with the same dataset/model/label
-(e.g. several seeds) are reported as mean +- std.
+A RUN_DIR is any directory holding results.json (+ metrics.jsonl, config.yaml); a directory
+without one is searched recursively (``szo report runs/demo``).
+
+Only like runs share a cell: runs with the same dataset/model/label/mode whose resolved configs
+(config.yaml) are equal except for the seed and the keys in ``IGNORED_KEYS`` (where files go,
+progress bars). Such runs (e.g. several seeds) are reported as ``mean ± std (n=N)``. Runs with
+the same label that differ in a setting (say ``train.epochs`` 60 and 3) get one column each,
+named by the differing keys (``SZO-CGE (train.epochs=60)``), and :func:`like_runs` returns a
+warning naming the keys, which the report prints and writes under "Notes". Runs without a
+config.yaml (``szo.train.fit`` called directly) are compared on the settings results.json holds.
 """
 from __future__ import annotations
 
@@ -14,9 +21,20 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import yaml
+
 from szo.io import atomic_write_json, atomic_write_text
 
-__all__ = ["collect_runs", "table1", "table3", "render", "write_report"]
+__all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "render", "write_report", "IGNORED_KEYS"]
+
+#: config keys that do not change what a run trains (names, where files go, how progress is shown)
+IGNORED_KEYS = ("name", "description", "kind", "seed", "progress", "data.data_dir", "data.download",
+                "data.num_workers", "subspace.root", "bptt.checkpoint_every_steps",
+                "train.checkpoint_every_steps", "distributed.timeout_s")
+# the sections a BPTT run's training depends on (its config.yaml also holds the later stages')
+_BPTT_SECTIONS = ("model", "data", "loss", "bptt", "device")
+# without a config.yaml: the settings results.json records
+_RESULT_SETTINGS = ("recipe", "method", "mode", "q", "k", "subspace", "backend", "bn_stats", "activation", "epochs")
 
 
 def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
@@ -37,7 +55,13 @@ def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     for d in dict.fromkeys(found):
         res = json.loads((d / "results.json").read_text(encoding="utf-8"))
         hist = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
-        runs.append({"dir": str(d), "results": res, "history": hist})
+        cfg = None
+        if (d / "config.yaml").is_file():
+            try:
+                cfg = yaml.safe_load((d / "config.yaml").read_text(encoding="utf-8"))
+            except yaml.YAMLError as e:
+                raise ValueError(f"{d / 'config.yaml'} is not valid YAML ({e}); fix or remove it") from None
+        runs.append({"dir": str(d), "results": res, "history": hist, "config": cfg})
     return runs
 
 
@@ -46,17 +70,106 @@ def _group(r: dict[str, Any]) -> str:
     return f"{res.get('dataset', '?')} / {res.get('model', '?')}"
 
 
-def _label(r: dict[str, Any]) -> str:
+def _base_label(r: dict[str, Any]) -> str:
     return str(r["results"].get("label") or r["results"].get("method") or Path(r["dir"]).name)
 
 
-def _fmt(vals: Sequence[float], scale: float = 1.0, nd: int = 2) -> str:
+def _label(r: dict[str, Any]) -> str:
+    """The column a run is reported in (:func:`like_runs` names the variants of a label)."""
+    return r.get("column") or _base_label(r)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def settings(r: dict[str, Any]) -> dict[str, Any]:
+    """What a run trained with, as flat ``section.key`` values: its config.yaml without the
+    seed, ``IGNORED_KEYS`` and the sections its stage does not use (plus the number of
+    processes, which changes the times)."""
+    res, cfg = r["results"], r.get("config")
+    world = int((res.get("distributed") or {}).get("world_size", 1))
+    if not isinstance(cfg, dict):
+        flat = {k: res.get(k) for k in _RESULT_SETTINGS if k in res}
+    else:
+        if res.get("mode") == "bptt":
+            cfg = {k: v for k, v in cfg.items() if k in _BPTT_SECTIONS}
+        else:
+            cfg = {k: v for k, v in cfg.items() if k not in ("bptt", "trajectory")}
+            if cfg.get("backend") != "fixed":
+                cfg.pop("hw", None)
+            if world == 1:
+                cfg.pop("distributed", None)
+        flat = {k: v for k, v in _flatten(cfg).items() if k not in IGNORED_KEYS}
+    flat["processes"] = world
+    return flat
+
+
+def _show(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (dict, list)) or v is None else str(v)
+
+
+# differing keys are named in this order (then alphabetically): the likeliest reasons first
+_KEY_ORDER = ("train.epochs", "bptt.epochs", "train.max_steps_per_epoch", "bptt.max_steps_per_epoch", "szo.q",
+              "szo.mu", "train.lr", "bptt.lr", "subspace.name", "subspace.k", "processes", "device")
+
+
+def _variant_names(sets: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
+    """``k=v, ...`` per settings dict, naming only keys that tell variants apart (taken in
+    ``keys`` order while they split a group further)."""
+    def sig(st, ks):
+        return json.dumps([st.get(k, "-") for k in ks], default=str)
+
+    distinct = len({sig(st, keys) for st in sets})
+    chosen: list[str] = []
+    for k in keys:
+        if len({sig(st, chosen + [k]) for st in sets}) > len({sig(st, chosen) for st in sets}):
+            chosen.append(k)
+        if len({sig(st, chosen) for st in sets}) == distinct:
+            break
+    return [", ".join(f"{k}={_show(st.get(k, '-'))}" for k in chosen) for st in sets]
+
+
+def like_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The runs with ``column`` set so that a column holds only like runs, and one warning per
+    label whose runs differ in settings (those are split into one column per variant, named by
+    the fewest differing keys that tell the variants apart)."""
+    runs = [dict(r) for r in runs]
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        r.pop("column", None)
+        cells.setdefault((_group(r), _base_label(r), r["results"].get("mode")), []).append(r)
+    warnings: list[str] = []
+    for (group, label, mode), rs in cells.items():
+        sets = [settings(r) for r in rs]
+        keys = sorted({k for st in sets for k in st if any(o.get(k, "-") != st.get(k, "-") for o in sets)},
+                      key=lambda k: (_KEY_ORDER.index(k) if k in _KEY_ORDER else len(_KEY_ORDER), k))
+        if not keys:
+            continue
+        variants: dict[str, int] = {}
+        for r, name in zip(rs, _variant_names(sets, keys)):
+            r["column"] = f"{label} ({name})"
+            variants[r["column"]] = variants.get(r["column"], 0) + 1
+        warnings.append(f"{group}: the {len(rs)} {label} runs ({mode or '?'}) differ in {', '.join(keys)}; "
+                        f"reported apart, not averaged: " + "; ".join(f"{v} (n={n})" for v, n in variants.items()))
+    return runs, warnings
+
+
+def _fmt(vals: Sequence[float], scale: float = 1.0, nd: int = 2, n: bool = False) -> str:
+    """``mean ± std`` of the values (just the value for one run); ``n`` appends ``(n=N)``."""
     vals = [v * scale for v in vals if v is not None]
     if not vals:
         return "-"
     if len(vals) == 1:
-        return f"{vals[0]:.{nd}f}"
-    return f"{statistics.mean(vals):.{nd}f}±{statistics.stdev(vals):.{nd}f}"
+        out = f"{vals[0]:.{nd}f}"
+    else:
+        out = f"{statistics.mean(vals):.{nd}f} ± {statistics.stdev(vals):.{nd}f}"
+    return f"{out} (n={len(vals)})" if n else out
 
 
 def _params(d: Any) -> str:
@@ -67,8 +180,9 @@ def _params(d: Any) -> str:
 
 def table1(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Accuracy (%) by method (paper Table 1): one row per dataset/model, one column per label.
-    Uses the maximum test accuracy of each run; scratch and BPTT runs only."""
-    runs = [r for r in runs if r["results"].get("mode") in ("bptt", "scratch", None)]
+    Uses the maximum test accuracy of each run; scratch and BPTT runs only. A cell is
+    ``mean ± std (n=N)`` over like runs (:func:`like_runs`)."""
+    runs = [r for r in like_runs(runs)[0] if r["results"].get("mode") in ("bptt", "scratch", None)]
     labels = list(dict.fromkeys(_label(r) for r in runs))
     header = ["Dataset", "Model", "Params", *labels]
     rows = []
@@ -77,7 +191,7 @@ def table1(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
         ds, model = g.split(" / ")
         row = [ds, model, _params(rs[0]["results"].get("d"))]
         for lab in labels:
-            row.append(_fmt([r["results"].get("best_test_acc") for r in rs if _label(r) == lab], 100.0))
+            row.append(_fmt([r["results"].get("best_test_acc") for r in rs if _label(r) == lab], 100.0, n=True))
         rows.append(row)
     return header, rows
 
@@ -87,7 +201,8 @@ _T3 = ("converged epoch", "converged time (min)", "#FP", "#BP", "max acc (%)")
 
 def table3(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Training cost to the maximum accuracy (paper Table 3), continual and from-scratch halves.
-    BPTT runs count as from scratch."""
+    BPTT runs count as from scratch. Cells are mean ± std over like runs; ``max acc`` says n."""
+    runs = like_runs(runs)[0]
     header = ["Dataset / Model", "Method", *(f"continual: {c}" for c in _T3), *(f"scratch: {c}" for c in _T3)]
     rows = []
     for g in dict.fromkeys(_group(r) for r in runs):
@@ -104,7 +219,7 @@ def table3(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
                     _fmt([s.get("converged_time_min") for s in sel]),
                     _fmt([s.get("converged_fp") for s in sel], nd=0),
                     _fmt([s.get("converged_bp") for s in sel], nd=0),
-                    _fmt([s.get("best_test_acc") for s in sel], 100.0),
+                    _fmt([s.get("best_test_acc") for s in sel], 100.0, n=True),
                 ]
             rows.append(row)
     return header, rows
@@ -120,16 +235,20 @@ Table = tuple[list[str], list[list[str]]]
 
 
 def render(runs: Sequence[dict[str, Any]]) -> str:
-    """Both tables as markdown."""
-    return _render(table1(runs), table3(runs))
+    """Both tables as markdown (with the :func:`like_runs` warnings as notes)."""
+    return _render(table1(runs), table3(runs), like_runs(runs)[1])
 
 
-def _render(t1: Table, t3: Table) -> str:
+def _render(t1: Table, t3: Table, notes: Sequence[str] = ()) -> str:
     (h1, r1), (h3, r3) = t1, t3
-    out = ["## Accuracy (%) by method (max test accuracy; layout of paper Table 1)", "", _markdown(h1, r1), "",
+    out = ["## Accuracy (%) by method (max test accuracy; layout of paper Table 1)", "",
+           "Each cell: mean ± std over n runs with the same settings except the seed.", "",
+           _markdown(h1, r1), "",
            "## Training cost to the maximum accuracy (layout of paper Table 3)", "",
            "Converged epoch = epoch of the maximum test accuracy; time = training time to it (evaluation "
            "excluded); #FP / #BP = forward / backward passes to it.", "", _markdown(h3, r3), ""]
+    if notes:
+        out += ["## Notes", "", *(f"* {n}" for n in notes), ""]
     return "\n".join(out)
 
 
@@ -141,16 +260,16 @@ def write_report(runs: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> 
     out.mkdir(parents=True, exist_ok=True)
     t1, t3 = table1(runs), table3(runs)  # computed once for both files
     (h1, r1), (h3, r3) = t1, t3
-    atomic_write_text(out / "report.md", _render(t1, t3))
+    labelled, notes = like_runs(runs)
+    atomic_write_text(out / "report.md", _render(t1, t3, notes))
     atomic_write_json(out / "report.json", {
-        "table1": [dict(zip(h1, r)) for r in r1], "table3": [dict(zip(h3, r)) for r in r3],
-        "runs": [{"dir": r["dir"], **r["results"]} for r in runs],
+        "table1": [dict(zip(h1, r)) for r in r1], "table3": [dict(zip(h3, r)) for r in r3], "notes": notes,
+        "runs": [{"dir": r["dir"], "column": _label(r), **r["results"]} for r in labelled],
     })
-    labelled = {}
-    for r in runs:
-        key = f"{_label(r)} [{r['results'].get('mode', '')}]"
-        while key in labelled:
-            key += "'"
-        labelled[key] = r["history"]
-    plot_runs(labelled, out / "accuracy.png", title=", ".join(dict.fromkeys(_group(r) for r in runs)))
+    groups = list(dict.fromkeys(_group(r) for r in labelled))
+    curves: dict[str, list] = {}
+    for r in labelled:
+        key = f"{_label(r)} [{r['results'].get('mode', '')}]" + (f" {_group(r)}" if len(groups) > 1 else "")
+        curves.setdefault(key, []).append(r["history"])
+    plot_runs(curves, out / "accuracy.png", title=", ".join(groups))
     return {"markdown": out / "report.md", "json": out / "report.json", "plot": out / "accuracy.png"}

@@ -35,6 +35,7 @@ __all__ = [
     "TrajectoryMismatchError",
     "TrajectoryIntegrityError",
     "parse_epoch_window",
+    "planned_samples",
     "model_layout",
     "model_fingerprint",
     "FORMAT",
@@ -95,6 +96,26 @@ def parse_epoch_window(window: Any) -> tuple[int, int] | None:
     if start < 0 or end < start:
         raise ValueError(f"epoch window needs 0 <= start <= end, got ({start}, {end})")
     return start, end
+
+
+def planned_samples(epochs: int, steps_per_epoch: int, *, every: str | int = "epoch", record_initial: bool = True,
+                    window: Any = None) -> int:
+    """How many samples a :class:`TrajectoryRecorder` writes over ``epochs`` epochs of
+    ``steps_per_epoch`` optimizer steps (the same rules as its callbacks: the initial weights
+    as epoch 0, then every epoch end, or every ``every``-th global step, whose epoch is the
+    number of epochs completed before it), counting only epochs inside ``window``."""
+    w = parse_epoch_window(window)
+
+    def inside(e: int) -> bool:
+        return w is None or w[0] <= e <= w[1]
+
+    n = int(bool(record_initial) and inside(0))
+    if every == "epoch":
+        return n + sum(1 for e in range(1, epochs + 1) if inside(e))
+    for e in range(epochs):  # steps e*spe+1 .. (e+1)*spe are recorded with epoch = e
+        if inside(e):
+            n += (e + 1) * steps_per_epoch // every - e * steps_per_epoch // every
+    return n
 
 
 def _read_manifest(directory: Path) -> dict:

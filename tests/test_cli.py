@@ -72,11 +72,12 @@ def test_report_command(tmp_path, capsys):
     run("cont", "SZO-CGE", "continual", [0.97], 368, 0)
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
     out = capsys.readouterr().out
-    assert "| digits | spike_convnet | 5.1K | 90.00 | 95.00 |" in out
-    assert "| digits / spike_convnet | SZO-CGE | 1 | 0.10 | 368 | 0 | 97.00 | 2 | 0.20 | 1840 | 0 | 95.00 |" in out
-    assert "| digits / spike_convnet | BP | - | - | - | - | - | 2 | 0.20 | 46 | 46 | 90.00 |" in out
+    assert "| digits | spike_convnet | 5.1K | 90.00 (n=1) | 95.00 (n=1) |" in out
+    assert ("| digits / spike_convnet | SZO-CGE | 1 | 0.10 | 368 | 0 | 97.00 (n=1) | 2 | 0.20 | 1840 | 0 | "
+            "95.00 (n=1) |") in out
+    assert "| digits / spike_convnet | BP | - | - | - | - | - | 2 | 0.20 | 46 | 46 | 90.00 (n=1) |" in out
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert len(rep["runs"]) == 3 and rep["table1"][0]["SZO-CGE"] == "95.00"
+    assert len(rep["runs"]) == 3 and rep["table1"][0]["SZO-CGE"] == "95.00 (n=1)" and rep["notes"] == []
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000
     assert main(["report", str(tmp_path / "missing")]) == 2
 

@@ -130,6 +130,24 @@ def test_streaming_options():
         load_recipe("digits-scratch", ["szo.time_chunk=1", "method=bp-subspace"])
 
 
+def test_compile_option():
+    # off in every shipped recipe until a GPU run has checked the compiled path (docs/performance.md)
+    assert [load_recipe(r)["compile"] for r in ("cifar10-scratch", "cifar100-continual", "imagenet-bp",
+                                                "dvs-gesture-scratch", "digits-scratch", "digits-bp",
+                                                "cifar10c-tta")] == [False] * 7
+    assert load_recipe("digits-scratch", ["compile=true"])["compile"] is True
+    assert load_recipe("digits-bp", ["compile=aot_eager"])["compile"] == "aot_eager"
+    with pytest.raises(ValueError, match="unknown torch.compile backend 'fast'; valid: .*inductor"):
+        load_recipe("digits-scratch", ["compile=fast"])
+    with pytest.raises(ValueError, match="'compile' must be bool/str"):
+        load_recipe("digits-scratch", ["compile=1"])
+    for extra, what in ((["szo.engine=batched"], "szo.engine 'batched'"), (["szo.time_chunk=1"], "szo.time_chunk"),
+                        (["backend=fixed", "bn_stats=deployed"], "backend 'fixed'")):
+        with pytest.raises(ValueError, match=f"compile=True compiles the model's multi-step forward and cannot be "
+                                             f"combined with {what}"):
+            load_recipe("digits-scratch", ["compile=true"] + extra)
+
+
 def test_method_specific_options_rejected_before_anything_runs():
     # each combination used to pass validation and fail only when the optimizer was built,
     # i.e. after a recipe's BPTT stage had already run
@@ -152,3 +170,16 @@ def test_method_table_is_shared():
 
     assert C.METHODS is O.METHODS is M.METHODS
     assert O.SUBSPACE_METHODS is M.SUBSPACE_METHODS and O.DISTRIBUTED_METHODS is M.DISTRIBUTED_METHODS
+
+
+def test_new_methods_resolve_in_every_subspace_recipe():
+    from szo.config import _raw_recipe
+
+    subspace = [n for n in recipe_names() if _raw_recipe(n).get("kind") == "subspace" and n != "digits-fixed"]
+    assert "digits-scratch" in subspace and "imagenet-continual" in subspace
+    for name in subspace:
+        for method, lr in (("fg", 1e-3), ("tt-zo", 1e-3), ("fg-subspace", 1.0)):
+            cfg = load_recipe(name, [f"method={method}"])
+            assert cfg["method"] == method
+            if name != "digits-scratch":  # digits-scratch overrides them (method_defaults)
+                assert cfg["train"]["lr"] == lr, (name, method)

@@ -5,7 +5,7 @@
   hook on every rank lists its writes) and the bytes communicated per step are reported.
 * a rank that dies (SIGKILL after step 2) makes the other exit with one clear error line within a
   bounded time; ``--resume`` then finishes the run from rank 0's checkpoint, again equal to the
-  one-process run.
+  one-process run; a ``--resume`` with an override that changes the run is refused on every rank.
 """
 import json
 import os
@@ -81,9 +81,9 @@ def test_torchrun_data_parallel_equals_single_process(setup):
     assert [w for w in writes if w[0] != "0"] == []
     assert p.stdout.count("done in") == 1
     # bytes per step: 2k probe losses (float64) + BN running-statistic sums once (2 layers x 2C
-    # float32 + the probe count) + per probe and BN layer the batch statistics (2C + 1 float64)
+    # float64 + the probe count) + per probe and BN layer the batch statistics (2C + 1 float64)
     m = 2 * K
-    expected = m * 8 + (2 * 2 * WIDTH + 1) * 4 + m * 2 * (2 * WIDTH + 1) * 8
+    expected = m * 8 + (2 * 2 * WIDTH + 1) * 8 + m * 2 * (2 * WIDTH + 1) * 8
     res = json.loads((out / "results.json").read_text())
     assert res["distributed"]["world_size"] == 2 and res["distributed"]["mode"] == "data"
     assert res["distributed"]["bytes_per_step"] == expected
@@ -104,6 +104,14 @@ def test_dead_rank_stops_the_other_and_resume_continues(setup):
     assert re.search(r"exitcode\s*:\s*3\b", p.stderr), p.stderr  # rank 0 exited by itself (RankFailure)
     st = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert 1 <= st["step"] < STEPS
+    # rank 0 reads the run's config.yaml and refuses an override that changes the run; every
+    # rank stops with that same line (none waits for a collective)
+    p, elapsed = _torchrun("szo", sets, out, "--resume", "--set", "method=szo-rge")
+    lines = sorted(ln for ln in p.stderr.splitlines() if ln.startswith("error: "))
+    assert p.returncode != 0 and len(lines) == 2 and elapsed < 60, p.stderr
+    assert lines[0].startswith("error: [rank 0/2] cannot resume") and lines[1].startswith("error: [rank 1/2]")
+    assert "method is 'szo-cge' in its config.yaml but 'szo-rge' now" in lines[1]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == st["step"]
     p, _ = _torchrun("szo", sets, out, "--resume")
     assert p.returncode == 0, p.stdout + p.stderr
     _assert_same_as_single(torch.load(out / "checkpoints" / "last.pt", weights_only=True), ref)

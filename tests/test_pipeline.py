@@ -178,6 +178,41 @@ def test_batched_engine_recipe_equals_loop(bp_run):
     assert hist[-1]["train_acc"] is None  # probe losses only: no outputs to score
 
 
+def test_compiled_recipe_equals_eager(bp_run):
+    # compile=aot_eager: the same dynamo capture as inductor (tests/models/test_compiled.py
+    # checks inductor itself) without minutes of code generation in the suite
+    import torch._dynamo
+
+    from szo.models.compiled import graph_count
+
+    root, sets, _ = bp_run
+    bp = ["subspace.name=null", "bptt.epochs=1", "bptt.max_steps_per_epoch=2", "trajectory.every=1"]
+    small = sets + ["train.epochs=1", "train.max_steps_per_epoch=2", "method=szo-rge", "szo.q=2"]
+    g0 = graph_count()
+    try:
+        runs = {(kind, c): run_recipe(load_recipe(f"digits-{kind}", (bp if kind == "bp" else small) + [f"compile={c}"]
+                                                  + (sets if kind == "bp" else [])), root / f"compile-{kind}-{c}")
+                for kind in ("bp", "scratch") for c in ("false", "aot_eager")}
+    finally:
+        torch._dynamo.reset()
+    assert graph_count() > g0  # the compiled runs did compile
+    for kind in ("bp", "scratch"):
+        e, c = runs[(kind, "false")], runs[(kind, "aot_eager")]
+        assert c["fp"] == e["fp"] and abs(c["best_test_acc"] - e["best_test_acc"]) < 1e-9
+        he, hc = ([json.loads(x) for x in (root / f"compile-{kind}-{v}" / "metrics.jsonl").read_text().splitlines()]
+                  for v in ("false", "aot_eager"))
+        assert hc[-1]["train_loss"] == pytest.approx(he[-1]["train_loss"], rel=1e-5)
+
+
+def test_compile_with_hook_synchronised_bn_is_refused_before_a_multi_process_run():
+    from szo.pipeline import _check_distributed
+
+    cfg = load_recipe("digits-scratch", ["compile=true", "method=szo-cge"])
+    with pytest.raises(ValueError, match="compile with distributed.mode 'data' and distributed.sync_bn"):
+        _check_distributed(cfg)
+    _check_distributed(load_recipe("digits-scratch", ["compile=true", "method=szo-cge", "distributed.sync_bn=false"]))
+
+
 def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
     from szo.pipeline import load_run_model
 
@@ -204,3 +239,31 @@ def test_mnist5k_recipes_run_tiny(tmp_path):
     s = run_recipe(load_recipe("mnist5k-scratch", sets + ["train.epochs=1", "train.max_steps_per_epoch=1"]),
                    tmp_path / "scratch")
     assert s["label"] == "SZO-CGE" and s["bp"] == 0 and s["fp"] >= 4  # 2k probes of one step
+
+
+@pytest.mark.parametrize("method,extra,fp", [
+    ("fg", ["szo.q=2", "train.lr=0.01"], 4 * 2),
+    ("fg-subspace", ["szo.q=1", "train.lr=0.05"], 4 * 1),
+    # 2 signRGE steps of sign_q + 1 = 4 forwards, then 2 CGE steps over 3 coordinates (6 forwards)
+    ("tt-zo", ["tt.min_params=100", "tt.rank=3", "tt.sign_q=3", "tt.switch_step=2", "szo.coords_per_step=3"],
+     2 * 4 + 2 * 6),
+])
+def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra, fp):
+    root, sets, _ = bp_run
+    cfg = load_recipe("digits-scratch", sets + ["train.epochs=1", "train.max_steps_per_epoch=4",
+                                                f"method={method}"] + extra)
+    s = run_recipe(cfg, root / method)
+    assert s["fp"] == fp and s["bp"] == 0 and s["method"] == method
+    assert 0.0 <= s["final_test_acc"] <= 1.0
+    if method == "tt-zo":
+        assert {r["layer"] for r in s["tt"]["layers"]} == {"conv2", "fc"} and s["tt"]["d_tt"] < s["tt"]["d_dense"]
+        assert s["tt"]["switched_at_step"] == 2
+        from szo.pipeline import load_run_model
+
+        model, _ = load_run_model(root / method)  # rebuilt with the run's TT cores
+        assert sum(p.numel() for p in model.parameters()) == s["tt"]["d_tt"]
+
+
+def test_unknown_method_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"invalid method .sgd.; valid: bp, .*fg, fg-subspace, tt-zo"):
+        load_recipe("digits-scratch", ["method=sgd"])

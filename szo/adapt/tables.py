@@ -86,26 +86,59 @@ def summary_table(results: Mapping[str, Any]) -> str:
 
 
 def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    """PNG: accuracy per corruption for every method, one panel per setting."""
-    from szo.plots import pyplot, save_figure
+    """PNG, per setting: accuracy per corruption of every method (no adaptation as grey bars,
+    the others as side-by-side markers, legend with the averages beside the panel) and, under
+    it, each adapting method's accuracy minus BN's, where differences of a point or two that
+    overlap in the accuracy panel stay readable."""
+    from szo.plots import MARKERS, pyplot, save_figure
 
     corruptions = list(results["corruptions"])
     settings = list(results["results"])
     q = results.get("config", {}).get("q")
-    fig, axes = pyplot().subplots(len(settings), 1, figsize=(11, 3.6 * len(settings)), squeeze=False)
-    xs = range(len(corruptions))
-    for ax, setting in zip(axes[:, 0], settings):
-        for method, r in results["results"][setting].items():
+    methods = list(dict.fromkeys(m for st in settings for m in results["results"][st]))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
+    points = [m for m in methods if m != "none"]
+    dx = {m: (j - (len(points) - 1) / 2) * min(0.13, 0.8 / max(len(points), 1)) for j, m in enumerate(points)}
+    diff_ref = "bn" if "bn" in methods else None
+    ratios = [3, 2] if diff_ref else [3]
+    fig = pyplot().figure(figsize=(13, len(settings) * (sum(ratios) * 1.3 + 1.0)), layout="constrained")
+    subs = fig.subfigures(len(settings), 1, squeeze=False)[:, 0]
+    xs = list(range(len(corruptions)))
+    names = [SHORT_NAMES.get(c, c) for c in corruptions]
+    for setting, sub in zip(settings, subs):
+        per = results["results"][setting]
+        axes = sub.subplots(len(ratios), 1, sharex=True, squeeze=False, height_ratios=ratios)[:, 0]
+        ax = axes[0]
+        handles, labels = [], []  # in the table's method order
+        for m, r in per.items():
             ys = [100.0 * r["per_corruption"][c] for c in corruptions]
-            ax.plot(xs, ys, marker="o", ms=3, label=f"{method_label(method, q)} ({100.0 * r['average']:.1f})")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([SHORT_NAMES.get(c, c) for c in corruptions], rotation=45, ha="right")
+            if m == "none":
+                handles.append(ax.bar(xs, ys, width=0.8, color="0.85"))
+            else:
+                handles += ax.plot([x + dx[m] for x in xs], ys, ls="none", marker=markers[m], ms=5, color=colors[m])
+            labels.append(f"{method_label(m, q)}: {100.0 * r['average']:.1f}")
         ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(0, 102)
         ax.set_title(f"{results['dataset']} severity {results['severity']}: {setting}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=3)
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                  title="average accuracy (%)", title_fontsize=8)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(names, rotation=45, ha="right")
+        if diff_ref:
+            ax2 = axes[1]
+            base = per[diff_ref]["per_corruption"]
+            ax2.axhline(0.0, color=colors[diff_ref], lw=1.2)
+            for m, r in per.items():
+                if m in ("none", diff_ref):
+                    continue
+                ax2.plot([x + dx[m] for x in xs], [100.0 * (r["per_corruption"][c] - base[c]) for c in corruptions],
+                         ls="none", marker=markers[m], ms=5, color=colors[m])
+            ax2.set_ylabel(f"minus {method_label(diff_ref)}\n(points)")
+            ax2.grid(axis="y", alpha=0.3)
+        ax.grid(axis="y", alpha=0.3)
     path = Path(path)
-    save_figure(fig, path, dpi=110)
+    save_figure(fig, path, dpi=110, layout=False)  # constrained layout
     return path
 
 

@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -564,38 +564,49 @@ def _class_names() -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- plot
-def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
-                  n_classes: int, smooth: int = 20) -> None:
-    """PNG: true label and predictions per window (top), running and sliding accuracy (bottom)."""
-    from szo.plots import pyplot, save_figure
+def _run_label(name: str) -> str:
+    return "no adaptation" if name == "none" else name
 
-    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
+
+def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
+                  n_classes: int, class_names: Sequence[str] | None = None, smooth: int = 20) -> None:
+    """PNG: true label and predictions per window (top, classes by name when ``class_names``
+    has one per class), running and sliding accuracy (bottom); the legends sit right of the
+    panels, never over the data."""
+    from szo.plots import MARKERS, pyplot, save_figure
+
+    names = list(class_names) if class_names is not None and len(class_names) == n_classes else None
+    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(12, 6.5), sharex=True)
     smooth = max(1, min(smooth, len(next(iter(runs.values()))["windows"])))
     first = next(iter(runs.values()))["windows"]
     t = np.array([r["t_ms"] for r in first]) / 1000
     lab = np.array([r["label"] for r in first])
-    ax1.step(t, np.where(lab >= 0, lab, np.nan), where="post", color="k", lw=2, label="true label")
-    markers = ["o", "x", "^", "s"]
+    ax1.step(t, np.where(lab >= 0, lab, np.nan), where="post", color="k", lw=2, label="true class")
     for j, (name, run) in enumerate(runs.items()):
         pred = np.array([r["pred"] for r in run["windows"]])
-        ax1.scatter(t, pred + 0.15 * (j - 0.5), s=8, marker=markers[j % 4], label=f"prediction ({name})")
+        ax1.scatter(t, pred + 0.15 * (j - 0.5), s=10, marker=MARKERS[j % len(MARKERS)],
+                    label=f"predicted ({_run_label(name)})")
         ok = (pred == lab).astype(float)
         valid = lab >= 0
         run_acc = np.array([r["running_acc"] if r["running_acc"] is not None else np.nan for r in run["windows"]])
         slide = np.convolve(np.where(valid, ok, 0), np.ones(smooth), "same") / np.maximum(
             np.convolve(valid.astype(float), np.ones(smooth), "same"), 1)
-        line, = ax2.plot(t, run_acc, lw=2, label=f"running accuracy ({name})")
-        ax2.plot(t, slide, lw=1, ls="--", color=line.get_color(), label=f"last {smooth} windows ({name})")
+        line, = ax2.plot(t, run_acc, lw=2, label=f"since the start ({_run_label(name)})")
+        ax2.plot(t, slide, lw=1, ls="--", color=line.get_color(), label=f"last {smooth} windows ({_run_label(name)})")
     for ax in (ax1, ax2):
         if shift_at_s is not None:
-            ax.axvline(shift_at_s, color="r", ls=":", lw=2, label="domain shift" if ax is ax1 else None)
+            ax.axvline(shift_at_s, color="r", ls=":", lw=2, label="domain shift")
+        ax.grid(alpha=0.3)
     ax1.set_ylabel("class")
     ax1.set_yticks(range(n_classes))
-    ax1.legend(loc="upper left", fontsize=7, ncol=2)
+    if names is not None:
+        ax1.set_yticklabels(names, fontsize=8)
+    ax1.set_ylim(-0.6, n_classes - 0.4)
     ax2.set_ylabel("accuracy")
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_xlabel("stream time (s)")
-    ax2.legend(loc="lower left", fontsize=7, ncol=2)
+    ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="per window", title_fontsize=8)
+    ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="accuracy", title_fontsize=8)
     save_figure(fig, path, dpi=110)
 
 
@@ -667,7 +678,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
         "wall_seconds": None,
     }
     plot_timeline(out_dir / "timeline.png", runs, shift_at_s=summary["shift_at_s"],
-                  n_classes=int(src.model.num_classes))
+                  n_classes=int(src.model.num_classes), class_names=_class_names())
     atomic_write_json(out_dir / "windows.json", {k: v["windows"] for k, v in runs.items()})
     summary["wall_seconds"] = round(time.perf_counter() - t_wall, 2)
     atomic_write_json(out_dir / "summary.json", summary)

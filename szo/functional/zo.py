@@ -24,13 +24,21 @@ __all__ = [
     "rge_coefficients",
     "forward_difference_coefficients",
     "check_loss",
+    "NonFiniteLossError",
     "cge",
     "rge",
     "one_point",
     "sample_gaussian",
+    "forward_gradient_coefficients",
+    "forward_gradient",
+    "sign_coefficients",
 ]
 
 LossFn = Callable[[torch.Tensor], "float | torch.Tensor"]
+
+
+class NonFiniteLossError(ValueError):
+    """A probe's loss is NaN or infinite (the parameters were restored before raising)."""
 
 
 def check_loss(value: "float | torch.Tensor", where: str = "closure") -> float:
@@ -47,7 +55,7 @@ def check_loss(value: "float | torch.Tensor", where: str = "closure") -> float:
     else:
         raise ValueError(f"{where} must return a scalar loss (float or 1-element tensor), got {type(value).__name__}")
     if not math.isfinite(value):
-        raise ValueError(f"{where} returned a non-finite loss ({value}); the parameters were restored")
+        raise NonFiniteLossError(f"{where} returned a non-finite loss ({value}); the parameters were restored")
     return value
 
 
@@ -77,6 +85,45 @@ def forward_difference_coefficients(
     """
     diffs = (loss_plus - loss_center) / mu
     return (diffs.to(z.dtype)[:, None] * z).mean(dim=0)
+
+
+def forward_gradient_coefficients(jvps: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Forward gradient (Baydin et al. 2022; AsyncFGD eq. 3) in the coordinates of ``directions``:
+    ``(1/q) sum_j (grad L . v_j) z_j`` with ``v_j = directions @ z_j`` and ``jvps[j] = grad L . v_j``
+    (one JVP each). Unbiased for ``z ~ N(0, I)``; the estimate in parameter space is ``directions @ result``.
+    """
+    return (jvps.to(z.dtype)[:, None] * z).mean(dim=0)
+
+
+def sign_coefficients(coeffs: torch.Tensor) -> torch.Tensor:
+    """ZO-signSGD (Liu et al. 2019; tensor-train ZO paper, seed 000 Sec. 3.2): keep only the sign."""
+    return torch.sign(coeffs)
+
+
+def forward_gradient(
+    loss_fn: LossFn,
+    theta: torch.Tensor,
+    directions: torch.Tensor,
+    q: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Forward gradient along ``v_j = directions @ z_j``, ``z_j ~ N(0, I_k)``: q JVPs (``torch.func.jvp``).
+
+    ``loss_fn`` must be differentiable in forward mode (plain torch ops).
+    """
+    if directions.dim() != 2 or directions.shape[0] != theta.numel():
+        raise ValueError(
+            f"directions must be [d, k] with d = theta.numel() = {theta.numel()}, got {tuple(directions.shape)}"
+        )
+    if not isinstance(q, int) or q < 1:
+        raise ValueError(f"q must be an integer >= 1, got {q!r}")
+    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype)
+    jvps = torch.empty(q, dtype=torch.float64)
+    for j in range(q):
+        value, tangent = torch.func.jvp(loss_fn, (theta,), (directions @ z[j],))
+        check_loss(value, "loss_fn")
+        jvps[j] = check_loss(tangent, "loss_fn's directional derivative")
+    return directions @ forward_gradient_coefficients(jvps, z)
 
 
 def sample_gaussian(q: int, k: int, generator: torch.Generator | None, dtype=torch.float32) -> torch.Tensor:

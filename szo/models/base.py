@@ -16,6 +16,7 @@ from spikingjelly.activation_based import functional
 from torch import nn
 
 from szo.layout import layout_fingerprint, param_layout
+from szo.models.compiled import check_compile, compiled_forward_seq
 from szo.models.streaming import check_stream_bn, check_time_chunk, chunked_forward
 
 
@@ -36,6 +37,7 @@ class SpikingModel(nn.Module):
         self._persist_depth = 0
         self.time_chunk: int | None = None  # chunked (streaming) forward; see set_streaming
         self.stream_bn: str = "exact"
+        self.compile_opts: tuple[str, str | None] | None = None  # torch.compile; see set_compile
 
     # ------------------------------------------------------------------ forward
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
@@ -72,6 +74,8 @@ class SpikingModel(nn.Module):
                 return chunked_forward(self, x, static=static, T=T, chunk=chunk, stream_bn=mode,
                                        persistent=self._persist_depth > 0)
             x_seq = x.unsqueeze(0).repeat(self.T, 1, 1, 1, 1) if static else x
+            if self.compile_opts is not None:
+                return compiled_forward_seq(type(self), *self.compile_opts)(self, x_seq)
             return self.forward_seq(x_seq)
         finally:
             if self._persist_depth == 0:
@@ -93,6 +97,21 @@ class SpikingModel(nn.Module):
             yield self
         finally:
             self.time_chunk, self.stream_bn = old
+
+    # ------------------------------------------------------------------ compile
+    def set_compile(self, enabled: bool = True, *, backend: str = "inductor",
+                    mode: str | None = None) -> SpikingModel:
+        """Run later multi-step forwards through ``torch.compile`` (``False``: eager again).
+
+        Compiled: ``forward_seq``, once per input shape / grad mode / train-eval mode, shared by
+        all instances of the class; parameters and BN buffers changed in place between calls
+        are read by the graph without recompiling. The chunked (streaming) forward stays
+        eager. See ``szo.models.compiled``.
+        """
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_compile(enabled) must be True or False, got {enabled!r}")
+        self.compile_opts = check_compile(backend, mode) if enabled else None
+        return self
 
     # -------------------------------------------------------------------- state
     def reset_state(self) -> None:

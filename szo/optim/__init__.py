@@ -12,13 +12,18 @@ from torch import nn
 from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, METHODS, SUBSPACE_METHODS
 
 from .bn import BNStatsFreezer, bn_layers
+from .fg import ForwardGradient, SubspaceForwardGradient
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
+from .tt import HybridZO
 from .zo import FullSpaceZO
 
 __all__ = [
     "SZO",
     "BPSubspace",
     "FullSpaceZO",
+    "ForwardGradient",
+    "SubspaceForwardGradient",
+    "HybridZO",
     "SubspaceOptimizer",
     "BNStatsFreezer",
     "bn_layers",
@@ -48,6 +53,7 @@ def build_optimizer(
     engine: str = "loop",
     chunk: int | None = None,
     process_group=None,
+    tt: dict | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
 
@@ -57,6 +63,13 @@ def build_optimizer(
     ``zo-cge`` perturbs ``coords_per_step`` random coordinates per step (default: the
     subspace's k when a subspace is given, so it spends the same 2k forwards per step as
     SZO-CGE, else all d coordinates).
+
+    ``fg`` / ``fg-subspace`` (forward gradient, ``szo.optim.fg``) use ``q`` tangents per step.
+    ``tt-zo`` needs a model whose large layers are TT-parameterised
+    (``szo.models.tt.tt_parametrize``) and runs ``HybridZO`` on its parameters (the TT cores
+    and the small dense tensors): ``mu`` / ``lr`` / ``momentum`` / ``coords_per_step`` are the
+    CGE phase's, ``tt`` holds the signRGE phase and switch options (``sign_lr``, ``sign_q``,
+    ``sign_mu``, ``window``, ``tol``, ``switch_step``).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -76,10 +89,23 @@ def build_optimizer(
             raise ValueError(f"method {method!r} uses no weight decay (paper App. G); got weight_decay={weight_decay}")
         if method == "bp-subspace":
             return BPSubspace(params, subspace, lr=lr, momentum=momentum, model=model)
+        if method == "fg-subspace":
+            return SubspaceForwardGradient(params, subspace, model=model, lr=lr, momentum=momentum, q=q,
+                                           generator=generator)
         estimator = {"szo-cge": "cge", "szo-rge": "rge", "szo-1pt": "one-point"}[method]
         return SZO(params, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q, model=model,
                    generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group,
                    engine=engine, chunk=chunk)
+    if method == "fg":
+        return ForwardGradient(params, model=model, lr=lr, momentum=momentum, q=q, generator=generator)
+    if method == "tt-zo":
+        from szo.models.tt import tt_layers
+
+        if not tt_layers(model):
+            raise ValueError("method 'tt-zo' trains TT cores: TT-parameterise the model first "
+                             "(szo.models.tt.tt_parametrize(model, rank=...))")
+        return HybridZO(params, lr=lr, momentum=momentum, mu=mu, coords_per_step=coords_per_step, model=model,
+                        generator=generator, **dict(tt or {}))
     # full-space ZO
     if method == "zo-cge" and coords_per_step is None and subspace is not None:
         coords_per_step = int(subspace.basis.shape[1])

@@ -10,7 +10,10 @@ perturbation on training step t the same". Exactly what happens here:
    statistics anyway; the running statistics are what evaluation later uses.)
 3. After each probe, ``accumulate()`` adds the running statistics that probe produced.
 4. ``commit()`` at the end of the step sets the running statistics to the *mean over the
-   probes* and ``num_batches_tracked`` to snapshot + 1. Because a BN update is affine in
+   probes* and ``num_batches_tracked`` to snapshot + 1. The probe sums are kept in float64,
+   where adding a step's float32 statistics (values of similar magnitude) is exact: the mean
+   does not depend on the order of the probes, so a perturbation-parallel run (each rank sums
+   its own probes, then the ranks add their sums) ends with the same bits as one process. Because a BN update is affine in
    the batch statistics, this equals one ordinary BN update with the probes' mean batch
    statistics, i.e. to first order in mu the update an unperturbed forward would make,
    without paying for that extra forward.
@@ -52,7 +55,8 @@ class BNStatsFreezer:
         self._saved = [
             (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in self.layers
         ]
-        self._sum = [(torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var)) for m in self.layers]
+        self._sum = [(torch.zeros_like(m.running_mean, dtype=torch.float64),
+                      torch.zeros_like(m.running_var, dtype=torch.float64)) for m in self.layers]
         self._count = 0
 
     @torch.no_grad()
@@ -99,7 +103,7 @@ class BNStatsFreezer:
 
             ref = self._sum[0][0]
             flat = torch.cat([torch.cat([a, b]) for a, b in self._sum]
-                             + [torch.tensor([float(count)], dtype=ref.dtype, device=ref.device)])
+                             + [torch.tensor([float(count)], dtype=ref.dtype, device=ref.device)])  # float64
             sent = all_reduce_(flat, process_group)  # one message: sums of all layers + probe count
             count = int(flat[-1].item())
             off = 0

@@ -173,6 +173,10 @@ class SZO(SubspaceOptimizer):
     builds such a closure; ``szo.train.fit`` sets it). The default ``"loop"`` calls the
     closure once per probe.
 
+    ``compile=True`` runs the model's forward through ``torch.compile``
+    (``model.set_compile(True)``, see ``szo.models.compiled``): compiled once per input shape,
+    no recompilation when the probes perturb the parameters in place.
+
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore). If ``model`` is given, BN running
     statistics are frozen across the probes (see ``szo.optim.bn``). ``step`` returns the mean
@@ -185,7 +189,8 @@ class SZO(SubspaceOptimizer):
     (``process_group`` or the default one). Per step the m probe losses (float64) and, with BN,
     the running-statistic sums (once) are all-reduced; in data mode with ``sync_bn`` and BN in
     train mode also each BN layer's batch statistics per probe (``szo.distributed.SyncBatchNorm``),
-    so that the result equals one process with the whole batch. ``bytes_communicated`` counts
+    so that the step computes the one-process objective with the whole batch (the same numbers
+    up to float summation order, docs/distributed.md). ``bytes_communicated`` counts
     these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
@@ -209,6 +214,7 @@ class SZO(SubspaceOptimizer):
         sync_bn: bool = True,
         engine: str = "loop",
         chunk: int | None = None,
+        compile: bool = False,
     ):
         from szo.engine import ENGINES
 
@@ -231,6 +237,15 @@ class SZO(SubspaceOptimizer):
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         if estimator != "cge" and (not isinstance(q, int) or q < 1):
             raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        if compile:  # the probe forwards run model.forward_seq through torch.compile (szo.models.compiled)
+            if not callable(getattr(model, "set_compile", None)) or engine != "loop":
+                raise ValueError("compile=True compiles the model's forward: it needs model=<a szo.models.SpikingModel> "
+                                 "and engine='loop' (the batched engine folds the copies itself)")
+            model.set_compile(True)
+        if distributed == "data" and sync_bn and getattr(model, "compile_opts", None) is not None:
+            raise ValueError("distributed='data' with sync_bn synchronises BN through forward hooks, which a compiled "
+                             "forward does not see: use model.set_compile(False), sync_bn=False or "
+                             "distributed='perturbation'")
         super().__init__(params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model)
         self.estimator = estimator
         self.q = q

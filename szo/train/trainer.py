@@ -33,8 +33,10 @@ writes metrics.jsonl, checkpoints, results.json and the plot, and shows progress
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -44,12 +46,22 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
+from szo.functional.zo import NonFiniteLossError
 from szo.io import atomic_write_json
 from szo.optim.bn import bn_layers
 from szo.train.callbacks import Callback, MetricsLogger
-from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, load_checkpoint, save_checkpoint
+from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
 
-__all__ = ["fit", "evaluate"]
+__all__ = ["fit", "evaluate", "TrainingDiverged", "DIVERGE_FACTOR"]
+
+DIVERGE_FACTOR = 1.0e4
+"""A run has diverged when a step's training loss exceeds this many times ``max(|first loss|, 1)``
+(the first step's loss of the run), or the loss or a parameter is not finite."""
+
+
+class TrainingDiverged(ValueError):
+    """Training diverged (non-finite or exploding loss, non-finite parameters); results.json
+    of the run says ``"status": "diverged"``."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -130,6 +142,7 @@ def fit(
     plot: bool = True,
     bn_stats: str = "batch",
     parallel: Any = None,
+    diverge_factor: float | None = DIVERGE_FACTOR,
 ) -> dict[str, Any]:
     """Train ``model`` for ``epochs`` epochs (total, counted from 0) and return the summary.
 
@@ -142,6 +155,12 @@ def fit(
     ``"batch"`` is ordinary train-mode BN. ``parallel`` (``szo.distributed.Parallel``) runs
     this rank's part of a multi-process run (see the module docstring); the test loader
     should then hold this rank's shard of the test set.
+
+    Divergence (a non-finite loss or parameter, or a loss above ``diverge_factor`` times
+    ``max(|first loss|, 1)``; ``None`` checks finiteness only) stops the run with one
+    :class:`TrainingDiverged` line naming the step, after writing results.json with
+    ``"status": "diverged"``. A resumed run refuses a checkpoint written by another method or
+    optimizer class, and says where it continues.
     """
     if bn_stats not in ("batch", "deployed"):
         raise ValueError(f"unknown bn_stats {bn_stats!r}; valid: batch, deployed")
@@ -185,8 +204,12 @@ def fit(
     train_time, wall_time = 0.0, 0.0
     mid: dict[str, Any] | None = None
     resumed = False
-    st = _load_start_state(ckpt_path, run_dir, resume, par)
+    method = (info or {}).get("method")
+    opt_kind = type(optimizer).__name__
+    first_loss: float | None = None
+    st, ckpt_sha = _load_start_state(ckpt_path, run_dir, resume, par)
     if st is not None:
+        _check_checkpoint_kind(st, ckpt_path, method, opt_kind)
         model.load_state_dict(st["model"])
         optimizer.load_state_dict(st["optimizer"])
         if scheduler is not None and st.get("scheduler") is not None:
@@ -196,16 +219,27 @@ def fit(
         train_time, wall_time = float(st["train_time_s"]), float(st["wall_time_s"])
         history = list(st["history"])
         mid = st.get("in_epoch")
+        first_loss = st.get("first_loss")
         resumed = True
+        if main:
+            n_steps = len(train_loader.batch_sampler)  # type: ignore[arg-type]
+            if max_steps_per_epoch is not None:
+                n_steps = min(n_steps, max_steps_per_epoch)
+            into = f", {int(mid['batches_done'])} of its {n_steps} steps done" if mid is not None else ""
+            where = (f"epoch {epoch + 1} of {epochs}{into}" if epoch < epochs
+                     else f"all {epochs} epochs were done already")
+            print(f"resuming {run_dir} after step {step}: {where}{f' (method {method})' if method else ''}", flush=True)
     if par is not None:
         par.broadcast_model(model)  # once; afterwards identical updates keep the ranks in sync
     if logger is not None:
         logger.reset(history)
 
     def checkpoint(in_epoch: dict[str, Any] | None) -> None:
+        nonlocal ckpt_sha
         if not main:
             return
-        save_checkpoint(ckpt_path, {
+        ckpt_sha = save_checkpoint(ckpt_path, {
+            "method": method, "optimizer_class": opt_kind, "first_loss": first_loss,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -213,7 +247,7 @@ def fit(
             "epoch": epoch, "step": step, "fp": fp, "bp": bp,
             "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
             "history": history, "in_epoch": in_epoch,
-        })
+        }, previous_sha256=ckpt_sha)
 
     cbs: list[Callback] = ([logger] if logger is not None else []) + list(callbacks)
     for cb in cbs:
@@ -254,6 +288,21 @@ def fit(
         correct_local = 0
         return got
 
+    def diverged(why: str) -> None:
+        """Close the progress bar (the error gets its own line), mark results.json, stop."""
+        bar.close()
+        if progress and not sys.stderr.isatty():  # a log file keeps the bar's text: end its line
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        msg = (f"training diverged at step {step + 1} (epoch {epoch + 1} of {epochs}"
+               f"{f', method {method}' if method else ''}): {why}; lower the learning rate"
+               + (" (train.lr) or the perturbation scale (szo.mu)" if forward_only else ""))
+        if main:
+            summary = summarize(history, model=model, optimizer=optimizer, info=info)
+            summary.update(status="diverged", error=msg, diverged_step=step + 1)
+            atomic_write_json(run_dir / "results.json", summary)
+        raise TrainingDiverged(msg)
+
     # ---------------------------------------------------------------- loop
     while epoch < epochs:
         if mid is not None:
@@ -289,16 +338,21 @@ def fit(
             x_cur["scale"] = par.world_size * int(y.shape[0]) / n if shard else 1.0
             acc_buf["sum"] = None
             fp_before = int(getattr(optimizer, "forward_passes", 0))
-            loss_t = optimizer.step(closure)
+            try:
+                loss_t = optimizer.step(closure)
+            except NonFiniteLossError as e:  # a forward-only optimizer's probe
+                diverged(str(e).split(";")[0].replace("returned a non-finite loss", "gave a non-finite loss"))
             if forward_only:
                 fp += int(getattr(optimizer, "forward_passes", 0)) - fp_before
             else:
                 fp += 1
                 bp += 1
             loss = float(loss_t.detach()) if isinstance(loss_t, torch.Tensor) else float(loss_t)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss is {loss} at step {step + 1} (epoch {epoch + 1}); "
-                                         f"lower the learning rate")
+            if first_loss is None and math.isfinite(loss):
+                first_loss = loss
+            why = _diverged(loss, model, first_loss, diverge_factor)
+            if why is not None:
+                diverged(why)
             loss_sum += loss * n
             correct_local += int((acc_buf["sum"].argmax(1) == x_cur["y"]).sum()) if acc_buf["sum"] is not None else 0
             seen += n
@@ -362,6 +416,7 @@ def fit(
 
     wall_time += time.perf_counter() - t_wall0
     summary = summarize(history, model=model, optimizer=optimizer, info=info)
+    summary["status"] = "completed"
     summary["wall_time_min"] = wall_time / 60.0
     if par is not None:
         summary["distributed"] = {**par.describe(), **_comm_stats(optimizer, step), "startup_bytes": par.startup_bytes}
@@ -385,22 +440,50 @@ def _comm_stats(optimizer: Any, step: int) -> dict[str, Any]:
     return {"bytes_communicated": total, "bytes_per_step": total / step if step else 0.0}
 
 
-def _load_start_state(ckpt_path: Path, run_dir: Path, resume: bool, par: Any) -> dict[str, Any] | None:
-    """The checkpoint to continue from, or None for a fresh start. Multi-process: rank 0
-    looks at its run directory and broadcasts the file's bytes; every rank loads them."""
-    if par is None:
+def _load_start_state(ckpt_path: Path, run_dir: Path, resume: bool, par: Any
+                      ) -> tuple[dict[str, Any] | None, str | None]:
+    """The checkpoint to continue from (checked against its sha256 record) and its sha256, or
+    (None, None) for a fresh start. Multi-process: rank 0 looks at its run directory and
+    broadcasts the verified file's bytes (or its one-line error); every rank loads them."""
+    from szo.distributed import main_decides
+
+    def read() -> bytes | None:
         if not ckpt_path.exists():
             return None
-        blob = None
-    else:
-        blob = par.broadcast_bytes((ckpt_path.read_bytes() if resume else b"") if par.is_main and ckpt_path.exists()
-                                   else None)
-        if blob is None:
-            return None
-    if not resume:
-        raise ValueError(f"{run_dir} already holds a checkpoint ({ckpt_path}); "
-                         f"pass resume=True (--resume) or use another run directory")
-    return load_checkpoint(ckpt_path) if blob is None else checkpoint_from_bytes(blob, ckpt_path)
+        if not resume:
+            raise ValueError(f"{run_dir} already holds a checkpoint ({ckpt_path}); "
+                             f"pass resume=True (--resume) or use another run directory")
+        return read_checkpoint_bytes(ckpt_path)[0]
+
+    blob = main_decides(read, par.group) if par is not None else read()
+    if blob is None:
+        return None, None
+    if par is not None:
+        par.startup_bytes += len(blob) + 17  # header + tag + the checkpoint's bytes
+    return checkpoint_from_bytes(blob, ckpt_path), hashlib.sha256(blob).hexdigest()
+
+
+def _check_checkpoint_kind(st: dict[str, Any], where: Path, method: str | None, opt_kind: str) -> None:
+    """Refuse a checkpoint written by another method or optimizer class (e.g. a BPTT last.pt
+    copied into an SZO run)."""
+    for what, got, want in (("method", st.get("method"), method), ("optimizer", st.get("optimizer_class"), opt_kind)):
+        if got is not None and want is not None and got != want:
+            raise ValueError(f"checkpoint {where} was written by {what} {got!r}, this run trains with {want!r}: "
+                             "a run resumes only its own checkpoint; use another run directory")
+
+
+def _diverged(loss: float, model: nn.Module, first_loss: float | None, factor: float | None) -> str | None:
+    """Why the run counts as diverged after this step, or None."""
+    if not math.isfinite(loss):
+        return f"the training loss is {loss}"
+    if factor is not None and first_loss is not None and abs(loss) > factor * max(abs(first_loss), 1.0):
+        return (f"the training loss {loss:.4g} is more than {factor:g} times the first step's "
+                f"({first_loss:.4g})")
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):  # one sync
+        bad = next(n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all())
+        return f"parameter {bad} is not finite"
+    return None
 
 
 def summarize(history: Sequence[dict[str, Any]], *, model: nn.Module | None = None,

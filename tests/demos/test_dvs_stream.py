@@ -190,3 +190,25 @@ def test_exported_nir_model_runs_the_stream_like_the_source(source, tmp_path, ca
     with pytest.raises(ValueError, match="--adapt none"):
         ds.run_demo(tmp_path / "x", model_dir=str(nir_path), n_gestures=1, print_every=0, log=lambda m: None,
                     stream=ds.StreamSettings(window_ms=20, adapt="szo-cge"))
+
+
+def test_timeline_names_classes_and_keeps_legends_off_the_data(tmp_path, figures):
+    from szo.data.synthetic_events import CLASSES
+
+    lab = [0] * 5 + [3] * 5 + [10] * 5
+    windows = [{"t_ms": 20.0 * i, "label": c, "pred": c, "running_acc": 1.0} for i, c in enumerate(lab)]
+    ds.plot_timeline(tmp_path / "t.png", {"szo-cge": {"windows": windows}, "none": {"windows": windows}},
+                     shift_at_s=0.15, n_classes=11, class_names=CLASSES)
+    (fig,) = figures
+    top, bottom = fig.axes
+    assert [t.get_text() for t in top.get_yticklabels()] == list(CLASSES)
+    r = fig.canvas.get_renderer()
+    for ax in (top, bottom):
+        leg = ax.get_legend()
+        assert leg.get_window_extent(r).x0 >= ax.get_window_extent(r).x1  # right of the panel, not over it
+    texts = [t.get_text() for t in top.get_legend().get_texts()]
+    assert texts == ["true class", "predicted (szo-cge)", "predicted (no adaptation)", "domain shift"]
+    # a model whose classes are not the named ones keeps numbers
+    ds.plot_timeline(tmp_path / "u.png", {"none": {"windows": windows}}, shift_at_s=None, n_classes=12,
+                     class_names=CLASSES)
+    assert [t.get_text() for t in figures[1].axes[0].get_yticklabels()] == [str(i) for i in range(12)]

@@ -1,0 +1,223 @@
+"""Forward-gradient optimizers (FGD: Baydin et al. 2022; AsyncFGD, seed 001 eq. 3): full space and subspace.
+
+One step draws q seeded tangents ``v_j`` and runs q forward passes with forward-mode AD
+(``torch.autograd.forward_ad`` dual tensors swapped into the model with
+``torch.func.functional_call``), each giving the loss and its directional derivative
+``grad L . v_j`` through the surrogate (``szo.models.forward_mode``); the estimate is
+``g = (1/q) sum_j (grad L . v_j) v_j`` (``szo.functional.zo.forward_gradient_coefficients``).
+
+* ``ForwardGradient``: ``v ~ N(0, I_d)`` over all d parameters (``method=fg``).
+* ``SubspaceForwardGradient``: ``v = P z``, ``z ~ N(0, I_k)`` in the trajectory subspace
+  (``method=fg-subspace``); the update is SZO's eq. (6) on the k coordinates.
+
+Why dual tensors rather than ``torch.func.jvp``: a training forward mutates buffers in place
+(BN running statistics, LIF membrane state), which ``torch.func.jvp`` forbids for captured
+tensors; with dual tensors the model's ordinary forward runs unchanged and the result is the
+same JVP (tests/optim/test_fg.py checks it against autograd to 1e-5).
+
+Counting: one JVP pass is one forward pass in ``forward_passes`` (#FP); it computes the
+tangent alongside the primal, so it costs more than a plain forward (docs/methods.md gives
+the measured ratio). No backward pass, no stored activations. BN statistics are handled as
+in SZO (``BNStatsFreezer``: q passes, running statistics averaged over them, committed once).
+
+The closure is the usual forward-only closure (``loss_fn(model(x), y)``, no backward); it
+is called inside the dual-tensor context, so it must not detach the loss.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.func import functional_call
+
+from ..functional import zo as F
+from ..models.forward_mode import jvp_neurons
+from .bn import BNStatsFreezer
+from .subspace import SubspaceOptimizer
+
+__all__ = ["ForwardGradient", "SubspaceForwardGradient", "jvp_closure"]
+
+
+class _CallClosure(nn.Module):
+    """``functional_call`` target: holds the model, its forward calls the user's closure."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, closure):
+        return closure()
+
+
+def _check_model(model: nn.Module | None, params: list[torch.Tensor], who: str) -> list[str]:
+    if model is None:
+        raise ValueError(f"{who} needs model=... (the JVP swaps dual tensors into the model's parameters)")
+    named = list(model.named_parameters())
+    if len(named) != len(params) or any(p is not q for (_, p), q in zip(named, params)):
+        raise ValueError(f"{who} optimizes all of the model's parameters in named_parameters() order: "
+                         "pass model.parameters()")
+    return [n for n, _ in named]
+
+
+def jvp_closure(model: nn.Module, names: list[str], closure: Callable[[], torch.Tensor],
+                tangents: list[torch.Tensor], where: str = "closure") -> tuple[float, float]:
+    """``(L(theta), grad L . v)`` from one forward pass with tangent ``v`` (one tensor per parameter)."""
+    if getattr(model, "time_chunk", None) is not None:
+        raise ValueError("forward gradients need the multi-step forward: the JVP through a time-chunked "
+                         "(streaming) forward is not exact; call model.set_streaming(None)")
+    wrapper = _CallClosure(model)
+    with jvp_neurons(model), fwAD.dual_level():
+        duals = {f"model.{n}": fwAD.make_dual(p.detach(), t.to(p.dtype))
+                 for n, p, t in zip(names, model.parameters(), tangents)}
+        value = functional_call(wrapper, duals, (closure,))
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{where} must return the loss as a tensor for a forward gradient, "
+                             f"got {type(value).__name__}")
+        primal, tangent = fwAD.unpack_dual(value)
+        loss = F.check_loss(primal, where)
+        if tangent is None:
+            raise ValueError(f"{where}'s loss does not depend on the parameters in forward mode "
+                             "(did the closure detach it or call .item()?)")
+        return loss, F.check_loss(tangent, f"{where} (directional derivative)")
+
+
+def _jvp_passes(opt, closure: Callable[[], torch.Tensor],
+                tangents: Callable[[int], list[torch.Tensor]]) -> tuple[list[float], torch.Tensor]:
+    """``opt.q`` JVP passes (losses, directional derivatives), BN statistics handled as in SZO."""
+    jvps = torch.empty(opt.q, dtype=torch.float64)
+    losses = []
+    opt.bn.snapshot()
+    try:
+        for j in range(opt.q):
+            opt.bn.restore()
+            lj, jvps[j] = jvp_closure(opt.model, opt._names, closure, tangents(j), f"closure (tangent {j + 1}/{opt.q})")
+            opt.forward_passes += 1
+            losses.append(lj)
+            opt.bn.accumulate()
+    except BaseException:
+        opt.bn.restore()
+        raise
+    opt.bn.commit()
+    return losses, jvps
+
+
+class ForwardGradient(torch.optim.Optimizer):
+    """Full-space forward gradient descent: ``v ~ N(0, I_d)``, heavy-ball update in parameter space.
+
+    ``opt = ForwardGradient(model.parameters(), model=model, lr=1e-3, q=1)``;
+    ``loss = opt.step(lambda: loss_fn(model(x), y))``.
+    """
+
+    forward_only = True
+
+    def __init__(self, params: Iterable[torch.Tensor], *, model: nn.Module, lr: float = 1e-3,
+                 momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        self._names = _check_model(model, params, "ForwardGradient")
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+        self.model = model
+        self.q = q
+        self.d = sum(p.numel() for p in params)
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.bn = BNStatsFreezer(model)
+        self.forward_passes = 0
+        self.state[params[0]]["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
+
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        return self.param_groups[0]["params"]
+
+    @property
+    def forwards_per_step(self) -> int:
+        return self.q
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, off = [], 0
+        for p in self._params:
+            out.append(flat[off : off + p.numel()].view_as(p))
+            off += p.numel()
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("ForwardGradient.step needs a closure that runs a forward pass and returns the loss")
+        p0 = self._params[0]
+        z = F.sample_gaussian(self.q, self.d, self.generator, dtype=torch.float32)
+        losses, jvps = _jvp_passes(self, closure, lambda j: self._split(z[j].to(device=p0.device, dtype=p0.dtype)))
+        g = F.forward_gradient_coefficients(jvps, z).to(device=p0.device, dtype=p0.dtype)
+        group = self.param_groups[0]
+        vel = self.state[p0]["velocity"]
+        vel.mul_(group["momentum"]).add_(g, alpha=-group["lr"])
+        for p, dv in zip(self._params, self._split(vel)):
+            p.add_(dv)
+        return torch.tensor(sum(losses) / len(losses))
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["fg"] = {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("fg", {})
+        super().load_state_dict(state_dict)
+        if "generator_state" in extra:
+            self.generator.set_state(extra["generator_state"].to(torch.uint8))
+        self.forward_passes = int(extra.get("forward_passes", 0))
+
+
+class SubspaceForwardGradient(SubspaceOptimizer):
+    """Forward gradient in the trajectory subspace: tangents ``P z``, ``z ~ N(0, I_k)``; SZO's eq. (6) on c."""
+
+    forward_only = True
+
+    def __init__(self, params: Iterable[torch.Tensor], subspace, *, model: nn.Module, lr: float = 1.0,
+                 momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
+        params = list(params)
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        names = _check_model(model, params, "SubspaceForwardGradient")
+        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model)
+        self._names = names
+        self.q = q
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.bn = BNStatsFreezer(model)
+        self.forward_passes = 0
+
+    @property
+    def forwards_per_step(self) -> int:
+        return self.q
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("SubspaceForwardGradient.step needs a closure that runs a forward pass and returns "
+                             "the loss")
+        z = F.sample_gaussian(self.q, self.k, self.generator, dtype=torch.float64)
+
+        def tangents(j: int) -> list[torch.Tensor]:
+            u = z[j].to(device=self._Pt.device, dtype=self._Pt.dtype)
+            return [(u @ pt).view_as(p) for p, pt in zip(self._params, self._Pt_views)]
+
+        losses, jvps = _jvp_passes(self, closure, tangents)
+        self._apply_update(F.forward_gradient_coefficients(jvps, z))
+        return torch.tensor(sum(losses) / len(losses))
+
+    def _extra_state(self) -> dict:
+        return {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        if "generator_state" in extra:
+            self.generator.set_state(extra["generator_state"].to(torch.uint8))
+        self.forward_passes = int(extra.get("forward_passes", 0))

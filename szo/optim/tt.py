@@ -1,0 +1,146 @@
+"""Hybrid zeroth-order optimizer of the tensor-train ZO paper (seed 000 Sec. 3.2): ZO-signRGE, then ZO-CGE.
+
+Used on a TT-parameterised model (``szo.models.tt.tt_parametrize``) it is ``method=tt-zo``:
+ZO in TT-factor space. Two phases over the same parameters:
+
+1. **ZO-signRGE coarse training**: ``N = sign_q`` Gaussian directions ``xi_i``, one-sided
+   differences from ``L(theta)`` (``N + 1`` forwards), and only the sign of the estimate:
+   ``theta <- theta - sign_lr * sign((1/N) sum_i (L(theta + mu xi_i) - L(theta)) / mu xi_i)``
+   (paper: N = 10, mu = 0.1).
+2. **ZO-CGE fine-tuning with momentum** (``FullSpaceZO`` with ``estimator="cge"``: 2 forwards
+   per coordinate, ``coords_per_step`` coordinates per step, all by default; paper: mu = 0.01,
+   momentum 0.9).
+
+The switch happens "when the coarse training fails to learn": every ``window`` signRGE steps
+the mean of ``L(theta)`` over the window is compared with the previous window's, and when it
+improved by less than ``tol`` (relative) the optimizer switches to CGE for good
+(``switch_step`` forces the switch at that step instead). A learning-rate scheduler scales
+both phases' step sizes by the same factor (``lr / initial_lr``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..functional import zo as F
+from .zo import FullSpaceZO
+
+__all__ = ["HybridZO", "PHASES"]
+
+PHASES = ("sign-rge", "cge")
+
+
+class HybridZO(FullSpaceZO):
+    """ZO-signRGE until the loss plateaus (or ``switch_step``), then ZO-CGE with momentum."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        mu: float = 0.01,
+        coords_per_step: int | None = None,
+        sign_lr: float = 1e-3,
+        sign_q: int = 10,
+        sign_mu: float = 0.1,
+        window: int = 20,
+        tol: float = 0.01,
+        switch_step: int | None = None,
+        model: nn.Module | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if isinstance(sign_q, bool) or not isinstance(sign_q, int) or sign_q < 1:
+            raise ValueError(f"sign_q must be an integer >= 1, got {sign_q!r}")
+        if not sign_mu > 0:
+            raise ValueError(f"sign_mu must be > 0, got {sign_mu}")
+        if not sign_lr >= 0:
+            raise ValueError(f"sign_lr must be >= 0, got {sign_lr}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if not tol >= 0:
+            raise ValueError(f"tol must be >= 0, got {tol}")
+        if switch_step is not None and (isinstance(switch_step, bool) or not isinstance(switch_step, int)
+                                        or switch_step < 0):
+            raise ValueError(f"switch_step must be null or an integer >= 0, got {switch_step!r}")
+        super().__init__(params, estimator="cge", mu=mu, lr=lr, momentum=momentum,
+                         coords_per_step=coords_per_step, model=model, generator=generator)
+        self.sign_lr, self.sign_q, self.sign_mu = float(sign_lr), sign_q, float(sign_mu)
+        self.window, self.tol, self.switch_step = window, float(tol), switch_step
+        self.phase = "sign-rge" if switch_step != 0 else "cge"
+        self.hybrid_state = {"steps": 0, "window_losses": [], "previous_mean": None, "switched_at": None}
+
+    @property
+    def forwards_per_step(self) -> int:
+        return self.sign_q + 1 if self.phase == "sign-rge" else super().forwards_per_step
+
+    def _switch(self) -> None:
+        self.phase = "cge"
+        self.hybrid_state["switched_at"] = self.hybrid_state["steps"]
+        self.state[self._params[0]]["velocity"].zero_()  # b^0 = g^0 (paper)
+
+    def _plateau(self, loss: float) -> bool:
+        st = self.hybrid_state
+        st["window_losses"].append(loss)
+        if len(st["window_losses"]) < self.window:
+            return False
+        mean = sum(st["window_losses"]) / len(st["window_losses"])
+        prev, st["previous_mean"], st["window_losses"] = st["previous_mean"], mean, []
+        return prev is not None and prev - mean < self.tol * abs(prev)
+
+    @torch.no_grad()
+    def _sign_step(self, closure: Callable[[], torch.Tensor]) -> float:
+        group = self.param_groups[0]
+        theta = self._flat()
+        m = self.sign_q + 1
+        self.bn.snapshot()
+        try:
+            center = self._loss_at(closure, theta, 0, m)
+            xi = F.sample_gaussian(self.sign_q, self.d, self.generator, dtype=theta.dtype).to(theta.device)
+            lp = torch.empty(self.sign_q, dtype=torch.float64)
+            for j in range(self.sign_q):
+                lp[j] = self._loss_at(closure, theta + self.sign_mu * xi[j], j + 1, m)
+        except BaseException:
+            self.bn.restore()
+            self._load(theta)
+            raise
+        self.bn.commit()
+        g = F.forward_difference_coefficients(lp, center, xi, self.sign_mu)
+        scale = group["lr"] / group.get("initial_lr", group["lr"]) if group.get("initial_lr") else 1.0
+        self._load(theta - self.sign_lr * scale * F.sign_coefficients(g))
+        return center
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("HybridZO.step needs a closure that runs a forward pass and returns the loss")
+        st = self.hybrid_state
+        if self.phase == "sign-rge":
+            loss = torch.tensor(self._sign_step(closure))
+            st["steps"] += 1
+            if (self.switch_step is not None and st["steps"] >= self.switch_step) or (
+                    self.switch_step is None and self._plateau(float(loss))):
+                self._switch()
+            return loss
+        st["steps"] += 1
+        return super().step(closure)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        st = self.hybrid_state
+        sd["hybrid"] = {"phase": self.phase, "steps": st["steps"], "window_losses": list(st["window_losses"]),
+                        "previous_mean": st["previous_mean"], "switched_at": st["switched_at"]}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("hybrid", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            if extra["phase"] not in PHASES:
+                raise ValueError(f"optimizer state has phase {extra['phase']!r}; valid: {', '.join(PHASES)}")
+            self.phase = extra["phase"]
+            self.hybrid_state = {"steps": int(extra["steps"]), "window_losses": list(extra["window_losses"]),
+                                 "previous_mean": extra["previous_mean"], "switched_at": extra["switched_at"]}

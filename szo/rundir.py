@@ -1,0 +1,237 @@
+"""The run-directory contract (docs/runs.md): one writer per run directory, and a resume that
+continues exactly what the directory holds.
+
+* :func:`run_lock` holds an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` for the whole run
+  and writes its holder (pid, host, start time, command) into it. A second run on the same
+  directory gets one :class:`RunLockedError` line naming the holder. The kernel drops the lock
+  when its process dies (also on SIGKILL), so a lock file that still names a holder but is
+  not locked is stale: it is taken over, and a line says so. Re-entrant within a process
+  (a recipe locks its run directory, then the stage running in it locks it again).
+* :func:`check_resume_config` compares the config a resumed run would use with the
+  directory's own ``config.yaml`` and refuses, in one line naming the key and both values,
+  any difference that changes what is trained (:data:`HARMLESS_KEYS` may differ).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import yaml
+
+__all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunLockedError", "ResumeMismatchError", "run_lock",
+           "check_resume_config", "config_differences", "saved_config_path", "resumed_config"]
+
+LOCK_NAME = ".lock"
+
+# Keys a resumed run may change: where and how it runs and reports, never what it computes.
+HARMLESS_KEYS = (
+    "description", "progress", "device", "data.data_dir", "data.download", "data.num_workers",
+    "data.test_batch_size", "bptt.eval_every", "train.eval_every", "bptt.checkpoint_every_steps",
+    "train.checkpoint_every_steps", "subspace.root", "distributed.timeout_s",
+)
+# Sections a stage does not use (a difference there does not change what that stage trains).
+_STAGE_IGNORES = {
+    "bptt": ("kind", "name", "mode", "method", "train", "szo", "backend", "bn_stats", "hw", "distributed"),
+    "subspace": ("bptt", "trajectory"),
+}
+
+
+class RunLockedError(ValueError):
+    """Another live process holds the run directory."""
+
+
+class ResumeMismatchError(ValueError):
+    """A resumed run would train something other than what its run directory holds."""
+
+
+# ----------------------------------------------------------------------------- lock
+_held: dict[str, list[Any]] = {}  # resolved lock path -> [fd, depth]
+
+
+def _holder_text(info: Mapping[str, Any]) -> str:
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {info.get('started', '?')}"
+            + (f": {info['command']}" if info.get("command") else ""))
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    raw = os.read(fd, 1 << 16)
+    if not raw.strip():
+        return None
+    try:
+        info = json.loads(raw.decode("utf-8", "replace"))
+    except json.JSONDecodeError:
+        return {"pid": "?", "host": "?", "started": "?", "command": "unreadable lock file"}
+    return info if isinstance(info, dict) else None
+
+
+def _command() -> str:
+    """This process' command line, ``szo ...`` for the console script and ``python -m szo``."""
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+    if prog in ("__main__.py", "szo"):
+        prog = "szo"
+    return " ".join([prog] + sys.argv[1:])[:500]
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
+    """Hold ``run_dir/.lock`` exclusively while the block runs (creates ``run_dir``).
+
+    Raises :class:`RunLockedError` (one line: the holder's pid, host, start time and command)
+    when another process holds it. On exit the holder record is cleared, so a lock file that
+    names a holder when it is acquired was left by a process that died: it is taken over with
+    a line on stderr.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    key = str(path.resolve())
+    if key in _held:  # this process holds it already (recipe -> stage)
+        _held[key][1] += 1
+        try:
+            yield path
+        finally:
+            _held[key][1] -= 1
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _read_holder(fd) or {}
+            raise RunLockedError(f"run directory {run_dir} is in use by another szo run ({_holder_text(info)}); "
+                                 "wait for it to end or choose another --out") from None
+        stale = _read_holder(fd)
+        if stale is not None:
+            print(f"taking over the stale lock of {run_dir}: its holder ({_holder_text(stale)}) is gone",
+                  file=sys.stderr, flush=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": _command()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode("utf-8"), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    _held[key] = [fd, 1]
+    try:
+        yield path
+    finally:
+        del _held[key]
+        try:
+            os.ftruncate(fd, 0)  # a clean exit leaves no holder behind
+        finally:
+            os.close(fd)  # releases the flock
+
+
+# ----------------------------------------------------------------------------- resume check
+def saved_config_path(run_dir: str | os.PathLike) -> Path | None:
+    """The config.yaml a resumed run continues: ``run_dir/config.yaml``, or for a subspace
+    recipe stopped during its BPTT stage ``run_dir/bptt/config.yaml``; None for a new run."""
+    for p in (Path(run_dir) / "config.yaml", Path(run_dir) / "bptt" / "config.yaml"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping) and (tree or not prefix):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def config_differences(saved: Mapping[str, Any], new: Mapping[str, Any], stage: str | None = None
+                       ) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, new value)`` for every key that differs and matters for ``stage``
+    (``"bptt"``, ``"subspace"`` or None: every section), harmless keys left out."""
+    ignore = _STAGE_IGNORES.get(stage or "", ())
+    a, b = _flat(saved), _flat(new)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in HARMLESS_KEYS or key.split(".")[0] in ignore:
+            continue
+        if not _same(a.get(key), b.get(key)):
+            out.append((key, a.get(key), b.get(key)))
+    # extending a constant-LR run is the run it would have been with more epochs; a cosine
+    # schedule's length is part of what was trained (its T_max), so that stays refused
+    for sec in ("bptt", "train"):
+        key = f"{sec}.epochs"
+        if (b.get(f"{sec}.scheduler") == "constant" and a.get(f"{sec}.scheduler") == "constant"
+                and isinstance(a.get(key), int) and isinstance(b.get(key), int) and b[key] >= a[key]):
+            out = [d for d in out if d[0] != key]
+    return out
+
+
+def check_resume_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], stage: str | None = None,
+                        config_file: str | os.PathLike | None = None) -> None:
+    """Refuse (:class:`ResumeMismatchError`, one line) resuming ``run_dir`` with a config that
+    differs from its ``config.yaml`` in a key that changes what is trained. Nothing to check
+    when the directory has no config.yaml yet (a fresh start)."""
+    path = Path(config_file) if config_file is not None else Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ResumeMismatchError(f"cannot resume {run_dir}: {path} is not valid YAML "
+                                  f"({str(e).splitlines()[0]})") from None
+    if not isinstance(saved, dict):
+        raise ResumeMismatchError(f"cannot resume {run_dir}: {path} is not a config mapping")
+    diffs = config_differences(saved, cfg, stage)
+    if not diffs:
+        return
+    key, old, new = diffs[0]
+    more = f" (and {len(diffs) - 1} more: {', '.join(d[0] for d in diffs[1:4])}{', ...' if len(diffs) > 4 else ''})" \
+        if len(diffs) > 1 else ""
+    hint = ("a cosine schedule's length is part of the run (only constant-LR runs can be extended); "
+            if key.endswith(".epochs") else "")
+    raise ResumeMismatchError(
+        f"cannot resume {run_dir}: {key} is {old!r} in its config.yaml but {new!r} now{more}; {hint}resume "
+        f"without changing it, or start a new run with another --out")
+
+
+def resumed_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """The config ``szo recipe NAME --out RUN_DIR --resume [--set ...]`` continues: the run
+    directory's own config.yaml with the ``--set`` overrides on top (``cfg``, the recipe's
+    config, when the directory holds no run yet). Under torchrun rank 0 reads the file and
+    every rank gets its text. The stages then refuse overrides that change what was trained."""
+    from szo.config import apply_overrides, resolve
+    from szo.distributed import main_decides
+
+    def read() -> bytes | None:
+        p = saved_config_path(run_dir)
+        return None if p is None else p.read_bytes()
+
+    text = main_decides(read)
+    if text is None:
+        return dict(cfg)
+    try:
+        saved = yaml.safe_load(text.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ResumeMismatchError(f"cannot resume {run_dir}: its config.yaml is not valid YAML "
+                                  f"({str(e).splitlines()[0]})") from None
+    if not isinstance(saved, dict):
+        raise ResumeMismatchError(f"cannot resume {run_dir}: its config.yaml is not a config mapping")
+    if saved.get("name") != cfg.get("name"):
+        raise ResumeMismatchError(f"cannot resume {run_dir}: it holds a run of recipe {saved.get('name')!r}, "
+                                  f"not {cfg.get('name')!r}; resume it with `szo recipe {saved.get('name')} "
+                                  f"--out {run_dir} --resume`")
+    return resolve(apply_overrides(saved, overrides))

@@ -1,0 +1,126 @@
+"""``szo report``: only like runs share a cell, every cell says n, unlike runs are split with a warning."""
+import json
+
+import numpy as np
+import pytest
+
+from szo.cli import main
+from szo.config import load_recipe, write_config
+from szo.report import collect_runs, like_runs, render, table1, write_report
+
+
+def make_run(root, name, acc, *, sets=(), label="SZO-CGE", mode="scratch", config=True, results_extra=None):
+    """A run directory as `szo recipe` writes it: resolved config.yaml, metrics.jsonl, results.json."""
+    d = root / name
+    d.mkdir(parents=True)
+    cfg = load_recipe("digits-scratch", list(sets))
+    if config:
+        write_config(cfg, d / "config.yaml")
+    hist = [{"epoch": e, "step": 23 * e, "train_loss": 1.0, "test_loss": 1.0, "test_acc": a,
+             "train_time_s": 6.0 * e, "fp": 920 * e, "bp": 0} for e, a in enumerate(acc, 1)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    best = int(np.argmax(acc))
+    (d / "results.json").write_text(json.dumps({
+        "label": label, "method": cfg["method"], "mode": mode, "dataset": "digits", "model": "spike_convnet",
+        "d": 5082, "seed": cfg["seed"], "epochs": len(acc), "best_test_acc": acc[best],
+        "converged_epoch": best + 1, "converged_time_min": 0.1 * (best + 1), "converged_fp": 920 * (best + 1),
+        "converged_bp": 0, **(results_extra or {})}))
+    return d
+
+
+def test_like_runs_are_averaged_and_say_n(tmp_path):
+    best = [0.981, 0.985, 0.978]
+    for seed, b in enumerate(best):  # seeds, progress and where the subspace lives do not split runs
+        make_run(tmp_path, f"s{seed}", [0.5, b], sets=[f"seed={seed}", f"progress={seed == 0}",
+                                                      f"subspace.root=/tmp/store{seed}"])
+    runs = collect_runs([tmp_path])
+    assert like_runs(runs)[1] == []
+    header, rows = table1(runs)
+    assert header[3:] == ["SZO-CGE"]
+    expected = f"{100 * np.mean(best):.2f} ± {100 * np.std(best, ddof=1):.2f} (n=3)"
+    assert rows[0][3] == expected
+    assert expected in render(runs) and "## Notes" not in render(runs)
+
+
+def test_runs_of_different_length_are_reported_apart_with_a_warning(tmp_path, capsys):
+    # the issue's case: a 60-epoch and a 3-epoch run used to be one cell, 80.42 ± 24.16
+    make_run(tmp_path, "long", [0.5] * 59 + [0.9751], sets=["train.epochs=60"])
+    make_run(tmp_path, "short", [0.3, 0.5, 0.6333], sets=["train.epochs=3"])
+    make_run(tmp_path, "short-seed1", [0.3, 0.5, 0.6111], sets=["train.epochs=3", "seed=1"])
+    runs = collect_runs([tmp_path])
+    labelled, notes = like_runs(runs)
+    assert sorted({r["column"] for r in labelled}) == ["SZO-CGE (train.epochs=3)", "SZO-CGE (train.epochs=60)"]
+    assert len(notes) == 1 and "differ in train.epochs;" in notes[0] and "not averaged" in notes[0]
+    header, rows = table1(runs)
+    cells = dict(zip(header, rows[0]))
+    assert cells["SZO-CGE (train.epochs=60)"] == "97.51 (n=1)"
+    assert cells["SZO-CGE (train.epochs=3)"] == f"{100 * np.mean([0.6333, 0.6111]):.2f} ± " \
+                                                f"{100 * np.std([0.6333, 0.6111], ddof=1):.2f} (n=2)"
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("warning: digits / spike_convnet: the 3 SZO-CGE runs (scratch) differ in train.epochs")
+    assert "## Notes" in out and "80.42" not in out
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["notes"] == notes
+    assert {r["column"] for r in rep["runs"]} == {"SZO-CGE (train.epochs=3)", "SZO-CGE (train.epochs=60)"}
+
+
+def test_variants_are_named_by_the_fewest_keys_that_tell_them_apart(tmp_path):
+    make_run(tmp_path, "a", [0.5], sets=["train.epochs=1", "train.max_steps_per_epoch=3"])
+    make_run(tmp_path, "b", [0.8], sets=["train.epochs=2"])
+    make_run(tmp_path, "c", [0.8], sets=["train.epochs=2", "szo.mu=0.5"])
+    cols = sorted({r["column"] for r in like_runs(collect_runs([tmp_path]))[0]})
+    assert cols == ["SZO-CGE (train.epochs=1, szo.mu=1.0)", "SZO-CGE (train.epochs=2, szo.mu=0.5)",
+                    "SZO-CGE (train.epochs=2, szo.mu=1.0)"]
+
+
+def test_bptt_runs_compare_only_what_bptt_uses(tmp_path):
+    # a BPTT stage's config.yaml also holds the later SZO stage's settings: those must not split BP runs
+    make_run(tmp_path, "bp0", [0.9, 0.95], label="BP", mode="bptt", sets=["train.epochs=5"])
+    make_run(tmp_path, "bp1", [0.9, 0.97], label="BP", mode="bptt", sets=["train.epochs=7", "seed=1"])
+    make_run(tmp_path, "bp2", [0.9, 0.96], label="BP", mode="bptt", sets=["bptt.lr=0.2"])
+    labelled, notes = like_runs(collect_runs([tmp_path]))
+    assert sorted(r["column"] for r in labelled if "column" in r) == ["BP (bptt.lr=0.1)"] * 2 + ["BP (bptt.lr=0.2)"]
+    assert len(notes) == 1 and "differ in bptt.lr;" in notes[0]
+
+
+def test_runs_without_config_compare_what_results_json_records(tmp_path):
+    make_run(tmp_path, "a", [0.5, 0.6], config=False)
+    make_run(tmp_path, "b", [0.5, 0.7], config=False, results_extra={"seed": 1})
+    make_run(tmp_path, "c", [0.5, 0.6, 0.7], config=False)
+    labelled, notes = like_runs(collect_runs([tmp_path]))
+    assert sorted(r["column"] for r in labelled) == ["SZO-CGE (epochs=2)"] * 2 + ["SZO-CGE (epochs=3)"]
+
+
+def test_more_processes_are_not_averaged_with_one(tmp_path):
+    make_run(tmp_path, "one", [0.5, 0.8])
+    make_run(tmp_path, "two", [0.5, 0.8], results_extra={"distributed": {"world_size": 2, "mode": "data"}})
+    labelled, _ = like_runs(collect_runs([tmp_path]))
+    assert sorted(r["column"] for r in labelled) == ["SZO-CGE (processes=1)", "SZO-CGE (processes=2)"]
+
+
+def test_unreadable_config_is_one_clear_error(tmp_path):
+    d = make_run(tmp_path, "a", [0.5])
+    (d / "config.yaml").write_text("train: [unclosed\n")
+    with pytest.raises(ValueError, match="config.yaml is not valid YAML"):
+        collect_runs([tmp_path])
+
+
+def test_report_plot_one_line_per_cell_legend_under_both_panels(tmp_path, figures):
+    for seed in range(2):
+        make_run(tmp_path, f"cge{seed}", [0.5, 0.7, 0.8], sets=[f"seed={seed}", "train.epochs=3"])
+    make_run(tmp_path, "bp", [0.9, 0.95, 0.96], label="BP", mode="bptt")
+    make_run(tmp_path, "short", [0.4, 0.6], sets=["train.epochs=2"])
+    write_report(collect_runs([tmp_path]), tmp_path / "rep")
+    (fig,) = figures
+    a1, a2 = fig.axes
+    assert a1.get_legend() is None and a2.get_legend() is None and len(fig.legends) == 1
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts == ["BP [bptt] (n=1)", "SZO-CGE (train.epochs=3) [scratch] (n=2)",
+                     "SZO-CGE (train.epochs=2) [scratch] (n=1)"]
+    assert len(a1.get_lines()) == 3  # the two seeds are one mean line (with a min-max band)
+    assert all(float(t).is_integer() for t in a1.get_xticks())
+    # the legend sits below the panels, not over them
+    r = fig.canvas.get_renderer()
+    leg, ax = fig.legends[0].get_window_extent(r), a1.get_window_extent(r)
+    assert leg.y1 <= ax.y0

@@ -1,0 +1,268 @@
+"""The run-directory contract (docs/runs.md): one writer, resume that checks what it resumes,
+checksummed checkpoints, validation before compute, one line for a diverged run."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from szo.cli import main
+from szo.config import load_recipe
+from szo.pipeline import run_recipe
+from szo.rundir import RunLockedError, config_differences, run_lock
+from szo.train import checkpoint_path, checksum_path
+
+TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A tiny BPTT run and its k=6 subspace in a store."""
+    root = tmp_path_factory.mktemp("rundir")
+    sets = TINY + [f"subspace.root={root / 'subspaces'}", "bptt.epochs=2", "bptt.max_steps_per_epoch=6",
+                   "trajectory.every=1", "subspace.k=6", "bptt.lr=0.5"]
+    run_recipe(load_recipe("digits-bp", sets), root / "bp")
+    return root, sets
+
+
+def _sets(store, *extra):
+    _, sets = store
+    out = []
+    for s in list(sets) + ["train.epochs=2", "train.max_steps_per_epoch=4", "train.checkpoint_every_steps=2"] \
+            + list(extra):
+        out += ["--set", s]
+    return out
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+class _Interrupt:
+    """A callback that stops the run (as Ctrl-C would) right after optimizer step ``at``."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __call__(self):
+        from szo.train import Callback
+
+        at = self.at
+
+        class Stop(Callback):
+            def on_step_end(self, step, epoch, loss):
+                if step == at:
+                    raise KeyboardInterrupt
+
+        return [Stop()]
+
+
+# ----------------------------------------------------------------------------- lock
+def _holder(d):
+    code = ("import sys, time\nfrom szo.rundir import run_lock\n"
+            f"with run_lock({str(d)!r}):\n    print('held', flush=True)\n    time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_second_writer_refused_and_stale_lock_taken_over(tmp_path, capsys):
+    p = _holder(tmp_path)
+    try:
+        with pytest.raises(RunLockedError, match=f"in use by another szo run \\(pid {p.pid} on host") as e:
+            with run_lock(tmp_path):
+                pass
+        assert "\n" not in str(e.value)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    capsys.readouterr()
+    with run_lock(tmp_path):  # the holder died without cleaning up: its record is stale
+        err = capsys.readouterr().err
+        assert f"taking over the stale lock of {tmp_path}: its holder (pid {p.pid}" in err
+        with run_lock(tmp_path):  # re-entrant inside one process (recipe -> stage)
+            pass
+    with run_lock(tmp_path):  # a clean exit leaves no holder: no takeover message
+        assert capsys.readouterr().err == ""
+
+
+def test_cli_second_run_on_same_out_is_one_line(store, tmp_path, capsys):
+    p = _holder(tmp_path / "run")
+    try:
+        code = main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store))
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert code == 2 and f"pid {p.pid}" in _one_error_line(capsys)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- resume
+def test_config_differences():
+    a = load_recipe("digits-scratch")
+    assert config_differences(a, load_recipe("digits-scratch", ["device=cpu", "progress=false",
+                                                                "train.eval_every=2", "data.num_workers=1"])) == []
+    assert config_differences(a, load_recipe("digits-scratch", ["method=szo-rge"]))[0][:3] == \
+        ("method", "szo-cge", "szo-rge")
+    # cosine: the schedule's length is part of the run; constant: extending is the longer run
+    assert [d[0] for d in config_differences(a, load_recipe("digits-scratch", ["train.epochs=30"]))] == ["train.epochs"]
+    c = load_recipe("digits-scratch", ["train.scheduler=constant"])
+    assert config_differences(c, load_recipe("digits-scratch", ["train.scheduler=constant", "train.epochs=30"])) == []
+    assert config_differences(c, load_recipe("digits-scratch", ["train.scheduler=constant", "train.epochs=3"]))
+    # the BPTT stage does not look at the subspace stage's method
+    assert config_differences(a, load_recipe("digits-scratch", ["method=szo-rge"]), stage="bptt") == []
+
+
+def test_resume_takes_the_runs_own_config_and_is_exact(store, tmp_path, capsys, monkeypatch):
+    """README-style: a --set method=szo-rge run, interrupted, resumed without the --set,
+    continues as SZO-RGE and ends where the uninterrupted run ends."""
+    import szo.distributed as D
+
+    rge = ["method=szo-rge", "szo.q=2"]
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "ref")] + _sets(store, *rge)) == 0
+    monkeypatch.setattr(D, "fault_injection_callbacks", _Interrupt(7))
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store, *rge)) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    # refused: an override that changes what was trained, named with both values
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "method=szo-cge"]) == 2
+    line = _one_error_line(capsys)
+    assert "method is 'szo-rge' in its config.yaml but 'szo-cge' now" in line
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.lr=0.5"]) == 2
+    assert "train.lr is 0.02 in its config.yaml but 0.5 now" in _one_error_line(capsys)
+    assert main(["recipe", "digits-bp", "--out", str(tmp_path / "run"), "--resume"]) == 2
+    assert "holds a run of recipe 'digits-scratch', not 'digits-bp'" in _one_error_line(capsys)
+    # accepted: the run's own config plus harmless keys
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume",
+                 "--set", "progress=false", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming {tmp_path / 'run'} after step 6: epoch 2 of 2, 2 of its 4 steps done (method szo-rge)" in out
+    ref = json.loads((tmp_path / "ref" / "results.json").read_text())
+    got = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert got["label"] == "SZO-RGE(q=2)" and got["status"] == "completed"
+    for key in ("fp", "steps", "best_test_acc", "final_test_acc"):
+        assert got[key] == ref[key], key
+    a = torch.load(checkpoint_path(tmp_path / "ref"), weights_only=True)["model"]
+    b = torch.load(checkpoint_path(tmp_path / "run"), weights_only=True)["model"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_checkpoint_of_another_method_is_refused(store, tmp_path, capsys):
+    root, _ = store
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store)) == 0
+    capsys.readouterr()
+    for name in ("last.pt", "last.json"):  # a BPTT checkpoint (with its record) copied into the SZO run
+        shutil.copy(root / "bp" / "checkpoints" / name, tmp_path / "run" / "checkpoints" / name)
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume"]) == 2
+    assert "was written by method 'bp', this run trains with 'szo-cge'" in _one_error_line(capsys)
+
+
+def test_tampered_checkpoint_is_one_line(store, tmp_path, capsys):
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store)) == 0
+    capsys.readouterr()
+    p = checkpoint_path(tmp_path / "run")
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    p.write_bytes(bytes(data))
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume"]) == 2
+    assert "does not match the sha256 in last.json" in _one_error_line(capsys)
+    p.write_bytes(b"")
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume"]) == 2
+    assert "is empty" in _one_error_line(capsys)
+    checksum_path(p).unlink()
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume"]) == 2
+    assert "has no sha256 record" in _one_error_line(capsys)
+
+
+# ----------------------------------------------------------------------------- validation first
+def test_k_checked_before_bptt(store, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["recipe", "digits-scratch", "--out", str(out)]
+                + _sets(store, "subspace.name=other", "subspace.k=13")) == 2
+    line = _one_error_line(capsys)
+    assert "subspace.k=13 needs at least k+1 = 14 trajectory samples, but the BPTT stage will record N = 13" in line
+    assert "choose subspace.k <= 12" in line
+    assert not checkpoint_path(out / "bptt").exists() and not (out / "bptt" / "trajectory").exists()
+
+
+def test_planned_samples_match_the_recorder(store):
+    from szo.trajectory import Trajectory, planned_samples
+
+    root, _ = store
+    assert planned_samples(2, 6, every=1) == len(Trajectory(root / "bp" / "trajectory")) == 13
+    assert planned_samples(10, 23, every=10) == 24  # digits-bp's comment: steps 0, 10, ..., 230
+    assert planned_samples(3, 5, every="epoch", record_initial=False) == 3
+    assert planned_samples(4, 5, every=2, window="2-3") == 5  # steps 11..20 -> 12, 14, 16, 18, 20
+
+
+def test_resumed_bptt_checks_trajectory_hashes_first(store, tmp_path, capsys):
+    root, _ = store
+    run = tmp_path / "bp"
+    shutil.copytree(root / "bp", run)
+    f = run / "trajectory" / "sample_000003.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    before = (run / "metrics.jsonl").read_bytes()
+    assert main(["recipe", "digits-bp", "--out", str(run), "--resume"]) == 2
+    assert f"sample file {f} is corrupt" in _one_error_line(capsys)
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_incomplete_store_entry_visible_removable_and_named_by_recipe(store, tmp_path, capsys):
+    root, _ = store
+    sroot = root / "subspaces"
+    (sroot / "half-written").mkdir()
+    assert main(["subspace", "ls", "--root", str(sroot)]) == 0
+    assert "half-written" in capsys.readouterr().out
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")]
+                + _sets(store, "subspace.name=half-written")) == 2
+    assert f"szo subspace rm half-written --root {sroot}" in _one_error_line(capsys)
+    assert not (tmp_path / "run" / "bptt" / "checkpoints").exists()
+    assert main(["subspace", "rm", "half-written", "--root", str(sroot)]) == 0
+    assert not (sroot / "half-written").exists()
+
+
+# ----------------------------------------------------------------------------- divergence
+@pytest.mark.parametrize("method", ["bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge"])
+def test_diverged_run_is_one_line_for_every_method(store, tmp_path, capsys, method):
+    out = tmp_path / "run"
+    code = main(["recipe", "digits-scratch", "--out", str(out)]
+                + _sets(store, f"method={method}", "train.lr=1e12", "train.epochs=1"))
+    assert code == 4
+    line = _one_error_line(capsys)
+    assert line.startswith("error: training diverged at step ") and "lower the learning rate" in line, line
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "diverged" and res["error"] in line and res["method"] == method
+
+
+def test_demo_does_not_count_a_diverged_stage_as_done(tmp_path):
+    from szo.pipeline import run_demo_digits
+    from szo.train import TrainingDiverged
+
+    (tmp_path / "bp").mkdir()
+    (tmp_path / "bp" / "results.json").write_text(json.dumps({"status": "diverged", "error": "training diverged at "
+                                                                                               "step 3"}))
+    with pytest.raises(TrainingDiverged, match=f"demo stage bp diverged in an earlier run .*remove {tmp_path / 'bp'}"):
+        run_demo_digits(tmp_path, progress=False)
+
+
+def test_constant_lr_run_extended_on_resume_equals_the_longer_run(store, tmp_path, capsys):
+    const = ["train.scheduler=constant", "train.lr=0.3"]
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "long")] + _sets(store, *const)) == 0
+    short = _sets(store, *const, "train.epochs=1")
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + short) == 0
+    capsys.readouterr()
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.epochs=2"]) == 0
+    assert "after step 4: epoch 2 of 2 (method szo-cge)" in capsys.readouterr().out
+    a = torch.load(checkpoint_path(tmp_path / "long"), weights_only=True)
+    b = torch.load(checkpoint_path(tmp_path / "run"), weights_only=True)
+    assert a["step"] == b["step"] == 8 and all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.epochs=1"]) == 2
+    assert "train.epochs is 2 in its config.yaml but 1 now" in _one_error_line(capsys)
