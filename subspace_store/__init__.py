@@ -1,6 +1,7 @@
 """Trajectory subspaces: build (streaming centered PCA), store (named, checksummed entries), CLI."""
 from .build import build_subspace
 from .format import FORMAT_VERSION, Subspace, SubspaceIntegrityError
+from .variants import bn_and_head_names, coordinate_subspace, project_point, random_subspace
 from .store import LayoutMismatchError, SubspaceNotFoundError, SubspaceStore, check_model_layout
 
 __all__ = [
@@ -12,4 +13,8 @@ __all__ = [
     "LayoutMismatchError",
     "check_model_layout",
     "FORMAT_VERSION",
+    "random_subspace",
+    "coordinate_subspace",
+    "bn_and_head_names",
+    "project_point",
 ]

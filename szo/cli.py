@@ -31,7 +31,7 @@ from typing import Sequence
 __all__ = ["main", "build_parser"]
 
 _REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.export.cli",
-               "szo.federated.cli"]
+               "szo.federated.cli", "szo.study.cli"]
 
 
 def _import_registrar(name: str):

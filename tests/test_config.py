@@ -7,7 +7,7 @@ from szo.config import apply_overrides, load_recipe, parse_override, recipe_name
 
 SHIPPED = ["digits-bp", "digits-scratch", "digits-continual", "cifar10-bp", "cifar10-scratch", "cifar100-bp",
            "cifar100-scratch", "cifar100-continual", "imagenet-bp", "imagenet-scratch", "imagenet-continual",
-           "dvs-gesture-bp", "dvs-gesture-scratch"]
+           "dvs-gesture-bp", "dvs-gesture-scratch", "mnist5k-bp", "mnist5k-scratch", "mnist5k-continual"]
 
 
 def test_recipes_found_via_importlib_resources():
@@ -35,6 +35,17 @@ def test_paper_hyperparameters():
     assert (c["data"]["batch_size"], c["bptt"]["epochs"], c["model"]["name"]) == (512, 100, "spike_resnet50")
     c = load_recipe("dvs-gesture-scratch")
     assert (c["model"]["T"], c["data"]["batch_size"], c["subspace"]["k"]) == (20, 16, 20)
+
+
+def test_mnist5k_recipes():
+    c = load_recipe("mnist5k-scratch")
+    assert (c["model"]["name"], c["model"]["T"], c["data"]["name"], c["subspace"]["name"], c["subspace"]["k"],
+            c["train"]["epochs"], c["szo"]["mu"], c["method"]) == \
+        ("spike_resnet8", 4, "mnist5k", "mnist5k-resnet8-k20", 20, 4, 1.0, "szo-cge")
+    z = load_recipe("mnist5k-scratch", ["method=zo-rge"])
+    assert z["szo"]["q"] == 20 and 2 * z["szo"]["q"] == 2 * c["subspace"]["k"]  # SZO-CGE's forward budget
+    c = load_recipe("mnist5k-continual")
+    assert (c["mode"], c["subspace"]["reference"], c["subspace"]["window"]) == ("continual", "last", "6-10")
 
 
 def test_overrides_parse_yaml_values():

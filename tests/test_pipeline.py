@@ -233,6 +233,17 @@ def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
         load_run_model(tmp_path)
 
 
+def test_mnist5k_recipes_run_tiny(tmp_path):
+    """mnist5k-bp -> mnist5k-scratch end to end on a 96-image slice (spike_resnet8, T = 2)."""
+    sets = ["model.T=2", "progress=false", "data.batch_size=32", "data.test_batch_size=96", "data.kwargs={limit: 96}",
+            "bptt.epochs=1", "trajectory.every=1", "subspace.k=2", f"subspace.root={tmp_path / 'subspaces'}"]
+    s = run_recipe(load_recipe("mnist5k-bp", sets), tmp_path / "bp")
+    assert s["bp"] == 3 and s["dataset"] == "mnist5k" and s["model"] == "spike_resnet8"
+    s = run_recipe(load_recipe("mnist5k-scratch", sets + ["train.epochs=1", "train.max_steps_per_epoch=1"]),
+                   tmp_path / "scratch")
+    assert s["label"] == "SZO-CGE" and s["bp"] == 0 and s["fp"] >= 4  # 2k probes of one step
+
+
 @pytest.mark.parametrize("method,extra,fp", [
     ("fg", ["szo.q=2", "train.lr=0.01"], 4 * 2),
     ("fg-subspace", ["szo.q=1", "train.lr=0.05"], 4 * 1),

@@ -87,12 +87,19 @@ class RandomShift:
 @functools.lru_cache(maxsize=4)
 def _split_arrays(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     d = load_digits()
-    x = (d.images.astype(np.float32) / 16.0)  # [1797, 8, 8] in [0, 1]
-    y = d.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_SIZE, random_state=seed, stratify=y)
+    return stratified_split(d.images.astype(np.float32) / 16.0, d.target, seed)  # [1797, 8, 8] in [0, 1]
+
+
+def stratified_split(x: np.ndarray, y: np.ndarray, seed: int,
+                     test_size: float = TEST_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(x_tr, y_tr, x_te, y_te)``, read-only: sklearn's stratified ``train_test_split`` with
+    ``random_state=seed`` (the split rule of every embedded image data set)."""
+    from sklearn.model_selection import train_test_split
+
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y.astype(np.int64), test_size=test_size, random_state=seed,
+                                              stratify=y)
     for a in (x_tr, x_te, y_tr, y_te):
         a.setflags(write=False)
     return x_tr, y_tr, x_te, y_te
@@ -109,16 +116,25 @@ def load_split(split: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
     Read-only arrays; the split is a pure function of ``seed``.
     """
+    return pick_split(_split_arrays, split, seed)
+
+
+def pick_split(split_arrays: Callable[[int], tuple], split: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``split``'s ``(x, y)`` from a cached ``split_arrays(seed) -> (x_tr, y_tr, x_te, y_te)``."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be one of ['train', 'test'], got {split!r}")
-    x_tr, y_tr, x_te, y_te = _split_arrays(_check_seed(seed))
+    x_tr, y_tr, x_te, y_te = split_arrays(_check_seed(seed))
     return (x_tr, y_tr) if split == "train" else (x_te, y_te)
+
+
+def pixel_stats(x: np.ndarray) -> tuple[float, float]:
+    """Scalar mean and std of all pixels of ``x`` (float64 accumulation)."""
+    return float(x.mean(dtype=np.float64)), float(x.std(dtype=np.float64))
 
 
 def train_stats(seed: int = 0) -> tuple[float, float]:
     """Scalar mean and std of the train split's pixels (after / 16)."""
-    x_tr = load_split("train", seed)[0]
-    return float(x_tr.mean(dtype=np.float64)), float(x_tr.std(dtype=np.float64))
+    return pixel_stats(load_split("train", seed)[0])
 
 
 def _check_upscale(upscale: Any, mode: Any) -> int:

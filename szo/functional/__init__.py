@@ -1,4 +1,4 @@
 """Pure functions (no state, no I/O)."""
-from . import zo
+from . import diagnostics, zo
 
-__all__ = ["zo"]
+__all__ = ["zo", "diagnostics"]

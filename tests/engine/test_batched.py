@@ -13,7 +13,7 @@ from szo.losses import tet_loss
 from szo.optim import SZO
 
 # (in_channels, spatial size, k): tiny inputs; the two big models get k=1 (m=2 probes)
-SIZES = {"spike_convnet": (1, 8, 2), "spike_resnet20": (3, 8, 2), "spike_resnet18": (3, 8, 2),
+SIZES = {"spike_convnet": (1, 8, 2), "spike_resnet20": (3, 8, 2), "spike_resnet18": (3, 8, 2), "spike_resnet8": (1, 12, 2),
          "spike_resnet50": (3, 16, 1), "spike_vgg11": (2, 32, 1)}
 DEFAULT_SIZE = (3, 16, 1)
 

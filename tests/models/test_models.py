@@ -17,6 +17,7 @@ from szo.models.neurons import TAU, V_TH
 INPUT = {
     "spike_convnet": (1, 8),
     "spike_resnet20": (3, 8),
+    "spike_resnet8": (1, 28),
     "spike_resnet18": (3, 8),
     "spike_resnet50": (3, 32),
     "spike_vgg11": (2, 32),
@@ -69,6 +70,15 @@ def test_param_count_matches_table1(name: str) -> None:
     m = _model(name)
     assert m.num_classes == classes  # default matches the paper's setting
     assert abs(m.num_params() - expected) / expected <= 0.03, m.num_params()
+
+
+def test_resnet8_is_sized_for_mnist5k() -> None:
+    m = _model("spike_resnet8")
+    assert m.num_params() == 77_754  # issue 13: a Spike-ResNet of 50k-300k parameters
+    assert (m.num_classes, create("spike_resnet8").T) == (10, 4)
+    with torch.no_grad():
+        feats = m.stages(m.stem(_input("spike_resnet8").unsqueeze(0)))
+    assert feats.shape[-2:] == (4, 4)  # 28 -> 14 (stem) -> 14 -> 7 -> 4
 
 
 def test_convnet_is_small() -> None:

@@ -1,0 +1,83 @@
+"""``szo diagnose RUN_DIR`` and ``szo study subspaces BP_RUN`` (registered through szo.cli._REGISTRARS)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["register"]
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(v) for v in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(v) for v in s.split(",") if v != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from szo.study.diagnose import diagnose_run, render
+
+    res = diagnose_run(args.run_dir, subspace=args.subspace, mus=args.mu, qs=args.q, repeats=args.repeats,
+                       batch=args.batch, twin=not args.no_twin, max_full_cge=args.max_full_cge, seed=args.seed,
+                       out=args.out)
+    print(render(res))
+    return 0
+
+
+def _cmd_study_subspaces(args: argparse.Namespace) -> int:
+    from szo.study.subspaces import study_subspaces
+
+    res = study_subspaces(args.bp_run, args.k, prefix=args.prefix, first_epochs=args.first_epochs,
+                          other_runs=args.other_run or [], random_seeds=args.random_seeds,
+                          bn_head=not args.no_bn_head, overwrite=args.overwrite, train=args.train,
+                          train_overrides=args.set or [], out=args.out)
+    for r in res["projection"]:
+        print(f"{r['variant']:<16} k={r['k']:<6} |proj - theta_BP| = {r['distance']:.4g} "
+              f"({100 * r['relative_distance']:.1f}% of |theta_BP - theta_0|), projected test acc "
+              f"{100 * r['projected_test_acc']:.2f}% (BP {100 * r['bp_test_acc']:.2f}%)")
+    for t in res["training"]:
+        print(json.dumps(t))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from szo.study import diagnose, subspaces
+
+    p = subparsers.add_parser("diagnose", help="ZO estimate variance / cosine to the BPTT gradient on a run's model",
+                              description=diagnose.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--subspace", help="store name of the subspace (default: the run config's subspace.name)")
+    p.add_argument("--mu", type=_floats, default=[0.01, 0.1, 1.0], help="comma-separated mu values (default 0.01,0.1,1)")
+    p.add_argument("--q", type=_ints, default=[1, 10], help="comma-separated RGE q values (default 1,10)")
+    p.add_argument("--repeats", type=int, default=20, help="RGE draws per configuration (default 20)")
+    p.add_argument("--batch", type=int, default=64, help="images of the fixed train batch (default 64)")
+    p.add_argument("--max-full-cge", type=int, default=2000, help="full-space CGE only if d <= this (2d forwards)")
+    p.add_argument("--no-twin", action="store_true", help="skip the ReLU twin")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON path (default RUN_DIR/diagnose.json); the plot goes next to it (.png)")
+    p.set_defaults(func=_cmd_diagnose)
+
+    st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN)")
+    ssub = st.add_subparsers(dest="study", metavar="STUDY")
+    ssub.required = True
+    s = ssub.add_parser("subspaces", help="subspace-origin ablation: variants, projected BP point, optional training",
+                        description=subspaces.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("bp_run", metavar="BP_RUN", help="run directory of a kind: bp recipe")
+    s.add_argument("--k", type=int, required=True, help="subspace dimension of every trajectory / random variant")
+    s.add_argument("--prefix", required=True, help="store names are PREFIX-VARIANT")
+    s.add_argument("--first-epochs", type=_ints, default=[], help="comma-separated E: PCA of epochs 0..E only")
+    s.add_argument("--other-run", action="append", metavar="BP_RUN2", help="another seed's BP run (repeatable)")
+    s.add_argument("--random-seeds", type=_ints, default=[0], help="comma-separated seeds of random subspaces")
+    s.add_argument("--no-bn-head", action="store_true", help="skip the BN + classifier coordinate subspace")
+    s.add_argument("--overwrite", action="store_true", help="replace existing store entries of the same names")
+    s.add_argument("--train", metavar="RECIPE", help="train this scratch recipe in every variant")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for --train runs (repeatable)")
+    s.add_argument("--out", help="output directory (default BP_RUN/study-subspaces)")
+    s.set_defaults(func=_cmd_study_subspaces)

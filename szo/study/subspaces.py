@@ -1,0 +1,118 @@
+"""``szo study subspaces BP_RUN``: where does the subspace's power come from?
+
+From a BPTT run directory (``kind: bp`` recipe: ``trajectory/`` and ``model.safetensors``)
+this builds k-dimensional subspaces through the run's initial weights theta_0, all with the
+same k:
+
+* ``whole``: centered PCA of the whole trajectory (the paper),
+* ``first{E}``: of the samples of epochs 0..E only (DLDR-style),
+* ``seed-{name}``: of another run's trajectory (same model, other seed), through this theta_0,
+* ``random{s}``: a seeded random orthonormal basis (SubZero-style),
+* ``bn-head``: the coordinates of every BN affine parameter and the classifier (k = their count),
+
+saves each in the store as ``{prefix}-{variant}`` and reports, for each, the projected point
+``theta_0 + P P^T (theta_BP - theta_0)``: its distance to theta_BP (absolute and relative to
+``|theta_BP - theta_0|``) and its test accuracy (BN running statistics of the BP model).
+With ``--train RECIPE`` it then trains from scratch in every variant (``szo recipe RECIPE
+--set subspace.name=...``, one run directory per variant under ``--out``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["subspace_variants", "projection_rows", "study_subspaces"]
+
+
+def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequence[int] = (),
+                      other_runs: Sequence[str | os.PathLike] = (), random_seeds: Sequence[int] = (0,),
+                      bn_head: bool = True, progress: bool = False) -> dict[str, Any]:
+    """``{variant: Subspace}`` for the BPTT run ``bp_run`` (see the module doc)."""
+    from subspace_store import bn_and_head_names, build_subspace, coordinate_subspace, random_subspace
+    from szo.pipeline import load_run_model
+
+    traj = Path(bp_run) / "trajectory"
+    if not traj.is_dir():
+        raise ValueError(f"{bp_run} has no trajectory/ directory: pass the run directory of a kind: bp recipe")
+    whole = build_subspace(traj, k, reference="first", progress=progress)
+    theta0 = whole.reference
+    meta = dict(layout=whole.layout, fingerprint=whole.fingerprint, model=whole.model)
+    out: dict[str, Any] = {"whole": whole}
+    for e in first_epochs:
+        out[f"first{e}"] = build_subspace(traj, k, window=(0, int(e)), reference=theta0, progress=progress)
+    for other in other_runs:
+        out[f"seed-{Path(other).name}"] = build_subspace(Path(other) / "trajectory", k, reference=theta0,
+                                                          progress=progress)
+    for s in random_seeds:
+        out[f"random{s}"] = random_subspace(theta0, k, int(s), **meta)
+    if bn_head:
+        model, _ = load_run_model(bp_run)
+        out["bn-head"] = coordinate_subspace(whole.layout, bn_and_head_names(model), theta0,
+                                             fingerprint=whole.fingerprint, model=whole.model)
+    for sub in out.values():
+        sub.provenance["source_run"] = str(Path(bp_run).resolve())
+    return out
+
+
+def projection_rows(bp_run: str | os.PathLike, variants: dict[str, Any]) -> list[dict[str, Any]]:
+    """For every variant: k, distance of the projected BP solution to theta_BP and its test accuracy."""
+    from subspace_store import project_point
+    from szo.pipeline import _loaders, _loss, load_run_model
+    from szo.train.trainer import evaluate
+
+    model, cfg = load_run_model(bp_run)
+    theta_bp = model.flat_params().detach().clone()
+    _, test = _loaders(cfg, torch.Generator().manual_seed(0))
+    loss_fn = _loss(cfg)
+    _, acc_bp = evaluate(model, test, loss_fn)
+    rows = []
+    for name, sub in variants.items():
+        span = float(torch.linalg.vector_norm(theta_bp.double() - sub.reference.double()))
+        point, dist = project_point(sub, theta_bp)
+        model.load_flat_params(point)
+        loss, acc = evaluate(model, test, loss_fn)
+        rows.append({"variant": name, "k": sub.k, "distance": dist, "relative_distance": dist / span if span else 0.0,
+                     "bp_distance_from_theta0": span, "projected_test_acc": acc, "projected_test_loss": loss,
+                     "bp_test_acc": acc_bp})
+    model.load_flat_params(theta_bp)
+    return rows
+
+
+def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epochs: Sequence[int] = (),
+                    other_runs: Sequence[str | os.PathLike] = (), random_seeds: Sequence[int] = (0,),
+                    bn_head: bool = True, overwrite: bool = False, train: str | None = None,
+                    train_overrides: Sequence[str] = (), out: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Build, store and measure the variants; optionally train ``train`` (a scratch recipe) in each.
+    Writes ``subspaces.json`` to ``out`` (default ``BP_RUN/study-subspaces``)."""
+    from szo.config import load_recipe
+    from szo.io import atomic_write_json
+    from szo.pipeline import load_run_model, run_recipe, subspace_store_for
+
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty store name prefix, got {prefix!r}")
+    _, cfg = load_run_model(bp_run)
+    variants = subspace_variants(bp_run, k, first_epochs=first_epochs, other_runs=other_runs,
+                                 random_seeds=random_seeds, bn_head=bn_head)
+    store = subspace_store_for(cfg)
+    names = {v: f"{prefix}-{v}" for v in variants}
+    for v, sub in variants.items():
+        store.save(names[v], sub, overwrite=overwrite)
+    rows = projection_rows(bp_run, variants)
+    for r in rows:
+        r["store_name"] = names[r["variant"]]
+    out = Path(out or Path(bp_run) / "study-subspaces")
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"bp_run": str(Path(bp_run).resolve()), "k": k, "store": str(store.root),
+                              "projection": rows, "training": []}
+    if train:
+        for v, name in names.items():
+            tcfg = load_recipe(train, list(train_overrides) + [f"subspace.name={name}",
+                                                               f"subspace.root={store.root}"])
+            s = run_recipe(tcfg, out / v)
+            result["training"].append({"variant": v, "run_dir": str(out / v), "best_test_acc": s.get("best_test_acc"),
+                                       "converged_epoch": s.get("converged_epoch")})
+    atomic_write_json(out / "subspaces.json", result)
+    return result

@@ -1,0 +1,114 @@
+"""szo diagnose and szo study subspaces end to end on a tiny digits BPTT run (two seeds)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from szo.cli import main
+from szo.config import load_recipe
+from szo.pipeline import load_run_model, run_recipe
+from szo.study.diagnose import diagnose_model, surrogate_gradient
+from szo.study.subspaces import subspace_variants
+
+TINY = ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32", "data.test_batch_size=360",
+        "bptt.epochs=2", "bptt.max_steps_per_epoch=4", "trajectory.every=1", "subspace.k=4", "bptt.lr=0.5"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    sets = TINY + [f"subspace.root={root / 'subspaces'}"]
+    run_recipe(load_recipe("digits-bp", sets), root / "bp")
+    run_recipe(load_recipe("digits-bp", sets + ["seed=1", "subspace.name=seed1"]), root / "bp-seed1")
+    return root
+
+
+def test_diagnose_cli_rows_and_model_untouched(runs, capsys):
+    model, _ = load_run_model(runs / "bp")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = runs / "diag.json"
+    assert main(["diagnose", str(runs / "bp"), "--mu", "0.01,0.1", "--q", "1,2", "--repeats", "3", "--batch", "16",
+                 "--max-full-cge", "100000", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert res["subspace"] == "digits-convnet-k20" and res["batch"] == 16
+    # 2 models x (subspace + full) x 2 mu x (cge + 2 q)
+    assert len(rows) == 2 * 2 * 2 * 3
+    assert {r["model"] for r in rows} == {"snn", "relu-twin"}
+    sub = [r for r in rows if r["space"] == "subspace"]
+    assert all(r["k"] == 4 and 0.0 <= r["projected_fraction"] <= 1.0 + 1e-9 for r in sub)
+    assert all(r["variance"] == 0.0 for r in rows if r["estimator"] == "cge")
+    assert all(r["variance_closed_form"] > 0 for r in rows if r["estimator"] == "rge")
+    # the ReLU twin is smooth: full-space CGE with small mu recovers its true gradient
+    twin_cge = [r for r in rows if r["model"] == "relu-twin" and r["space"] == "full" and r["estimator"] == "cge"
+                and r["mu"] == 0.01][0]
+    assert twin_cge["cosine"] > 0.95
+    assert "cos_P" in capsys.readouterr().out
+    assert (runs / "diag.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model2, _ = load_run_model(runs / "bp")
+    assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items())
+
+
+def test_surrogate_gradient_restores_bn_and_diagnose_validates(runs):
+    model, cfg = load_run_model(runs / "bp")
+    from szo.pipeline import _loss
+    from szo.study.diagnose import run_batch
+
+    x, y = run_batch(cfg, 8)
+    bufs = {k: v.clone() for k, v in model.named_buffers()}
+    g = surrogate_gradient(model, x, y, _loss(cfg))
+    assert g.shape == (model.num_params(),) and torch.isfinite(g).all() and g.abs().sum() > 0
+    assert all(torch.equal(bufs[k], v) for k, v in model.named_buffers())
+    with pytest.raises(ValueError, match="repeats"):
+        diagnose_model(model, x, y, _loss(cfg), directions=None, mus=[0.1], qs=[1], repeats=1)
+    with pytest.raises(ValueError, match="mus"):
+        diagnose_model(model, x, y, _loss(cfg), directions=None, mus=[], qs=[1])
+    with pytest.raises(ValueError, match="is not in the store"):
+        from szo.study.diagnose import diagnose_run
+        diagnose_run(runs / "bp", subspace="nope")
+
+
+def test_study_subspaces_cli(runs, capsys):
+    out = runs / "ss"
+    assert main(["study", "subspaces", str(runs / "bp"), "--k", "3", "--prefix", "abl", "--first-epochs", "1",
+                 "--other-run", str(runs / "bp-seed1"), "--random-seeds", "0,1", "--out", str(out)]) == 0
+    res = json.loads((out / "subspaces.json").read_text())
+    rows = {r["variant"]: r for r in res["projection"]}
+    assert set(rows) == {"whole", "first1", "seed-bp-seed1", "random0", "random1", "bn-head"}
+    assert all(rows[v]["k"] == 3 for v in ("whole", "first1", "seed-bp-seed1", "random0"))
+    # theta_BP is the last trajectory sample: with k = N - 1 of the whole trajectory it is inside; here
+    # k = 3 < 8, so the whole-trajectory subspace is close but random directions barely see the BP move
+    assert rows["whole"]["relative_distance"] < rows["random0"]["relative_distance"]
+    assert rows["random0"]["relative_distance"] > 0.9
+    assert all(0.0 <= r["projected_test_acc"] <= 1.0 for r in rows.values())
+    assert "projected test acc" in capsys.readouterr().out
+    # stored under PREFIX-VARIANT, so a scratch recipe can train there (subspace.name=abl-random0)
+    from subspace_store import SubspaceStore
+    store = SubspaceStore(res["store"])
+    assert {"abl-whole", "abl-random0", "abl-bn-head"} <= set(store.list())
+
+
+def test_variants_share_theta0(runs):
+    v = subspace_variants(runs / "bp", 2, random_seeds=[3], bn_head=True)
+    ref = v["whole"].reference
+    assert all(torch.equal(s.reference, ref) for s in v.values())
+    with pytest.raises(ValueError, match="no trajectory"):
+        subspace_variants(runs, 2)
+
+
+def test_study_subspaces_trains_a_scratch_recipe_in_each_variant(runs):
+    out = runs / "ss-train"
+    sets = [a for s in ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32",
+                        "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2"]
+            for a in ("--set", s)]
+    assert main(["study", "subspaces", str(runs / "bp"), "--k", "2", "--prefix", "tr", "--random-seeds", "5",
+                 "--no-bn-head", "--train", "digits-scratch", "--out", str(out)] + sets) == 0
+    res = json.loads((out / "subspaces.json").read_text())
+    assert [t["variant"] for t in res["training"]] == ["whole", "random5"]
+    for t in res["training"]:
+        cfg = json.loads((out / t["variant"] / "results.json").read_text())
+        assert cfg["label"] == "SZO-CGE" and 0.0 <= t["best_test_acc"] <= 1.0
+    import yaml
+    assert yaml.safe_load((out / "random5" / "config.yaml").read_text())["subspace"]["name"] == "tr-random5"
