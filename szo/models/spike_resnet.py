@@ -143,11 +143,12 @@ def spike_resnet20(num_classes: int = 10, T: int = 4, activation: str = "lif",
 
 @register_model
 def spike_resnet8(num_classes: int = 10, T: int = 4, activation: str = "lif",
-                  in_channels: int = 1) -> SpikeResNet:
+                  in_channels: int = 1, bn_time: str = "shared") -> SpikeResNet:
     """ResNet8 for 28x28 MNIST (mnist5k): 3x3 s2 stem, one BasicBlock per stage (16-32-64,
     14 -> 7 -> 4 pixels), 77,754 params; small enough for SZO runs on 2 CPU cores."""
-    return SpikeResNet(BasicBlock, (1, 1, 1), (16, 32, 64), stem="mnist", num_classes=num_classes,
-                       T=T, in_channels=in_channels, activation=activation, model_name="spike_resnet8")
+    model = SpikeResNet(BasicBlock, (1, 1, 1), (16, 32, 64), stem="mnist", num_classes=num_classes,
+                        T=T, in_channels=in_channels, activation=activation, model_name="spike_resnet8")
+    return model.set_bn_time(bn_time)
 
 
 @register_model

@@ -65,6 +65,7 @@ class FullSpaceZO(torch.optim.Optimizer):
         self.bn_update = self.guard.bn_update
         self.last_outputs_unperturbed = False
         self.forward_passes = 0
+        self.last_losses: torch.Tensor | None = None  # the probe losses of the last step (at theta_t)
         anchor = self.state[params[0]]
         anchor["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
 
@@ -149,6 +150,7 @@ class FullSpaceZO(torch.optim.Optimizer):
         vel = self.state[self._params[0]]["velocity"]
         vel.mul_(group["momentum"]).add_(grad, alpha=-group["lr"])
         self._load(theta + vel)
+        self.last_losses = torch.tensor(losses, dtype=torch.float64)
         self.last_outputs_unperturbed = self.guard.recomputes
         if self.last_outputs_unperturbed:
             loss = self.guard.unperturbed_forward(closure)

@@ -359,8 +359,11 @@ def fit(
                 fp += 1
                 bp += 1
             loss = float(loss_t.detach()) if isinstance(loss_t, torch.Tensor) else float(loss_t)
-            if first_loss is None and math.isfinite(loss):
-                first_loss = loss
+            if first_loss is None:  # the scale to compare later losses with: the loss before any update
+                probes = getattr(optimizer, "last_losses", None)  # (bn_update=recompute returns theta_{t+1}'s)
+                ref = float(probes.mean()) if isinstance(probes, torch.Tensor) and probes.numel() else loss
+                if math.isfinite(ref):
+                    first_loss = ref
             why = _diverged(loss, model, first_loss, diverge_factor)
             if why is not None:
                 diverged(why)
