@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -52,8 +53,12 @@ def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     if not found:
         raise ValueError(f"no results.json under {', '.join(map(str, paths))}; valid: run directories written by szo recipe")
     runs = []
+    diverged = []
     for d in dict.fromkeys(found):
         res = json.loads((d / "results.json").read_text(encoding="utf-8"))
+        if res.get("status") == "diverged":  # szo.train.fit stopped it: no figure to report
+            diverged.append(str(d))
+            continue
         hist = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
         cfg = None
         if (d / "config.yaml").is_file():
@@ -62,6 +67,11 @@ def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
             except yaml.YAMLError as e:
                 raise ValueError(f"{d / 'config.yaml'} is not valid YAML ({e}); fix or remove it") from None
         runs.append({"dir": str(d), "results": res, "history": hist, "config": cfg})
+    if diverged:
+        print(f"warning: left out {len(diverged)} diverged run(s) (results.json status 'diverged'): "
+              + ", ".join(diverged), file=sys.stderr)
+    if not runs:
+        raise ValueError(f"every run under {', '.join(map(str, paths))} diverged; nothing to report")
     return runs
 
 

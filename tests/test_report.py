@@ -124,3 +124,13 @@ def test_report_plot_one_line_per_cell_legend_under_both_panels(tmp_path, figure
     r = fig.canvas.get_renderer()
     leg, ax = fig.legends[0].get_window_extent(r), a1.get_window_extent(r)
     assert leg.y1 <= ax.y0
+
+
+def test_diverged_runs_are_left_out_with_a_warning(tmp_path, capsys):
+    make_run(tmp_path, "ok", [0.5, 0.9])
+    make_run(tmp_path, "bad", [0.1], results_extra={"status": "diverged", "error": "training diverged at step 3"})
+    runs = collect_runs([tmp_path])
+    assert [r["dir"] for r in runs] == [str(tmp_path / "ok")]
+    assert "left out 1 diverged run(s)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="diverged; nothing to report"):
+        collect_runs([tmp_path / "bad"])
