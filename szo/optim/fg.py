@@ -35,6 +35,7 @@ from torch.func import functional_call
 from ..functional import zo as F
 from ..models.forward_mode import jvp_neurons
 from .bn import BNStatsFreezer
+from .probes import CounterStateMixin, counter_state, load_counter_state
 from .subspace import SubspaceOptimizer
 
 __all__ = ["ForwardGradient", "SubspaceForwardGradient", "jvp_closure"]
@@ -103,12 +104,14 @@ def _jvp_passes(opt, closure: Callable[[], torch.Tensor],
     return losses, jvps
 
 
-class ForwardGradient(torch.optim.Optimizer):
+class ForwardGradient(CounterStateMixin, torch.optim.Optimizer):
     """Full-space forward gradient descent: ``v ~ N(0, I_d)``, heavy-ball update in parameter space.
 
     ``opt = ForwardGradient(model.parameters(), model=model, lr=1e-3, q=1)``;
     ``loss = opt.step(lambda: loss_fn(model(x), y))``.
     """
+
+    _state_key = "fg"  # state_dict()["fg"]: generator, forward count
 
     forward_only = True
 
@@ -163,18 +166,6 @@ class ForwardGradient(torch.optim.Optimizer):
             p.add_(dv)
         return torch.tensor(sum(losses) / len(losses))
 
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["fg"] = {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("fg", {})
-        super().load_state_dict(state_dict)
-        if "generator_state" in extra:
-            self.generator.set_state(extra["generator_state"].to(torch.uint8))
-        self.forward_passes = int(extra.get("forward_passes", 0))
 
 
 class SubspaceForwardGradient(SubspaceOptimizer):
@@ -215,9 +206,7 @@ class SubspaceForwardGradient(SubspaceOptimizer):
         return torch.tensor(sum(losses) / len(losses))
 
     def _extra_state(self) -> dict:
-        return {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
+        return counter_state(self)
 
     def _load_extra_state(self, extra: dict) -> None:
-        if "generator_state" in extra:
-            self.generator.set_state(extra["generator_state"].to(torch.uint8))
-        self.forward_passes = int(extra.get("forward_passes", 0))
+        load_counter_state(self, extra)

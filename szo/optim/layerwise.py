@@ -35,6 +35,7 @@ from torch import nn
 
 from ..functional import zo as F
 from .bn import BNStatsFreezer
+from .probes import CounterStateMixin
 
 __all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
 
@@ -64,8 +65,10 @@ def _load(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         off += p.numel()
 
 
-class LayerwiseZO(torch.optim.Optimizer):
+class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
     """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``)."""
+
+    _state_key = "layerwise"  # state_dict()["layerwise"]: generator, forward count, per-layer modes
 
     forward_only = True
 
@@ -192,17 +195,8 @@ class LayerwiseZO(torch.optim.Optimizer):
             p.add_(vel)
         return torch.tensor(l0)
 
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["layerwise"] = {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes,
-                           "modes": dict(self.modes)}
-        return sd
+    def _extra_state(self) -> dict:
+        return {"modes": dict(self.modes)}
 
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("layerwise", {})
-        super().load_state_dict(state_dict)
-        if "generator_state" in extra:
-            self.generator.set_state(extra["generator_state"].to(torch.uint8))
-        self.forward_passes = int(extra.get("forward_passes", 0))
+    def _load_extra_state(self, extra: dict) -> None:
         self.modes = dict(extra.get("modes", {}))

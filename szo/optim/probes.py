@@ -36,7 +36,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ..functional import zo as F
 from .bn import BNStatsFreezer, check_bn_update
 
-__all__ = ["resolve_model", "ProbeGuard", "START_POINTS", "move_to_start"]
+__all__ = ["resolve_model", "ProbeGuard", "START_POINTS", "move_to_start", "counter_state", "load_counter_state",
+           "CounterStateMixin"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
 
@@ -171,3 +172,42 @@ class ProbeGuard:
             self.bn.commit(True, process_group)
         return value
 
+
+
+# ---------------------------------------------------------------------- checkpointed counters
+def counter_state(opt) -> dict:
+    """What every forward-only optimizer checkpoints besides torch's per-parameter state: its
+    direction generator (so a resumed run draws the same directions) and its forward count."""
+    return {"generator_state": opt.generator.get_state(), "forward_passes": opt.forward_passes}
+
+
+def load_counter_state(opt, extra: dict) -> None:
+    """Inverse of :func:`counter_state` (missing keys: a fresh generator state, 0 forwards)."""
+    if "generator_state" in extra:
+        opt.generator.set_state(extra["generator_state"].to(torch.uint8))
+    opt.forward_passes = int(extra.get("forward_passes", 0))
+
+
+class CounterStateMixin:
+    """``state_dict`` / ``load_state_dict`` of a forward-only ``torch.optim.Optimizer`` that keeps
+    :func:`counter_state` (plus ``_extra_state()``) under ``state_dict()[_state_key]``."""
+
+    _state_key = "zo"
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        pass
+
+    def state_dict(self):
+        sd = super().state_dict()  # type: ignore[misc]
+        sd[self._state_key] = {**counter_state(self), **self._extra_state()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = dict(state_dict.pop(self._state_key, {}))
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        load_counter_state(self, extra)
+        self._load_extra_state(extra)

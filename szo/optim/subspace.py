@@ -33,7 +33,7 @@ from torch import nn
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 
 from ..functional import zo as F
-from .probes import ProbeGuard, move_to_start, resolve_model
+from .probes import ProbeGuard, counter_state, load_counter_state, move_to_start, resolve_model
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout"]
 
@@ -459,13 +459,10 @@ class SZO(SubspaceOptimizer):
 
     # the RGE generator is part of the optimizer state so checkpoints resume bit-exactly
     def _extra_state(self) -> dict:
-        return {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes,
-                "bytes_communicated": self.bytes_communicated}
+        return {**counter_state(self), "bytes_communicated": self.bytes_communicated}
 
     def _load_extra_state(self, extra: dict) -> None:
-        if "generator_state" in extra:
-            self.generator.set_state(extra["generator_state"].to(torch.uint8))
-        self.forward_passes = int(extra.get("forward_passes", 0))
+        load_counter_state(self, extra)
         self.bytes_communicated = int(extra.get("bytes_communicated", 0))
 
 

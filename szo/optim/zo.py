@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from ..functional import zo as F
-from .probes import ProbeGuard, resolve_model
+from .probes import CounterStateMixin, ProbeGuard, resolve_model
 
 __all__ = ["FullSpaceZO"]
 
 
-class FullSpaceZO(torch.optim.Optimizer):
+class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
     """Forward-only full-space ZO optimizer (``estimator="cge"`` or ``"rge"``)."""
 
     forward_only = True
@@ -158,15 +158,3 @@ class FullSpaceZO(torch.optim.Optimizer):
             return torch.tensor(loss)
         return torch.tensor(sum(losses) / len(losses))
 
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["zo"] = {"generator_state": self.generator.get_state(), "forward_passes": self.forward_passes}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("zo", {})
-        super().load_state_dict(state_dict)
-        if "generator_state" in extra:
-            self.generator.set_state(extra["generator_state"].to(torch.uint8))
-        self.forward_passes = int(extra.get("forward_passes", 0))
