@@ -29,8 +29,9 @@ __all__ = ["subspace_variants", "projection_rows", "study_subspaces"]
 
 def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequence[int] = (),
                       other_runs: Sequence[str | os.PathLike] = (), random_seeds: Sequence[int] = (0,),
-                      bn_head: bool = True, progress: bool = False) -> dict[str, Any]:
-    """``{variant: Subspace}`` for the BPTT run ``bp_run`` (see the module doc)."""
+                      bn_head: bool = True, progress: bool = False, model=None) -> dict[str, Any]:
+    """``{variant: Subspace}`` for the BPTT run ``bp_run`` (see the module doc); ``model``: the
+    run's model if the caller has it loaded already (``load_run_model``)."""
     from subspace_store import bn_and_head_names, build_subspace, coordinate_subspace, random_subspace
     from szo.pipeline import load_run_model
 
@@ -49,7 +50,8 @@ def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequen
     for s in random_seeds:
         out[f"random{s}"] = random_subspace(theta0, k, int(s), **meta)
     if bn_head:
-        model, _ = load_run_model(bp_run)
+        if model is None:
+            model, _ = load_run_model(bp_run)
         out["bn-head"] = coordinate_subspace(whole.layout, bn_and_head_names(model), theta0,
                                              fingerprint=whole.fingerprint, model=whole.model)
     for sub in out.values():
@@ -57,13 +59,14 @@ def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequen
     return out
 
 
-def projection_rows(bp_run: str | os.PathLike, variants: dict[str, Any]) -> list[dict[str, Any]]:
-    """For every variant: k, distance of the projected BP solution to theta_BP and its test accuracy."""
+def projection_rows(bp_run: str | os.PathLike, variants: dict[str, Any], loaded=None) -> list[dict[str, Any]]:
+    """For every variant: k, distance of the projected BP solution to theta_BP and its test accuracy;
+    ``loaded``: ``load_run_model(bp_run)`` if the caller has it already."""
     from subspace_store import project_point
     from szo.pipeline import _loaders, _loss, load_run_model
     from szo.train.trainer import evaluate
 
-    model, cfg = load_run_model(bp_run)
+    model, cfg = loaded if loaded is not None else load_run_model(bp_run)
     theta_bp = model.flat_params().detach().clone()
     _, test = _loaders(cfg, torch.Generator().manual_seed(0))
     loss_fn = _loss(cfg)
@@ -93,14 +96,14 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
 
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be a non-empty store name prefix, got {prefix!r}")
-    _, cfg = load_run_model(bp_run)
+    model, cfg = load_run_model(bp_run)  # once, for every step below
     variants = subspace_variants(bp_run, k, first_epochs=first_epochs, other_runs=other_runs,
-                                 random_seeds=random_seeds, bn_head=bn_head)
+                                 random_seeds=random_seeds, bn_head=bn_head, model=model)
     store = subspace_store_for(cfg)
     names = {v: f"{prefix}-{v}" for v in variants}
     for v, sub in variants.items():
         store.save(names[v], sub, overwrite=overwrite)
-    rows = projection_rows(bp_run, variants)
+    rows = projection_rows(bp_run, variants, loaded=(model, cfg))
     for r in rows:
         r["store_name"] = names[r["variant"]]
     out = Path(out or Path(bp_run) / "study-subspaces")
