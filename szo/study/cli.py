@@ -1,4 +1,4 @@
-"""``szo diagnose RUN_DIR`` and ``szo study subspaces BP_RUN`` (registered through szo.cli._REGISTRARS)."""
+"""``szo diagnose RUN_DIR``, ``szo study subspaces BP_RUN`` and ``szo study q RECIPE`` (registered through szo.cli._REGISTRARS)."""
 from __future__ import annotations
 
 import argparse
@@ -47,8 +47,17 @@ def _cmd_study_subspaces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study_q(args: argparse.Namespace) -> int:
+    from szo.study.qsweep import render_q, study_q
+
+    res = study_q(args.recipe, args.q, overrides=args.set or [], out=args.out, cge=not args.no_cge)
+    print(render_q(res["rows"]))
+    print(f"written: {args.out}/q.json, q.md, q.png")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from szo.study import diagnose, subspaces
+    from szo.study import diagnose, qsweep, subspaces
 
     p = subparsers.add_parser("diagnose", help="ZO estimate variance / cosine to the BPTT gradient on a run's model",
                               description=diagnose.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="JSON path (default RUN_DIR/diagnose.json); the plot goes next to it (.png)")
     p.set_defaults(func=_cmd_diagnose)
 
-    st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN)")
+    st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN | szo study q RECIPE)")
     ssub = st.add_subparsers(dest="study", metavar="STUDY")
     ssub.required = True
     s = ssub.add_parser("subspaces", help="subspace-origin ablation: variants, projected BP point, optional training",
@@ -81,3 +90,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for --train runs (repeatable)")
     s.add_argument("--out", help="output directory (default BP_RUN/study-subspaces)")
     s.set_defaults(func=_cmd_study_subspaces)
+
+    sq = ssub.add_parser("q", help="q trade-off: SZO-RGE accuracy and wall time vs q, SZO-CGE as the line",
+                         description=qsweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sq.add_argument("recipe", metavar="RECIPE", help="a subspace recipe (scratch or continual), e.g. mnist5k-scratch")
+    sq.add_argument("--q", type=_ints, default=[1, 2, 5, 10, 20], help="comma-separated q values (default 1,2,5,10,20)")
+    sq.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run (repeatable)")
+    sq.add_argument("--no-cge", action="store_true", help="skip the SZO-CGE reference run")
+    sq.add_argument("--out", required=True, help="output directory: one run directory per q + q.json/q.md/q.png")
+    sq.set_defaults(func=_cmd_study_q)

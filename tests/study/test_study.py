@@ -112,3 +112,37 @@ def test_study_subspaces_trains_a_scratch_recipe_in_each_variant(runs):
         assert cfg["label"] == "SZO-CGE" and 0.0 <= t["best_test_acc"] <= 1.0
     import yaml
     assert yaml.safe_load((out / "random5" / "config.yaml").read_text())["subspace"]["name"] == "tr-random5"
+
+
+def test_study_q_forwards_per_step_reuse_and_plot(runs, capsys):
+    out = runs / "q"
+    sets = [a for s in ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32",
+                        "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2", "subspace.k=4",
+                        f"subspace.root={runs / 'subspaces'}"]
+            for a in ("--set", s)]
+    assert main(["study", "q", "digits-scratch", "--q", "3,1", "--out", str(out)] + sets) == 0
+    res = json.loads((out / "q.json").read_text())
+    rows = {r["run"]: r for r in res["rows"]}
+    assert list(rows) == ["szo-rge-q1", "szo-rge-q3", "szo-cge"]
+    # 2q probes (RGE) or 2k (CGE, k = 4) + the recompute-BN forward, per optimizer step
+    assert [rows[n]["fp_per_step"] for n in rows] == [3, 7, 9]
+    assert all(0.0 <= r["best_test_acc"] <= 1.0 and r["steps"] == 2 for r in rows.values())
+    assert (out / "q.png").stat().st_size > 10_000 and "| SZO-RGE | 3 | 7 |" in (out / "q.md").read_text()
+    # a second call reuses the completed runs (nothing retrained) ...
+    before = (out / "szo-cge" / "metrics.jsonl").read_bytes()
+    assert main(["study", "q", "digits-scratch", "--q", "1,3", "--out", str(out)] + sets) == 0
+    assert (out / "szo-cge" / "metrics.jsonl").read_bytes() == before
+    # ... and refuses one trained differently, in one line
+    capsys.readouterr()
+    assert main(["study", "q", "digits-scratch", "--q", "1", "--no-cge", "--out", str(out), "--set", "szo.mu=0.5"]
+                + sets) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "szo.mu is 0.3" in err[0] and "0.5 now" in err[0]
+
+
+def test_study_q_rejects_bad_q_and_bp_recipes(tmp_path):
+    from szo.study.qsweep import study_q
+    with pytest.raises(ValueError, match="positive int"):
+        study_q("digits-scratch", [0, 2], out=tmp_path)
+    with pytest.raises(ValueError, match="kind 'bp'"):
+        study_q("digits-bp", [1], out=tmp_path)
