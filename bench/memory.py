@@ -10,7 +10,10 @@ one pass per probe; ``exact`` needs one extra truncated pass per BN layer, the s
 but ~11x the time on ResNet20), ``szo-batched-stream`` the batched engine on top of it.
 ``bptt-ckpt`` recomputes each residual block in the backward pass (SpikingJelly's
 ``memopt.checkpoint_module``, neuron state handled by it; same gradients), ``bptt-bf16`` runs
-the forward under ``torch.autocast`` in bfloat16. ``--config resnet18`` measures Spike-ResNet18
+the forward under ``torch.autocast`` in bfloat16. Each point also records the persistent training
+state the step peak leaves out (``state``: weights, buffers, optimizer state, and SZO's basis P^T,
+k x d floats: with the paper's k = 20-40 it outweighs a small step), and the plot / table add
+"persistent state + step peak". ``--config resnet18`` measures Spike-ResNet18
 (CIFAR-100-shaped input, the paper's Fig. 5 model) instead of Spike-ResNet20.
 Targets: SZO T=16 within 1.3x of T=1; at T=16, batch 128, SZO <= 1/4 of BPTT.
 
@@ -115,6 +118,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
         batch_data["x"], batch_data["y"] = x, y
         if device.type == "cpu":
             _malloc_trim()
+    state = persistent_state_bytes(model, opt)
     t0 = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -139,8 +143,38 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
         how += ", after a 2-sample warm-up step" + (" and malloc_trim" if device.type == "cpu" else "")
     alloc = int(peak) if device.type == "cuda" else (cpu_alloc_peak(step) if alloc_peak else None)
     return dict(method=method, config=config, batch=batch, T=T, peak_bytes=int(peak), alloc_peak_bytes=alloc, step_s=step_s,
+                state_bytes=state["total"], state=state,
                 how=how, chunk=chunk if "batched" in method else None, k=k if method in SZO_METHODS else None,
                 time_chunk=time_chunk if streaming else None, stream_bn=stream_bn if streaming else None)
+
+
+def persistent_state_bytes(model: torch.nn.Module, opt) -> dict:
+    """Bytes the training holds between steps, outside the step peak: the weights and buffers,
+    the optimizer's state tensors (momentum: d floats for SGD / full-space ZO, k for SZO) and,
+    for SZO, the basis P (k x d floats). Counted from the tensors themselves, each storage once."""
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        n = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                n += t.untyped_storage().nbytes()
+        return n
+
+    def state_tensors(o):
+        for st in list(getattr(o, "state", {}).values()) + [getattr(o, "subspace_state", {})]:
+            if isinstance(st, dict):
+                yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+            elif isinstance(st, torch.Tensor):
+                yield st
+
+    out = {"weights": size(model.parameters()), "buffers": size(model.buffers())}
+    basis = getattr(opt, "_Pt", None)  # SZO keeps P^T [k, d] row-contiguous
+    out["basis"] = size([basis]) if basis is not None else 0
+    out["optimizer"] = size(state_tensors(opt))
+    out["total"] = sum(out.values())
+    return out
 
 
 def run_point(method: str, batch: int, T: int, a: argparse.Namespace) -> dict:
@@ -167,10 +201,15 @@ def _metrics(rows: list[dict]) -> list[tuple[str, str]]:
     out = [("peak_bytes", "peak RSS")]
     if any(r.get("alloc_peak_bytes") is not None for r in rows):
         out.append(("alloc_peak_bytes", "allocator peak"))
+    if any(r.get("state_bytes") is not None for r in rows):
+        out.append(("total_bytes", "persistent state + step peak RSS"))
     return out
 
 
 def _get(rows: list[dict], key: str) -> dict:
+    if key == "total_bytes":  # what the device must hold: weights, optimizer state, P, plus the step's peak
+        return {(r["method"], r["batch"], r["T"]): r["state_bytes"] + r["peak_bytes"] for r in rows
+                if r.get("state_bytes") is not None}
     return {(r["method"], r["batch"], r["T"]): r[key] for r in rows if r.get(key) is not None}
 
 
@@ -204,7 +243,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for ax, ticks in ((ax_b, batches), (ax_t, Ts)):
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.set_ylabel("MiB above baseline, one step")
+            ax.set_ylabel("MiB" if key == "total_bytes" else "MiB above baseline, one step")
             ax.set_yscale("log")
             ax.yaxis.set_major_formatter(ScalarFormatter())
             ax.yaxis.set_minor_formatter(NullFormatter())
@@ -229,6 +268,22 @@ def table(rows: list[dict]) -> str:
                  for m in methods]
         lines.append(f"| {b} | {T} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def state_table(rows: list[dict]) -> str:
+    """Persistent training state per method (MiB): weights, buffers, optimizer state, basis P."""
+    lines = ["Persistent state between steps, MiB (not in the step peaks above):",
+             "| method | weights | buffers | optimizer state | basis P | total |", "|---|---|---|---|---|---|"]
+    done = set()
+    for r in rows:
+        st = r.get("state")
+        if not st or r["method"] in done:
+            continue
+        done.add(r["method"])
+        k = f" (k={r['k']})" if r.get("k") else ""
+        lines.append(f"| {r['method']}{k} | " + " | ".join(f"{st[key] / 2**20:.2f}" for key in
+                                                          ("weights", "buffers", "optimizer", "basis", "total")) + " |")
+    return "\n".join(lines) if done else ""
 
 
 def checks_for(rows: list[dict]) -> dict:
@@ -285,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         for kname, v in checks_for(rows).items():
             print(f"{kname}: {v['value']:.3f} {'MET' if v['met'] else 'NOT MET'}")
         print(table(rows))
+        print(state_table(rows))
         plot(rows, RESULTS / f"{name}.png")
         return 0
     if a.worker:
@@ -318,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     out = dict(benchmark="memory", quick=a.quick, args=vars(a), machine=machine_info(), rows=rows,
                checks=checks, wall_s=old_wall + time.perf_counter() - t0)
     print(table(rows))
+    print(state_table(rows))
     print("wrote", write_result(name, out), f"in {time.perf_counter() - t0:.0f}s")
     plot(rows, RESULTS / f"{name}.png")
     return 0
