@@ -50,7 +50,8 @@ def _cmd_study_subspaces(args: argparse.Namespace) -> int:
 def _cmd_study_q(args: argparse.Namespace) -> int:
     from szo.study.qsweep import render_q, study_q
 
-    res = study_q(args.recipe, args.q, overrides=args.set or [], out=args.out, cge=not args.no_cge)
+    res = study_q(args.recipe, args.q, overrides=args.set or [], rge_overrides=args.rge_set or [], out=args.out,
+                  cge=not args.no_cge)
     print(render_q(res["rows"]))
     print(f"written: {args.out}/q.json, q.md, q.png")
     return 0
@@ -96,6 +97,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sq.add_argument("recipe", metavar="RECIPE", help="a subspace recipe (scratch or continual), e.g. mnist5k-scratch")
     sq.add_argument("--q", type=_ints, default=[1, 2, 5, 10, 20], help="comma-separated q values (default 1,2,5,10,20)")
     sq.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run (repeatable)")
+    sq.add_argument("--rge-set", action="append", metavar="KEY=VALUE",
+                    help="override for the SZO-RGE runs only (repeatable), e.g. szo.mu=0.3")
     sq.add_argument("--no-cge", action="store_true", help="skip the SZO-CGE reference run")
     sq.add_argument("--out", required=True, help="output directory: one run directory per q + q.json/q.md/q.png")
     sq.set_defaults(func=_cmd_study_q)

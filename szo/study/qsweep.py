@@ -2,7 +2,8 @@
 
 Reviewer 3 asked what q costs. For a scratch (or continual) subspace recipe this trains
 SZO-RGE once per ``--q`` value (``--set method=szo-rge --set szo.q=Q``, run directory
-``OUT/szo-rge-q{Q}``) and SZO-CGE once (``OUT/szo-cge``), all else equal, then writes
+``OUT/szo-rge-q{Q}``) and SZO-CGE once (``OUT/szo-cge``), all else equal (``--rge-set`` adds
+overrides for the RGE runs only, e.g. their perturbation scale), then writes
 
 * ``OUT/q.json``: per run the best and final test accuracy, the epoch the best was reached,
   the forward passes per step (2q + 1 for RGE, 2k + 1 for CGE with ``bn_update=recompute``),
@@ -117,16 +118,21 @@ def plot_q(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str =
     return Path(path)
 
 
-def study_q(recipe: str, qs: Sequence[int], *, overrides: Sequence[str] = (), out: str | os.PathLike,
-            cge: bool = True, plot: bool = True) -> dict[str, Any]:
-    """Train (or reuse) SZO-RGE for every q and SZO-CGE once from ``recipe``; write q.json / q.md / q.png."""
+def study_q(recipe: str, qs: Sequence[int], *, overrides: Sequence[str] = (), rge_overrides: Sequence[str] = (),
+            out: str | os.PathLike, cge: bool = True, plot: bool = True) -> dict[str, Any]:
+    """Train (or reuse) SZO-RGE for every q and SZO-CGE once from ``recipe``; write q.json / q.md / q.png.
+
+    ``overrides`` apply to every run, ``rge_overrides`` to the SZO-RGE runs only (e.g. an RGE
+    perturbation scale ``szo.mu=0.3``: a Gaussian direction in k dimensions has length ~sqrt(k),
+    so RGE probes sqrt(k) times farther than CGE at the same mu)."""
     from szo.config import load_recipe
     from szo.io import atomic_write_json, atomic_write_text
 
     qs = _check_qs(qs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plan: list[tuple[str, list[str]]] = [(f"szo-rge-q{q}", ["method=szo-rge", f"szo.q={q}"]) for q in qs]
+    plan: list[tuple[str, list[str]]] = [(f"szo-rge-q{q}", list(rge_overrides) + ["method=szo-rge", f"szo.q={q}"])
+                                         for q in qs]
     if cge:
         plan.append(("szo-cge", ["method=szo-cge"]))
     runs: dict[str, dict[str, Any]] = {}
@@ -138,7 +144,8 @@ def study_q(recipe: str, qs: Sequence[int], *, overrides: Sequence[str] = (), ou
         summary = _run_or_reuse(cfg, out / name)
         runs[name] = {"config": cfg, "summary": summary, "run_dir": str(out / name)}
     rows = q_rows(runs)
-    result = {"recipe": recipe, "overrides": list(overrides), "qs": qs, "rows": rows}
+    result = {"recipe": recipe, "overrides": list(overrides), "rge_overrides": list(rge_overrides), "qs": qs,
+              "rows": rows}
     atomic_write_json(out / "q.json", result)
     atomic_write_text(out / "q.md", render_q(rows) + "\n")
     if plot:

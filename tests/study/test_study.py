@@ -120,9 +120,12 @@ def test_study_q_forwards_per_step_reuse_and_plot(runs, capsys):
                         "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2", "subspace.k=4",
                         f"subspace.root={runs / 'subspaces'}"]
             for a in ("--set", s)]
-    assert main(["study", "q", "digits-scratch", "--q", "3,1", "--out", str(out)] + sets) == 0
+    assert main(["study", "q", "digits-scratch", "--q", "3,1", "--out", str(out), "--rge-set", "szo.mu=0.3"] + sets) == 0
     res = json.loads((out / "q.json").read_text())
     rows = {r["run"]: r for r in res["rows"]}
+    import yaml
+    mus = {n: yaml.safe_load((out / n / "config.yaml").read_text())["szo"]["mu"] for n in rows}
+    assert mus["szo-rge-q1"] == mus["szo-rge-q3"] == 0.3 and mus["szo-cge"] != 0.3  # --rge-set: RGE runs only
     assert list(rows) == ["szo-rge-q1", "szo-rge-q3", "szo-cge"]
     # 2q probes (RGE) or 2k (CGE, k = 4) + the recompute-BN forward, per optimizer step
     assert [rows[n]["fp_per_step"] for n in rows] == [3, 7, 9]
@@ -130,7 +133,7 @@ def test_study_q_forwards_per_step_reuse_and_plot(runs, capsys):
     assert (out / "q.png").stat().st_size > 10_000 and "| SZO-RGE | 3 | 7 |" in (out / "q.md").read_text()
     # a second call reuses the completed runs (nothing retrained) ...
     before = (out / "szo-cge" / "metrics.jsonl").read_bytes()
-    assert main(["study", "q", "digits-scratch", "--q", "1,3", "--out", str(out)] + sets) == 0
+    assert main(["study", "q", "digits-scratch", "--q", "1,3", "--out", str(out), "--rge-set", "szo.mu=0.3"] + sets) == 0
     assert (out / "szo-cge" / "metrics.jsonl").read_bytes() == before
     # ... and refuses one trained differently, in one line
     capsys.readouterr()
