@@ -118,6 +118,9 @@ def resolve_tta(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if t["finetune"]["trajectory"] is not None:
             raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
                              "one given tta.finetune.trajectory (set it to null, or use protocol paper / train)")
+        if (full.get("subspace") or {}).get("name"):
+            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
+                             "one subspace store entry subspace.name (set it to null, or use protocol paper / train)")
         if resolve_settings(full["setting"]) == ["continual"]:
             raise ValueError("tta.protocol=loco (leave one corruption out) is defined for the reset setting only: "
                              "the continual setting adapts across every corruption, so none is left out; "

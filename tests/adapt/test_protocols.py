@@ -33,6 +33,8 @@ def test_protocol_resolution_and_errors():
         resolve_tta({**_cfg(protocol="loco"), "setting": "continual"})
     with pytest.raises(ValueError, match="loco .* cannot use one given tta.finetune.trajectory"):
         resolve_tta(_cfg(protocol="loco", finetune={"trajectory": "somewhere"}))
+    with pytest.raises(ValueError, match="loco .* cannot use one subspace store entry subspace.name"):
+        resolve_tta({**_cfg(protocol="loco"), "subspace": {"name": "adapt"}})
     # without a subspace method the protocol builds nothing: continual is fine
     assert resolve_tta({"method": "none,tent", "setting": "continual", "tta": {"protocol": "loco"}})
 
