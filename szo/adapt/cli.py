@@ -11,7 +11,13 @@ data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo
    ``szo.pipeline.load_run_model``) or, with ``tta.train_source: true``, the BPTT stage run here
    (``szo.pipeline.run_bptt_stage`` into ``OUT/source``, no store subspace);
 2. the adaptation subspace (``szo.adapt.subspace``): a store entry ``subspace.name`` if given,
-   else fine-tuning on ``tta.finetune.corruption`` (or ``tta.finetune.trajectory``) + PCA;
+   else a given fine-tuning trajectory (``tta.finetune.trajectory``) + PCA, else the
+   ``tta.protocol`` (``szo.adapt.subspace.PROTOCOLS``): labelled BP fine-tuning on the
+   corrupted *test* split of ``tta.finetune.corruption`` (``paper``: the labels of the
+   evaluated test images leak into the subspace, and every output says so), on its *train*
+   split (``train``, the default) or, per evaluated corruption, on the train splits of the 14
+   others (``loco``: reset setting only; ``setting: both`` runs reset and says so, ``setting:
+   continual`` is refused), each + PCA;
 3. ``szo.adapt.runner.run_tta`` -> ``OUT/tta_results.json``, ``tta_table_*.md``,
    ``tta_summary.md``, ``tta_accuracy.png``.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,6 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, check_choice
+from .subspace import LABEL_LEAK
 from .tables import write_tables
 
 __all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source"]
@@ -52,10 +60,12 @@ TTA_DEFAULTS: dict[str, Any] = {
     "train_source": False,       # with source_run null: BPTT-train the source here (digits-size only)
     "source_trajectory": None,   # default: <source_run>/trajectory
     "n_source": 20,              # last source-trajectory samples in the PCA
+    "protocol": "train",         # fine-tuning data of the subspace: paper (test split: labels leak) | train | loco
     "finetune": {
         "trajectory": None,      # existing fine-tuning trajectory (needed for *-c sets without train split)
-        "corruption": "gaussian_noise",
+        "corruption": "gaussian_noise",   # paper / train: the one corruption fine-tuned on
         "severity": 1,
+        "images": None,          # fine-tuning images (first n of the split; loco: in all, across the 14); null = split size
         "epochs": 10,
         "samples": 20,
         "lr": 0.01,
@@ -98,6 +108,23 @@ def resolve_tta(cfg: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"'tta.{key}' must be a positive int, got {t[key]!r}")
     for key in ("lr", "momentum", "weight_decay"):
         t["finetune"][key] = float(t["finetune"][key])
+    from .subspace import PROTOCOLS
+
+    check_choice("tta.protocol", t["protocol"], PROTOCOLS)
+    images = t["finetune"]["images"]
+    if images is not None and (isinstance(images, bool) or not isinstance(images, int) or images < 1):
+        raise ValueError(f"'tta.finetune.images' must be a positive int or null (the whole split), got {images!r}")
+    if t["protocol"] == "loco" and any(m in SUBSPACE_METHODS for m in resolve_methods(full["method"])):
+        if t["finetune"]["trajectory"] is not None:
+            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
+                             "one given tta.finetune.trajectory (set it to null, or use protocol paper / train)")
+        if (full.get("subspace") or {}).get("name"):
+            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
+                             "one subspace store entry subspace.name (set it to null, or use protocol paper / train)")
+        if resolve_settings(full["setting"]) == ["continual"]:
+            raise ValueError("tta.protocol=loco (leave one corruption out) is defined for the reset setting only: "
+                             "the continual setting adapts across every corruption, so none is left out; "
+                             "use setting=reset (setting=both runs the reset setting only)")
     return full
 
 
@@ -128,6 +155,50 @@ def load_source(run_dir: str | os.PathLike, dataset_name: str, device: str = "cp
     return model
 
 
+def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_traj: Path, out: Path, device: str,
+                          progress: bool, seed: int) -> tuple[Any, dict[str, Any]]:
+    """Step 2 of :func:`run_recipe`: the subspace (or ``{corruption: subspace}`` for loco) and the
+    protocol's description for the results. Built subspaces are saved in ``out/subspaces``."""
+    from subspace_store import SubspaceStore
+
+    from szo.pipeline import _loss
+
+    from . import subspace as adapt_subspace
+
+    t, ft = cfg["tta"], cfg["tta"]["finetune"]
+    sub_cfg = cfg.get("subspace") or {}
+    protocol, k = t["protocol"], int(sub_cfg.get("k", 20))
+    declared = {"name": protocol, "split": adapt_subspace.PROTOCOL_SPLITS[protocol], "label_leak": protocol == "paper"}
+    if protocol == "paper":
+        declared["warning"] = adapt_subspace.LABEL_LEAK
+    if sub_cfg.get("name"):
+        declared["description"] = (f"subspace store entry {sub_cfg['name']!r}, declared as protocol {protocol!r}; "
+                                   "its fine-tuning data are not known here")
+        return SubspaceStore(sub_cfg.get("root")).load(sub_cfg["name"], model=source), declared
+    store = SubspaceStore(out / "subspaces")
+    if ft["trajectory"] is not None:
+        declared["description"] = (f"given fine-tuning trajectory {ft['trajectory']}, declared as protocol "
+                                   f"{protocol!r}; its fine-tuning data are not known here")
+        sub = adapt_subspace.build_adaptation_subspace(source, src_traj, ft["trajectory"], k=k, n_source=t["n_source"],
+                                                       progress=progress, provenance={"adapt_protocol": protocol})
+        store.save("adapt", sub, overwrite=True)
+        return sub, declared
+    from szo.data import CORRUPTIONS
+
+    finetune = {key: ft[key] for key in ("epochs", "samples", "lr", "momentum", "weight_decay", "batch_size")}
+    subs, info = adapt_subspace.protocol_subspaces(
+        source, src_traj, t["data"], protocol, run_dir=out, corruptions=t["corruptions"] or list(CORRUPTIONS),
+        corruption=ft["corruption"], severity=ft["severity"], images=ft["images"], k=k, n_source=t["n_source"],
+        finetune=finetune, loss=_loss(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed,
+        device=device, progress=progress)
+    if isinstance(subs, Mapping):
+        for c, s in subs.items():
+            store.save(f"adapt-loco-{c}", s, overwrite=True)
+    else:
+        store.save("adapt", subs, overwrite=True)
+    return subs, info
+
+
 # --------------------------------------------------------------------------- recipe stage
 def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str = "cpu") -> dict[str, Any]:
     """Run a ``kind: tta`` recipe into ``out_dir``; returns the TTA results dict."""
@@ -150,43 +221,27 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         src_traj = Path(t["source_trajectory"] or Path(t["source_run"]) / "trajectory")
     source.eval()
     timings["source_s"] = time.perf_counter() - t0
-    # 2. adaptation subspace
+    # 2. adaptation subspace(s)
     t1 = time.perf_counter()
-    from .runner import resolve_methods, run_tta
+    from .runner import resolve_methods, resolve_settings, run_tta
 
-    methods_need_sub = any(m in SUBSPACE_METHODS for m in resolve_methods(cfg["method"]))
-    sub = None
-    sub_cfg = cfg.get("subspace") or {}
-    if methods_need_sub:
-        from subspace_store import SubspaceStore
-
-        if sub_cfg.get("name"):
-            sub = SubspaceStore(sub_cfg.get("root")).load(sub_cfg["name"], model=source)
-        else:
-            from szo.pipeline import _loss
-
-            from . import subspace as adapt_subspace
-
-            ft = t["finetune"]
-            adapt_traj, prov = ft["trajectory"], {}
-            if adapt_traj is None:  # fine-tune the source model on the corruption here
-                adapt_traj = adapt_subspace.finetune_on_corruption(
-                    source, t["data"], run_dir=out / "finetune", corruption=ft["corruption"],
-                    severity=ft["severity"], epochs=ft["epochs"], samples=ft["samples"], lr=ft["lr"],
-                    momentum=ft["momentum"], weight_decay=ft["weight_decay"], batch_size=ft["batch_size"],
-                    loss=_loss(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed, device=device,
-                    progress=progress)
-                prov = {"adapt_corruption": ft["corruption"], "adapt_severity": ft["severity"]}
-            sub = adapt_subspace.build_adaptation_subspace(
-                source, src_traj, adapt_traj, k=int(sub_cfg.get("k", 20)), n_source=t["n_source"],
-                progress=progress, provenance=prov)
-            SubspaceStore(out / "subspaces").save("adapt", sub, overwrite=True)
+    settings = resolve_settings(cfg["setting"])
+    notes: list[str] = []
+    sub, protocol = None, None
+    if any(m in SUBSPACE_METHODS for m in resolve_methods(cfg["method"])):
+        sub, protocol = _adaptation_subspaces(cfg, source, src_traj, out, device, progress, seed)
+        if protocol["name"] == "loco" and "continual" in settings:
+            settings = ["reset"]
+            notes.append("protocol loco: the reset setting only (one subspace per corruption; the continual "
+                         "setting sees every corruption, so leave-one-corruption-out is undefined there)")
+        for line in notes + ([f"protocol paper: {LABEL_LEAK}"] if protocol.get("label_leak") else []):
+            print(f"[tta] NOTE {line}", file=sys.stderr)
     timings["subspace_s"] = time.perf_counter() - t1
     # 3. TTA
     t2 = time.perf_counter()
     szo_cfg = cfg.get("szo") or {}
     res = run_tta(
-        source, sub, t["data"], cfg["method"], cfg["setting"], severity=t["severity"], batch_size=t["batch_size"],
+        source, sub, t["data"], cfg["method"], settings, severity=t["severity"], batch_size=t["batch_size"],
         lr_reset=t["lr_reset"], lr_continual=t["lr_continual"], data_dir=t["data_dir"], seed=seed, out_dir=out,
         corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
         q=int(szo_cfg.get("q", 10)), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
@@ -196,6 +251,10 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
     timings["tta_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     res["timings"] = timings
+    if protocol is not None:
+        res["protocol"] = protocol
+    if notes:
+        res["notes"] = notes
     write_tables(res, out)  # tta_results.json (with the timings), tables, tta_accuracy.png
     return res
 

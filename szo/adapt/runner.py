@@ -112,7 +112,9 @@ def run_tta(
     Args:
         source_model: the source model; never modified (every run adapts its own copy).
         subspace: the adaptation subspace (``subspace_store.Subspace``) for bp-subspace / szo-*;
-            may be None if no subspace method is run.
+            may be None if no subspace method is run. Or a mapping ``{corruption: Subspace}``
+            (one per evaluated corruption, all of the same k; e.g. leave-one-corruption-out):
+            then every corruption is adapted in its own subspace, reset setting only.
         methods / settings: names, ``"all"`` / ``"both"``, comma lists or lists.
         lr_reset / lr_continual: learning rate of the subspace methods per setting (App. G).
         corruptions: default ``szo.data.CORRUPTIONS`` (the 15, table order).
@@ -145,6 +147,18 @@ def run_tta(
     corruptions = list(corruptions)
     if not corruptions:
         raise ValueError("no corruption given")
+    per_corruption = isinstance(subspace, Mapping)
+    if per_corruption:
+        missing = [c for c in corruptions if c not in subspace]
+        if missing:
+            raise ValueError(f"the subspace mapping has no subspace for corruption(s) {missing}; "
+                             f"it has {sorted(subspace)}")
+        if needs_subspace and "continual" in settings:
+            raise ValueError("one subspace per corruption is for the reset setting only (the continual setting "
+                             "adapts one model across all corruptions); pass setting 'reset' or a single subspace")
+        ks = sorted({int(subspace[c].basis.shape[1]) for c in corruptions})
+        if len(ks) > 1:
+            raise ValueError(f"the per-corruption subspaces have different k {ks}; they must share one k")
     if get_data is None:
         from szo.data import get_dataset
 
@@ -160,7 +174,16 @@ def run_tta(
         raise ValueError(f"source_model must be a torch.nn.Module, got {type(source_model).__name__}")
     source = source_model
     source_state = {k: v.detach().clone() for k, v in source.state_dict().items()}
-    k = int(subspace.basis.shape[1]) if subspace is not None else None
+    if subspace is None:
+        k = None
+    elif per_corruption:
+        k = int(subspace[corruptions[0]].basis.shape[1])
+    else:
+        k = int(subspace.basis.shape[1])
+
+    def subspace_for(c: str) -> Any:
+        return subspace[c] if per_corruption else subspace
+
     datasets: dict[str, Dataset] = {}
 
     def data(c: str) -> Dataset:
@@ -179,15 +202,27 @@ def run_tta(
                 continue
             model = copy.deepcopy(source).to(device)  # one private copy per (setting, method) run
             gen = torch.Generator().manual_seed(int(seed) + 1)  # RGE directions
-            adapter = build_adapter(method, model, subspace=subspace, lr=lr, momentum=momentum, mu=mu, q=q,
-                                    predict=predict, tent_optimizer=tent_optimizer, tent_lr=tent_lr,
-                                    tent_momentum=tent_momentum, generator=gen)
+
+            def make_adapter(c: str) -> Any:
+                return build_adapter(method, model, subspace=subspace_for(c), lr=lr, momentum=momentum, mu=mu,
+                                     q=q, predict=predict, tent_optimizer=tent_optimizer, tent_lr=tent_lr,
+                                     tent_momentum=tent_momentum, generator=gen)
+
+            adapter = make_adapter(corruptions[0])
+            own_subspace = per_corruption and method in SUBSPACE_METHODS
+            done = {"fp": 0, "bp": 0, "batches": 0}  # counts of the adapters of earlier corruptions
             per_c: dict[str, float] = {}
             counts: dict[str, int] = {}
-            t0 = time.perf_counter()
+            seconds: dict[str, float] = {}  # adaptation and prediction, data loading excluded
             for ci, c in enumerate(corruptions):
+                data(c)  # loaded (generated, for digits-c / mnist5k-c) outside the timing
+                tc = time.perf_counter()
                 if setting == "reset" and ci > 0:
                     adapter.reset()
+                    if own_subspace:  # the source model again, now adapted in c's own subspace
+                        for key, v in adapter.counts().items():
+                            done[key] += v
+                        adapter = make_adapter(c)
                 loader = make_loader(  # time-major batches for event-frame sequences
                     data(c), batch_size, shuffle=True,
                     generator=torch.Generator().manual_seed(int(seed) * 1000003 + zlib.crc32(c.encode())))
@@ -209,26 +244,30 @@ def run_tta(
                     raise ValueError(f"corruption {c!r} of {dataset_name!r} yielded no test samples")
                 per_c[c] = correct / seen
                 counts[c] = seen
-            elapsed = time.perf_counter() - t0
+                seconds[c] = time.perf_counter() - tc
+            elapsed = sum(seconds.values())
             fpb, bpb = _per_batch(method, predict, k, q)
+            for key, v in adapter.counts().items():
+                done[key] += v
             results[setting][method] = {
                 "per_corruption": per_c,
                 "average": sum(per_c.values()) / len(per_c),
                 "samples": counts,
-                "fp": adapter.forward_passes,
-                "bp": adapter.backward_passes,
-                "batches": adapter.batches,
+                "fp": done["fp"],
+                "bp": done["bp"],
+                "batches": done["batches"],
                 "fp_per_batch": fpb,
                 "bp_per_batch": bpb,
                 "lr": tent_lr if method == "tent" else (lr if method in needs_subspace else None),
                 "time_s": elapsed,
+                "time_per_corruption_s": seconds,
             }
-            if adapter.forward_passes != fpb * adapter.batches or adapter.backward_passes != bpb * adapter.batches:
-                raise RuntimeError(f"{method}: counted {adapter.forward_passes} FP / {adapter.backward_passes} BP "
-                                   f"over {adapter.batches} batches, expected {fpb} / {bpb} per batch")
+            if done["fp"] != fpb * done["batches"] or done["bp"] != bpb * done["batches"]:
+                raise RuntimeError(f"{method}: counted {done['fp']} FP / {done['bp']} BP "
+                                   f"over {done['batches']} batches, expected {fpb} / {bpb} per batch")
             if progress:
                 tqdm.write(f"[tta] {setting:9s} {method:12s} avg acc {100 * results[setting][method]['average']:6.2f}%"
-                           f"  #FP {adapter.forward_passes} #BP {adapter.backward_passes}  ({elapsed:.1f}s)")
+                           f"  #FP {done['fp']} #BP {done['bp']}  ({elapsed:.1f}s)")
             del adapter, model
     # the source model is untouched: guard against an accidental in-place change
     for name, v in source.state_dict().items():
@@ -247,6 +286,7 @@ def run_tta(
             "batch_size": batch_size, "lr_reset": lr_reset, "lr_continual": lr_continual, "mu": mu,
             "momentum": momentum, "q": q, "k": k, "predict": predict, "tent_optimizer": tent_optimizer,
             "tent_lr": tent_lr, "tent_momentum": tent_momentum, "seed": seed, "max_batches": max_batches,
+            "subspace_per_corruption": per_corruption,
             **dict(info or {}),
         },
     }

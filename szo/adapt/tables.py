@@ -6,7 +6,9 @@
      "corruptions": [... 15 names in table order ...],
      "methods": [...], "settings": [...],
      "results": {setting: {method: {"per_corruption": {corruption: acc}, "average": acc,
-                                     "fp": int, "bp": int, ...}}}}
+                                     "fp": int, "bp": int, ...}}},
+     "protocol": {"name": "paper" | "train" | "loco", "label_leak": bool, "warning": ..., ...},  # recipes
+     "notes": [...]}                                                                            # optional
 
 Accuracies are fractions in [0, 1] in the JSON and percentages (2 decimals) in the tables.
 """
@@ -20,7 +22,7 @@ from szo.io import atomic_write_json, atomic_write_text
 
 from .methods import METHOD_LABELS, USES_BP
 
-__all__ = ["SHORT_NAMES", "method_label", "corruption_table", "summary_table", "plot_accuracy",
+__all__ = ["SHORT_NAMES", "method_label", "protocol_text", "corruption_table", "summary_table", "plot_accuracy",
            "write_tables"]
 
 #: column headers of Tables 5-10 (imagecorruptions / Hendrycks & Dietterich names)
@@ -30,6 +32,23 @@ SHORT_NAMES = {
     "snow": "Snow", "frost": "Frost", "fog": "Fog", "brightness": "Brit.",
     "contrast": "Contr.", "elastic_transform": "Elas.", "pixelate": "Pix.", "jpeg_compression": "JPEG",
 }
+
+def protocol_text(results: Mapping[str, Any]) -> str:
+    """Markdown lines naming the adaptation-subspace protocol (``results["protocol"]``) and any
+    notes; the paper protocol's label leak in bold. Empty if the results name no protocol."""
+    proto = results.get("protocol")
+    lines = []
+    if proto:
+        text = f"Adaptation subspace: protocol **{proto['name']}**"
+        if proto.get("description"):
+            text += f" ({proto['description']})"
+        lines.append(text + ".")
+        if proto.get("label_leak"):
+            lines.append(f"**Label leak: {proto.get('warning') or 'labels of the test images used to build the subspace'}**"
+                         " (every corruption is made from the same clean test images).")
+    lines += [f"Note: {n}." for n in results.get("notes", [])]
+    return "".join(f"{line}\n\n" for line in lines)
+
 
 def method_label(method: str, q: int | None = None) -> str:
     """Paper name of a method (``SZO-RGE (q=10)``)."""
@@ -62,7 +81,7 @@ def corruption_table(results: Mapping[str, Any], setting: str) -> str:
                      *[_pct(r["per_corruption"].get(c)) for c in corruptions], _pct(r["average"])])
     title = (f"Accuracy (%) on {results['dataset']} ({results.get('model', '?')}) with corruption severity "
              f"level {results['severity']} under *{setting.capitalize()}* setting.\n\n")
-    return title + _md(rows)
+    return title + protocol_text(results) + _md(rows)
 
 
 def summary_table(results: Mapping[str, Any]) -> str:
@@ -82,7 +101,7 @@ def summary_table(results: Mapping[str, Any]) -> str:
                      *[str(r[m]["bp"]) if m in r else "-" for r in results["results"].values()]])
     title = (f"Accuracy (%) on unsupervised model adaptation on {results['dataset']} "
              f"(severity {results['severity']}).\n\n")
-    return title + _md(rows) + "\nForward / backward passes (network calls on a batch):\n\n" + _md(cost)
+    return title + protocol_text(results) + _md(rows) + "\nForward / backward passes (network calls on a batch):\n\n" + _md(cost)
 
 
 def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
@@ -120,7 +139,10 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
             labels.append(f"{method_label(m, q)}: {100.0 * r['average']:.1f}")
         ax.set_ylabel("accuracy (%)")
         ax.set_ylim(0, 102)
-        ax.set_title(f"{results['dataset']} severity {results['severity']}: {setting}")
+        proto = results.get("protocol") or {}
+        tag = f", subspace protocol {proto['name']}" if proto else ""
+        tag += " (LABEL LEAK: test labels used)" if proto.get("label_leak") else ""
+        ax.set_title(f"{results['dataset']} severity {results['severity']}: {setting}{tag}")
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
                   title="average accuracy (%)", title_fontsize=8)
         ax.set_xticks(xs)

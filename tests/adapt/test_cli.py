@@ -22,7 +22,7 @@ def tta_run(tmp_path_factory):
     cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}", "loss.lamb=0.2",
                                               "tta.finetune.weight_decay=0.001"])
     losses = []
-    finetune = subspace.finetune_on_corruption
+    finetune = subspace.finetune_on_dataset
 
     def spy(*a, **kw):
         losses.append(kw)
@@ -36,7 +36,7 @@ def tta_run(tmp_path_factory):
         return write_json(path, obj)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(subspace, "finetune_on_corruption", spy)
+        mp.setattr(subspace, "finetune_on_dataset", spy)
         mp.setattr(tables, "atomic_write_json", json_spy)
         res = run_recipe(cfg, root / "out")
     res["_finetune_losses"], res["_json_written"] = losses, written
