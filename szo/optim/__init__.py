@@ -79,7 +79,9 @@ def build_optimizer(
     CGE phase's, ``tt`` holds the signRGE phase and switch options (``sign_lr``, ``sign_q``,
     ``sign_mu``, ``window``, ``tol``, ``switch_step``).
 
-    ``bn_update`` (forward-only methods; ``szo.optim.bn``): ``"recompute"`` or ``"probe-mean"``.
+    ``bn_update`` (``szo.optim.bn``): ``"recompute"`` or ``"probe-mean"``, for the ZO methods
+    (``szo-*``, ``zo-*``, ``tt-zo``, ``np-zo`` / ``wp-zo`` / ``awp-zo``); the forward-gradient
+    methods' JVP primal is itself an unperturbed forward of theta_t, which updates the statistics.
     ``start`` (subspace methods): ``"reference"`` moves the parameters to ``subspace.reference``
     (as ``SZO(model, subspace)`` does), ``"current"`` keeps them (test-time adaptation starts
     from the source model).
@@ -105,7 +107,7 @@ def build_optimizer(
         if weight_decay:
             raise ValueError(f"method {method!r} uses no weight decay; got weight_decay={weight_decay}")
         return LayerwiseZO(model, perturbation=LAYERWISE_METHODS[method], layers=layers, mu=mu, lr=lr,
-                           momentum=momentum, q=q, generator=generator)
+                           momentum=momentum, q=q, generator=generator, bn_update=bn_update)
     params = list(model.parameters())
     if not params:
         raise ValueError(f"the model ({type(model).__name__}) has no parameters to train")
@@ -134,7 +136,7 @@ def build_optimizer(
             raise ValueError("method 'tt-zo' trains TT cores: TT-parameterise the model first "
                              "(szo.models.tt.tt_parametrize(model, rank=...))")
         return HybridZO(params, lr=lr, momentum=momentum, mu=mu, coords_per_step=coords_per_step, model=model,
-                        generator=generator, **dict(tt or {}))
+                        generator=generator, bn_update=bn_update, **dict(tt or {}))
     # full-space ZO
     if method == "zo-cge" and coords_per_step is None and subspace is not None:
         coords_per_step = int(subspace.basis.shape[1])

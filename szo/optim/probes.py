@@ -151,6 +151,46 @@ class ProbeGuard:
             handle.remove()
         self._watched = True
 
+    # ------------------------------------------------------------------ one probe, one step
+    @torch.no_grad()
+    def probe(self, closure: Callable[[], torch.Tensor], where: str) -> float:
+        """One probe at the parameters as they are now: the step's BN statistics put back, the
+        neurons reset, the closure run (watched on the first step), its loss checked; under
+        ``probe-mean`` what it did to the BN statistics is added to the step's mean. The caller
+        counts the forward and has called ``bn.snapshot()`` at the start of the step."""
+        self.bn.restore()
+        self.reset()
+        with self.watch():
+            value = closure()
+        out = F.check_loss(value, where)
+        if self.probe_mean:
+            self.bn.accumulate()
+        return out
+
+    @torch.no_grad()
+    def end_probes(self) -> None:
+        """After a step's last probe: ``probe-mean`` commits the mean over the probes,
+        ``recompute`` leaves the statistics as the step found them (the BN forward comes later)."""
+        if self.probe_mean:
+            self.bn.commit()
+        else:
+            self.bn.restore()
+
+    @torch.no_grad()
+    def finish_step(self, opt, closure: Callable[[], torch.Tensor], losses, fallback: float) -> torch.Tensor:
+        """The end of a step, after the update of a forward-only optimizer ``opt``: ``losses``
+        (this step's probe losses, at theta_t) become ``opt.last_losses``; under ``recompute``
+        with BN in train mode the unperturbed BN forward of theta_{t+1} runs, is counted in
+        ``opt.forward_passes`` and its loss is returned (``opt.last_outputs_unperturbed``);
+        otherwise ``fallback`` (the step's probe loss) is."""
+        opt.last_losses = torch.as_tensor(losses, dtype=torch.float64)
+        opt.last_outputs_unperturbed = self.recomputes
+        if opt.last_outputs_unperturbed:
+            loss = self.unperturbed_forward(closure)
+            opt.forward_passes += 1
+            return torch.tensor(loss)
+        return torch.tensor(fallback)
+
     # ------------------------------------------------------------------ BN forward
     @torch.no_grad()
     def unperturbed_forward(self, closure: Callable[[], torch.Tensor], *, distributed: bool = False,

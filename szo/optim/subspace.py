@@ -404,10 +404,8 @@ class SZO(SubspaceOptimizer):
                 self.bytes_communicated += self.bn.commit(True, self.process_group)
             else:
                 self.bn.restore()
-        elif self.guard.probe_mean:
-            self.bn.commit()
-        else:  # recompute: the probes leave the statistics as they were
-            self.bn.restore()
+        else:  # probe-mean: the mean over the probes; recompute: as they were (the BN forward comes later)
+            self.guard.end_probes()
         return losses
 
     @torch.no_grad()

@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..functional import zo as F
 from .probes import CounterStateMixin, ProbeGuard, resolve_model
 
 __all__ = ["FullSpaceZO"]
@@ -94,16 +93,9 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _loss_at(self, closure, vec: torch.Tensor, j: int, m: int) -> float:
-        self.bn.restore()
         self._load(vec)
-        self.guard.reset()
-        with self.guard.watch():
-            value = closure()
         self.forward_passes += 1
-        out = F.check_loss(value, f"closure (probe {j + 1}/{m})")
-        if self.guard.probe_mean:
-            self.bn.accumulate()
-        return out
+        return self.guard.probe(closure, f"closure (probe {j + 1}/{m})")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -143,18 +135,9 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
             self.bn.restore()
             self._load(theta)
             raise
-        if self.guard.probe_mean:
-            self.bn.commit()
-        else:
-            self.bn.restore()
+        self.guard.end_probes()
         vel = self.state[self._params[0]]["velocity"]
         vel.mul_(group["momentum"]).add_(grad, alpha=-group["lr"])
         self._load(theta + vel)
-        self.last_losses = torch.tensor(losses, dtype=torch.float64)
-        self.last_outputs_unperturbed = self.guard.recomputes
-        if self.last_outputs_unperturbed:
-            loss = self.guard.unperturbed_forward(closure)
-            self.forward_passes += 1
-            return torch.tensor(loss)
-        return torch.tensor(sum(losses) / len(losses))
+        return self.guard.finish_step(self, closure, losses, sum(losses) / len(losses))
 
