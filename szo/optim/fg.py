@@ -35,7 +35,7 @@ from torch.func import functional_call
 from ..functional import zo as F
 from ..models.forward_mode import jvp_neurons
 from .bn import BNStatsFreezer
-from .probes import CounterStateMixin, counter_state, load_counter_state
+from .probes import CounterStateMixin, check_hparams, counter_state, load_counter_state
 from .subspace import SubspaceOptimizer
 
 __all__ = ["ForwardGradient", "SubspaceForwardGradient", "jvp_closure"]
@@ -120,12 +120,7 @@ class ForwardGradient(CounterStateMixin, torch.optim.Optimizer):
         params = list(params)
         if not params:
             raise ValueError("optimizer got an empty parameter list")
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(lr=lr, momentum=momentum, q=q)
         self._names = _check_model(model, params, "ForwardGradient")
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.model = model
@@ -176,8 +171,7 @@ class SubspaceForwardGradient(SubspaceOptimizer):
     def __init__(self, params: Iterable[torch.Tensor], subspace, *, model: nn.Module, lr: float = 1.0,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
         params = list(params)
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(q=q)
         names = _check_model(model, params, "SubspaceForwardGradient")
         super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model)
         self._names = names

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..functional import zo as F
-from .probes import CounterStateMixin, ProbeGuard
+from .probes import CounterStateMixin, ProbeGuard, check_hparams, load_flat
 
 __all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
 
@@ -62,14 +62,6 @@ def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> di
     return {n: m for n, m in found.items() if n in names}
 
 
-def _load(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy ``flat`` into ``params`` in place (their storage stays theirs)."""
-    off = 0
-    for p in params:
-        p.copy_(flat[off:off + p.numel()].view_as(p))
-        off += p.numel()
-
-
 class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
     """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``)."""
 
@@ -82,14 +74,7 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
                  generator: torch.Generator | None = None, bn_update: str = "recompute"):
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"unknown perturbation {perturbation!r}; valid: {', '.join(PERTURBATIONS)}")
-        if not mu > 0:
-            raise ValueError(f"mu must be > 0, got {mu}")
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an int >= 1, got {q!r}")
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
         self.layers = trainable_layers(model, layers)
         params = [p for m in self.layers.values() for p in m.parameters(recurse=False) if p.requires_grad]
         if not params:
@@ -183,11 +168,11 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
                     try:
                         for j in range(q):
                             xi = self._noise(flat0)
-                            _load(own, flat0 + mu * xi)
+                            load_flat(own, flat0 + mu * xi)
                             losses.append(self._loss(closure, f"closure (layer {name}, weight probe {j + 1}/{q})"))
                             xis.append(xi)
                     finally:
-                        _load(own, flat0)
+                        load_flat(own, flat0)
                     losses_all += losses
                     g = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
                                                           torch.stack(xis), mu)

@@ -37,7 +37,7 @@ from ..functional import zo as F
 from .bn import BNStatsFreezer, check_bn_update
 
 __all__ = ["resolve_model", "ProbeGuard", "START_POINTS", "move_to_start", "counter_state", "load_counter_state",
-           "CounterStateMixin"]
+           "CounterStateMixin", "check_hparams", "load_flat"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
 
@@ -66,6 +66,29 @@ def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[l
         if any(id(p) not in own for p in params):
             raise ValueError(f"{who}: the parameters are not all parameters of model= ({type(model).__name__})")
     return params, model
+
+
+def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
+    """One clear error for a bad optimizer hyperparameter; the ones left at None are not checked."""
+    if lr is not None and not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if mu is not None and not mu > 0:
+        raise ValueError(f"mu must be > 0, got {mu}")
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+        raise ValueError(f"q must be an integer >= 1, got {q!r}")
+
+
+@torch.no_grad()
+def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy the flat vector ``flat`` into ``params`` in place (their storage stays theirs, unlike
+    ``torch.nn.utils.vector_to_parameters``, which re-points ``.data``)."""
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[off : off + n].view_as(p))
+        off += n
 
 
 @torch.no_grad()

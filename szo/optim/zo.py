@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .probes import CounterStateMixin, ProbeGuard, resolve_model
+from .probes import CounterStateMixin, ProbeGuard, check_hparams, load_flat, resolve_model
 
 __all__ = ["FullSpaceZO"]
 
@@ -43,12 +43,7 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
     ):
         if estimator not in ("cge", "rge"):
             raise ValueError(f"unknown estimator {estimator!r}; valid: cge, rge")
-        if not mu > 0:
-            raise ValueError(f"mu must be > 0, got {mu}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if estimator == "rge" and (not isinstance(q, int) or q < 1):
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
         self.d = sum(p.numel() for p in params)
@@ -83,13 +78,8 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self._params])
 
-    @torch.no_grad()
     def _load(self, vec: torch.Tensor) -> None:
-        off = 0
-        for p in self._params:
-            n = p.numel()
-            p.copy_(vec[off : off + n].view_as(p))
-            off += n
+        load_flat(self._params, vec)
 
     @torch.no_grad()
     def _loss_at(self, closure, vec: torch.Tensor, j: int, m: int) -> float:

@@ -187,6 +187,14 @@ def test_bad_input_one_clear_error_each():
         LayerwiseZO(model, bn_update="mean")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'"):
         build_optimizer("np-zo", model, lr=0.1, bn_update="mean")
+    # one check (szo.optim.probes.check_hparams) for every optimizer's hyperparameters
+    for cls in (FullSpaceZO, HybridZO, LayerwiseZO):  # FullSpaceZO / HybridZO took a negative lr before
+        with pytest.raises(ValueError, match="lr must be >= 0, got -1"):
+            cls(model, lr=-1)
+    with pytest.raises(ValueError, match="q must be an integer >= 1, got True"):
+        SZO(model, sub, estimator="rge", q=True)
+    with pytest.raises(ValueError, match="momentum must be in \\[0, 1\\), got 1.0"):
+        FullSpaceZO(model, momentum=1.0)
     with pytest.raises(ValueError, match="give the model once"):
         SZO(model, sub, model=Net())
     with pytest.raises(ValueError, match="not all parameters of model="):
