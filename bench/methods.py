@@ -49,6 +49,7 @@ ROWS: dict[str, dict] = {
     "zo-cge": {"label": "full-space ZO-CGE (20 coords / step)", "method": "zo-cge"},
     "fg": {"label": "forward gradient, full space (q=1)", "method": "fg"},
     "fg-subspace": {"label": "forward gradient, subspace (q=1)", "method": "fg-subspace"},
+    "asyncfgd": {"label": "AsyncFGD iterates, K = 2 stages (one process)", "method": "asyncfgd"},
     "tt-zo": {"label": "TT-ZO (rank 4, signRGE -> CGE)", "method": "tt-zo"},
     "np-zo": {"label": "node perturbation, layer-wise (q=4 per layer)", "method": "np-zo"},
     "wp-zo": {"label": "weight perturbation, layer-wise (q=4 per layer)", "method": "wp-zo"},
@@ -120,7 +121,7 @@ def step_peak(name: str, root: Path) -> int | None:
     opt = build_optimizer(name, model, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
                           weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
                           coords_per_step=sz["coords_per_step"], generator=torch.Generator().manual_seed(0),
-                          bn_update=sz["bn_update"], layers=sz["layers"],
+                          bn_update=sz["bn_update"], layers=sz["layers"], stages=sz["stages"],
                           tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     ds = get_dataset("digits", "train")
     n = cfg["data"]["batch_size"]

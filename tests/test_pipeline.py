@@ -247,6 +247,7 @@ def test_mnist5k_recipes_run_tiny(tmp_path):
 @pytest.mark.parametrize("method,extra,fp", [
     ("fg", ["szo.q=2", "train.lr=0.01"], 4 * 2),
     ("fg-subspace", ["szo.q=1", "train.lr=0.05"], 4 * 1),
+    ("asyncfgd", ["szo.stages=3", "train.lr=0.01"], 4 * 1),  # one JVP pass per micro-batch
     # 2 signRGE steps of sign_q + 1 = 4 forwards, then 2 CGE steps over 3 coordinates (6 probe
     # forwards), each step + the unperturbed BN forward of bn_update=recompute
     ("tt-zo", ["tt.min_params=100", "tt.rank=3", "tt.sign_q=3", "tt.switch_step=2", "szo.coords_per_step=3"],
