@@ -50,6 +50,8 @@ ROWS: dict[str, dict] = {
     "fg": {"label": "forward gradient, full space (q=1)", "method": "fg"},
     "fg-subspace": {"label": "forward gradient, subspace (q=1)", "method": "fg-subspace"},
     "asyncfgd": {"label": "AsyncFGD iterates, K = 2 stages (one process)", "method": "asyncfgd"},
+    "asyncfgd-k1": {"label": "the same with K = 1: vanilla FGD, plain SGD", "method": "asyncfgd",
+                    "sets": ["szo.stages=1"]},
     "tt-zo": {"label": "TT-ZO (rank 4, signRGE -> CGE)", "method": "tt-zo"},
     "np-zo": {"label": "node perturbation, layer-wise (q=4 per layer)", "method": "np-zo"},
     "wp-zo": {"label": "weight perturbation, layer-wise (q=4 per layer)", "method": "wp-zo"},
@@ -191,12 +193,16 @@ def run_row(name: str, runs: Path, root: Path) -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| `method=` | method | epochs | best / final test acc (%) | #FP | #BP | fit wall (min) "
              "| step alloc peak (KiB) | run peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+    from szo.methods import FG_METHODS
+
     for r in rows:
         peak = "n/a" if r["step_alloc_peak_kb"] is None else f"{r['step_alloc_peak_kb']:,.0f}"
         epochs = r["epochs"] if r.get("epochs") is not None else f"({r['rounds']} rounds)"
+        fp = f"{r['fp']:,}" + (" (JVP)" if r["method"] in FG_METHODS else "")
+        rss = f"{r['peak_rss_mb']:,.0f}" + (" (largest process)" if "federated" in ROWS[r["row"]] else "")
         lines.append(f"| {short(r['row'])} | {r['label']} | {epochs} "
                      f"| {100 * r['best_test_acc']:.2f} / {100 * r['final_test_acc']:.2f} "
-                     f"| {r['fp']:,} | {r['bp']:,} | {r['fit_wall_min']:.2f} | {peak} | {r['peak_rss_mb']:,.0f} |")
+                     f"| {fp} | {r['bp']:,} | {r['fit_wall_min']:.2f} | {peak} | {rss} |")
     return "\n".join(lines)
 
 
