@@ -1,20 +1,24 @@
 """docs/methods.md: every forward-only method of the seeds on digits and the same SNN, one command per row.
 
-Each row is ``szo recipe digits-scratch --set method=M [--set ...]`` (spike_convnet, T = 4,
-the digits-bp subspace k = 20 as reference / basis, the recipe's method_defaults), run in its
-own process with OMP_NUM_THREADS=1. Recorded per row: best and final test accuracy, #FP and
-#BP of the whole run (results.json), the fit's wall time, and two memory figures:
+Each row is one ``szo`` command (spike_convnet, T = 4, seed 0, the digits-bp subspace k = 20 as
+reference / basis, the recipe's method_defaults): ``szo recipe digits-scratch --set method=M
+[--set ...]`` for most rows, ``szo recipe digits-fixed --set method=qzo`` for the integer learner
+and ``szo federated digits-scratch --clients 8`` for BAFFLE, each run in its own process with
+OMP_NUM_THREADS=1. Recorded per row: best and final test accuracy, #FP and #BP of the whole run
+(results.json), the fit's wall time, and two memory figures:
 
 * ``step_alloc_peak_kb``: peak CPU tensor memory of one training step of that method (the
   allocator's alloc/free events, ``bench/common.cpu_alloc_peak``), on a batch of the recipe's
-  size: what the method itself needs, deterministic;
-* ``peak_rss_mb``: the peak RSS of the whole run's process (``ru_maxrss`` from ``wait4``),
-  which includes the Python + torch baseline (~0.3 GB) and the data.
+  size: what the method itself needs, deterministic (not for the integer learner and BAFFLE,
+  which ``build_optimizer`` does not build);
+* ``peak_rss_mb``: the peak RSS of the whole run's process (``ru_maxrss`` from ``wait4``: for
+  BAFFLE the largest of the server and client processes), which includes the Python + torch
+  baseline (~0.9 GB here) and the data.
 
 The digits-bp subspace is built first if the store lacks it (not timed).
 
     python bench/methods.py                       # all rows -> bench/results/methods.json + a markdown table
-    python bench/methods.py --rows fg fg-subspace  # some rows
+    python bench/methods.py --rows fg fg-subspace  # some rows (merged into the saved JSON)
     python bench/methods.py --rows fg --name methods-fg   # into bench/results/methods-fg.json
     python bench/methods.py --table-only methods methods-fg   # print the table of saved JSONs (merged)
 """
@@ -35,24 +39,51 @@ from common import RESULTS, cpu_alloc_peak, machine_info, median_time, write_res
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "digits-scratch"
-# name -> (label, --set overrides beyond method=name); every row is one `szo recipe` command
-ROWS: dict[str, tuple[str, list[str]]] = {
-    "bp": ("BP", []),
-    "bp-subspace": ("BP-Subspace", []),
-    "szo-cge": ("SZO-CGE", []),
-    "szo-rge": ("SZO-RGE (q=1)", []),
-    "zo-cge": ("full-space ZO-CGE", []),
-    "fg": ("forward gradient, full space (q=1)", []),
-    "fg-subspace": ("forward gradient, subspace (q=1)", []),
-    "tt-zo": ("TT-ZO (rank 4, signRGE -> CGE)", []),
+# row -> label, method, recipe and --set overrides beyond method=...; "federated": `szo federated` options
+# instead of `szo recipe`. Every row is one command.
+ROWS: dict[str, dict] = {
+    "bp": {"label": "BP", "method": "bp"},
+    "bp-subspace": {"label": "BP-Subspace", "method": "bp-subspace"},
+    "szo-cge": {"label": "SZO-CGE", "method": "szo-cge"},
+    "szo-rge": {"label": "SZO-RGE (q=1)", "method": "szo-rge"},
+    "zo-cge": {"label": "full-space ZO-CGE (20 coords / step)", "method": "zo-cge"},
+    "fg": {"label": "forward gradient, full space (q=1)", "method": "fg"},
+    "fg-subspace": {"label": "forward gradient, subspace (q=1)", "method": "fg-subspace"},
+    "asyncfgd": {"label": "AsyncFGD iterates, K = 2 stages (one process)", "method": "asyncfgd"},
+    "asyncfgd-k1": {"label": "the same with K = 1: vanilla FGD, plain SGD", "method": "asyncfgd",
+                    "sets": ["szo.stages=1"]},
+    "tt-zo": {"label": "TT-ZO (rank 4, signRGE -> CGE)", "method": "tt-zo"},
+    "np-zo": {"label": "node perturbation, layer-wise (q=4 per layer)", "method": "np-zo"},
+    "wp-zo": {"label": "weight perturbation, layer-wise (q=4 per layer)", "method": "wp-zo"},
+    "awp-zo": {"label": "adaptive weight / node perturbation (q=4)", "method": "awp-zo"},
+    "awp-zo-fc": {"label": "sparse: only `fc` (node perturbation, q=4)", "method": "awp-zo",
+                  "sets": ["szo.layers=[fc]"]},
+    "qzo": {"label": "quantized ZO, eq. 8, integer forward (q=20)", "method": "qzo", "recipe": "digits-fixed",
+            "sets": ["train.epochs=20"]},
+    "baffle": {"label": "BAFFLE, 8 clients, subspace, K = 20, 100 rounds", "method": "baffle",
+               "federated": ["--clients", "8", "--rounds", "100"]},
 }
-# rows of issue 14 parts 3-4, measured by their own commands when those methods land
-PENDING = ["node perturbation", "quantized ZO (MCU, integer update)", "BAFFLE-federated (8 clients)"]
+
+
+def _sets(row: dict) -> list[str]:
+    return [] if "federated" in row else [f"method={row['method']}", *row.get("sets", [])]
 
 
 def command(name: str, out: Path, root: Path) -> list[str]:
-    sets = [f"method={name}", *ROWS[name][1], f"subspace.root={root}", "progress=false"]
-    return [sys.executable, "-m", "szo", "recipe", RECIPE, *sum((["--set", s] for s in sets), []), "--out", str(out)]
+    row = ROWS[name]
+    sets = [*_sets(row), f"subspace.root={root}", "progress=false"]
+    head = (["federated", RECIPE, *row["federated"]] if "federated" in row
+            else ["recipe", row.get("recipe", RECIPE)])
+    return [sys.executable, "-m", "szo", *head, *sum((["--set", s] for s in sets), []), "--out", str(out)]
+
+
+def short(name: str) -> str:
+    """The row's command in the table's first column."""
+    row = ROWS[name]
+    if "federated" in row:
+        return "`szo federated " + " ".join([RECIPE, *row["federated"]]) + "`"
+    extra = "".join(f" + `{s}`" for s in row.get("sets", []))
+    return f"`{row['method']}`{extra}" + (f" ({row['recipe']})" if "recipe" in row else "")
 
 
 def _ensure_subspace(root: Path, runs: Path) -> None:
@@ -67,13 +98,19 @@ def _ensure_subspace(root: Path, runs: Path) -> None:
 
 
 def step_peak(name: str, root: Path) -> int | None:
-    """Allocator peak (bytes) of one step of method ``name``, set up as the recipe run sets it up."""
+    """Allocator peak (bytes) of one step of row ``name``, set up as the recipe run sets it up
+    (None for the integer learner and BAFFLE, which ``build_optimizer`` does not build)."""
     from szo.config import load_recipe
     from szo.data import get_dataset
+    from szo.methods import QZO_METHODS
     from szo.optim import build_optimizer
     from szo.pipeline import _loss, build_model, subspace_store_for
 
-    cfg = load_recipe(RECIPE, [f"method={name}", *ROWS[name][1], f"subspace.root={root}", "progress=false"])
+    row = ROWS[name]
+    if "federated" in row or row["method"] in QZO_METHODS:
+        return None
+    name = row["method"]
+    cfg = load_recipe(row.get("recipe", RECIPE), [*_sets(row), f"subspace.root={root}", "progress=false"])
     model = build_model(cfg)
     sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
     model.load_flat_params(sub.reference)
@@ -86,6 +123,7 @@ def step_peak(name: str, root: Path) -> int | None:
     opt = build_optimizer(name, model, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
                           weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
                           coords_per_step=sz["coords_per_step"], generator=torch.Generator().manual_seed(0),
+                          bn_update=sz["bn_update"], layers=sz["layers"], stages=sz["stages"],
                           tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     ds = get_dataset("digits", "train")
     n = cfg["data"]["batch_size"]
@@ -134,30 +172,37 @@ def run_row(name: str, runs: Path, root: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read() if proc.stderr else ""  # read before waiting: a full pipe would block the child
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
-    err = proc.stderr.read() if proc.stderr else ""
     if status != 0:
         raise RuntimeError(f"row {name!r} failed ({' '.join(cmd)}):\n{err[-2000:]}")
     res = json.loads((out / "results.json").read_text())
     peak = step_peak(name, root)
-    return {"method": name, "label": ROWS[name][0], "command": "szo recipe " + " ".join(cmd[4:-2]),
-            "epochs": res["epochs"], "best_test_acc": res["best_test_acc"], "final_test_acc": res["final_test_acc"],
+    return {"row": name, "method": ROWS[name]["method"], "label": ROWS[name]["label"],
+            "command": "szo " + " ".join(cmd[3:-2]),
+            "epochs": res.get("epochs"), "rounds": res.get("rounds"),
+            "best_test_acc": res["best_test_acc"], "final_test_acc": res["final_test_acc"],
             "fp": res["fp"], "bp": res["bp"], "fit_wall_min": res["wall_time_min"],
-            "train_time_min": res["train_time_min"], "process_wall_s": wall,
+            "train_time_min": res.get("train_time_min"), "process_wall_s": wall,
             "peak_rss_mb": usage.ru_maxrss / 1024, "step_alloc_peak_kb": None if peak is None else peak / 1024,
-            "tt": res.get("tt")}
+            "tt": res.get("tt"), "bytes_down_per_round": res.get("bytes_down_per_round"),
+            "bytes_up_per_round": res.get("bytes_up_per_round"), "loadavg_1m_after": os.getloadavg()[0]}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| method | epochs | best / final test acc (%) | #FP | #BP | fit wall (min) | step alloc peak (KiB) "
-             "| run peak RSS (MB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| `method=` | method | epochs | best / final test acc (%) | #FP | #BP | fit wall (min) "
+             "| step alloc peak (KiB) | run peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+    from szo.methods import FG_METHODS
+
     for r in rows:
         peak = "n/a" if r["step_alloc_peak_kb"] is None else f"{r['step_alloc_peak_kb']:,.0f}"
-        lines.append(f"| {r['label']} | {r['epochs']} | {100 * r['best_test_acc']:.2f} / {100 * r['final_test_acc']:.2f} "
-                     f"| {r['fp']:,} | {r['bp']:,} | {r['fit_wall_min']:.2f} | {peak} | {r['peak_rss_mb']:.0f} |")
-    for p in PENDING:
-        lines.append(f"| {p} | to be measured (issue 14) | | | | | | |")
+        epochs = r["epochs"] if r.get("epochs") is not None else f"({r['rounds']} rounds)"
+        fp = f"{r['fp']:,}" + (" (JVP)" if r["method"] in FG_METHODS else "")
+        rss = f"{r['peak_rss_mb']:,.0f}" + (" (largest process)" if "federated" in ROWS[r["row"]] else "")
+        lines.append(f"| {short(r['row'])} | {r['label']} | {epochs} "
+                     f"| {100 * r['best_test_acc']:.2f} / {100 * r['final_test_acc']:.2f} "
+                     f"| {fp} | {r['bp']:,} | {r['fit_wall_min']:.2f} | {peak} | {rss} |")
     return "\n".join(lines)
 
 
@@ -174,14 +219,14 @@ def main(argv=None) -> None:
     if args.table_only is not None:
         merged: dict = {}
         for name in args.table_only or [args.name]:
-            merged.update({r["method"]: r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]})
+            merged.update({r.get("row", r["method"]): r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]})
         print(table([merged[n] for n in ROWS if n in merged]))
         return
     torch.set_num_threads(1)
     runs = Path(args.runs)
     root = Path(args.root) if args.root else runs / "subspaces"
     _ensure_subspace(root, runs)
-    old = {r["method"]: r for r in json.loads(path.read_text())["rows"]} if path.is_file() else {}
+    old = {r.get("row", r["method"]): r for r in json.loads(path.read_text())["rows"]} if path.is_file() else {}
     for name in args.rows:
         old[name] = run_row(name, runs, root)
         print(f"{name}: {100 * old[name]['best_test_acc']:.2f} % best, #FP {old[name]['fp']:,}, "

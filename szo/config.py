@@ -92,7 +92,7 @@ DEFAULTS: dict[str, Any] = {
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.optim.bn and docs/bn.md
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
-            "engine": "loop", "chunk": None, "bn_update": "recompute", "layers": None},
+            "engine": "loop", "chunk": None, "bn_update": "recompute", "layers": None, "stages": None},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
     # bn_stats "deployed" normalises with the source model's running statistics, frozen
     # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
@@ -143,6 +143,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "tt.sign_lr": (_FLOAT, False), "tt.sign_q": (_INT, False), "tt.sign_mu": (_FLOAT, False),
     "tt.window": (_INT, False), "tt.tol": (_FLOAT, False), "tt.switch_step": (_INT, True),
     "szo.layers": ((list,), True),  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
+    "szo.stages": (_INT, True),  # asyncfgd: pipeline stages K, null = 2
 }
 for _s in ("bptt", "train"):
     _TYPES.update({
@@ -151,7 +152,7 @@ for _s in ("bptt", "train"):
         f"{_s}.max_steps_per_epoch": (_INT, True), f"{_s}.checkpoint_every_steps": (_INT, True),
     })
 _POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
-             "szo.time_chunk", "szo.chunk",
+             "szo.time_chunk", "szo.chunk", "szo.stages",
              "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
              "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
              "distributed.timeout_s", "tt.cores", "tt.min_params", "tt.sign_q", "tt.window"}
@@ -413,6 +414,12 @@ def _check_method_options(full: Mapping[str, Any]) -> None:
     if sz["layers"] is not None and method not in LAYERWISE_METHODS:
         raise ValueError(f"'szo.layers' (sparse layer-wise training) applies to {', '.join(LAYERWISE_METHODS)}; "
                          f"method {method!r} trains every parameter: leave szo.layers null")
+    if sz["stages"] is not None and method != "asyncfgd":
+        raise ValueError(f"'szo.stages' (pipeline stages) applies to method 'asyncfgd'; method {method!r} takes none: "
+                         "leave szo.stages null")
+    if method == "asyncfgd" and (full["train"]["momentum"] or full["train"]["weight_decay"]):
+        raise ValueError("method 'asyncfgd' is plain SGD (seed 001, Algorithm 1): set train.momentum=0 and "
+                         f"train.weight_decay=0 (got {full['train']['momentum']}, {full['train']['weight_decay']})")
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
@@ -482,7 +489,7 @@ def _check_hw(full: Mapping[str, Any]) -> None:
 
 # train.lr defaults of the methods from other seed papers: full-space forward gradient (AsyncFGD's
 # grid 1e-5..1e-2, SGD here) and TT-ZO (seed 000 Sec. 4: SGD lr 1e-3)
-_PAPER_LR = {"fg": 1.0e-3, "tt-zo": 1.0e-3}
+_PAPER_LR = {"fg": 1.0e-3, "asyncfgd": 1.0e-3, "tt-zo": 1.0e-3}
 
 
 def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -536,7 +543,7 @@ def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 _LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
            "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
-_LABELS.update({"fg": "FG", "fg-subspace": "FG-Subspace", "tt-zo": "TT-ZO"})
+_LABELS.update({"fg": "FG", "fg-subspace": "FG-Subspace", "tt-zo": "TT-ZO", "asyncfgd": "AsyncFGD"})
 _LABELS.update({"np-zo": "NP-ZO", "wp-zo": "WP-ZO", "awp-zo": "WP/NP-ZO", "qzo": "QZO"})  # seed 004
 _Q_LABELED = ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace", "np-zo", "wp-zo", "awp-zo", "qzo")
 

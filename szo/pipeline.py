@@ -421,7 +421,8 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
                               engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
-                              layers=sz["layers"], start="current",  # already at sub.reference (loaded above)
+                              layers=sz["layers"], stages=sz["stages"],
+                              start="current",  # already at sub.reference (loaded above)
                               tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)

@@ -90,3 +90,72 @@ def test_split_stages_and_bad_input():
         split_stages(layers, 6)
     with pytest.raises(ValueError, match="needs an initialised torch.distributed"):
         run_stage(st[0], 0, 2, [], nn.functional.cross_entropy, lr=0.1)
+
+
+# ---------------------------------------------------------------- method=asyncfgd: the optimizer
+def _optimizer_run(layers, batches, loss_fn, encode, K, steps=None, opt_state=None, lr=0.05):
+    from szo.optim import AsyncFGD
+
+    model = nn.Sequential(*layers)
+    opt = AsyncFGD(model, stages=K, lr=lr, seed=4)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    losses = []
+    for x, y in batches[:steps]:
+        xin = encode(x) if encode is not None else x
+        opt.step(lambda: loss_fn(model(xin), y))  # noqa: B023
+        losses.append(float(opt.last_losses[0]))  # float64 (step returns a float32 tensor)
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("K,spiking", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_optimizer_follows_the_staleness_rule(K, spiking):
+    """AsyncFGD (method=asyncfgd) in one process gives the pipeline's iterates: the oracle of the
+    K-process run above (losses, directional derivatives through the surrogate, final weights)."""
+    layers, batches, loss_fn, encode = setup(spiking)
+    ref_stages = split_stages(copy.deepcopy(layers), K)
+    ref = reference_async_fgd(ref_stages, batches, loss_fn, lr=0.05, seed=4, encode=encode)
+    model, opt, losses = _optimizer_run(layers, batches, loss_fn, encode, K)
+    assert losses == pytest.approx(ref["losses"], abs=1e-10)
+    assert opt.forward_passes == len(batches) == opt.steps
+    for got, want in zip(model.parameters(), nn.Sequential(*ref_stages).parameters()):
+        assert torch.allclose(got, want, atol=1e-10)
+    assert [len(h) for h in opt.history] == [K - 1 - k for k in range(K)]  # versions kept per stage
+
+
+def test_optimizer_resumes_exactly_from_its_state_dict():
+    layers, batches, loss_fn, encode = setup(True)
+    full, _, full_losses = _optimizer_run(copy.deepcopy(layers), batches, loss_fn, encode, 3)
+    part, opt, first = _optimizer_run(copy.deepcopy(layers), batches, loss_fn, encode, 3, steps=2)
+    state = copy.deepcopy(opt.state_dict())
+    model = nn.Sequential(*[copy.deepcopy(m) for m in part])
+    from szo.optim import AsyncFGD
+
+    opt2 = AsyncFGD(model, stages=3, lr=0.05, seed=99)  # seed and stale versions come from the state
+    opt2.load_state_dict(state)
+    rest = []
+    for x, y in batches[2:]:
+        xin = encode(x)
+        opt2.step(lambda: loss_fn(model(xin), y))  # noqa: B023
+        rest.append(float(opt2.last_losses[0]))
+    assert first + rest == full_losses
+    for a, b in zip(model.parameters(), full.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="optimizer state is for 3 AsyncFGD stages, this optimizer has 2"):
+        AsyncFGD(nn.Sequential(*copy.deepcopy(layers)), stages=2).load_state_dict(state)
+
+
+def test_optimizer_bad_input_and_build_optimizer():
+    from szo.optim import AsyncFGD, build_optimizer
+
+    model = nn.Sequential(*make_layers(False))
+    with pytest.raises(ValueError, match=r"stages must be an integer in \[1, 5\] .* got 6"):
+        AsyncFGD(model, stages=6)
+    with pytest.raises(ValueError, match="plain SGD .* got momentum=0.9"):
+        AsyncFGD(model, momentum=0.9)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        AsyncFGD(model, lr=-1.0)
+    with pytest.raises(ValueError, match="stages .* applies to method 'asyncfgd'"):
+        build_optimizer("fg", model, lr=0.1, stages=2)
+    opt = build_optimizer("asyncfgd", model, lr=0.1, momentum=0.0, generator=torch.Generator().manual_seed(7))
+    assert isinstance(opt, AsyncFGD) and opt.K == 2 and opt.seed == 7

@@ -192,3 +192,20 @@ def test_layerwise_methods_and_sparse_layers():
         load_recipe("digits-scratch", ["method=szo-cge", "szo.layers=[fc]"])
     with pytest.raises(ValueError, match="unknown|invalid|valid"):
         load_recipe("digits-scratch", ["method=np_zo"])
+
+
+def test_asyncfgd_method_options():
+    c = load_recipe("digits-scratch", ["method=asyncfgd"])  # method_defaults: K = 2, plain SGD
+    assert c["szo"]["stages"] == 2 and c["train"]["momentum"] == 0.0 and c["train"]["lr"] == 0.01
+    from szo.config import _raw_recipe
+
+    for name in recipe_names():  # every subspace recipe, given plain SGD
+        if _raw_recipe(name).get("kind") == "subspace" and name != "digits-fixed":
+            cfg = load_recipe(name, ["method=asyncfgd", "train.momentum=0"])
+            assert cfg["method"] == "asyncfgd" and cfg["szo"]["stages"] in (None, 2)
+    with pytest.raises(ValueError, match="'asyncfgd' is plain SGD .* set train.momentum=0"):
+        load_recipe("cifar10-scratch", ["method=asyncfgd"])
+    with pytest.raises(ValueError, match="'szo.stages' .* applies to method 'asyncfgd'; method 'fg'"):
+        load_recipe("digits-scratch", ["method=fg", "szo.stages=2"])
+    with pytest.raises(ValueError, match="'szo.stages' must be >= 1, got 0"):
+        load_recipe("digits-scratch", ["method=asyncfgd", "szo.stages=0"])

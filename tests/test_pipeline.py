@@ -247,10 +247,11 @@ def test_mnist5k_recipes_run_tiny(tmp_path):
 @pytest.mark.parametrize("method,extra,fp", [
     ("fg", ["szo.q=2", "train.lr=0.01"], 4 * 2),
     ("fg-subspace", ["szo.q=1", "train.lr=0.05"], 4 * 1),
+    ("asyncfgd", ["szo.stages=3", "train.lr=0.01"], 4 * 1),  # one JVP pass per micro-batch
     # 2 signRGE steps of sign_q + 1 = 4 forwards, then 2 CGE steps over 3 coordinates (6 probe
-    # forwards + the unperturbed BN forward of bn_update=recompute)
+    # forwards), each step + the unperturbed BN forward of bn_update=recompute
     ("tt-zo", ["tt.min_params=100", "tt.rank=3", "tt.sign_q=3", "tt.switch_step=2", "szo.coords_per_step=3"],
-     2 * 4 + 2 * (6 + 1)),
+     2 * (4 + 1) + 2 * (6 + 1)),
 ])
 def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra, fp):
     root, sets, _ = bp_run
@@ -282,4 +283,5 @@ def test_seed004_methods_run_through_the_recipes(bp_run):
     assert ck["optimizer"]["on_chip"]["c"].dtype == torch.int64
     s = run_recipe(load_recipe("digits-scratch", small + ["method=np-zo", "szo.q=2", "szo.layers=[fc]"]),
                    root / "np")
-    assert s["fp"] == 2 * (1 + 2 * 1) and s["bp"] == 0 and s["label"] == "NP-ZO(q=2)"
+    # clean forward + q probes of the one layer + the BN forward (bn_update=recompute), per step
+    assert s["fp"] == 2 * (1 + 2 * 1 + 1) and s["bp"] == 0 and s["label"] == "NP-ZO(q=2)"

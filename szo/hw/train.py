@@ -29,6 +29,7 @@ from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, right_shift_to_zero, saturate
 from szo.functional.zo import check_loss, forward_difference_coefficients
 from szo.hw.xorshift import XorShift32
+from szo.optim.probes import check_hparams
 
 __all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "OnChipSZO", "quantized_zo_update", "basis_error", "dequantize_basis", "evaluate_fixed",
            "learner_state_bits", "quantize_basis", "quantized_subspace"]
@@ -169,16 +170,11 @@ class OnChipSZO(torch.optim.Optimizer):
         if rule == "eq8" and estimator != "rademacher":
             raise ValueError("rule 'eq8' (seed-004 quantized ZO) uses Rademacher forward differences: "
                              "valid estimator for it: 'rademacher'")
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        check_hparams(lr=lr, momentum=momentum, q=q)
         if isinstance(mu_lsb, bool) or not isinstance(mu_lsb, int) or mu_lsb < 1:
             raise ValueError(f"mu_lsb must be a positive int (coordinate LSBs), got {mu_lsb!r}")
         if not 8 <= coord_bits <= 48 or not 0 <= coord_frac < coord_bits:
             raise ValueError(f"need 8 <= coord_bits <= 48 and 0 <= coord_frac < coord_bits, got {coord_bits}, {coord_frac}")
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an int >= 1, got {q!r}")
         if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
             raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
         theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host, as _P

@@ -12,7 +12,7 @@ from torch import nn
 from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, LAYERWISE_METHODS, METHODS, QZO_METHODS, SUBSPACE_METHODS
 
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers
-from .fg import ForwardGradient, SubspaceForwardGradient
+from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .probes import START_POINTS
 from .layerwise import LayerwiseZO
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
@@ -25,6 +25,7 @@ __all__ = [
     "FullSpaceZO",
     "ForwardGradient",
     "SubspaceForwardGradient",
+    "AsyncFGD",
     "HybridZO",
     "LayerwiseZO",
     "SubspaceOptimizer",
@@ -62,6 +63,7 @@ def build_optimizer(
     bn_update: str = "recompute",
     start: str = "reference",
     layers: list[str] | None = None,
+    stages: int | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
 
@@ -72,14 +74,18 @@ def build_optimizer(
     subspace's k when a subspace is given, so it spends the same 2k forwards per step as
     SZO-CGE, else all d coordinates).
 
-    ``fg`` / ``fg-subspace`` (forward gradient, ``szo.optim.fg``) use ``q`` tangents per step.
+    ``fg`` / ``fg-subspace`` (forward gradient, ``szo.optim.fg``) use ``q`` tangents per step;
+    ``asyncfgd`` (:class:`AsyncFGD`) cuts the model into ``stages`` (default 2) pipeline stages and
+    is plain SGD (``momentum`` must be 0), tangents seeded by ``generator.initial_seed()``.
     ``tt-zo`` needs a model whose large layers are TT-parameterised
     (``szo.models.tt.tt_parametrize``) and runs ``HybridZO`` on its parameters (the TT cores
     and the small dense tensors): ``mu`` / ``lr`` / ``momentum`` / ``coords_per_step`` are the
     CGE phase's, ``tt`` holds the signRGE phase and switch options (``sign_lr``, ``sign_q``,
     ``sign_mu``, ``window``, ``tol``, ``switch_step``).
 
-    ``bn_update`` (forward-only methods; ``szo.optim.bn``): ``"recompute"`` or ``"probe-mean"``.
+    ``bn_update`` (``szo.optim.bn``): ``"recompute"`` or ``"probe-mean"``, for the ZO methods
+    (``szo-*``, ``zo-*``, ``tt-zo``, ``np-zo`` / ``wp-zo`` / ``awp-zo``); the forward-gradient
+    methods' JVP primal is itself an unperturbed forward of theta_t, which updates the statistics.
     ``start`` (subspace methods): ``"reference"`` moves the parameters to ``subspace.reference``
     (as ``SZO(model, subspace)`` does), ``"current"`` keeps them (test-time adaptation starts
     from the source model).
@@ -105,7 +111,7 @@ def build_optimizer(
         if weight_decay:
             raise ValueError(f"method {method!r} uses no weight decay; got weight_decay={weight_decay}")
         return LayerwiseZO(model, perturbation=LAYERWISE_METHODS[method], layers=layers, mu=mu, lr=lr,
-                           momentum=momentum, q=q, generator=generator)
+                           momentum=momentum, q=q, generator=generator, bn_update=bn_update)
     params = list(model.parameters())
     if not params:
         raise ValueError(f"the model ({type(model).__name__}) has no parameters to train")
@@ -125,8 +131,14 @@ def build_optimizer(
         return SZO(model, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q,
                    generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group,
                    engine=engine, chunk=chunk, bn_update=bn_update, start=start)
+    if stages is not None and method != "asyncfgd":
+        raise ValueError(f"stages (pipeline stages) applies to method 'asyncfgd'; method {method!r} takes none")
     if method == "fg":
         return ForwardGradient(params, model=model, lr=lr, momentum=momentum, q=q, generator=generator)
+    if method == "asyncfgd":
+        if weight_decay:
+            raise ValueError(f"method 'asyncfgd' uses no weight decay (seed 001, Algorithm 1); got weight_decay={weight_decay}")
+        return AsyncFGD(model, stages=2 if stages is None else stages, lr=lr, momentum=momentum, generator=generator)
     if method == "tt-zo":
         from szo.models.tt import tt_layers
 
@@ -134,7 +146,7 @@ def build_optimizer(
             raise ValueError("method 'tt-zo' trains TT cores: TT-parameterise the model first "
                              "(szo.models.tt.tt_parametrize(model, rank=...))")
         return HybridZO(params, lr=lr, momentum=momentum, mu=mu, coords_per_step=coords_per_step, model=model,
-                        generator=generator, **dict(tt or {}))
+                        generator=generator, bn_update=bn_update, **dict(tt or {}))
     # full-space ZO
     if method == "zo-cge" and coords_per_step is None and subspace is not None:
         coords_per_step = int(subspace.basis.shape[1])

@@ -9,6 +9,10 @@ One step draws q seeded tangents ``v_j`` and runs q forward passes with forward-
 * ``ForwardGradient``: ``v ~ N(0, I_d)`` over all d parameters (``method=fg``).
 * ``SubspaceForwardGradient``: ``v = P z``, ``z ~ N(0, I_k)`` in the trajectory subspace
   (``method=fg-subspace``); the update is SZO's eq. (6) on the k coordinates.
+* ``AsyncFGD``: the iterates of AsyncFGD's K-stage asynchronous pipeline (seed 001,
+  Algorithm 1) in one process (``method=asyncfgd``): every stage runs with the parameters the
+  pipeline's stage would hold, ``K - 1 - k`` updates stale; plain SGD. The pipeline itself,
+  one process per stage and its speed-up, is ``szo.asyncfgd`` / ``bench/asyncfgd.py``.
 
 Why dual tensors rather than ``torch.func.jvp``: a training forward mutates buffers in place
 (BN running statistics, LIF membrane state), which ``torch.func.jvp`` forbids for captured
@@ -29,16 +33,18 @@ from typing import Callable, Iterable
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from spikingjelly.activation_based import functional as sjf
 from torch import nn
 from torch.func import functional_call
 
+from ..asyncfgd import split_stages, stage_tangent
 from ..functional import zo as F
 from ..models.forward_mode import jvp_neurons
 from .bn import BNStatsFreezer
-from .probes import CounterStateMixin, counter_state, load_counter_state
+from .probes import CounterStateMixin, check_hparams, counter_state, load_counter_state
 from .subspace import SubspaceOptimizer
 
-__all__ = ["ForwardGradient", "SubspaceForwardGradient", "jvp_closure"]
+__all__ = ["ForwardGradient", "SubspaceForwardGradient", "AsyncFGD", "jvp_closure"]
 
 
 class _CallClosure(nn.Module):
@@ -120,12 +126,7 @@ class ForwardGradient(CounterStateMixin, torch.optim.Optimizer):
         params = list(params)
         if not params:
             raise ValueError("optimizer got an empty parameter list")
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(lr=lr, momentum=momentum, q=q)
         self._names = _check_model(model, params, "ForwardGradient")
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.model = model
@@ -176,8 +177,7 @@ class SubspaceForwardGradient(SubspaceOptimizer):
     def __init__(self, params: Iterable[torch.Tensor], subspace, *, model: nn.Module, lr: float = 1.0,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
         params = list(params)
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(q=q)
         names = _check_model(model, params, "SubspaceForwardGradient")
         super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model)
         self._names = names
@@ -210,3 +210,115 @@ class SubspaceForwardGradient(SubspaceOptimizer):
 
     def _load_extra_state(self, extra: dict) -> None:
         load_counter_state(self, extra)
+
+
+class AsyncFGD(CounterStateMixin, torch.optim.Optimizer):
+    """AsyncFGD (seed 001, Algorithm 1) as the K-stage pipeline computes it, in one process.
+
+    The model's children, in registration order, are cut into ``stages`` = K consecutive stages
+    with even parameter counts (``szo.asyncfgd.split_stages``). Step ``i`` (micro-batch ``i``)
+    runs one JVP pass (``jvp_closure``) in which stage ``k`` holds its parameters after
+    ``max(0, i + k - K + 1)`` updates, i.e. ``K - 1 - k`` updates stale, with the tangent
+    ``u_k(i)`` of ``szo.asyncfgd.stage_tangent``; then every stage takes the plain SGD step
+    ``w_k <- w_k - lr * (grad L . u(i)) * u_k(i)`` (no momentum: Algorithm 1). These are the
+    iterates of ``szo.asyncfgd.run_stage`` on K processes (both are tested against
+    ``reference_async_fgd``); one process gives the staleness's effect on training, not the
+    pipeline's speed-up (``bench/asyncfgd.py`` measures that). ``stages=1`` is vanilla FGD.
+
+    State: the last ``K - 1 - k`` versions of stage ``k``'s parameters (checkpointed, so a resumed
+    run continues exactly). Tangents come from ``seed`` and the step index, not from a generator
+    stream; ``seed`` defaults to ``generator.initial_seed()`` (the run's seed under ``fit``).
+    """
+
+    _state_key = "asyncfgd"  # state_dict()["asyncfgd"]: forward count, step index, stale versions
+
+    forward_only = True
+
+    def __init__(self, model: nn.Module, *, stages: int = 2, lr: float = 1e-3, momentum: float = 0.0,
+                 seed: int | None = None, generator: torch.Generator | None = None):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"AsyncFGD takes the model (its children are cut into stages), got {type(model).__name__}")
+        if momentum:
+            raise ValueError(f"AsyncFGD is plain SGD (seed 001, Algorithm 1: the pipeline keeps no optimizer "
+                             f"state); got momentum={momentum}: use 0")
+        check_hparams(lr=lr)
+        children = list(model.children())
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= len(children):
+            raise ValueError(f"AsyncFGD: stages must be an integer in [1, {len(children)}] (the child modules of "
+                             f"{type(model).__name__}, cut into consecutive stages), got {stages!r}")
+        params = list(model.parameters())
+        if not params:
+            raise ValueError(f"AsyncFGD: the model ({type(model).__name__}) has no parameters to train")
+        self._names = _check_model(model, params, "AsyncFGD")
+        self.stages = split_stages(model, stages)
+        where = {id(p): (k, n) for k, st in enumerate(self.stages) for n, p in st.named_parameters()}
+        if len(where) != len(params) or any(id(p) not in where for p in params):
+            raise ValueError("AsyncFGD cuts the model's child modules into stages: every parameter must belong to "
+                             "exactly one child (no parameters on the model itself, none shared between children)")
+        self._where = [where[id(p)] for p in params]
+        super().__init__(params, dict(lr=lr))
+        self.model = model
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.seed = int(seed) if seed is not None else int(self.generator.initial_seed())
+        self.steps = 0
+        self.forward_passes = 0
+        self.last_losses: torch.Tensor | None = None
+        self.last_jvp: float | None = None
+        self._stage_params = [list(st.parameters()) for st in self.stages]
+        # history[k]: versions max(0, i - lag_k) .. i - 1 of stage k's parameters, lag_k = K - 1 - k
+        self.history: list[list[list[torch.Tensor]]] = [[] for _ in self.stages]
+
+    @property
+    def K(self) -> int:
+        return len(self.stages)
+
+    @property
+    def forwards_per_step(self) -> int:
+        return 1
+
+    def _lag(self, k: int) -> int:
+        return self.K - 1 - k
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("AsyncFGD.step needs a closure that runs a forward pass and returns the loss")
+        i = self.steps
+        u = [stage_tangent(st, self.seed, i, k) for k, st in enumerate(self.stages)]
+        current: list[list[torch.Tensor] | None] = []
+        for ps, old in zip(self._stage_params, self.history):
+            # the oldest kept version is the one the pipeline's stage holds (version 0 before any update)
+            current.append([p.detach().clone() for p in ps] if old else None)
+            for p, v in zip(ps, old[0] if old else ()):
+                p.copy_(v)
+        try:
+            sjf.reset_net(self.model)
+            loss, d = jvp_closure(self.model, self._names, closure, [u[k][n] for k, n in self._where],
+                                  f"closure (micro-batch {i})")
+        finally:
+            for ps, now in zip(self._stage_params, current):
+                for p, v in zip(ps, now or ()):
+                    p.copy_(v)
+        self.forward_passes += 1
+        self.last_losses = torch.tensor([loss], dtype=torch.float64)  # L of micro-batch i, stale stages
+        self.last_jvp = d
+        lr = self.param_groups[0]["lr"]
+        for k, (st, ps) in enumerate(zip(self.stages, self._stage_params)):
+            if self._lag(k) > 0:
+                self.history[k].append(current[k] if current[k] is not None else [p.detach().clone() for p in ps])
+                del self.history[k][: -self._lag(k)]
+            for n, p in st.named_parameters():
+                p.add_(u[k][n], alpha=-lr * d)
+        self.steps += 1
+        return torch.tensor(loss)
+
+    def _extra_state(self) -> dict:
+        return {"steps": self.steps, "seed": self.seed, "stages": self.K,
+                "history": [[[t.clone() for t in v] for v in h] for h in self.history]}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        if "stages" in extra and int(extra["stages"]) != self.K:
+            raise ValueError(f"optimizer state is for {int(extra['stages'])} AsyncFGD stages, this optimizer has {self.K}")
+        self.steps = int(extra.get("steps", 0))
+        self.seed = int(extra.get("seed", self.seed))
+        self.history = [[[t.clone() for t in v] for v in h] for h in extra.get("history", [[] for _ in self.stages])]

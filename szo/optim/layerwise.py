@@ -24,7 +24,13 @@ layers included) and ``Q = q`` probes per layer:
 Only the parameters of those layers are trained (BN affine parameters are in no perturbed layer).
 ``layers`` picks a subset of the trainable layers by module name (the paper's *sparse* training:
 only those layers are perturbed and updated); the default trains all of them. Forwards per step:
-``1 + q * L``. BN running statistics: one update per step (:class:`BNStatsFreezer`).
+``1 + q * L``, plus one under ``bn_update="recompute"``.
+
+BN statistics and neuron state as in ``SZO`` / ``FullSpaceZO`` (``szo.optim.probes``): every
+forward of the step (the clean one included) starts from the step's BN running statistics and
+reset neurons; ``bn_update="recompute"`` (default) then runs one unperturbed train-mode forward of
+theta_{t+1}, which updates the statistics (counted in ``forward_passes``; ``step`` returns its
+loss), ``"probe-mean"`` sets them to the mean over the step's forwards (``step`` returns ``l0``).
 """
 from __future__ import annotations
 
@@ -34,8 +40,7 @@ import torch
 from torch import nn
 
 from ..functional import zo as F
-from .bn import BNStatsFreezer
-from .probes import CounterStateMixin
+from .probes import CounterStateMixin, ProbeGuard, check_hparams, load_flat
 
 __all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
 
@@ -57,14 +62,6 @@ def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> di
     return {n: m for n, m in found.items() if n in names}
 
 
-def _load(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy ``flat`` into ``params`` in place (their storage stays theirs)."""
-    off = 0
-    for p in params:
-        p.copy_(flat[off:off + p.numel()].view_as(p))
-        off += p.numel()
-
-
 class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
     """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``)."""
 
@@ -74,17 +71,10 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, bn_update: str = "recompute"):
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"unknown perturbation {perturbation!r}; valid: {', '.join(PERTURBATIONS)}")
-        if not mu > 0:
-            raise ValueError(f"mu must be > 0, got {mu}")
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise ValueError(f"q must be an int >= 1, got {q!r}")
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
         self.layers = trainable_layers(model, layers)
         params = [p for m in self.layers.values() for p in m.parameters(recurse=False) if p.requires_grad]
         if not params:
@@ -94,7 +84,11 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
         self.perturbation = perturbation
         self.q = q
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.bn = BNStatsFreezer(model)
+        self.guard = ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)
+        self.bn = self.guard.bn
+        self.bn_update = self.guard.bn_update
+        self.last_outputs_unperturbed = False  # the last closure call of the last step was the BN forward
+        self.last_losses: torch.Tensor | None = None  # l0 and the probe losses of the last step (at theta_t)
         self.forward_passes = 0
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
         for p in params:
@@ -102,14 +96,12 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
 
     @property
     def forwards_per_step(self) -> int:
-        return 1 + self.q * len(self.layers)
+        """The clean forward, ``q`` probes per layer, and the BN forward under ``bn_update="recompute"``."""
+        return 1 + self.q * len(self.layers) + int(self.guard.recomputes)
 
     def _loss(self, closure, where: str) -> float:
-        self.bn.restore()
-        out = F.check_loss(closure(), where)
         self.forward_passes += 1
-        self.bn.accumulate()
-        return out
+        return self.guard.probe(closure, where)
 
     def _mode(self, name: str, m: nn.Module, node_dim: int) -> str:
         if name not in self.modes:
@@ -141,6 +133,7 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
         handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
         self.bn.snapshot()
         grads: dict[nn.Parameter, torch.Tensor] = {}
+        losses_all: list[float] = []
         try:
             try:
                 l0 = self._loss(closure, "closure (clean forward)")
@@ -160,6 +153,7 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
                         finally:
                             h.remove()
                         xis.append(xi.reshape(-1))
+                    losses_all += losses
                     g_z = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
                                                             torch.stack(xis), mu).view(shape)
                     own = [p for p in m.parameters(recurse=False) if p.requires_grad]
@@ -174,11 +168,12 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
                     try:
                         for j in range(q):
                             xi = self._noise(flat0)
-                            _load(own, flat0 + mu * xi)
+                            load_flat(own, flat0 + mu * xi)
                             losses.append(self._loss(closure, f"closure (layer {name}, weight probe {j + 1}/{q})"))
                             xis.append(xi)
                     finally:
-                        _load(own, flat0)
+                        load_flat(own, flat0)
+                    losses_all += losses
                     g = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
                                                           torch.stack(xis), mu)
                     off = 0
@@ -188,12 +183,12 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
         except BaseException:
             self.bn.restore()
             raise
-        self.bn.commit()
+        self.guard.end_probes()
         for p in group["params"]:
             vel = self.state[p]["velocity"]
             vel.mul_(group["momentum"]).add_(grads[p].to(vel), alpha=-group["lr"])
             p.add_(vel)
-        return torch.tensor(l0)
+        return self.guard.finish_step(self, closure, [l0, *losses_all], l0)
 
     def _extra_state(self) -> dict:
         return {"modes": dict(self.modes)}

@@ -37,7 +37,7 @@ from ..functional import zo as F
 from .bn import BNStatsFreezer, check_bn_update
 
 __all__ = ["resolve_model", "ProbeGuard", "START_POINTS", "move_to_start", "counter_state", "load_counter_state",
-           "CounterStateMixin"]
+           "CounterStateMixin", "check_hparams", "load_flat"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
 
@@ -66,6 +66,29 @@ def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[l
         if any(id(p) not in own for p in params):
             raise ValueError(f"{who}: the parameters are not all parameters of model= ({type(model).__name__})")
     return params, model
+
+
+def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
+    """One clear error for a bad optimizer hyperparameter; the ones left at None are not checked."""
+    if lr is not None and not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if mu is not None and not mu > 0:
+        raise ValueError(f"mu must be > 0, got {mu}")
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+        raise ValueError(f"q must be an integer >= 1, got {q!r}")
+
+
+@torch.no_grad()
+def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy the flat vector ``flat`` into ``params`` in place (their storage stays theirs, unlike
+    ``torch.nn.utils.vector_to_parameters``, which re-points ``.data``)."""
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[off : off + n].view_as(p))
+        off += n
 
 
 @torch.no_grad()
@@ -150,6 +173,46 @@ class ProbeGuard:
         finally:
             handle.remove()
         self._watched = True
+
+    # ------------------------------------------------------------------ one probe, one step
+    @torch.no_grad()
+    def probe(self, closure: Callable[[], torch.Tensor], where: str) -> float:
+        """One probe at the parameters as they are now: the step's BN statistics put back, the
+        neurons reset, the closure run (watched on the first step), its loss checked; under
+        ``probe-mean`` what it did to the BN statistics is added to the step's mean. The caller
+        counts the forward and has called ``bn.snapshot()`` at the start of the step."""
+        self.bn.restore()
+        self.reset()
+        with self.watch():
+            value = closure()
+        out = F.check_loss(value, where)
+        if self.probe_mean:
+            self.bn.accumulate()
+        return out
+
+    @torch.no_grad()
+    def end_probes(self) -> None:
+        """After a step's last probe: ``probe-mean`` commits the mean over the probes,
+        ``recompute`` leaves the statistics as the step found them (the BN forward comes later)."""
+        if self.probe_mean:
+            self.bn.commit()
+        else:
+            self.bn.restore()
+
+    @torch.no_grad()
+    def finish_step(self, opt, closure: Callable[[], torch.Tensor], losses, fallback: float) -> torch.Tensor:
+        """The end of a step, after the update of a forward-only optimizer ``opt``: ``losses``
+        (this step's probe losses, at theta_t) become ``opt.last_losses``; under ``recompute``
+        with BN in train mode the unperturbed BN forward of theta_{t+1} runs, is counted in
+        ``opt.forward_passes`` and its loss is returned (``opt.last_outputs_unperturbed``);
+        otherwise ``fallback`` (the step's probe loss) is."""
+        opt.last_losses = torch.as_tensor(losses, dtype=torch.float64)
+        opt.last_outputs_unperturbed = self.recomputes
+        if opt.last_outputs_unperturbed:
+            loss = self.unperturbed_forward(closure)
+            opt.forward_passes += 1
+            return torch.tensor(loss)
+        return torch.tensor(fallback)
 
     # ------------------------------------------------------------------ BN forward
     @torch.no_grad()

@@ -33,7 +33,7 @@ from torch import nn
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 
 from ..functional import zo as F
-from .probes import ProbeGuard, counter_state, load_counter_state, move_to_start, resolve_model
+from .probes import ProbeGuard, check_hparams, counter_state, load_counter_state, move_to_start, resolve_model
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout"]
 
@@ -74,11 +74,7 @@ class SubspaceOptimizer(torch.optim.Optimizer):
         params, model = resolve_model(params, model, type(self).__name__)
         if isinstance(params[0], dict):
             raise ValueError("subspace optimizers take one flat list of parameters (no param groups)")
-        lr, momentum = defaults["lr"], defaults["momentum"]
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        check_hparams(lr=defaults["lr"], momentum=defaults["momentum"])
         check_layout(subspace, params, model)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
@@ -257,12 +253,9 @@ class SZO(SubspaceOptimizer):
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError(f"distributed={distributed!r} needs an initialised torch.distributed process "
                                  "group (dist.init_process_group, or launch with torchrun)")
-        if not mu > 0:
-            raise ValueError(f"mu must be > 0, got {mu}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
-        if estimator != "cge" and (not isinstance(q, int) or q < 1):
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(mu=mu, q=q if estimator != "cge" else None)
         super().__init__(params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model, start=start)
         model = self.model
         if distributed == "data" and sync_bn and model is not None and any(
@@ -404,10 +397,8 @@ class SZO(SubspaceOptimizer):
                 self.bytes_communicated += self.bn.commit(True, self.process_group)
             else:
                 self.bn.restore()
-        elif self.guard.probe_mean:
-            self.bn.commit()
-        else:  # recompute: the probes leave the statistics as they were
-            self.bn.restore()
+        else:  # probe-mean: the mean over the probes; recompute: as they were (the BN forward comes later)
+            self.guard.end_probes()
         return losses
 
     @torch.no_grad()

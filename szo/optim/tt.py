@@ -11,6 +11,12 @@ ZO in TT-factor space. Two phases over the same parameters:
    per coordinate, ``coords_per_step`` coordinates per step, all by default; paper: mu = 0.01,
    momentum 0.9).
 
+BN statistics in both phases as in ``FullSpaceZO`` / ``SZO`` (``bn_update``, ``szo.optim.bn``):
+every probe (the signRGE centre ``L(theta)`` included) starts from the step's statistics; under
+``"recompute"`` (default) one unperturbed train-mode forward of theta_{t+1} then updates them
+(+1 forward per step, counted; ``step`` returns its loss), under ``"probe-mean"`` they become
+the mean over the probes. The plateau rule reads the centre losses ``L(theta_t)`` in both modes.
+
 The switch happens "when the coarse training fails to learn": every ``window`` signRGE steps
 the mean of ``L(theta)`` over the window is compared with the previous window's, and when it
 improved by less than ``tol`` (relative) the optimizer switches to CGE for good
@@ -51,6 +57,7 @@ class HybridZO(FullSpaceZO):
         switch_step: int | None = None,
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
+        bn_update: str = "recompute",
     ):
         if isinstance(sign_q, bool) or not isinstance(sign_q, int) or sign_q < 1:
             raise ValueError(f"sign_q must be an integer >= 1, got {sign_q!r}")
@@ -66,7 +73,7 @@ class HybridZO(FullSpaceZO):
                                         or switch_step < 0):
             raise ValueError(f"switch_step must be null or an integer >= 0, got {switch_step!r}")
         super().__init__(params, estimator="cge", mu=mu, lr=lr, momentum=momentum,
-                         coords_per_step=coords_per_step, model=model, generator=generator)
+                         coords_per_step=coords_per_step, model=model, generator=generator, bn_update=bn_update)
         self.sign_lr, self.sign_q, self.sign_mu = float(sign_lr), sign_q, float(sign_mu)
         self.window, self.tol, self.switch_step = window, float(tol), switch_step
         self.phase = "sign-rge" if switch_step != 0 else "cge"
@@ -74,7 +81,11 @@ class HybridZO(FullSpaceZO):
 
     @property
     def forwards_per_step(self) -> int:
-        return self.sign_q + 1 if self.phase == "sign-rge" else super().forwards_per_step
+        """signRGE: the centre and ``sign_q`` probes; CGE: ``FullSpaceZO``'s; each plus the BN
+        forward under ``bn_update="recompute"`` with BN in train mode."""
+        if self.phase == "sign-rge":
+            return self.sign_q + 1 + int(self.guard.recomputes)
+        return super().forwards_per_step
 
     def _switch(self) -> None:
         self.phase = "cge"
@@ -91,7 +102,8 @@ class HybridZO(FullSpaceZO):
         return prev is not None and prev - mean < self.tol * abs(prev)
 
     @torch.no_grad()
-    def _sign_step(self, closure: Callable[[], torch.Tensor]) -> float:
+    def _sign_step(self, closure: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """One signRGE step: (what ``step`` returns, the centre loss ``L(theta_t)``)."""
         group = self.param_groups[0]
         theta = self._flat()
         m = self.sign_q + 1
@@ -106,11 +118,11 @@ class HybridZO(FullSpaceZO):
             self.bn.restore()
             self._load(theta)
             raise
-        self.bn.commit()
+        self.guard.end_probes()
         g = F.forward_difference_coefficients(lp, center, xi, self.sign_mu)
         scale = group["lr"] / group.get("initial_lr", group["lr"]) if group.get("initial_lr") else 1.0
         self._load(theta - self.sign_lr * scale * F.sign_coefficients(g))
-        return center
+        return self.guard.finish_step(self, closure, [center, *lp.tolist()], center), center
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -118,10 +130,10 @@ class HybridZO(FullSpaceZO):
             raise ValueError("HybridZO.step needs a closure that runs a forward pass and returns the loss")
         st = self.hybrid_state
         if self.phase == "sign-rge":
-            loss = torch.tensor(self._sign_step(closure))
+            loss, center = self._sign_step(closure)
             st["steps"] += 1
             if (self.switch_step is not None and st["steps"] >= self.switch_step) or (
-                    self.switch_step is None and self._plateau(float(loss))):
+                    self.switch_step is None and self._plateau(center)):
                 self._switch()
             return loss
         st["steps"] += 1

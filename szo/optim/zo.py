@@ -17,8 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..functional import zo as F
-from .probes import CounterStateMixin, ProbeGuard, resolve_model
+from .probes import CounterStateMixin, ProbeGuard, check_hparams, load_flat, resolve_model
 
 __all__ = ["FullSpaceZO"]
 
@@ -44,12 +43,7 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
     ):
         if estimator not in ("cge", "rge"):
             raise ValueError(f"unknown estimator {estimator!r}; valid: cge, rge")
-        if not mu > 0:
-            raise ValueError(f"mu must be > 0, got {mu}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if estimator == "rge" and (not isinstance(q, int) or q < 1):
-            raise ValueError(f"q must be an integer >= 1, got {q!r}")
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
         self.d = sum(p.numel() for p in params)
@@ -84,26 +78,14 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self._params])
 
-    @torch.no_grad()
     def _load(self, vec: torch.Tensor) -> None:
-        off = 0
-        for p in self._params:
-            n = p.numel()
-            p.copy_(vec[off : off + n].view_as(p))
-            off += n
+        load_flat(self._params, vec)
 
     @torch.no_grad()
     def _loss_at(self, closure, vec: torch.Tensor, j: int, m: int) -> float:
-        self.bn.restore()
         self._load(vec)
-        self.guard.reset()
-        with self.guard.watch():
-            value = closure()
         self.forward_passes += 1
-        out = F.check_loss(value, f"closure (probe {j + 1}/{m})")
-        if self.guard.probe_mean:
-            self.bn.accumulate()
-        return out
+        return self.guard.probe(closure, f"closure (probe {j + 1}/{m})")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -143,18 +125,9 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
             self.bn.restore()
             self._load(theta)
             raise
-        if self.guard.probe_mean:
-            self.bn.commit()
-        else:
-            self.bn.restore()
+        self.guard.end_probes()
         vel = self.state[self._params[0]]["velocity"]
         vel.mul_(group["momentum"]).add_(grad, alpha=-group["lr"])
         self._load(theta + vel)
-        self.last_losses = torch.tensor(losses, dtype=torch.float64)
-        self.last_outputs_unperturbed = self.guard.recomputes
-        if self.last_outputs_unperturbed:
-            loss = self.guard.unperturbed_forward(closure)
-            self.forward_passes += 1
-            return torch.tensor(loss)
-        return torch.tensor(sum(losses) / len(losses))
+        return self.guard.finish_step(self, closure, losses, sum(losses) / len(losses))
 

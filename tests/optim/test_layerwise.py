@@ -80,7 +80,7 @@ def test_spiking_model_step_and_state_dict_round_trip():
     opt = build_optimizer("np-zo", model, lr=0.1, mu=0.01, q=2)
     before = model.flat_params().clone()
     opt.step(closure)
-    assert opt.forward_passes == 1 + 2 * 3  # conv1, conv2, fc
+    assert opt.forward_passes == 1 + 2 * 3 + 1  # conv1, conv2, fc; the BN forward (bn_update="recompute")
     assert not torch.equal(before, model.flat_params())
     opt2 = build_optimizer("np-zo", model, lr=0.1, mu=0.01, q=2)
     opt2.load_state_dict(opt.state_dict())

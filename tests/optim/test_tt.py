@@ -88,4 +88,5 @@ def test_build_optimizer_tt_zo_trains_the_tt_cores():
     before = flat(model)
     with torch.no_grad():
         opt.step(lambda: tet_loss(model(x), y))
-    assert not torch.equal(flat(model), before) and opt.forward_passes == 4
+    # sign_q + 1 probes and the unperturbed BN forward (bn_update="recompute", BN in train mode)
+    assert not torch.equal(flat(model), before) and opt.forward_passes == opt.forwards_per_step == 3 + 1 + 1

@@ -142,6 +142,10 @@ def _run(tmp, data, model0, kind, callbacks=(), resume=False):
     train, test = _loaders(data, g)
     if kind == "bp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif kind == "asyncfgd":  # stale pipeline versions and the step index live in its checkpointed state
+        from szo.optim import AsyncFGD
+
+        opt = AsyncFGD(model, stages=3, lr=0.01, generator=g)
     else:
         opt = RandomCoordZO(model.parameters(), lr=0.05, generator=g, m=2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)
@@ -153,7 +157,7 @@ def _run(tmp, data, model0, kind, callbacks=(), resume=False):
 
 # 4 steps per epoch, checkpoints every 3 steps and at epoch ends: killed at step 7 the run
 # resumes from the mid-epoch checkpoint of step 6, killed at step 9 from the epoch end (step 8)
-@pytest.mark.parametrize("kind,kill_at,last_ckpt", [("bp", 7, 6), ("zo", 7, 6), ("zo", 9, 8)])
+@pytest.mark.parametrize("kind,kill_at,last_ckpt", [("bp", 7, 6), ("zo", 7, 6), ("zo", 9, 8), ("asyncfgd", 7, 6)])
 def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, data, model0, kind, kill_at, last_ckpt):
     ref_model, ref = _run(tmp_path / "ref", data, model0, kind)
     with pytest.raises(KeyboardInterrupt):
