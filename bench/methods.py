@@ -104,7 +104,7 @@ def step_peak(name: str, root: Path) -> int | None:
     from szo.data import get_dataset
     from szo.methods import QZO_METHODS
     from szo.optim import build_optimizer
-    from szo.pipeline import _loss, build_model, subspace_store_for
+    from szo.pipeline import _loss, build_model, optimizer_options, subspace_store_for
 
     row = ROWS[name]
     if "federated" in row or row["method"] in QZO_METHODS:
@@ -119,12 +119,8 @@ def step_peak(name: str, root: Path) -> int | None:
         from szo.models.tt import tt_parametrize
 
         tt_parametrize(model, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
-    tr, sz = cfg["train"], cfg["szo"]
-    opt = build_optimizer(name, model, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
-                          weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
-                          coords_per_step=sz["coords_per_step"], generator=torch.Generator().manual_seed(0),
-                          bn_update=sz["bn_update"], layers=sz["layers"], stages=sz["stages"],
-                          tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
+    opt = build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(0),
+                          **optimizer_options(cfg))
     ds = get_dataset("digits", "train")
     n = cfg["data"]["batch_size"]
     x = torch.stack([ds[i][0] for i in range(n)])

@@ -345,6 +345,17 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
         return _subspace_stage(cfg, run_dir, device=device, resume=resume, par=par)
 
 
+def optimizer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``szo.optim.build_optimizer`` keywords a resolved subspace-recipe config sets
+    (``train`` / ``szo`` / ``tt`` sections), for the subspace stage and for tools that build the
+    same optimizer outside a run (``bench/methods.py``)."""
+    tr, sz, tt = cfg["train"], cfg["szo"], cfg["tt"]
+    return dict(lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
+                coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"],
+                bn_update=sz["bn_update"], layers=sz["layers"], stages=sz["stages"],
+                tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
+
+
 def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str, resume: bool,
                     par: Any) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual);
@@ -415,15 +426,11 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                         coord_bits=hw["coord_bits"], coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
                         rule="eq8" if cfg["method"] == "qzo" else "momentum")
     else:
-        opt = build_optimizer(cfg["method"], net, subspace=sub, lr=tr["lr"], momentum=tr["momentum"],
-                              weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
-                              coords_per_step=sz["coords_per_step"], generator=g,
+        opt = build_optimizer(cfg["method"], net, subspace=sub, generator=g,
                               distributed=par.mode if par is not None else None,
                               sync_bn=par.sync_bn if par is not None else True,
-                              engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
-                              layers=sz["layers"], stages=sz["stages"],
                               start="current",  # already at sub.reference (loaded above)
-                              tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
+                              **optimizer_options(cfg))
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
     summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
