@@ -168,9 +168,7 @@ def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_t
     t, ft = cfg["tta"], cfg["tta"]["finetune"]
     sub_cfg = cfg.get("subspace") or {}
     protocol, k = t["protocol"], int(sub_cfg.get("k", 20))
-    declared = {"name": protocol, "split": adapt_subspace.PROTOCOL_SPLITS[protocol], "label_leak": protocol == "paper"}
-    if protocol == "paper":
-        declared["warning"] = adapt_subspace.LABEL_LEAK
+    declared = adapt_subspace.protocol_info(protocol)
     if sub_cfg.get("name"):
         declared["description"] = (f"subspace store entry {sub_cfg['name']!r}, declared as protocol {protocol!r}; "
                                    "its fine-tuning data are not known here")

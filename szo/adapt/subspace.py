@@ -39,8 +39,8 @@ from torch.utils.data import Dataset
 
 from .methods import check_choice
 
-__all__ = ["PROTOCOLS", "PROTOCOL_SPLITS", "LABEL_LEAK", "finetune_dataset", "finetune_on_dataset",
-           "finetune_on_corruption", "build_adaptation_subspace", "protocol_subspaces", "source_tail"]
+__all__ = ["PROTOCOLS", "PROTOCOL_SPLITS", "LABEL_LEAK", "protocol_info", "finetune_dataset", "finetune_on_dataset",
+           "build_adaptation_subspace", "protocol_subspaces", "source_tail"]
 
 #: how the adaptation subspace's fine-tuning data are chosen (``tta.protocol``)
 PROTOCOLS = ("paper", "train", "loco")
@@ -48,6 +48,16 @@ PROTOCOLS = ("paper", "train", "loco")
 PROTOCOL_SPLITS = {"paper": "test", "train": "train", "loco": "train"}
 #: the flag every output of the paper protocol carries
 LABEL_LEAK = "labels of the test images used to build the subspace"
+
+
+def protocol_info(protocol: str) -> dict[str, Any]:
+    """What every description of ``protocol`` says (``tta_results.json`` ``"protocol"``): its
+    name, the split it fine-tunes on, ``label_leak`` and, for ``paper``, the warning."""
+    check_choice("protocol", protocol, PROTOCOLS)
+    info: dict[str, Any] = {"name": protocol, "split": PROTOCOL_SPLITS[protocol], "label_leak": protocol == "paper"}
+    if info["label_leak"]:
+        info["warning"] = LABEL_LEAK
+    return info
 
 
 def source_tail(trajectory_dir: str | os.PathLike, n_source: int):
@@ -223,42 +233,6 @@ def finetune_on_dataset(
     return traj_dir
 
 
-def finetune_on_corruption(
-    source_model: nn.Module,
-    dataset_name: str,
-    *,
-    run_dir: str | os.PathLike,
-    corruption: str = "gaussian_noise",
-    severity: int = 1,
-    split: str = "train",
-    images: int | None = None,
-    epochs: int = 10,
-    samples: int = 20,
-    lr: float = 0.01,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    batch_size: int = 64,
-    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "tet",
-    data_dir: str | os.PathLike | None = None,
-    dataset_kwargs: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    progress: bool = True,
-) -> Path:
-    """Supervised BP fine-tuning of a copy of ``source_model`` on one corruption's ``split``
-    (``"train"``, the honest protocol, or ``"test"``, the paper's: labels of evaluated images),
-    the first ``images`` images of it (default all): :func:`finetune_dataset` +
-    :func:`finetune_on_dataset`. Returns the trajectory directory ``run_dir/trajectory``."""
-    check_choice("fine-tuning split", split, tuple(PROTOCOL_SPLITS[p] for p in ("train", "paper")))
-    protocol = "train" if split == "train" else "paper"
-    ds, _ = finetune_dataset(dataset_name, protocol, corruption, severity, images=images, data_dir=data_dir,
-                             dataset_kwargs=dataset_kwargs)
-    return finetune_on_dataset(source_model, ds, run_dir=run_dir, epochs=epochs, samples=samples, lr=lr,
-                               momentum=momentum, weight_decay=weight_decay, batch_size=batch_size, loss=loss,
-                               seed=seed, device=device, progress=progress,
-                               name=f"finetune-{dataset_name}-{split}-{corruption}-{severity}")
-
-
 def build_adaptation_subspace(
     source_model: nn.Module,
     source_trajectory: str | os.PathLike,
@@ -274,7 +248,7 @@ def build_adaptation_subspace(
     reference = the source model's parameters.
 
     ``adapt_trajectory``: a fine-tuning trajectory directory, e.g. the one
-    :func:`finetune_on_corruption` returns. ``provenance``: extra entries for the subspace's
+    :func:`finetune_on_dataset` returns. ``provenance``: extra entries for the subspace's
     provenance (e.g. the fine-tuning corruption and severity).
     Returns a ``subspace_store.Subspace``.
     """
@@ -356,8 +330,7 @@ def protocol_subspaces(
         seconds[held] = time.perf_counter() - t0
         return sub, desc
 
-    info: dict[str, Any] = {"name": protocol, "split": PROTOCOL_SPLITS[protocol], "severity": severity,
-                            "label_leak": protocol == "paper"}
+    info = {**protocol_info(protocol), "severity": severity}
     if protocol == "loco":
         subs: dict[str, Any] = {}
         per: dict[str, Any] = {}
@@ -374,6 +347,4 @@ def protocol_subspaces(
                 description=f"BP fine-tuning (labelled) on the corrupted {desc['finetune_split']} split of "
                             f"{corruption} (severity {severity}, {desc['finetune_images']} images)",
                 subspace_s=seconds[corruption])
-    if protocol == "paper":
-        info["warning"] = LABEL_LEAK
     return sub, info

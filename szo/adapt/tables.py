@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from szo.io import atomic_write_json, atomic_write_text
 
 from .methods import METHOD_LABELS, USES_BP
+from .subspace import LABEL_LEAK
 
 __all__ = ["SHORT_NAMES", "method_label", "protocol_text", "corruption_table", "summary_table", "plot_accuracy",
            "write_tables"]
@@ -44,7 +45,7 @@ def protocol_text(results: Mapping[str, Any]) -> str:
             text += f" ({proto['description']})"
         lines.append(text + ".")
         if proto.get("label_leak"):
-            lines.append(f"**Label leak: {proto.get('warning') or 'labels of the test images used to build the subspace'}**"
+            lines.append(f"**Label leak: {proto.get('warning') or LABEL_LEAK}**"
                          " (every corruption is made from the same clean test images).")
     lines += [f"Note: {n}." for n in results.get("notes", [])]
     return "".join(f"{line}\n\n" for line in lines)
