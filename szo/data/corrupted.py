@@ -332,11 +332,6 @@ def _to_canvas(images01: np.ndarray, canvas: str = "upscale") -> np.ndarray:
     return out
 
 
-def _to_uint8_32(images01: np.ndarray) -> np.ndarray:
-    """[n, 8, 8] in [0, 1] -> [n, 32, 32] uint8 (nearest upscale)."""
-    return _to_canvas(images01, "upscale")
-
-
 def corrupt_images(images01: np.ndarray, corruption: str, severity: int, seed: int,
                    indices: Sequence[int], *, base: str = "digits", split: str = "test",
                    progress: bool = True) -> np.ndarray:
