@@ -28,11 +28,11 @@ bit-accurate models differ from szo's own:
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import torch
-from spikingjelly.activation_based import lava_exchange
+
+from szo.functional.integer import SaturationCounter, check_int, int_range, right_shift_to_zero, saturate
 
 __all__ = [
     "ACT_SHIFT",
@@ -84,15 +84,6 @@ def check_arithmetic(arithmetic: object) -> str:
     return str(arithmetic)
 
 
-def int_range(bits: int, signed: bool = True) -> tuple[int, int]:
-    """Inclusive ``(lo, hi)`` of a ``bits``-wide integer."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
-        raise ValueError(f"bits must be an int in [1, 63], got {bits!r}")
-    if signed:
-        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    return 0, (1 << bits) - 1
-
-
 @dataclass(frozen=True)
 class Precision:
     """Bit widths of every stored or computed quantity (Loihi-1/2 CUBA neuron defaults)."""
@@ -126,80 +117,13 @@ class Precision:
         return asdict(self)
 
 
-class SaturationCounter:
-    """Counts clamped elements per ``(layer, quantity)``; never silent, never wrapping.
-
-    A count may be an int or a 0-d integer tensor: tensors stay on their device and are summed
-    there, so counting a clamp on a GPU does not wait for it; :meth:`as_dict` and
-    :meth:`total` read them (zero counts are left out).
-    """
-
-    def __init__(self) -> None:
-        self._counts: dict[str, dict[str, int | torch.Tensor]] = defaultdict(dict)
-
-    def add(self, layer: str, quantity: str, n: int | torch.Tensor) -> None:
-        if not isinstance(n, torch.Tensor):
-            if not n:
-                return
-            n = int(n)
-        d = self._counts[layer]
-        old = d.get(quantity, 0)
-        if isinstance(old, torch.Tensor) and isinstance(n, torch.Tensor) and old.device != n.device:
-            n = n.to(old.device)
-        d[quantity] = old + n  # a new value: never an in-place update of a caller's tensor
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        out = {}
-        for layer, d in self._counts.items():
-            counts = {q: int(v) for q, v in d.items()}
-            counts = {q: v for q, v in counts.items() if v}
-            if counts:
-                out[layer] = counts
-        return out
-
-    def total(self) -> int:
-        return sum(sum(d.values()) for d in self.as_dict().values())
-
-    def reset(self) -> None:
-        self._counts.clear()
-
-
-def _check_int(x: torch.Tensor, what: str) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{what} needs an int32/int64 tensor, got {got}")
-
-
-def saturate(x: torch.Tensor, bits: int, counter: SaturationCounter | None = None,
-             layer: str = "", quantity: str = "", symmetric: bool = False) -> torch.Tensor:
-    """Clamp a signed integer tensor to ``bits`` (two's complement range; ``symmetric``:
-    ``+-(2**(bits-1) - 1)``, Lava's voltage limits); count clamped elements."""
-    _check_int(x, "saturate")
-    lo, hi = int_range(bits)
-    y = x.clamp(-hi if symmetric else lo, hi)  # saturate, never wrap
-    if counter is not None:
-        counter.add(layer, quantity, (y != x).sum())  # a device tensor: no sync here
-    return y
-
-
-def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``sign(x) * (|x| >> bits)``: arithmetic right shift rounding toward zero (-7 >> 1 = -3).
-
-    SpikingJelly's ``lava_exchange.right_shift_to_zero`` (as Loihi), with ValueErrors instead of asserts.
-    """
-    _check_int(x, "right_shift_to_zero")
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
-        raise ValueError(f"shift must be a non-negative int, got {bits!r}")
-    return lava_exchange.right_shift_to_zero(x, bits)
-
-
 def floor_shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """``floor(x * 2**n)``: left shift for ``n >= 0``, arithmetic right shift (floor: -7 >> 1 = -4) for ``n < 0``.
 
     Lava ``PyDenseModelBitAcc.run_spk``: ``np.left_shift(a_accum, weight_exp)`` if
     ``weight_exp > 0`` else ``np.right_shift(a_accum, -weight_exp)``.
     """
-    _check_int(x, "floor_shift")
+    check_int(x, "floor_shift")
     return x << n if n >= 0 else x >> -n  # int64 >> is arithmetic: rounds toward -inf
 
 
@@ -211,7 +135,7 @@ def wrap_lava(x: torch.Tensor, bits: int, counter: SaturationCounter | None = No
     A wrap modulo ``2**bits`` into ``(-2**(bits-1), 2**(bits-1)]``, one wrap per step: a sum
     beyond ``3 * 2**(bits-1)`` stays outside the range, as in Lava. Wrapped elements are counted.
     """
-    _check_int(x, "wrap_lava")
+    check_int(x, "wrap_lava")
     top = int_range(bits)[1] + 1  # 2**(bits-1): Lava's max_uv_val
     y = torch.where(x > top, x - 2 * top, x)  # positive overflow wraps to negative
     y = torch.where(y <= -top, x + 2 * top, y)  # negative overflow (and -2**(bits-1) itself) wraps to positive
@@ -222,7 +146,7 @@ def wrap_lava(x: torch.Tensor, bits: int, counter: SaturationCounter | None = No
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """``x * 2**n``: left shift (exact) for ``n >= 0``, right shift toward zero for ``n < 0``."""
-    _check_int(x, "shift")
+    check_int(x, "shift")
     return x << n if n >= 0 else right_shift_to_zero(x, -n)
 
 

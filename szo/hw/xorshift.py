@@ -1,54 +1,5 @@
-"""XORShift32 (Marsaglia 2003, shifts 13/17/5) and Rademacher +/-1 draws regenerated from a seed.
-
-Seed-004 (Zhao et al. 2025, App. F): ``state ^= state << 13; state ^= state >> 17;
-state ^= state << 5`` on a 32-bit unsigned state; a draw maps the new state's least
-significant bit to -1 (LSB 1) or +1 (LSB 0). Perturbations are never stored: the same seed
-regenerates the same sequence, so on chip only the 32-bit seed is kept.
-"""
-from __future__ import annotations
-
-import torch
+"""XORShift32 and Rademacher draws: the pure generator lives in ``szo.functional.xorshift`` (the
+forward-only core's Rademacher plans draw from it); this name is kept for ``szo.hw`` users."""
+from szo.functional.xorshift import MASK32, XorShift32, rademacher
 
 __all__ = ["MASK32", "XorShift32", "rademacher"]
-
-MASK32: int = 0xFFFFFFFF
-SHIFT_A, SHIFT_B, SHIFT_C = 13, 17, 5
-
-
-def _check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
-        raise ValueError(f"XORShift32 seed must be an int in [1, 2**32 - 1], got {seed!r}")
-    if seed == 0:
-        raise ValueError("XORShift32 seed must be nonzero (state 0 is a fixed point: every draw would be 0); "
-                         "valid: an int in [1, 2**32 - 1]")
-    return seed
-
-
-class XorShift32:
-    """A 32-bit XORShift generator; ``next()`` returns the new state (an int in [1, 2**32 - 1])."""
-
-    def __init__(self, seed: int) -> None:
-        self.state = _check_seed(seed)
-
-    def next(self) -> int:
-        s = self.state
-        s ^= (s << SHIFT_A) & MASK32  # all arithmetic mod 2**32
-        s ^= s >> SHIFT_B
-        s ^= (s << SHIFT_C) & MASK32
-        self.state = s
-        return s
-
-    def draws(self, n: int) -> torch.Tensor:
-        """The next ``n`` states as an int64 tensor (vectorised over nothing: the recurrence is serial)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        return torch.tensor([self.next() for _ in range(n)], dtype=torch.int64)
-
-    def rademacher(self, n: int) -> torch.Tensor:
-        """``n`` values in {-1, +1} (int64): LSB 1 -> -1, LSB 0 -> +1."""
-        return 1 - 2 * (self.draws(n) & 1)
-
-
-def rademacher(seed: int, n: int) -> torch.Tensor:
-    """The ``n`` Rademacher values regenerated from ``seed`` (same seed, same values)."""
-    return XorShift32(seed).rademacher(n)
