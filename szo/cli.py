@@ -26,7 +26,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -65,7 +65,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
             from szo.rundir import resumed_config
 
             cfg = resumed_config(out, cfg, sets)
-        s = run_recipe(cfg, out, resume=args.resume)
+        s = run_recipe(cfg, out, resume=args.resume, callbacks=args.callbacks)
     if info.rank != 0:
         return 0
     acc = s.get("best_test_acc") if isinstance(s, dict) else None
@@ -155,14 +155,16 @@ def _error_line(text: str) -> None:
     sys.stderr.flush()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``szo`` console script; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) -> int:
+    """Entry point of the ``szo`` console script; returns the exit status. ``callbacks``: extra
+    ``szo.train.Callback`` objects for the training loop of ``szo recipe`` (a library user's hooks)."""
     from szo.data import DataNotFoundError
     from szo.distributed import RankFailure, env_world_size
     from szo.train import TrainingDiverged
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.callbacks = tuple(callbacks)
     try:
         world = env_world_size()
     except ValueError:

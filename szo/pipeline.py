@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -338,12 +338,13 @@ def _check_distributed(cfg: Mapping[str, Any]) -> None:
 
 
 def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu",
-                       resume: bool = False) -> dict[str, Any]:
+                       resume: bool = False, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace (see :func:`_subspace_stage`), holding the run
-    directory's lock; a resume first checks the config against the directory's config.yaml."""
+    directory's lock; a resume first checks the config against the directory's config.yaml.
+    ``callbacks``: extra ``szo.train.Callback`` objects for the training loop."""
     par = _parallel(cfg)
     with run_dir_guard(run_dir, cfg, resume=resume, stage="subspace"):
-        return _subspace_stage(cfg, run_dir, device=device, resume=resume, par=par)
+        return _subspace_stage(cfg, run_dir, device=device, resume=resume, par=par, callbacks=callbacks)
 
 
 def optimizer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -358,7 +359,7 @@ def optimizer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str, resume: bool,
-                    par: Any) -> dict[str, Any]:
+                    par: Any, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual);
     on every rank of a multi-process run (only rank 0 writes ``run_dir``).
 
@@ -368,7 +369,6 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
     coordinate state by :class:`szo.hw.train.OnChipSZO` (integer c / momentum; ``szo-rge`` then
     draws seed-004 Rademacher directions from XORShift32).
     """
-    from szo.distributed import fault_injection_callbacks
     from szo.io import atomic_write_json
     from szo.optim import build_optimizer
     from szo.train import fit
@@ -438,7 +438,7 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                   device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
                   progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
                   checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
-                  parallel=par, callbacks=fault_injection_callbacks())
+                  parallel=par, callbacks=list(callbacks))
     if cfg["backend"] == "fixed" and (par is None or par.is_main):  # every clamp of the integer forwards
         summary["saturations"] = net.saturation_counts()
         summary["saturations_total"] = net.counter.total()
@@ -450,19 +450,21 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
 
 
 def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str | None = None,
-               resume: bool = False) -> dict[str, Any]:
-    """Run a resolved recipe config (``szo.config.load_recipe``); returns the last stage's summary."""
+               resume: bool = False, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Run a resolved recipe config (``szo.config.load_recipe``); returns the last stage's summary.
+    ``callbacks``: extra ``szo.train.Callback`` objects for the subspace stage's training loop."""
     from szo import distributed as D
 
     dev = _device(cfg, device)
     out = Path(out_dir)
     with run_dir_guard(out, cfg, resume=resume):
         if D.env_world_size() > 1 or D.get_info().enabled:
-            return _run_recipe_distributed(cfg, out, dev, resume)
-        return _run_recipe(cfg, out, dev, resume)
+            return _run_recipe_distributed(cfg, out, dev, resume, callbacks)
+        return _run_recipe(cfg, out, dev, resume, callbacks)
 
 
-def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool) -> dict[str, Any]:
+def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
+                callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     from szo.config import EXTERNAL_KINDS
 
     if cfg["kind"] in EXTERNAL_KINDS:  # e.g. kind: tta -> szo.adapt.cli.run_recipe
@@ -476,10 +478,11 @@ def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool) -> di
     if not store.exists(cfg["subspace"]["name"]):
         check_store_entry(cfg)
         run_bptt_stage(cfg, out / "bptt", device=dev, resume=resume)
-    return run_subspace_stage(cfg, out, device=dev, resume=resume)
+    return run_subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks)
 
 
-def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool) -> dict[str, Any]:
+def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
+                            callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """One rank's part of a torchrun run: a subspace recipe whose subspace is already stored."""
     from szo import distributed as D
 
@@ -495,7 +498,7 @@ def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume:
                          f"--set kind=bp [same --set options], then rerun under torchrun")
     if dev.startswith("cuda"):  # one GPU per process
         dev = f"cuda:{D.get_info().local_rank}"
-    return run_subspace_stage(cfg, out, device=dev, resume=resume)
+    return run_subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks)
 
 
 def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,

@@ -48,12 +48,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(module: str, sets, out: Path, *extra: str, env_extra=None) -> tuple[subprocess.CompletedProcess, float]:
+def _torchrun(module: str, sets, out: Path, *extra: str, env_extra=None, fault: str | None = None
+              ) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", module, "recipe", "digits-scratch",
+           f"--master_port={_free_port()}", "-m", *((module,) if fault is None else ("tests.fault_launcher", fault)),
+           "recipe", "digits-scratch",
            *[a for s in sets for a in ("--set", s)], "--out", str(out), *extra]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -96,7 +98,7 @@ def test_torchrun_data_parallel_equals_single_process(setup):
 def test_dead_rank_stops_the_other_and_resume_continues(setup):
     root, sets, ref = setup
     out = root / "fault"
-    p, elapsed = _torchrun("szo", sets, out, env_extra={"SZO_FAULT_INJECT": "1:2"})  # rank 1: SIGKILL after step 2
+    p, elapsed = _torchrun("szo", sets, out, fault="1:2")  # rank 1: SIGKILL after step 2 (tests/fault_launcher.py)
     assert p.returncode != 0
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: rank 0/2:")]
     assert len(lines) == 1 and ("peer process stopped answering" in lines[0] or "stopped by the launcher" in lines[0]), \

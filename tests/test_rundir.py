@@ -14,7 +14,7 @@ from szo.cli import main
 from szo.config import load_recipe
 from szo.pipeline import run_recipe
 from szo.rundir import RunLockedError, config_differences, run_lock
-from szo.train import checkpoint_path, checksum_path
+from szo.train import Callback, checkpoint_path, checksum_path
 
 TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
 
@@ -44,23 +44,15 @@ def _one_error_line(capsys):
     return err[0]
 
 
-class _Interrupt:
+class _Interrupt(Callback):
     """A callback that stops the run (as Ctrl-C would) right after optimizer step ``at``."""
 
     def __init__(self, at):
         self.at = at
 
-    def __call__(self):
-        from szo.train import Callback
-
-        at = self.at
-
-        class Stop(Callback):
-            def on_step_end(self, step, epoch, loss):
-                if step == at:
-                    raise KeyboardInterrupt
-
-        return [Stop()]
+    def on_step_end(self, step, epoch, loss):
+        if step == self.at:
+            raise KeyboardInterrupt
 
 
 # ----------------------------------------------------------------------------- lock
@@ -126,9 +118,8 @@ def test_resume_takes_the_runs_own_config_and_is_exact(store, tmp_path, capsys, 
 
     rge = ["method=szo-rge", "szo.q=2"]
     assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "ref")] + _sets(store, *rge)) == 0
-    monkeypatch.setattr(D, "fault_injection_callbacks", _Interrupt(7))
-    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store, *rge)) == 130
-    monkeypatch.undo()
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store, *rge),
+                callbacks=[_Interrupt(7)]) == 130
     capsys.readouterr()
     # refused: an override that changes what was trained, named with both values
     assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "method=szo-cge"]) == 2
