@@ -93,7 +93,7 @@ DEFAULTS: dict[str, Any] = {
     # batched (perturbed copies folded into one forward per chunk of probes, szo.engine)
     # bn_update: BN running statistics after a forward-only step: recompute (one unperturbed
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
-    # free, biased); szo.optim.bn and docs/bn.md
+    # free, biased); szo.zo.bn and docs/bn.md
     "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
             "engine": "loop", "chunk": None, "bn_update": "recompute", "layers": None, "stages": None},
     # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
@@ -360,7 +360,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     from szo.models.base import MEMORY_FORMATS
     from szo.models.streaming import BN_TIMES
-    from szo.optim.bn import BN_UPDATES
+    from szo.zo.bn import BN_UPDATES
 
     _choice(full, "szo.stream_bn", STREAM_BN_MODES)
     _choice(full, "szo.engine", ENGINES)

@@ -40,13 +40,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.zo.comm import all_reduce_, comm_device, rank_and_world
+from szo.zo.evaluate import LoopEvaluator
+from szo.zo.guard import ProbeGuard
+
 __all__ = [
     "DistInfo",
+    "DistributedEvaluator",
     "Parallel",
     "RankFailure",
     "SyncBatchNorm",
     "MODES",
-    "FAULT_ENV",
     "init_from_env",
     "launch",
     "is_main",
@@ -59,12 +63,9 @@ __all__ = [
     "shutdown",
     "broadcast_bytes",
     "main_decides",
-    "fault_injection_callbacks",
 ]
 
 MODES = ("data", "perturbation")
-# Testing only: "RANK:STEP[:kill|hang]", see fault_injection_callbacks.
-FAULT_ENV = "SZO_FAULT_INJECT"
 
 
 class RankFailure(RuntimeError):
@@ -119,33 +120,11 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> DistI
     return get_info()
 
 
-def _comm_device(group=None) -> torch.device:
-    """Where collective buffers must live: the current GPU for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce_(t: torch.Tensor, group=None) -> int:
-    """In-place sum all-reduce of ``t`` on any device (moved to the GPU and back for NCCL).
-
-    Returns the payload size in bytes (what ``bytes_communicated`` counts).
-    """
-    dev = _comm_device(group)
-    if t.device == dev:
-        dist.all_reduce(t, group=group)
-    else:
-        buf = t.to(dev)
-        dist.all_reduce(buf, group=group)
-        t.copy_(buf)
-    return t.numel() * t.element_size()
-
-
 @torch.no_grad()
 def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> int:
     """Copy rank ``src``'s parameters and buffers to every rank (once, at start-up); returns bytes."""
     sent = 0
-    dev = _comm_device(group)
+    dev = comm_device(group)
     for t in list(model.parameters()) + list(model.buffers()):
         if t.device == dev:
             dist.broadcast(t.data, src=src, group=group)
@@ -168,7 +147,7 @@ def parameters_in_sync(model: nn.Module, group=None) -> bool:
         sig[0] += float(v.sum())
         sig[1] += float((v * w).sum())
         off += v.numel()
-    both = torch.cat([sig, -sig]).to(_comm_device(group))  # MIN of (sig, -sig) = (min, -max)
+    both = torch.cat([sig, -sig]).to(comm_device(group))  # MIN of (sig, -sig) = (min, -max)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
     both = both.cpu()
     return bool(torch.equal(both[:2], -both[2:]))
@@ -254,7 +233,7 @@ def broadcast_bytes(data: bytes | None, group=None) -> bytes | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
         return data
     main = dist.get_rank(group) == 0
-    dev = _comm_device(group)
+    dev = comm_device(group)
     head = torch.tensor([0, 0], dtype=torch.int64)
     if main and data is not None:
         head = torch.tensor([1, len(data)], dtype=torch.int64)
@@ -397,6 +376,78 @@ class SyncBatchNorm:
         return None
 
 
+# ----------------------------------------------------------------------------- evaluator
+class DistributedEvaluator(LoopEvaluator):
+    """The probe loop on every rank of a torch.distributed group (a ``szo.zo`` probe evaluator).
+
+    ``mode="perturbation"``: rank r runs probes ``r, r + W, ...`` on the whole batch; ``"data"``:
+    every rank runs all probes on its shard of the batch (the closure returns the shard's share
+    of the batch loss) and, with ``sync_bn`` and BN in train mode, BN layers normalise with the
+    global batch statistics (:class:`SyncBatchNorm`, one all-reduce per BN layer and probe).
+    Then the m probe losses (float64) are all-reduced -- never a gradient or a weight tensor --
+    and under ``bn_update="probe-mean"`` the BN statistic sums (once per step). Every rank ends
+    the step with the same losses, hence the same update. ``bytes_communicated`` counts the
+    payloads this rank sent.
+    """
+
+    def __init__(self, guard: ProbeGuard, mode: str, *, process_group=None, sync_bn: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"unknown distributed mode {mode!r}; valid: {', '.join(MODES)}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"distributed={mode!r} needs an initialised torch.distributed process "
+                             "group (dist.init_process_group, or launch with torchrun)")
+        super().__init__(guard)
+        self.distributed = mode
+        self.group = process_group
+        self.sync_bn = bool(sync_bn)
+        self._sync: SyncBatchNorm | None = None
+
+    def _sync_bn(self) -> "SyncBatchNorm | None":
+        """Data mode with ``sync_bn``, a model and BN in train mode: a synchronised-BN context."""
+        if self.distributed != "data" or not self.sync_bn or self.guard.model is None:
+            return None
+        sbn = SyncBatchNorm(self.guard.model, self.group)
+        return sbn if sbn.active else None
+
+    def _rows(self, m: int):
+        if self.distributed == "perturbation":
+            rank, world = rank_and_world(self.group)
+            return range(rank, m, world)
+        return range(m)
+
+    def _context(self):
+        self._sync = self._sync_bn()
+        return self._sync if self._sync is not None else contextlib.nullcontext()
+
+    def _reduce(self, losses: torch.Tensor, rows) -> torch.Tensor:
+        if self._sync is not None:
+            self.bytes_communicated += self._sync.bytes
+            self._sync = None
+        self.bytes_communicated += all_reduce_(losses, self.group)
+        if self.distributed == "data":
+            losses /= rank_and_world(self.group)[1]
+        return losses
+
+    def _end_session(self) -> None:
+        if self.guard.probe_mean:
+            self.bytes_communicated += self.guard.bn.commit(True, self.group)
+        else:
+            self.guard.bn.restore()
+
+    def unperturbed(self, closure) -> float:
+        """The BN forward of theta_{t+1}; in data mode on every shard, its loss all-reduced (the
+        batch's), BN statistics synchronised (``sync_bn``) or averaged over the ranks."""
+        if self.distributed != "data":
+            return self.guard.unperturbed_forward(closure)
+        sync = self._sync_bn()
+        loss = self.guard.unperturbed_forward(closure, distributed=sync is None, process_group=self.group, sync=sync)
+        if sync is not None:
+            self.bytes_communicated += sync.bytes
+        buf = torch.tensor([loss], dtype=torch.float64)
+        self.bytes_communicated += all_reduce_(buf, self.group)
+        return float(buf[0]) / rank_and_world(self.group)[1]
+
+
 # ----------------------------------------------------------------------------- runs
 @dataclass
 class Parallel:
@@ -491,36 +542,3 @@ class Parallel:
     def describe(self) -> dict:
         return {"world_size": self.world_size, "mode": self.mode, "backend": self.info.backend,
                 "sync_bn": bool(self.sync_bn and self.mode == "data")}
-
-
-def fault_injection_callbacks() -> list:
-    """Testing only: ``$SZO_FAULT_INJECT=RANK:STEP`` makes rank RANK kill itself (SIGKILL) right
-    after optimizer step STEP; ``RANK:STEP:hang`` makes it stop answering (sleep) instead, which
-    the others notice through the process-group timeout. [] when the variable is unset."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return []
-    parts = spec.split(":")
-    try:
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("kill", "hang")):
-            raise ValueError
-        r, s = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV} must be RANK:STEP[:kill|hang] (e.g. 1:2), got {spec!r}") from None
-    how = parts[2] if len(parts) == 3 else "kill"
-    if get_info().rank != r:
-        return []
-    from szo.train.callbacks import Callback
-
-    class _Fault(Callback):
-        def on_step_end(self, step: int, epoch: int, loss: float) -> None:
-            if step != s:
-                return
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            import time
-
-            while True:
-                time.sleep(1.0)
-
-    return [_Fault()]

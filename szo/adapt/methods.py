@@ -53,7 +53,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.losses import entropy_loss
 from szo.optim import build_optimizer
-from szo.optim.bn import BNStatsFreezer
+from szo.zo.bn import BNStatsFreezer
 
 __all__ = [
     "METHODS",

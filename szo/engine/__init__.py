@@ -2,16 +2,10 @@
 
 >>> from szo.engine import BatchedEvaluator
 >>> ev = BatchedEvaluator(model, tet_loss)
->>> losses = ev.losses(x, y, (theta0, P_t, U, mu))   # == SZO.evaluate_plan, one folded forward
-"""
-from .batched import (
-    ENGINES,
-    BatchedEvaluator,
-    BatchedPlanEvaluator,
-    available_memory_bytes,
-    batch_closure,
-    make_plan_evaluator,
-)
+>>> losses = ev.losses(x, y, (theta0, P_t, U, mu))   # == the probe loop's losses, one folded forward
 
-__all__ = ["ENGINES", "BatchedEvaluator", "BatchedPlanEvaluator", "available_memory_bytes", "batch_closure",
-           "make_plan_evaluator"]
+``BatchedProbeEvaluator`` is the same engine as a ``szo.zo`` probe evaluator (``SZO(engine="batched")``).
+"""
+from .batched import ENGINES, BatchedEvaluator, BatchedProbeEvaluator, available_memory_bytes, batch_closure
+
+__all__ = ["ENGINES", "BatchedEvaluator", "BatchedProbeEvaluator", "available_memory_bytes", "batch_closure"]

@@ -41,9 +41,9 @@ falls back to a per-copy loop, so it is not faster than the sequential loop; it 
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import weakref
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as Fn
@@ -52,13 +52,15 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
-from ..models.streaming import _bn_momentum
-from ..optim.bn import BNStatsFreezer
+from ..models.streaming import bn_momentum
+from ..zo.bn import BNStatsFreezer
+from ..zo.guard import ProbeGuard
+from ..zo.plans import Plan
+from ..zo.space import SubspaceSpace
 
-__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "make_plan_evaluator", "BatchedPlanEvaluator",
-           "available_memory_bytes"]
+__all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "BatchedProbeEvaluator", "available_memory_bytes"]
 
-ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is SZO.evaluate_plan, "batched" this module
+ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is szo.zo.LoopEvaluator, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # the parameterised leaves the engine can fold; every other leaf must have no parameters and
@@ -157,13 +159,13 @@ def _bn_forward(mod: _BatchNorm, ctx: _Ctx, x: torch.Tensor) -> torch.Tensor:
         # [m*C] copy per folded forward, updated in place, summed per copy after the forward
         ctx.bn_running[mod] = (mod.running_mean.repeat(m), mod.running_var.repeat(m))
     rm, rv = ctx.bn_running.get(mod, (None, None))
-    stream = getattr(mod, "_szo_stream", None)
+    stream = getattr(mod, "stream_policy", None)
     if stream is not None:
         # chunked (streaming) forward: the model's stream_bn policy; the update lands in rm, rv
         # after the last chunk, num_batches_tracked is counted once by the evaluator
         return stream.apply(mod, x, w, b, rm, rv, count_batches=False)
     if tracked:
-        return Fn.batch_norm(x, rm, rv, w, b, True, _bn_momentum(mod), mod.eps)
+        return Fn.batch_norm(x, rm, rv, w, b, True, bn_momentum(mod), mod.eps)
     if use_batch_stats:
         return Fn.batch_norm(x, None, None, w, b, True, 0.0, mod.eps)
     return Fn.batch_norm(x, mod.running_mean.repeat(m), mod.running_var.repeat(m), w, b, False, 0.0, mod.eps)
@@ -350,11 +352,13 @@ class BatchedEvaluator:
 
     @torch.no_grad()
     def losses(self, x: torch.Tensor, y: torch.Tensor, thetas, loss_fn: LossFn | None = None, *,
-               update_bn: bool = True) -> torch.Tensor:
+               update_bn: bool = True, into: BNStatsFreezer | None = None) -> torch.Tensor:
         """Loss of ``(x, y)`` at each parameter vector; float64 ``[m]``.
 
         ``loss_fn``: this call's loss (default: the one given to the constructor).
-        ``update_bn``: False leaves the BN running statistics as they were.
+        ``update_bn``: False leaves the BN running statistics as they were. ``into``: a step's
+        ``BNStatsFreezer`` (snapshot taken) to add the copies' statistics to, for the caller to
+        commit (``update_bn`` is then ignored).
 
         ``thetas``: ``theta_batch [m, d]`` (flat layout order), or ``(theta0, P_t, U, mu)``
         meaning ``theta_j = theta0 + mu * P U[j]`` (``theta0 [d]`` or per-parameter tensors,
@@ -397,14 +401,17 @@ class BatchedEvaluator:
                     acc[0] += s_mean
                     acc[1] += s_var
             self.forward_passes += ctx.m
-        if update_bn:
-            # one BN update with the mean over the m copies: the optimizer's BNStatsFreezer does the
-            # arithmetic (snapshot + per-copy sums + commit), the same as for the sequential loop
+        if into is not None or update_bn:
+            # one BN update with the mean over the m copies: a BNStatsFreezer does the arithmetic
+            # (snapshot + per-copy sums + commit), the same as for the sequential loop
             per_step = [mod for mod in bn_sums if getattr(mod, "bn_time", "shared") == "per-step"]
             advance = x.shape[0] if per_step and x.dim() == 5 else (self._static_T() if per_step else 1)
-            self._bn.snapshot()
-            self._bn.add_probe_sums(bn_sums, m, advance)
-            self._bn.commit()
+            if into is not None:
+                into.add_probe_sums(bn_sums, m, advance)
+            else:
+                self._bn.snapshot()
+                self._bn.add_probe_sums(bn_sums, m, advance)
+                self._bn.commit()
         return losses
 
     def _static_T(self) -> int:
@@ -424,46 +431,68 @@ class BatchedEvaluator:
             reset_net(self.model)  # no folded-shape neuron state left for the next plain forward
 
 
-# ---------------------------------------------------------------------- optimizer hook
-class BatchedPlanEvaluator:
-    """``SZO(engine="batched")``'s probe evaluator: one folded forward per chunk of probes
-    ``theta + mu P U[j]``.
+# ---------------------------------------------------------------------- probe evaluator
+class BatchedProbeEvaluator:
+    """``SZO(engine="batched")``'s probe evaluator (a ``szo.zo`` probe evaluator): one folded forward
+    per chunk of a plan's probes ``theta + mu P U[j]`` in a :class:`~szo.zo.SubspaceSpace`.
 
-    ``fn(opt, U, batch=...)``: needs the batch instead of a closure, ``batch=(x, y)``
-    (``loss_fn`` given here) or ``(x, y, loss_fn)``. Counts ``opt.forward_passes`` like the
-    loop (one per probe).
+    It needs the batch instead of an opaque closure: ``closure.batch = (x, y, loss_fn)``
+    (:func:`batch_closure`; ``szo.train.fit`` sets it). BN statistics follow the step's
+    ``bn_update`` through the guard's ``BNStatsFreezer``, as the loop does. The probes do not call
+    the closure, so a trainer sees no train outputs from them (``sees_outputs`` False).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None, chunk: int | None = None):
-        self.evaluator = BatchedEvaluator(model, loss_fn, chunk=chunk)
-        self._checked_opt: weakref.ref | None = None  # the optimizer whose parameters were checked
+    distributed: str | None = None
+    sees_outputs = False
 
-    def __call__(self, opt, U: torch.Tensor, *, batch=None) -> torch.Tensor:
+    def __init__(self, guard: ProbeGuard, model: nn.Module, *, chunk: int | None = None):
+        if model is None:
+            raise ValueError("the batched engine needs the model")
+        self.guard = guard
+        self.evaluator = BatchedEvaluator(model, None, chunk=chunk)
+        self.bytes_communicated = 0
+        self._checked: SubspaceSpace | None = None  # the space whose parameters were checked
+
+    @property
+    def last_chunk(self) -> int | None:
+        """Copies per folded pass of the last step."""
+        return self.evaluator.last_chunk
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator["BatchedProbeEvaluator"]:
+        self.guard.bn.snapshot()
+        try:
+            yield self
+        except BaseException:
+            self.guard.bn.restore()
+            raise
+        self.guard.end_probes()
+
+    @torch.no_grad()
+    def run(self, closure: Callable[[], torch.Tensor], space: SubspaceSpace, plan: Plan, *,
+            label: str = "probe") -> torch.Tensor:
+        batch = getattr(closure, "batch", None)
         if batch is None:
-            raise ValueError("the batched engine needs batch=(x, y) or (x, y, loss_fn); a closure cannot be batched")
-        if getattr(opt, "distributed", None) is not None:
-            raise ValueError("the batched engine does not support distributed SZO yet; use engine='loop'")
-        if len(batch) == 3:
-            x, y, loss_fn = batch
-        elif len(batch) == 2:
-            (x, y), loss_fn = batch, None
-            if self.evaluator.loss_fn is None:
-                raise ValueError("batch=(x, y) needs loss_fn given to make_plan_evaluator; or pass (x, y, loss_fn)")
-        else:
-            raise ValueError(f"batch must be (x, y) or (x, y, loss_fn), got {len(batch)} items")
+            raise ValueError("engine='batched' needs the batch: pass szo.engine.batch_closure(model, loss_fn, x, y) "
+                             "or set closure.batch = (x, y, loss_fn)")
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 3):
+            raise ValueError(f"closure.batch must be (x, y, loss_fn), got {type(batch).__name__}")
+        x, y, loss_fn = batch
+        _check_loss_fn(loss_fn)
         ev = self.evaluator
-        if self._checked_opt is None or self._checked_opt() is not opt:  # once per optimizer, not per step
-            if [id(p) for p in opt._params] != [id(p) for p in ev.params]:
+        if self._checked is not space:  # once per space, not per step
+            if not isinstance(space, SubspaceSpace):
+                raise ValueError(f"the batched engine evaluates subspace plans; got a {type(space).__name__}")
+            if [id(p) for p in space.params] != [id(p) for p in ev.params]:
                 raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the "
                                  "engine's model")
-            self._checked_opt = weakref.ref(opt)
-        mu = opt.param_groups[0]["mu"]
-        theta0 = [p.detach() for p in opt._params]
-        guard = getattr(opt, "guard", None)
-        losses = ev.losses(x, y, (theta0, opt._Pt_views, U, mu), loss_fn,
-                           update_bn=guard is None or guard.probe_mean)
-        opt.forward_passes += U.shape[0]
-        return losses
+            self._checked = space
+        theta0 = [p.detach() for p in space.params]
+        return ev.losses(x, y, (theta0, space.basis_views, plan.dense(), plan.mu), loss_fn,
+                         update_bn=False, into=self.guard.bn if self.guard.probe_mean else None)
+
+    def unperturbed(self, closure: Callable[[], torch.Tensor]) -> float:
+        return self.guard.unperturbed_forward(closure)
 
 
 def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -477,18 +506,3 @@ def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.T
 
     closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]
     return closure
-
-
-def make_plan_evaluator(engine: str, model: nn.Module | None = None, *, loss_fn: LossFn | None = None,
-                        chunk: int | None = None) -> BatchedPlanEvaluator:
-    """The probe evaluator ``fn(opt, U, batch=...) -> losses [m]`` of ``SZO(engine="batched")``.
-
-    Only ``engine="batched"`` has one: ``engine="loop"`` is ``SZO.evaluate_plan(closure, U)``.
-    """
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
-    if engine != "batched":
-        raise ValueError(f"engine={engine!r} has no plan evaluator: SZO.evaluate_plan(closure, U) is the loop")
-    if model is None:
-        raise ValueError("the batched engine needs the model")
-    return BatchedPlanEvaluator(model, loss_fn, chunk)

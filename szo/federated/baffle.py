@@ -29,7 +29,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from szo.functional.zo import check_loss, rge_coefficients, sample_gaussian
+from torch import nn
+
+from szo.functional.zo import rge_coefficients, sample_gaussian
+from szo.zo import HostSpace, LoopEvaluator, ProbeGuard, rge_plan
 
 __all__ = ["FRAC_BITS", "dirichlet_split", "round_directions", "loss_differences", "stein_coordinates",
            "encode", "decode", "pairwise_masks", "aggregate"]
@@ -73,20 +76,31 @@ def round_directions(seed: int, K: int, k: int) -> torch.Tensor:
     return sample_gaussian(K, k, torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
 
 
-def loss_differences(loss_at: Callable[[torch.Tensor], "float | torch.Tensor"], theta: torch.Tensor,
-                     z: torch.Tensor, sigma: float, basis: torch.Tensor | None = None) -> torch.Tensor:
-    """``dL_k = L(theta + sigma u_k) - L(theta - sigma u_k)``, ``u_k = basis @ z_k`` (or ``z_k``), float64 ``[K]``.
+@torch.no_grad()
+def loss_differences(model: nn.Module, closure: Callable[[], torch.Tensor], point: torch.Tensor, z: torch.Tensor,
+                     sigma: float, *, to_params: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     basis: torch.Tensor | None = None) -> torch.Tensor:
+    """A client's ``dL_k = L(theta + sigma u_k) - L(theta - sigma u_k)``, float64 ``[K]``.
 
-    ``theta`` is the point the loss is evaluated around in parameter space (``[d]``)."""
+    ``theta = to_params(point)`` (default: ``point`` itself) in float64, ``u_k = basis @ z_k`` (or
+    ``z_k``); every probe loads ``theta +- sigma u_k`` into ``model``'s parameters (rounded once to
+    their dtype) and calls ``closure()`` (forward on the client's batch, mean loss). Composed from
+    the forward-only core: a parameter-side :class:`~szo.zo.HostSpace`, a two-sided RGE plan along
+    ``z`` (``+k``, ``-k`` for each direction in turn) and the loop evaluator. BN running statistics
+    are not frozen between the probes: a client resets them and sets ``momentum=None`` first, so
+    they end as the average over the round's probes (what it reports). The parameters are back at
+    ``theta`` afterwards.
+    """
     if not sigma > 0:
         raise ValueError(f"sigma must be > 0, got {sigma}")
-    out = torch.empty(z.shape[0], dtype=torch.float64)
-    for j, zj in enumerate(z):
-        u = (basis.to(torch.float64) @ zj if basis is not None else zj).to(theta.dtype)
-        lp = check_loss(loss_at(theta + sigma * u), f"loss (direction {j + 1}, +)")
-        lm = check_loss(loss_at(theta - sigma * u), f"loss (direction {j + 1}, -)")
-        out[j] = lp - lm
-    return out
+    space = HostSpace(model, to_params if to_params is not None else (lambda c: c), point.to(torch.float64),
+                      probe="params", basis=None if basis is None else basis.to(torch.float64))
+    plan = rge_plan(z, sigma, interleaved=True)
+    evaluator = LoopEvaluator(ProbeGuard(model, "BAFFLE client", freeze_bn=False))
+    with evaluator.session():
+        losses = evaluator.run(closure, space, plan, label="direction")
+    lp, lm = plan.pairs(losses)
+    return lp - lm
 
 
 def stein_coordinates(delta: torch.Tensor, z: torch.Tensor, sigma: float) -> torch.Tensor:

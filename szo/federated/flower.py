@@ -85,7 +85,7 @@ class _Task:
     """What server and clients both build from the recipe: model, loss, subspace (basis, reference)."""
 
     def __init__(self, cfg: Mapping[str, Any], space: str) -> None:
-        from szo.optim.bn import bn_layers
+        from szo.zo.bn import bn_layers
         from szo.pipeline import _loss, build_model, subspace_store_for
 
         self.model = build_model(cfg)
@@ -97,8 +97,10 @@ class _Task:
         self.bn = bn_layers(self.model)
         self.model.load_flat_params(self.reference.float())
 
-    def theta(self, params: np.ndarray) -> torch.Tensor:
-        p = torch.from_numpy(np.asarray(params, dtype=np.float64))
+    def theta(self, params: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """The parameters (float64 ``[d]``) at the server's coordinates (the subspace's, or the full space's)."""
+        p = params.to(torch.float64) if isinstance(params, torch.Tensor) \
+            else torch.from_numpy(np.asarray(params, dtype=np.float64))
         return self.reference + self.basis @ p if self.basis is not None else p
 
     def bn_stats(self) -> np.ndarray:
@@ -153,13 +155,9 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
                 m.reset_running_stats()
                 m.momentum = None
 
-            def loss_at(theta: torch.Tensor) -> torch.Tensor:
-                model.load_flat_params(theta.float())
-                with torch.no_grad():
-                    return task.loss_fn(model(x), y)
-
-            theta = task.theta(parameters[0])
-            delta = B.loss_differences(loss_at, theta, z, fc.sigma, task.basis)
+            point = torch.from_numpy(np.asarray(parameters[0], dtype=np.float64))
+            delta = B.loss_differences(model, lambda: task.loss_fn(model(x), y), point, z, fc.sigma,
+                                       to_params=task.theta, basis=task.basis)
             words = B.encode(delta.numpy() * n_local / int(config["n_total"]))
             if fc.secure:
                 with np.errstate(over="ignore"):

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .zo import cge, check_loss, rge, rge_coefficients, sample_gaussian
+from .zo import cge, rge
 
 __all__ = ["cosine", "estimate_statistics", "rge_variance_closed_form", "draw_estimates"]
 
@@ -89,18 +89,6 @@ def estimate_statistics(estimates: torch.Tensor, grad: torch.Tensor,
     return out
 
 
-def _full_space_rge(loss_fn, theta: torch.Tensor, mu: float, q: int, generator) -> torch.Tensor:
-    # rge() with directions = I_d, without building the d x d identity
-    if mu <= 0:
-        raise ValueError(f"mu must be > 0, got {mu}")
-    if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-        raise ValueError(f"q must be >= 1, got {q}")
-    z = sample_gaussian(q, theta.numel(), generator, dtype=theta.dtype)
-    lp = torch.tensor([check_loss(loss_fn(theta + mu * u), "loss_fn") for u in z], dtype=torch.float64)
-    lm = torch.tensor([check_loss(loss_fn(theta - mu * u), "loss_fn") for u in z], dtype=torch.float64)
-    return rge_coefficients(lp, lm, z, mu)
-
-
 def draw_estimates(loss_fn: Callable[[torch.Tensor], "float | torch.Tensor"], theta: torch.Tensor,
                    directions: torch.Tensor | None, mu: float, *, estimator: str, q: int = 1, repeats: int = 1,
                    generator: torch.Generator | None = None) -> torch.Tensor:
@@ -114,6 +102,4 @@ def draw_estimates(loss_fn: Callable[[torch.Tensor], "float | torch.Tensor"], th
     if estimator == "cge":
         dirs = torch.eye(theta.numel(), dtype=theta.dtype) if directions is None else directions
         return cge(loss_fn, theta, dirs, mu)[None, :]
-    if directions is None:
-        return torch.stack([_full_space_rge(loss_fn, theta, mu, q, generator) for _ in range(repeats)])
     return torch.stack([rge(loss_fn, theta, directions, mu, q, generator) for _ in range(repeats)])

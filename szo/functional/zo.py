@@ -131,15 +131,19 @@ def sample_gaussian(q: int, k: int, generator: torch.Generator | None, dtype=tor
     return torch.randn(q, k, generator=generator, dtype=dtype)
 
 
-def _validate(theta: torch.Tensor, directions: torch.Tensor, mu: float) -> None:
+def _validate(theta: torch.Tensor, directions: torch.Tensor | None, mu: float) -> int:
+    """The dimension k of the directions (``None``: the identity, k = d)."""
     if mu <= 0:
         raise ValueError(f"mu must be > 0, got {mu}")
+    if directions is None:
+        return theta.numel()
     if directions.dim() != 2 or directions.shape[0] != theta.numel():
         raise ValueError(
             f"directions must be [d, k] with d = theta.numel() = {theta.numel()}, got {tuple(directions.shape)}"
         )
     if directions.shape[1] == 0:
         raise ValueError("directions must have at least one column (k >= 1)")
+    return directions.shape[1]
 
 
 def cge(loss_fn: LossFn, theta: torch.Tensor, directions: torch.Tensor, mu: float) -> torch.Tensor:
@@ -158,23 +162,27 @@ def cge(loss_fn: LossFn, theta: torch.Tensor, directions: torch.Tensor, mu: floa
 def rge(
     loss_fn: LossFn,
     theta: torch.Tensor,
-    directions: torch.Tensor,
+    directions: torch.Tensor | None,
     mu: float,
     q: int,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """RGE with ``z ~ N(0, I_k)`` mapped through ``directions`` (eq. 4, SZO-RGE in eq. 5): 2q evaluations."""
-    _validate(theta, directions, mu)
+    """RGE with ``z ~ N(0, I_k)`` mapped through ``directions`` (eq. 4, SZO-RGE in eq. 5): 2q evaluations.
+
+    ``directions=None`` is the full space (the identity, never materialised): ``u = z``, ``k = d``.
+    """
+    k = _validate(theta, directions, mu)
     if q < 1:
         raise ValueError(f"q must be >= 1, got {q}")
-    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype)
+    z = sample_gaussian(q, k, generator, dtype=theta.dtype if directions is None else directions.dtype)
     lp = torch.empty(q, dtype=torch.float64)
     lm = torch.empty(q, dtype=torch.float64)
     for j in range(q):
-        u = directions @ z[j]
+        u = z[j] if directions is None else directions @ z[j]
         lp[j] = check_loss(loss_fn(theta + mu * u), "loss_fn")
         lm[j] = check_loss(loss_fn(theta - mu * u), "loss_fn")
-    return directions @ rge_coefficients(lp, lm, z, mu)
+    coef = rge_coefficients(lp, lm, z, mu)
+    return coef if directions is None else directions @ coef
 
 
 def one_point(

@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from szo.hw.convert import FixedPointNetwork, to_fixed
-from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, right_shift_to_zero, saturate
-from szo.functional.zo import check_loss, forward_difference_coefficients
-from szo.hw.xorshift import XorShift32
-from szo.optim.probes import check_hparams
+from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
+from szo.functional.xorshift import XorShift32
+from szo.train.trainer import evaluate_sums
+from szo.zo import (Field, ForwardOnlyBase, HostSpace, LoopEvaluator, Plan, ProbeGuard, StateCodec, cge_plan,
+                    check_hparams, integer_heavy_ball, one_point_plan, quantized_zo_update, rademacher_rows, rge_plan)
 
 __all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "OnChipSZO", "quantized_zo_update", "basis_error", "dequantize_basis", "evaluate_fixed",
            "learner_state_bits", "quantize_basis", "quantized_subspace"]
@@ -38,30 +39,6 @@ MOMENTUM_SHIFT: int = 8
 """The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
 ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
 ON_CHIP_RULES: tuple[str, ...] = ("momentum", "eq8")
-
-
-def quantized_zo_update(theta_int: torch.Tensor, grad: torch.Tensor, *, lr: float, scale: float, n: int, q: int,
-                        d: int, bits: int, counter: SaturationCounter | None = None, layer: str = "",
-                        quantity: str = "") -> torch.Tensor:
-    """Seed-004 eq. 8: ``clip(theta_int - round(N Q / (N Q + d - 1) * lr / s**2 * grad), -Q_N, Q_P)``.
-
-    ``theta_int``: the integer (quantised, scaled) variables, int64; ``grad``: the ZO estimate of
-    the gradient with respect to them (eq. 6, loss per integer unit); ``scale`` = ``s``, the value
-    of one integer unit (quantization-aware scaling ``1 / s**2``, App. B); ``n * q`` perturbed
-    evaluations over ``d`` variables (gradient-norm scaling ``NQ / (NQ + d - 1)``, Sec. 3.1.2);
-    ``bits``: the signed width, ``-Q_N = -2**(bits-1)``, ``Q_P = 2**(bits-1) - 1``. Rounding is to
-    nearest (ties to even); clipped elements are counted in ``counter``.
-    """
-    if not isinstance(theta_int, torch.Tensor) or theta_int.dtype != torch.int64:
-        raise ValueError("theta_int must be an int64 tensor (the quantised variables)")
-    for name, v in (("n", n), ("q", q), ("d", d)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if not scale > 0 or not lr >= 0:
-        raise ValueError(f"need scale > 0 and lr >= 0, got scale={scale}, lr={lr}")
-    factor = n * q / (n * q + d - 1) * lr / scale ** 2
-    step = torch.round(factor * grad.to(torch.float64)).to(torch.int64)  # [.]: round to nearest
-    return saturate(theta_int - step, bits, counter, layer, quantity)  # clip(., -Q_N, Q_P)
 
 
 def learner_state_bits(d: int, k: int, *, basis_bits: int = 8, coord_bits: int = 32,
@@ -133,31 +110,42 @@ def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision |
 
     ``model``: a :class:`FixedPointNetwork` or a szo model (converted with ``to_fixed``).
     ``loader`` yields ``(x, y)`` batches; they are moved to ``device`` (default: the network's).
-    The evaluation loop is the trainer's (``szo.train.trainer._evaluate_sums``).
+    The evaluation loop is the trainer's (``szo.train.evaluate_sums``).
     """
-    from szo.train.trainer import _evaluate_sums
-
     net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
     if device is None:
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
-    _, correct, seen = _evaluate_sums(_IntegerReadout(net), loader, lambda out, y: 0.0, device)
+    _, correct, seen = evaluate_sums(_IntegerReadout(net), loader, lambda out, y: 0.0, device)
     if seen == 0:
         raise ValueError("loader yielded no samples")
     return correct / seen
 
 
-class OnChipSZO(torch.optim.Optimizer):
+def _check_coords(opt: "OnChipSZO", section: dict) -> None:
+    c = section.get("c")
+    if c is None or tuple(c.shape) != (opt.k,):
+        got = "none" if c is None else f"k = {c.shape[0]}"
+        raise ValueError(f"optimizer state has {got} coordinates, this optimizer has k = {opt.k}")
+
+
+class OnChipSZO(ForwardOnlyBase):
     """Integer-state SZO driving a (fixed-point) model's float master parameters.
 
-    A ``torch.optim.Optimizer`` (forward-only, like ``szo.optim.SZO``), so ``szo.train.fit``,
+    A forward-only ``torch.optim.Optimizer`` (like ``szo.optim.SZO``), so ``szo.train.fit``,
     LR schedulers and checkpoints drive it: ``step(closure)`` runs the probes (each: set
     theta = deq(theta_ref_q) + deq(P) c_probe, call ``closure()``), estimates the coordinate
     gradient and applies the integer update ``delta <- round(-lr g 2**f) + (delta * m_int >> 8)``,
     ``c <- sat(c + delta)``. ``lr`` is read from ``param_groups[0]`` each step (host-side
     schedule); everything the chip keeps between steps is an integer (:meth:`state_bits`).
+
+    Composed from the forward-only core: a :class:`~szo.zo.HostSpace` over the integer
+    coordinates (probes saturated, loaded as float32 parameters), CGE / XORShift32-Rademacher /
+    one-point plans, the loop evaluator, and the integer update rules of ``szo.zo.update``.
     """
 
-    forward_only = True
+    codecs = (StateCodec("on_chip", (Field("c", "int64"), Field("delta", "int64"), Field("rng_state", "xorshift", "rng"),
+                                     Field("forward_passes", "int", default=0), Field("step_count", "int", default=0)),
+                         check=_check_coords),)
 
     def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
                  mu_lsb: int = 1 << 12, estimator: str = "cge", q: int = 1, seed: int = 1,
@@ -177,7 +165,7 @@ class OnChipSZO(torch.optim.Optimizer):
             raise ValueError(f"need 8 <= coord_bits <= 48 and 0 <= coord_frac < coord_bits, got {coord_bits}, {coord_frac}")
         if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
             raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
-        theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host, as _P
+        theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host
         if subspace.basis.shape[0] != theta.numel():
             raise ValueError(f"subspace d = {subspace.basis.shape[0]} does not match the model's d = {theta.numel()}")
         super().__init__(model.parameters(), dict(lr=float(lr), momentum=float(momentum)))
@@ -187,18 +175,29 @@ class OnChipSZO(torch.optim.Optimizer):
         self.coord_bits, self.coord_frac = coord_bits, coord_frac
         self.basis_bits, self.ref_bits = basis_bits, ref_bits
         P_int, self.P_scale = quantize_basis(subspace.basis.detach().cpu(), basis_bits)
-        self._P = dequantize_basis(P_int, self.P_scale)  # the values the integer P stands for
-        del P_int  # [d, k] int64: only _P is used (the chip's int P is what _P stands for)
-        self.d, self.k = self._P.shape
+        self.P = dequantize_basis(P_int, self.P_scale)  # the values the chip's int P stands for
+        del P_int  # [d, k] int64: only P is used
+        self.d, self.k = self.P.shape
         self.counter = SaturationCounter()
         self.theta_ref = self._quantize_ref(model, theta)
         self.momentum_int = int(round(momentum * (1 << MOMENTUM_SHIFT)))
-        self.c = torch.zeros(self.k, dtype=torch.int64)
         self.delta = torch.zeros(self.k, dtype=torch.int64)
         self.rng = XorShift32(seed)
-        self.forward_passes = 0
         self.step_count = 0
-        self._load(self.c)
+        self.space = HostSpace(model, self.parameters_at, torch.zeros(self.k, dtype=torch.int64), probe="coords",
+                               clip=lambda c: saturate(c, self.coord_bits, self.counter, "coords", "probe"))
+        # the fixed-point forward keeps no BN statistics to freeze; its neurons are reset before every probe
+        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "OnChipSZO", freeze_bn=False)))
+        self.space.load(self.c)
+
+    @property
+    def c(self) -> torch.Tensor:
+        """The integer coordinates (int64 ``[k]``; c = c_int / 2**coord_frac)."""
+        return self.space.c
+
+    @c.setter
+    def c(self, value: torch.Tensor) -> None:
+        self.space.c = value
 
     @property
     def lr(self) -> float:
@@ -208,25 +207,9 @@ class OnChipSZO(torch.optim.Optimizer):
     def momentum(self) -> float:
         return float(self.param_groups[0]["momentum"])
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["on_chip"] = {"c": self.c.clone(), "delta": self.delta.clone(),
-                         "rng_state": torch.tensor([self.rng.state], dtype=torch.int64),
-                         "forward_passes": self.forward_passes, "step_count": self.step_count}
-        return sd
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("on_chip", None)
         super().load_state_dict(state_dict)
-        if extra is not None:
-            c = extra["c"].to(torch.int64)
-            if c.shape != (self.k,):
-                raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {self.k}")
-            self.c, self.delta = c, extra["delta"].to(torch.int64)
-            self.rng.state = int(extra["rng_state"][0])
-            self.forward_passes, self.step_count = int(extra["forward_passes"]), int(extra["step_count"])
-            self._load(self.c)
+        self.space.load(self.c)
 
     def _quantize_ref(self, model: nn.Module, theta: torch.Tensor) -> torch.Tensor:
         """theta_ref as ``ref_bits`` mantissas with one exponent per parameter tensor (what the chip stores).
@@ -254,72 +237,45 @@ class OnChipSZO(torch.optim.Optimizer):
         """c as float64 (c_int / 2**coord_frac)."""
         return self.c.to(torch.float64) / (1 << self.coord_frac)
 
-    def _load(self, c_int: torch.Tensor) -> None:
-        theta = self.theta_ref + self._P @ (c_int.to(torch.float64) / (1 << self.coord_frac))
-        self.model.load_flat_params(theta.to(torch.float32))
+    def parameters_at(self, c_int: torch.Tensor) -> torch.Tensor:
+        """The model's parameters (float64 ``[d]``) at integer coordinates ``c_int``."""
+        return self.theta_ref + self.P @ (c_int.to(torch.float64) / (1 << self.coord_frac))
 
-    def _directions(self) -> torch.Tensor:
+    def plan(self) -> Plan:
+        """This step's probes in integer coordinate units (``mu_lsb`` LSBs): CGE (``+-e_i``,
+        interleaved), Rademacher ``+-z_j`` (one XORShift32 draw seeds the step: regenerated, not
+        stored), or for ``rule="eq8"`` the centre and ``+z_j`` (eq. 6)."""
         if self.estimator == "cge":
-            return torch.eye(self.k, dtype=torch.int64)
-        # one 32-bit draw per step seeds the step's perturbations; they are regenerated, not stored
-        step_seed = self.rng.next()
-        g = XorShift32(step_seed)
-        return torch.stack([g.rademacher(self.k) for _ in range(self.q)])
+            return cge_plan(self.k, self.mu_lsb, interleaved=True)
+        Z = rademacher_rows(self.rng, self.q, self.k).to(torch.float64)
+        if self.rule == "eq8":
+            return one_point_plan(Z, self.mu_lsb)
+        return rge_plan(Z, self.mu_lsb, interleaved=True, accumulate="matmul")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
             raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
-        Z = self._directions()  # [m, k] integer directions
-        if self.rule == "eq8":
-            return self._step_eq8(closure, Z)
-        plus, minus = [], []
-        try:
-            for z in Z:
-                for sign, store in ((1, plus), (-1, minus)):
-                    probe = saturate(self.c + sign * self.mu_lsb * z, self.coord_bits, self.counter, "coords", "probe")
-                    self._load(probe)
-                    store.append(check_loss(closure(), f"closure (probe {self.forward_passes + 1})"))
-                    self.forward_passes += 1
-        except BaseException:
-            self._load(self.c)  # a failed probe leaves the parameters at c, not at the probe
-            raise
-        lp, lm = torch.tensor(plus, dtype=torch.float64), torch.tensor(minus, dtype=torch.float64)
-        mu = self.mu_lsb / (1 << self.coord_frac)
-        g = ((lp - lm) / (2 * mu)) @ Z.to(torch.float64)  # coordinate gradient estimate
-        if self.estimator == "rademacher":
-            g = g / self.q
-        step_int = torch.round(-self.lr * g * (1 << self.coord_frac)).to(torch.int64)  # round to nearest LSB
-        step_int = saturate(step_int, self.coord_bits, self.counter, "coords", "step")
-        mom = right_shift_to_zero(self.delta * self.momentum_int, MOMENTUM_SHIFT)  # toward zero
-        self.delta = saturate(step_int + mom, self.coord_bits, self.counter, "coords", "delta")
-        self.c = saturate(self.c + self.delta, self.coord_bits, self.counter, "coords", "c")
+        plan = self.plan()
+        with self.evaluator.session():
+            losses = self.evaluator.run(closure, self.space, plan)
+        g = plan.estimate(losses)  # per integer unit of c
+        if self.rule == "eq8":  # seed 004: eq. 8 on c, no momentum (no optimizer state)
+            self.c = quantized_zo_update(self.c, g, lr=self.lr, scale=2.0 ** -self.coord_frac, n=1, q=self.q,
+                                         d=self.k, bits=self.coord_bits, counter=self.counter, layer="coords",
+                                         quantity="c")
+            fallback = float(losses[0])
+        else:
+            g = g * (1 << self.coord_frac)  # per unit of c = c_int / 2**f
+            self.delta = integer_heavy_ball(self.delta, g, lr=self.lr, frac_bits=self.coord_frac,
+                                            momentum_int=self.momentum_int, shift=MOMENTUM_SHIFT,
+                                            bits=self.coord_bits, counter=self.counter)
+            self.c = saturate(self.c + self.delta, self.coord_bits, self.counter, "coords", "c")
+            lp, lm = plan.pairs(losses)
+            fallback = float((lp.mean() + lm.mean()) / 2)
         self.step_count += 1
-        self._load(self.c)
-        return torch.tensor(float((lp.mean() + lm.mean()) / 2))
-
-    def _probe(self, closure, c_int: torch.Tensor) -> float:
-        self._load(c_int)
-        out = check_loss(closure(), f"closure (probe {self.forward_passes + 1})")
-        self.forward_passes += 1
-        return out
-
-    def _step_eq8(self, closure, Z: torch.Tensor) -> torch.Tensor:
-        """Seed-004 quantized ZO: eq. 6 (one-sided, mu = mu_lsb integer units), then eq. 8 on c."""
-        try:
-            l0 = self._probe(closure, self.c)
-            lq = [self._probe(closure, saturate(self.c + self.mu_lsb * z, self.coord_bits, self.counter,
-                                                "coords", "probe")) for z in Z]
-        except BaseException:
-            self._load(self.c)
-            raise
-        g = forward_difference_coefficients(torch.tensor(lq, dtype=torch.float64), l0, Z.to(torch.float64),
-                                            float(self.mu_lsb))  # per integer unit of c
-        self.c = quantized_zo_update(self.c, g, lr=self.lr, scale=2.0 ** -self.coord_frac, n=1, q=self.q, d=self.k,
-                                     bits=self.coord_bits, counter=self.counter, layer="coords", quantity="c")
-        self.step_count += 1
-        self._load(self.c)
-        return torch.tensor(l0)
+        self.space.load(self.c)
+        return self.finish_step(closure, losses, fallback, plan.m)
 
     def state_bits(self) -> dict[str, int]:
         """On-chip learner state in bits (P, scales, theta_ref, c, delta, seed): :func:`learner_state_bits`

@@ -80,7 +80,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from szo.models.base import SpikingModel
 
 __all__ = ["STREAM_BN_MODES", "BN_TIMES", "check_bn_time", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
-           "chunked_forward", "batch_stat_bn_layers"]
+           "chunked_forward", "batch_stat_bn_layers", "bn_momentum"]
 
 STREAM_BN_MODES: tuple[str, ...] = ("exact", "running", "chunk")
 """Policies for train-mode BatchNorm in a chunked forward (see the module docstring)."""
@@ -115,7 +115,7 @@ def check_stream_bn(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-def _bn_momentum(mod: _BatchNorm) -> float:
+def bn_momentum(mod: _BatchNorm) -> float:
     """Factor of ``mod``'s next running-statistics update: ``momentum``, or with ``momentum=None``
     (cumulative average) ``1 / (num_batches_tracked + 1)``. The buffer is read only in that
     case, as torch's ``_BatchNorm.forward`` does: reading it on CUDA synchronises the device."""
@@ -209,7 +209,7 @@ class BNStream:
         rm, rv, count = self.target
         if not (mod.training and mod.track_running_stats) or rm is None or rv is None:
             return
-        factor = _bn_momentum(mod)
+        factor = bn_momentum(mod)
         if count:
             mod.num_batches_tracked.add_(1)
         unbiased = self.m2 / max(self.n - 1.0, 1.0)
@@ -221,7 +221,7 @@ class BatchNorm2d(layer.BatchNorm2d):
     """SpikingJelly ``layer.BatchNorm2d`` that a chunked forward can drive (``stream_bn``), with
     a choice of BN over time (``bn_time``, ``BN_TIMES``).
 
-    ``bn_time="shared"`` (default): outside a chunked forward (``_szo_stream is None``) it is
+    ``bn_time="shared"`` (default): outside a chunked forward (``stream_policy is None``) it is
     exactly the SpikingJelly layer; same parameters, buffers and state_dict keys.
     ``bn_time="per-step"`` (multi-step mode): ``[T, N, C, H, W]`` is normalised one time step
     at a time, ``y[t] = BN(x[t])``, as a single-step BN called in a loop over T: train mode
@@ -229,7 +229,7 @@ class BatchNorm2d(layer.BatchNorm2d):
     forward. Eval mode (running statistics) computes the same function either way.
     """
 
-    _szo_stream: BNStream | None = None
+    stream_policy: BNStream | None = None
     bn_time: str = "shared"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +242,7 @@ class BatchNorm2d(layer.BatchNorm2d):
     def super_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The BN on ``[B, C, H, W]`` (SpikingJelly's ``forward`` merges T and N into B in
         multi-step mode): the policy of the chunked forward, else ``nn.BatchNorm2d``'s."""
-        st = self._szo_stream
+        st = self.stream_policy
         if st is None:
             return super().super_forward(x)
         return st.apply(self, x, self.weight, self.bias, self.running_mean, self.running_var)
@@ -287,7 +287,7 @@ def chunked_forward(model: SpikingModel, x: torch.Tensor, *, static: bool, T: in
     names = {m: n for n, m in live}
     try:
         for m, st in streams.items():
-            m._szo_stream = st
+            m.stream_policy = st
         while True:
             outs: list[torch.Tensor] = []
             stopped = False
@@ -315,4 +315,4 @@ def chunked_forward(model: SpikingModel, x: torch.Tensor, *, static: bool, T: in
         return torch.cat(outs, 0)
     finally:
         for m in streams:
-            m._szo_stream = None
+            m.stream_policy = None

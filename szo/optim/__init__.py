@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, LAYERWISE_METHODS, METHODS, QZO_METHODS, SUBSPACE_METHODS
+from szo.models.tt import tt_layers
+from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
 
-from .bn import BN_UPDATES, BNStatsFreezer, bn_layers
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
-from .probes import START_POINTS
 from .layerwise import LayerwiseZO
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .tt import HybridZO
@@ -34,6 +34,8 @@ __all__ = [
     "BN_UPDATES",
     "START_POINTS",
     "check_layout",
+    "ForwardOnlyOptimizer",
+    "StepInfo",
     "METHODS",
     "SUBSPACE_METHODS",
     "DISTRIBUTED_METHODS",
@@ -83,7 +85,7 @@ def build_optimizer(
     CGE phase's, ``tt`` holds the signRGE phase and switch options (``sign_lr``, ``sign_q``,
     ``sign_mu``, ``window``, ``tol``, ``switch_step``).
 
-    ``bn_update`` (``szo.optim.bn``): ``"recompute"`` or ``"probe-mean"``, for the ZO methods
+    ``bn_update`` (``szo.zo.bn``): ``"recompute"`` or ``"probe-mean"``, for the ZO methods
     (``szo-*``, ``zo-*``, ``tt-zo``, ``np-zo`` / ``wp-zo`` / ``awp-zo``); the forward-gradient
     methods' JVP primal is itself an unperturbed forward of theta_t, which updates the statistics.
     ``start`` (subspace methods): ``"reference"`` moves the parameters to ``subspace.reference``
@@ -140,8 +142,6 @@ def build_optimizer(
             raise ValueError(f"method 'asyncfgd' uses no weight decay (seed 001, Algorithm 1); got weight_decay={weight_decay}")
         return AsyncFGD(model, stages=2 if stages is None else stages, lr=lr, momentum=momentum, generator=generator)
     if method == "tt-zo":
-        from szo.models.tt import tt_layers
-
         if not tt_layers(model):
             raise ValueError("method 'tt-zo' trains TT cores: TT-parameterise the model first "
                              "(szo.models.tt.tt_parametrize(model, rank=...))")

@@ -32,30 +32,18 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-import torch.autograd.forward_ad as fwAD
-from spikingjelly.activation_based import functional as sjf
 from torch import nn
-from torch.func import functional_call
+
+from szo.zo import (Field, ForwardOnlyBase, JVPEvaluator, ParamSpace, StateCodec, check_hparams, gaussian_rows,
+                    heavy_ball_, jvp_closure)
 
 from ..asyncfgd import split_stages, stage_tangent
 from ..functional import zo as F
 from ..models.forward_mode import jvp_neurons
-from .bn import BNStatsFreezer
-from .probes import CounterStateMixin, check_hparams, counter_state, load_counter_state
-from .subspace import SubspaceOptimizer
+from .subspace import _COORDS, _COUNTERS, SubspaceOptimizer, _check_k
+from .zo import COUNTERS
 
 __all__ = ["ForwardGradient", "SubspaceForwardGradient", "AsyncFGD", "jvp_closure"]
-
-
-class _CallClosure(nn.Module):
-    """``functional_call`` target: holds the model, its forward calls the user's closure."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, closure):
-        return closure()
 
 
 def _check_model(model: nn.Module | None, params: list[torch.Tensor], who: str) -> list[str]:
@@ -68,58 +56,19 @@ def _check_model(model: nn.Module | None, params: list[torch.Tensor], who: str) 
     return [n for n, _ in named]
 
 
-def jvp_closure(model: nn.Module, names: list[str], closure: Callable[[], torch.Tensor],
-                tangents: list[torch.Tensor], where: str = "closure") -> tuple[float, float]:
-    """``(L(theta), grad L . v)`` from one forward pass with tangent ``v`` (one tensor per parameter)."""
-    if getattr(model, "time_chunk", None) is not None:
-        raise ValueError("forward gradients need the multi-step forward: the JVP through a time-chunked "
-                         "(streaming) forward is not exact; call model.set_streaming(None)")
-    wrapper = _CallClosure(model)
-    with jvp_neurons(model), fwAD.dual_level():
-        duals = {f"model.{n}": fwAD.make_dual(p.detach(), t.to(p.dtype))
-                 for n, p, t in zip(names, model.parameters(), tangents)}
-        value = functional_call(wrapper, duals, (closure,))
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{where} must return the loss as a tensor for a forward gradient, "
-                             f"got {type(value).__name__}")
-        primal, tangent = fwAD.unpack_dual(value)
-        loss = F.check_loss(primal, where)
-        if tangent is None:
-            raise ValueError(f"{where}'s loss does not depend on the parameters in forward mode "
-                             "(did the closure detach it or call .item()?)")
-        return loss, F.check_loss(tangent, f"{where} (directional derivative)")
+def _jvp_evaluator(model: nn.Module, names: list[str], who: str) -> JVPEvaluator:
+    """The JVP evaluator with the LIF's forward-mode surrogate (``szo.models.forward_mode``)."""
+    return JVPEvaluator(model, names, who, dual_context=jvp_neurons)
 
 
-def _jvp_passes(opt, closure: Callable[[], torch.Tensor],
-                tangents: Callable[[int], list[torch.Tensor]]) -> tuple[list[float], torch.Tensor]:
-    """``opt.q`` JVP passes (losses, directional derivatives), BN statistics handled as in SZO."""
-    jvps = torch.empty(opt.q, dtype=torch.float64)
-    losses = []
-    opt.bn.snapshot()
-    try:
-        for j in range(opt.q):
-            opt.bn.restore()
-            lj, jvps[j] = jvp_closure(opt.model, opt._names, closure, tangents(j), f"closure (tangent {j + 1}/{opt.q})")
-            opt.forward_passes += 1
-            losses.append(lj)
-            opt.bn.accumulate()
-    except BaseException:
-        opt.bn.restore()
-        raise
-    opt.bn.commit()
-    return losses, jvps
-
-
-class ForwardGradient(CounterStateMixin, torch.optim.Optimizer):
+class ForwardGradient(ForwardOnlyBase):
     """Full-space forward gradient descent: ``v ~ N(0, I_d)``, heavy-ball update in parameter space.
 
     ``opt = ForwardGradient(model.parameters(), model=model, lr=1e-3, q=1)``;
     ``loss = opt.step(lambda: loss_fn(model(x), y))``.
     """
 
-    _state_key = "fg"  # state_dict()["fg"]: generator, forward count
-
-    forward_only = True
+    codecs = (StateCodec("fg", COUNTERS),)  # state_dict()["fg"]: generator, forward count
 
     def __init__(self, params: Iterable[torch.Tensor], *, model: nn.Module, lr: float = 1e-3,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
@@ -127,64 +76,47 @@ class ForwardGradient(CounterStateMixin, torch.optim.Optimizer):
         if not params:
             raise ValueError("optimizer got an empty parameter list")
         check_hparams(lr=lr, momentum=momentum, q=q)
-        self._names = _check_model(model, params, "ForwardGradient")
+        names = _check_model(model, params, "ForwardGradient")
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.model = model
         self.q = q
-        self.d = sum(p.numel() for p in params)
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.bn = BNStatsFreezer(model)
-        self.forward_passes = 0
+        self.space = ParamSpace(params)
+        self.d = self.space.d
+        self._init_forward_only(_jvp_evaluator(model, names, "ForwardGradient"), generator)
         self.state[params[0]]["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
-
-    @property
-    def _params(self) -> list[torch.Tensor]:
-        return self.param_groups[0]["params"]
 
     @property
     def forwards_per_step(self) -> int:
         return self.q
 
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, off = [], 0
-        for p in self._params:
-            out.append(flat[off : off + p.numel()].view_as(p))
-            off += p.numel()
-        return out
-
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
             raise ValueError("ForwardGradient.step needs a closure that runs a forward pass and returns the loss")
-        p0 = self._params[0]
-        z = F.sample_gaussian(self.q, self.d, self.generator, dtype=torch.float32)
-        losses, jvps = _jvp_passes(self, closure, lambda j: self._split(z[j].to(device=p0.device, dtype=p0.dtype)))
-        g = F.forward_gradient_coefficients(jvps, z).to(device=p0.device, dtype=p0.dtype)
+        sp = self.space
+        z = gaussian_rows(self.q, self.d, self.generator, dtype=torch.float32)
+        with self.evaluator.session():
+            losses, jvps = self.evaluator.run(closure, lambda j: sp.split(z[j].to(device=sp.device, dtype=sp.dtype)),
+                                              self.q)
+        g = F.forward_gradient_coefficients(jvps, z).to(device=sp.device, dtype=sp.dtype)
         group = self.param_groups[0]
-        vel = self.state[p0]["velocity"]
-        vel.mul_(group["momentum"]).add_(g, alpha=-group["lr"])
-        for p, dv in zip(self._params, self._split(vel)):
-            p.add_(dv)
-        return torch.tensor(sum(losses) / len(losses))
+        sp.add_(heavy_ball_(self.state[sp.params[0]]["velocity"], g, lr=group["lr"], momentum=group["momentum"]))
+        return self.finish_step(closure, losses, sum(losses.tolist()) / self.q, self.q)
 
 
-
-class SubspaceForwardGradient(SubspaceOptimizer):
+class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
     """Forward gradient in the trajectory subspace: tangents ``P z``, ``z ~ N(0, I_k)``; SZO's eq. (6) on c."""
 
-    forward_only = True
+    codecs = (StateCodec("subspace", _COORDS + _COUNTERS, check=_check_k),)
 
     def __init__(self, params: Iterable[torch.Tensor], subspace, *, model: nn.Module, lr: float = 1.0,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
         params = list(params)
         check_hparams(q=q)
         names = _check_model(model, params, "SubspaceForwardGradient")
-        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model)
-        self._names = names
+        SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum), model=model)
         self.q = q
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.bn = BNStatsFreezer(model)
-        self.forward_passes = 0
+        self._init_forward_only(_jvp_evaluator(model, names, "SubspaceForwardGradient"), generator)
 
     @property
     def forwards_per_step(self) -> int:
@@ -195,24 +127,16 @@ class SubspaceForwardGradient(SubspaceOptimizer):
         if closure is None:
             raise ValueError("SubspaceForwardGradient.step needs a closure that runs a forward pass and returns "
                              "the loss")
-        z = F.sample_gaussian(self.q, self.k, self.generator, dtype=torch.float64)
-
-        def tangents(j: int) -> list[torch.Tensor]:
-            u = z[j].to(device=self._Pt.device, dtype=self._Pt.dtype)
-            return [(u @ pt).view_as(p) for p, pt in zip(self._params, self._Pt_views)]
-
-        losses, jvps = _jvp_passes(self, closure, tangents)
-        self._apply_update(F.forward_gradient_coefficients(jvps, z))
-        return torch.tensor(sum(losses) / len(losses))
-
-    def _extra_state(self) -> dict:
-        return counter_state(self)
-
-    def _load_extra_state(self, extra: dict) -> None:
-        load_counter_state(self, extra)
+        sp = self.space
+        z = gaussian_rows(self.q, self.k, self.generator, dtype=torch.float64)
+        with self.evaluator.session():
+            losses, jvps = self.evaluator.run(
+                closure, lambda j: sp.direction(z[j].to(device=sp.basis_t.device, dtype=sp.basis_t.dtype)), self.q)
+        self.apply_update(F.forward_gradient_coefficients(jvps, z))
+        return self.finish_step(closure, losses, sum(losses.tolist()) / self.q, self.q)
 
 
-class AsyncFGD(CounterStateMixin, torch.optim.Optimizer):
+class AsyncFGD(ForwardOnlyBase):
     """AsyncFGD (seed 001, Algorithm 1) as the K-stage pipeline computes it, in one process.
 
     The model's children, in registration order, are cut into ``stages`` = K consecutive stages
@@ -230,9 +154,11 @@ class AsyncFGD(CounterStateMixin, torch.optim.Optimizer):
     stream; ``seed`` defaults to ``generator.initial_seed()`` (the run's seed under ``fit``).
     """
 
-    _state_key = "asyncfgd"  # state_dict()["asyncfgd"]: forward count, step index, stale versions
-
-    forward_only = True
+    # state_dict()["asyncfgd"]: forward count, step index, stale versions
+    codecs = (StateCodec("asyncfgd", COUNTERS + (Field("steps", "int", default=0), Field("seed", "int"),
+                                                 Field("stages", "int", "K", record_only=True),
+                                                 Field("history", "versions")),
+                         check=lambda opt, sec: opt.check_stages(sec)),)
 
     def __init__(self, model: nn.Module, *, stages: int = 2, lr: float = 1e-3, momentum: float = 0.0,
                  seed: int | None = None, generator: torch.Generator | None = None):
@@ -249,7 +175,7 @@ class AsyncFGD(CounterStateMixin, torch.optim.Optimizer):
         params = list(model.parameters())
         if not params:
             raise ValueError(f"AsyncFGD: the model ({type(model).__name__}) has no parameters to train")
-        self._names = _check_model(model, params, "AsyncFGD")
+        names = _check_model(model, params, "AsyncFGD")
         self.stages = split_stages(model, stages)
         where = {id(p): (k, n) for k, st in enumerate(self.stages) for n, p in st.named_parameters()}
         if len(where) != len(params) or any(id(p) not in where for p in params):
@@ -258,19 +184,22 @@ class AsyncFGD(CounterStateMixin, torch.optim.Optimizer):
         self._where = [where[id(p)] for p in params]
         super().__init__(params, dict(lr=lr))
         self.model = model
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self._init_forward_only(_jvp_evaluator(model, names, "AsyncFGD"), generator)
         self.seed = int(seed) if seed is not None else int(self.generator.initial_seed())
         self.steps = 0
-        self.forward_passes = 0
-        self.last_losses: torch.Tensor | None = None
         self.last_jvp: float | None = None
-        self._stage_params = [list(st.parameters()) for st in self.stages]
+        self._stage_spaces = [ParamSpace(list(st.parameters())) for st in self.stages]
         # history[k]: versions max(0, i - lag_k) .. i - 1 of stage k's parameters, lag_k = K - 1 - k
         self.history: list[list[list[torch.Tensor]]] = [[] for _ in self.stages]
 
     @property
     def K(self) -> int:
         return len(self.stages)
+
+    def check_stages(self, section: dict) -> None:
+        if "stages" in section and int(section["stages"]) != self.K:
+            raise ValueError(f"optimizer state is for {int(section['stages'])} AsyncFGD stages, this optimizer has "
+                             f"{self.K}")
 
     @property
     def forwards_per_step(self) -> int:
@@ -286,39 +215,27 @@ class AsyncFGD(CounterStateMixin, torch.optim.Optimizer):
         i = self.steps
         u = [stage_tangent(st, self.seed, i, k) for k, st in enumerate(self.stages)]
         current: list[list[torch.Tensor] | None] = []
-        for ps, old in zip(self._stage_params, self.history):
+        for sp, old in zip(self._stage_spaces, self.history):
             # the oldest kept version is the one the pipeline's stage holds (version 0 before any update)
-            current.append([p.detach().clone() for p in ps] if old else None)
-            for p, v in zip(ps, old[0] if old else ()):
-                p.copy_(v)
+            current.append(sp.save() if old else None)
+            if old:
+                sp.restore(old[0])
         try:
-            sjf.reset_net(self.model)
-            loss, d = jvp_closure(self.model, self._names, closure, [u[k][n] for k, n in self._where],
-                                  f"closure (micro-batch {i})")
+            with self.evaluator.session():
+                losses, jvps = self.evaluator.run(closure, lambda j: [u[k][n] for k, n in self._where], 1,
+                                                  label="micro-batch")
         finally:
-            for ps, now in zip(self._stage_params, current):
-                for p, v in zip(ps, now or ()):
-                    p.copy_(v)
-        self.forward_passes += 1
-        self.last_losses = torch.tensor([loss], dtype=torch.float64)  # L of micro-batch i, stale stages
+            for sp, now in zip(self._stage_spaces, current):
+                if now is not None:
+                    sp.restore(now)
+        loss, d = float(losses[0]), float(jvps[0])
         self.last_jvp = d
         lr = self.param_groups[0]["lr"]
-        for k, (st, ps) in enumerate(zip(self.stages, self._stage_params)):
+        for k, (st, sp) in enumerate(zip(self.stages, self._stage_spaces)):
             if self._lag(k) > 0:
-                self.history[k].append(current[k] if current[k] is not None else [p.detach().clone() for p in ps])
+                self.history[k].append(current[k] if current[k] is not None else sp.save())
                 del self.history[k][: -self._lag(k)]
             for n, p in st.named_parameters():
-                p.add_(u[k][n], alpha=-lr * d)
+                p.add_(u[k][n], alpha=-lr * d)  # plain SGD along the stage's tangent (Algorithm 1)
         self.steps += 1
-        return torch.tensor(loss)
-
-    def _extra_state(self) -> dict:
-        return {"steps": self.steps, "seed": self.seed, "stages": self.K,
-                "history": [[[t.clone() for t in v] for v in h] for h in self.history]}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        if "stages" in extra and int(extra["stages"]) != self.K:
-            raise ValueError(f"optimizer state is for {int(extra['stages'])} AsyncFGD stages, this optimizer has {self.K}")
-        self.steps = int(extra.get("steps", 0))
-        self.seed = int(extra.get("seed", self.seed))
-        self.history = [[[t.clone() for t in v] for v in h] for h in extra.get("history", [[] for _ in self.stages])]
+        return self.finish_step(closure, losses, loss, 1)

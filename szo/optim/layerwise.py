@@ -26,7 +26,7 @@ Only the parameters of those layers are trained (BN affine parameters are in no 
 only those layers are perturbed and updated); the default trains all of them. Forwards per step:
 ``1 + q * L``, plus one under ``bn_update="recompute"``.
 
-BN statistics and neuron state as in ``SZO`` / ``FullSpaceZO`` (``szo.optim.probes``): every
+BN statistics and neuron state as in ``SZO`` / ``FullSpaceZO`` (``szo.zo.guard``): every
 forward of the step (the clean one included) starts from the step's BN running statistics and
 reset neurons; ``bn_update="recompute"`` (default) then runs one unperturbed train-mode forward of
 theta_{t+1}, which updates the statistics (counted in ``forward_passes``; ``step`` returns its
@@ -39,8 +39,10 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..functional import zo as F
-from .probes import CounterStateMixin, ProbeGuard, check_hparams, load_flat
+from szo.zo import (Field, ForwardOnlyBase, LoopEvaluator, NodeSpace, ParamSpace, ProbeGuard, StateCodec,
+                    check_hparams, coord_one_point_plan, heavy_ball_, one_point_plan)
+
+from .zo import COUNTERS
 
 __all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
 
@@ -62,12 +64,17 @@ def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> di
     return {n: m for n, m in found.items() if n in names}
 
 
-class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
-    """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``)."""
+class LayerwiseZO(ForwardOnlyBase):
+    """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``).
 
-    _state_key = "layerwise"  # state_dict()["layerwise"]: generator, forward count, per-layer modes
+    Composed from the core: per layer a one-sided plan of ``q`` Gaussian directions in a
+    :class:`~szo.zo.NodeSpace` (the layer's output) or a :class:`~szo.zo.ParamSpace` (its own
+    weights), all run by the loop evaluator after the step's clean forward, then heavy ball per
+    parameter tensor.
+    """
 
-    forward_only = True
+    # state_dict()["layerwise"]: generator, forward count, per-layer modes
+    codecs = (StateCodec("layerwise", COUNTERS + (Field("modes", "plain"),)),)
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
@@ -83,25 +90,17 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
         self.model = model
         self.perturbation = perturbation
         self.q = q
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.guard = ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)
-        self.bn = self.guard.bn
-        self.bn_update = self.guard.bn_update
-        self.last_outputs_unperturbed = False  # the last closure call of the last step was the BN forward
-        self.last_losses: torch.Tensor | None = None  # l0 and the probe losses of the last step (at theta_t)
-        self.forward_passes = 0
+        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
+        self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
+                       for n, m in self.layers.items()}
         for p in params:
             self.state[p]["velocity"] = torch.zeros_like(p)
 
     @property
     def forwards_per_step(self) -> int:
         """The clean forward, ``q`` probes per layer, and the BN forward under ``bn_update="recompute"``."""
-        return 1 + self.q * len(self.layers) + int(self.guard.recomputes)
-
-    def _loss(self, closure, where: str) -> float:
-        self.forward_passes += 1
-        return self.guard.probe(closure, where)
+        return 1 + self.q * len(self.layers) + int(self.recomputes)
 
     def _mode(self, name: str, m: nn.Module, node_dim: int) -> str:
         if name not in self.modes:
@@ -112,15 +111,17 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
                 self.modes[name] = self.perturbation
         return self.modes[name]
 
-    def _noise(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.randn(like.shape, generator=self.generator, dtype=like.dtype).to(like.device)
+    def _noise(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``q`` Gaussian draws shaped ``shape``, flattened to ``[q, numel]`` (drawn one at a time)."""
+        return torch.stack([torch.randn(shape, generator=self.generator, dtype=dtype).reshape(-1)
+                            for _ in range(self.q)])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
             raise ValueError("LayerwiseZO.step needs a closure that runs a forward pass and returns the loss")
         group = self.param_groups[0]
-        mu, q = group["mu"], self.q
+        mu = group["mu"]
         inputs: dict[str, torch.Tensor] = {}
         outputs: dict[str, tuple[torch.Size, int]] = {}
 
@@ -130,68 +131,36 @@ class LayerwiseZO(CounterStateMixin, torch.optim.Optimizer):
                 outputs[name] = (out.shape, out.shape[1] if out.dim() > 2 else out.shape[0])  # [T, N, ...] or [N, F]
             return hook
 
-        handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
-        self.bn.snapshot()
         grads: dict[nn.Parameter, torch.Tensor] = {}
         losses_all: list[float] = []
-        try:
+        ev = self.evaluator
+        with ev.session():
+            handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
             try:
-                l0 = self._loss(closure, "closure (clean forward)")
+                l0 = float(ev.run(closure, self.spaces[next(iter(self.layers))], coord_one_point_plan(0, mu),
+                                  label="clean forward")[0])
             finally:
                 for h in handles:
                     h.remove()
             for name, m in self.layers.items():
                 shape, batch = outputs[name]
                 node_dim = int(torch.Size(shape).numel()) // max(batch, 1)
+                own = self.spaces[name]
                 if self._mode(name, m, node_dim) == "node":
-                    xis, losses = [], []
-                    for j in range(q):
-                        xi = self._noise(torch.empty(shape))
-                        h = m.register_forward_hook(lambda mod, args, out, xi=xi: out + mu * xi.to(out))
-                        try:
-                            losses.append(self._loss(closure, f"closure (layer {name}, node probe {j + 1}/{q})"))
-                        finally:
-                            h.remove()
-                        xis.append(xi.reshape(-1))
-                    losses_all += losses
-                    g_z = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
-                                                            torch.stack(xis), mu).view(shape)
-                    own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                    plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
+                    losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe")
+                    g_z = plan.estimate(losses, centre=l0).view(shape)
                     with torch.enable_grad():  # eq. 10: this layer's VJP at its recorded input
                         z = m(inputs[name])
-                        for p, g in zip(own, torch.autograd.grad(z, own, grad_outputs=g_z.to(z))):
+                        for p, g in zip(own.params, torch.autograd.grad(z, own.params, grad_outputs=g_z.to(z))):
                             grads[p] = g
                 else:
-                    own = [p for p in m.parameters(recurse=False) if p.requires_grad]
-                    flat0 = torch.cat([p.reshape(-1) for p in own]).clone()
-                    xis, losses = [], []
-                    try:
-                        for j in range(q):
-                            xi = self._noise(flat0)
-                            load_flat(own, flat0 + mu * xi)
-                            losses.append(self._loss(closure, f"closure (layer {name}, weight probe {j + 1}/{q})"))
-                            xis.append(xi)
-                    finally:
-                        load_flat(own, flat0)
-                    losses_all += losses
-                    g = F.forward_difference_coefficients(torch.tensor(losses, dtype=torch.float64), l0,
-                                                          torch.stack(xis), mu)
-                    off = 0
-                    for p in own:
-                        grads[p] = g[off:off + p.numel()].view_as(p)
-                        off += p.numel()
-        except BaseException:
-            self.bn.restore()
-            raise
-        self.guard.end_probes()
+                    xi = self._noise(torch.Size([own.d]), own.dtype).to(own.device)
+                    plan = one_point_plan(xi, mu, centre=False)
+                    losses = ev.run(closure, own, plan, label=f"layer {name}, weight probe")
+                    for p, g in zip(own.params, own.split(plan.estimate(losses, centre=l0))):
+                        grads[p] = g
+                losses_all += losses.tolist()
         for p in group["params"]:
-            vel = self.state[p]["velocity"]
-            vel.mul_(group["momentum"]).add_(grads[p].to(vel), alpha=-group["lr"])
-            p.add_(vel)
-        return self.guard.finish_step(self, closure, [l0, *losses_all], l0)
-
-    def _extra_state(self) -> dict:
-        return {"modes": dict(self.modes)}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        self.modes = dict(extra.get("modes", {}))
+            p.add_(heavy_ball_(self.state[p]["velocity"], grads[p], lr=group["lr"], momentum=group["momentum"]))
+        return self.finish_step(closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))

@@ -1,9 +1,9 @@
 """Optimizers that move the parameters inside a trajectory subspace: SZO and BP-Subspace.
 
 Both keep the subspace coordinates ``c`` (``theta = theta_0 + P (c - c_0)``, ``c_0 = 0``) and
-apply paper eq. (6) to them:
+apply paper eq. (6) to them (``szo.zo.heavy_ball_``, velocity form):
 
-    c_{t+1} = c_t - lr_t * g_t + momentum * (c_t - c_{t-1})
+    delta_{t+1} = momentum * delta_t - lr_t * g_t,   c_{t+1} = c_t + delta_{t+1}
 
 Because P has orthonormal columns and every gradient estimate lies in span(P), this is
 exactly eq. (6) in parameter space (``theta_{t+1} = theta_t - lr g + beta (theta_t - theta_{t-1})``
@@ -15,7 +15,7 @@ The parameter layout (flat order = the order of the ``params`` given, which for
 ``model.parameters()`` is ``named_parameters()`` order) must match the subspace's layout.
 
 Both take the model first, ``SZO(model, subspace, ...)``, or its parameters,
-``SZO(model.parameters(), subspace, ..., model=model)`` (``szo.optim.probes``). ``start``
+``SZO(model.parameters(), subspace, ..., model=model)`` (``szo.zo.guard``). ``start``
 says where training starts: ``"reference"`` (default of the model-first form) copies
 ``subspace.reference`` (theta_ref: the first trajectory sample for a scratch subspace, the
 last for a continual one) into the parameters, ``"current"`` (default of the params form)
@@ -24,21 +24,23 @@ digits: 28 % instead of 90 % after 2 epochs, issue 17).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
 
+from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
+from szo.distributed import DistributedEvaluator
+from szo.engine import ENGINES, BatchedProbeEvaluator
 from szo.layout import layout_from_json, layout_mismatch, param_layout
+from szo.zo import (CodecOptimizer, Field, ForwardOnlyBase, LoopEvaluator, Plan, ProbeGuard, StateCodec,
+                    SubspaceSpace, cge_plan, check_hparams, gaussian_rows, heavy_ball_, move_to_start, one_point_plan,
+                    resolve_model, rge_plan)
 
-from ..functional import zo as F
-from .probes import ProbeGuard, check_hparams, counter_state, load_counter_state, move_to_start, resolve_model
-
-__all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout"]
+__all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
 ESTIMATORS = ("cge", "rge", "one-point")
-DISTRIBUTED_MODES = (None, "data", "perturbation")
+DISTRIBUTED_MODES = (None,) + DISTRIBUTED_RUN_MODES
 
 
 def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None = None) -> None:
@@ -63,10 +65,24 @@ def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None =
         raise ValueError(f"subspace dimension d = {basis.shape[0]} does not match the parameters' d = {d}")
 
 
-class SubspaceOptimizer(torch.optim.Optimizer):
-    """Shared machinery: basis views per parameter, coordinate state, the eq. (6) update."""
+def _check_k(opt, section: dict) -> None:
+    c = section.get("c")
+    if c is None or section.get("delta") is None:
+        raise ValueError("optimizer state of a subspace optimizer needs its coordinates c and momentum delta")
+    if tuple(c.shape) != (opt.k,):
+        raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {opt.k}")
+
+
+_COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
+           Field("step", "int", "subspace_state.step"))
+_COUNTERS = (Field("generator_state", "generator", "generator"), Field("forward_passes", "int", default=0))
+
+
+class SubspaceOptimizer(CodecOptimizer):
+    """Shared machinery: the subspace space (basis views per parameter), coordinate state, the eq. (6) update."""
 
     forward_only = False
+    codecs = (StateCodec("subspace", _COORDS, check=_check_k),)
 
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
                  start: str | None = None):
@@ -80,19 +96,8 @@ class SubspaceOptimizer(torch.optim.Optimizer):
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
         super().__init__(params, defaults)
         self.model = model
-        basis = subspace.basis.detach()
-        dev, dt = params[0].device, params[0].dtype
-        # P^T stored row-contiguous: one direction v_i is a contiguous row of length d.
-        bt = basis.t()
-        self._Pt = (bt if bt.is_contiguous() else bt.contiguous()).to(device=dev, dtype=dt)
-        self.k = self._Pt.shape[0]
-        # per-parameter views into P^T: [k, numel]
-        self._Pt_views = []
-        off = 0
-        for p in params:
-            n = p.numel()
-            self._Pt_views.append(self._Pt[:, off : off + n])
-            off += n
+        self.space = SubspaceSpace(params, subspace.basis)
+        self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
         self.subspace_state: dict = {
@@ -101,63 +106,23 @@ class SubspaceOptimizer(torch.optim.Optimizer):
             "step": 0,
         }
 
-    # ----- helpers -------------------------------------------------------------------
-    @property
-    def _params(self) -> list[torch.Tensor]:
-        return self.param_groups[0]["params"]
-
-    @property
-    def _anchor(self) -> dict:
-        return self.subspace_state
-
-    def _extra_state(self) -> dict:
-        return {}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        pass
-
-    def state_dict(self):
-        sd = super().state_dict()
-        st = self.subspace_state
-        sd["subspace"] = {"c": st["c"].clone(), "delta": st["delta"].clone(), "step": st["step"], **self._extra_state()}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = dict(state_dict.pop("subspace", {}))
-        super().load_state_dict(state_dict)
-        if extra:
-            c, delta = extra.pop("c"), extra.pop("delta")
-            if c.shape != (self.k,):
-                raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {self.k}")
-            self.subspace_state = {"c": c.to(torch.float64), "delta": delta.to(torch.float64), "step": int(extra.pop("step"))}
-            self._load_extra_state(extra)
-
     @property
     def coordinates(self) -> torch.Tensor:
         """Current subspace coordinates c (float64 [k]); theta = theta_0 + P c."""
-        return self._anchor["c"].clone()
+        return self.subspace_state["c"].clone()
 
     @torch.no_grad()
-    def _add_direction(self, coeffs: torch.Tensor, scale: float = 1.0) -> None:
-        """theta += scale * P @ coeffs, parameter by parameter."""
-        coeffs = coeffs.to(self._Pt.dtype).to(self._Pt.device)
-        for p, pt in zip(self._params, self._Pt_views):
-            p.add_((coeffs @ pt).view_as(p), alpha=scale)
-
-    @torch.no_grad()
-    def _apply_update(self, g_c: torch.Tensor) -> None:
-        """Eq. (6) in coordinates, then theta += P (c_{t+1} - c_t)."""
+    def apply_update(self, g_c: torch.Tensor) -> None:
+        """Eq. (6) in coordinates (heavy ball on delta), then theta += P delta."""
         group = self.param_groups[0]
-        st = self._anchor
-        new_delta = -group["lr"] * g_c.to(torch.float64) + group["momentum"] * st["delta"]
-        st["c"] += new_delta
-        st["delta"] = new_delta
+        st = self.subspace_state
+        heavy_ball_(st["delta"], g_c.to(torch.float64), lr=group["lr"], momentum=group["momentum"])
+        st["c"] += st["delta"]
         st["step"] += 1
-        self._add_direction(new_delta)
+        self.space.add_coords(st["delta"])
 
 
-class SZO(SubspaceOptimizer):
+class SZO(ForwardOnlyBase, SubspaceOptimizer):
     """Subspace zeroth-order optimizer (paper eq. 5-6, Algorithm 1).
 
     Use it like ``torch.optim.LBFGS``::
@@ -173,9 +138,9 @@ class SZO(SubspaceOptimizer):
     does not reset itself gets the right update. ``SZO(model.parameters(), subspace,
     model=model)`` is the same with ``start="current"``; without ``model=`` the first step
     refuses (ValueError) a closure that runs train-mode BN or stateful neurons
-    (``szo.optim.probes``).
+    (``szo.zo.guard``).
 
-    ``bn_update`` (``szo.optim.bn``): ``"recompute"`` (default) -- the probes leave the BN
+    ``bn_update`` (``szo.zo.bn``): ``"recompute"`` (default) -- the probes leave the BN
     running statistics as they were, and after the update one unperturbed train-mode forward
     of theta_{t+1} on the same batch (the closure, called once more) updates them; it is
     counted in ``forward_passes`` / ``forwards_per_step`` and its loss is what ``step``
@@ -212,7 +177,8 @@ class SZO(SubspaceOptimizer):
     these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
-    forward_only = True
+    codecs = (StateCodec("subspace", _COORDS + _COUNTERS + (Field("bytes_communicated", "int", default=0),),
+                          check=_check_k),)
 
     def __init__(
         self,
@@ -236,8 +202,6 @@ class SZO(SubspaceOptimizer):
         bn_update: str = "recompute",
         start: str | None = None,
     ):
-        from szo.engine import ENGINES
-
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
         if engine == "batched" and ((model is None and not isinstance(params, nn.Module)) or distributed is not None
@@ -247,16 +211,11 @@ class SZO(SubspaceOptimizer):
                              "use engine='loop'")
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
-        if distributed is not None:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(f"distributed={distributed!r} needs an initialised torch.distributed process "
-                                 "group (dist.init_process_group, or launch with torchrun)")
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         check_hparams(mu=mu, q=q if estimator != "cge" else None)
-        super().__init__(params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model, start=start)
+        SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
+                                   start=start)
         model = self.model
         if distributed == "data" and sync_bn and model is not None and any(
                 getattr(m, "bn_time", "shared") == "per-step" for m in model.modules()):
@@ -274,187 +233,65 @@ class SZO(SubspaceOptimizer):
                              "distributed='perturbation'")
         self.estimator = estimator
         self.q = q
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.guard = ProbeGuard(model, "SZO", bn_update=bn_update, freeze_bn=freeze_bn)
-        self.bn = self.guard.bn
-        self.bn_update = self.guard.bn_update
-        self.last_outputs_unperturbed = False  # the last closure call of the last step was the BN forward
-        self.forward_passes = 0
-        self.last_losses: torch.Tensor | None = None
+        guard = ProbeGuard(model, "SZO", bn_update=bn_update, freeze_bn=freeze_bn)
         # torch.distributed: "data" = every rank evaluates all probes on its shard of the
         # batch, losses are averaged; "perturbation" = every rank evaluates a slice of the
         # probes on the full batch. Either way only the m probe losses (and BN statistics)
         # cross the network; every rank applies the identical update (same RGE generator
         # seed on all ranks), so parameters stay in sync without broadcasting weights.
-        # sync_bn (data mode, model given, BN in train mode): BN layers normalise with the
-        # global batch statistics (one all-reduce of 2C + 1 float64 per BN layer and probe),
-        # so the data-parallel run equals the one-process run with the global batch; False
-        # normalises each shard with its own statistics (fewer bytes, a different objective).
-        self.distributed = distributed
-        self.process_group = process_group
-        self.sync_bn = bool(sync_bn)
-        self.bytes_communicated = 0
         # engine="batched": all probes of a step in folded forwards (szo.engine), which needs the
         # batch itself rather than an opaque closure: the closure carries it as closure.batch
+        if distributed is not None:
+            evaluator = DistributedEvaluator(guard, distributed, process_group=process_group, sync_bn=sync_bn)
+        elif engine == "batched":
+            evaluator = BatchedProbeEvaluator(guard, model, chunk=chunk)
+        else:
+            evaluator = LoopEvaluator(guard)
+        self._init_forward_only(evaluator, generator)
         self.engine = engine
-        self._batched = None
-        if engine == "batched":
-            from szo.engine import make_plan_evaluator
-
-            self._batched = make_plan_evaluator("batched", model, chunk=chunk)
+        self.process_group = process_group
+        self.sync_bn = bool(sync_bn)
 
     @property
     def forwards_per_step(self) -> int:
         """Forwards of the batch per step: the probes, plus one unperturbed BN forward
         (``bn_update="recompute"`` with BN in train mode)."""
         probes = {"cge": 2 * self.k, "rge": 2 * self.q, "one-point": self.q + 1}[self.estimator]
-        return probes + int(self.guard.recomputes)
+        return probes + int(self.recomputes)
+
+    def plan(self) -> Plan:
+        """This step's probes (draws the RGE / one-point directions from ``generator``).
+
+        CGE: ``+mu v_i`` for all i, then ``-mu v_i``; RGE: ``+mu P z_j`` for all j, then
+        ``-mu P z_j``; one-point: the centre, then ``+mu P z_j``.
+        """
+        mu = self.param_groups[0]["mu"]
+        if self.estimator == "cge":
+            return cge_plan(self.k, mu)
+        z = gaussian_rows(self.q, self.k, self.generator)
+        return rge_plan(z, mu) if self.estimator == "rge" else one_point_plan(z, mu)
 
     def probe_plan(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Directions in coordinate space for this step: ``U [m, k]`` and ``z`` (None for CGE).
-
-        Probes are ``theta + mu * P @ U[j]``. For CGE/RGE ``U = [+D; -D]`` (first half plus,
-        second half minus); for one-point ``U = [0; Z]``.
-        """
-        if self.estimator == "cge":
-            eye = torch.eye(self.k, dtype=torch.float64)
-            return torch.cat([eye, -eye]), None
-        z = F.sample_gaussian(self.q, self.k, self.generator, dtype=torch.float64)
-        if self.estimator == "rge":
-            return torch.cat([z, -z]), z
-        return torch.cat([torch.zeros(1, self.k, dtype=torch.float64), z]), z
-
-    def combine(self, losses: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
-        """Gradient estimate in coordinates from the probe losses (same order as ``probe_plan``)."""
-        mu = self.param_groups[0]["mu"]
-        if self.estimator == "cge":
-            return F.cge_coefficients(losses[: self.k], losses[self.k :], mu)
-        if self.estimator == "rge":
-            return F.rge_coefficients(losses[: self.q], losses[self.q :], z, mu)
-        return F.forward_difference_coefficients(losses[1:], float(losses[0]), z, mu)
+        """This step's probes as ``(U [m, k], z)`` (``theta + mu P U[j]``; ``z`` None for CGE)."""
+        plan = self.plan()
+        return plan.dense(), None if self.estimator == "cge" else plan.directions
 
     @torch.no_grad()
-    def evaluate_plan(self, closure: Callable[[], torch.Tensor], U: torch.Tensor) -> torch.Tensor:
-        """Loss at ``theta + mu P U[j]`` for each row, parameters restored exactly afterwards."""
-        mu = self.param_groups[0]["mu"]
-        params = self._params
-        saved = [p.detach().clone() for p in params]
-        losses = torch.zeros(U.shape[0], dtype=torch.float64)
-        rows = range(U.shape[0])
-        sync = contextlib.nullcontext()
-        if self.distributed is not None:
-            import torch.distributed as dist
-
-            from szo.distributed import SyncBatchNorm
-
-            rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-            if self.distributed == "perturbation":
-                rows = range(rank, U.shape[0], world)
-            elif self.sync_bn and self.model is not None:
-                sbn = SyncBatchNorm(self.model, self.process_group)
-                if sbn.active:
-                    sync = sbn
-        # directions on the basis' device once; which rows are zero is decided on the CPU copy
-        # (a per-probe .any() on a GPU tensor would synchronise the device every probe)
-        U_dev = U.to(device=self._Pt.device, dtype=self._Pt.dtype)
-        nonzero = U.ne(0).any(dim=1).tolist()
-        self.bn.snapshot()
-        try:
-            with sync, self.guard.watch():
-                for j in rows:
-                    self.bn.restore()
-                    self.guard.reset()
-                    if nonzero[j]:
-                        u = U_dev[j]
-                        for p, s, pt in zip(params, saved, self._Pt_views):
-                            torch.add(s, (u @ pt).view_as(p), alpha=mu, out=p.data)
-                    else:
-                        for p, s in zip(params, saved):
-                            p.data.copy_(s)
-                    value = closure()
-                    self.forward_passes += 1
-                    losses[j] = F.check_loss(value, f"closure (probe {j + 1}/{U.shape[0]})")
-                    if self.guard.probe_mean:
-                        self.bn.accumulate()
-        except BaseException:
-            self.bn.restore()
-            raise
-        finally:
-            for p, s in zip(params, saved):
-                p.data.copy_(s)
-        if self.distributed is not None:
-            from szo.distributed import all_reduce_
-
-            if isinstance(sync, SyncBatchNorm):
-                self.bytes_communicated += sync.bytes
-            # m probe loss values per step: never a gradient or a weight tensor
-            self.bytes_communicated += all_reduce_(losses, self.process_group)
-            if self.distributed == "data":
-                losses /= world
-            else:  # count forwards of the (global) batch over all ranks, as one process would
-                self.forward_passes += U.shape[0] - len(rows)
-            if self.guard.probe_mean:
-                self.bytes_communicated += self.bn.commit(True, self.process_group)
-            else:
-                self.bn.restore()
-        else:  # probe-mean: the mean over the probes; recompute: as they were (the BN forward comes later)
-            self.guard.end_probes()
-        return losses
+    def evaluate(self, closure: Callable[[], torch.Tensor], plan: Plan) -> torch.Tensor:
+        """The losses of ``plan``'s probes with this optimizer's evaluator (a step's probe phase:
+        BN statistics handled as ``bn_update`` says), the parameters restored exactly afterwards."""
+        with self.evaluator.session():
+            return self.evaluator.run(closure, self.space, plan)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
             raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
-        U, z = self.probe_plan()
-        if self._batched is not None:
-            batch = getattr(closure, "batch", None)
-            if batch is None:
-                raise ValueError("engine='batched' needs the batch: pass szo.engine.batch_closure(model, loss_fn, x, y) "
-                                 "or set closure.batch = (x, y, loss_fn)")
-            losses = self._batched(self, U, batch=batch)
-        else:
-            losses = self.evaluate_plan(closure, U)
-        self.last_losses = losses
-        g_c = self.combine(losses, z)
-        self._apply_update(g_c)
-        self.last_outputs_unperturbed = self.guard.recomputes
-        if self.last_outputs_unperturbed:
-            return torch.tensor(self._bn_forward(closure))
-        return torch.tensor(float(losses.mean()) if self.estimator != "one-point" else float(losses[0]))
-
-    @torch.no_grad()
-    def _bn_forward(self, closure: Callable[[], torch.Tensor]) -> float:
-        """``bn_update="recompute"``: one unperturbed train-mode forward of theta_{t+1} (the BN
-        running-statistics update); its loss (the batch's, all-reduced in data mode)."""
-        sync, dist_bn = None, False
-        if self.distributed == "data":
-            from szo.distributed import SyncBatchNorm
-
-            sbn = SyncBatchNorm(self.model, self.process_group) if self.sync_bn else None
-            sync = sbn if sbn is not None and sbn.active else None
-            dist_bn = sync is None  # every rank saw its shard only: average the statistics
-        loss = self.guard.unperturbed_forward(closure, distributed=dist_bn, process_group=self.process_group,
-                                              sync=sync)
-        self.forward_passes += 1
-        if self.distributed == "data":
-            import torch.distributed as dist
-
-            from szo.distributed import all_reduce_
-
-            if sync is not None:
-                self.bytes_communicated += sync.bytes
-            buf = torch.tensor([loss], dtype=torch.float64)
-            self.bytes_communicated += all_reduce_(buf, self.process_group)
-            loss = float(buf[0]) / dist.get_world_size(self.process_group)
-        return loss
-
-    # the RGE generator is part of the optimizer state so checkpoints resume bit-exactly
-    def _extra_state(self) -> dict:
-        return {**counter_state(self), "bytes_communicated": self.bytes_communicated}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        load_counter_state(self, extra)
-        self.bytes_communicated = int(extra.get("bytes_communicated", 0))
+        plan = self.plan()
+        losses = self.evaluate(closure, plan)
+        self.apply_update(plan.estimate(losses))
+        fallback = float(losses.mean()) if self.estimator != "one-point" else float(losses[0])
+        return self.finish_step(closure, losses, fallback, plan.m)
 
 
 class BPSubspace(SubspaceOptimizer):
@@ -484,9 +321,6 @@ class BPSubspace(SubspaceOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        g_c = torch.zeros(self.k, dtype=self._Pt.dtype, device=self._Pt.device)
-        for p, pt in zip(self._params, self._Pt_views):
-            if p.grad is not None:
-                g_c += pt @ p.grad.reshape(-1)
-        self._apply_update(g_c.to(torch.float64).cpu())
+        g_c = self.space.project([p.grad for p in self.space.params])
+        self.apply_update(g_c.to(torch.float64).cpu())
         return loss

@@ -11,7 +11,7 @@ ZO in TT-factor space. Two phases over the same parameters:
    per coordinate, ``coords_per_step`` coordinates per step, all by default; paper: mu = 0.01,
    momentum 0.9).
 
-BN statistics in both phases as in ``FullSpaceZO`` / ``SZO`` (``bn_update``, ``szo.optim.bn``):
+BN statistics in both phases as in ``FullSpaceZO`` / ``SZO`` (``bn_update``, ``szo.zo.bn``):
 every probe (the signRGE centre ``L(theta)`` included) starts from the step's statistics; under
 ``"recompute"`` (default) one unperturbed train-mode forward of theta_{t+1} then updates them
 (+1 forward per step, counted; ``step`` returns its loss), under ``"probe-mean"`` they become
@@ -30,16 +30,28 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ..functional import zo as F
-from .zo import FullSpaceZO
+from szo.zo import Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
+
+from .zo import COUNTERS, FullSpaceZO
 
 __all__ = ["HybridZO", "PHASES"]
 
 PHASES = ("sign-rge", "cge")
 
 
+def _check_phase(opt, section: dict) -> None:
+    if section.get("phase") not in PHASES:
+        raise ValueError(f"optimizer state has phase {section.get('phase')!r}; valid: {', '.join(PHASES)}")
+
+
 class HybridZO(FullSpaceZO):
     """ZO-signRGE until the loss plateaus (or ``switch_step``), then ZO-CGE with momentum."""
+
+    codecs = (StateCodec("zo", COUNTERS),
+              StateCodec("hybrid", (Field("phase", "plain"), Field("steps", "int", "hybrid_state.steps"),
+                                    Field("window_losses", "plain", "hybrid_state.window_losses"),
+                                    Field("previous_mean", "plain", "hybrid_state.previous_mean"),
+                                    Field("switched_at", "plain", "hybrid_state.switched_at")), check=_check_phase))
 
     def __init__(
         self,
@@ -90,7 +102,7 @@ class HybridZO(FullSpaceZO):
     def _switch(self) -> None:
         self.phase = "cge"
         self.hybrid_state["switched_at"] = self.hybrid_state["steps"]
-        self.state[self._params[0]]["velocity"].zero_()  # b^0 = g^0 (paper)
+        self.state[self.space.params[0]]["velocity"].zero_()  # b^0 = g^0 (paper)
 
     def _plateau(self, loss: float) -> bool:
         st = self.hybrid_state
@@ -105,24 +117,14 @@ class HybridZO(FullSpaceZO):
     def _sign_step(self, closure: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
         """One signRGE step: (what ``step`` returns, the centre loss ``L(theta_t)``)."""
         group = self.param_groups[0]
-        theta = self._flat()
-        m = self.sign_q + 1
-        self.bn.snapshot()
-        try:
-            center = self._loss_at(closure, theta, 0, m)
-            xi = F.sample_gaussian(self.sign_q, self.d, self.generator, dtype=theta.dtype).to(theta.device)
-            lp = torch.empty(self.sign_q, dtype=torch.float64)
-            for j in range(self.sign_q):
-                lp[j] = self._loss_at(closure, theta + self.sign_mu * xi[j], j + 1, m)
-        except BaseException:
-            self.bn.restore()
-            self._load(theta)
-            raise
-        self.guard.end_probes()
-        g = F.forward_difference_coefficients(lp, center, xi, self.sign_mu)
+        xi = gaussian_rows(self.sign_q, self.d, self.generator, dtype=self.space.dtype).to(self.space.device)
+        plan = one_point_plan(xi, self.sign_mu)
+        with self.evaluator.session():
+            losses = self.evaluator.run(closure, self.space, plan)
+        center = float(losses[0])
         scale = group["lr"] / group.get("initial_lr", group["lr"]) if group.get("initial_lr") else 1.0
-        self._load(theta - self.sign_lr * scale * F.sign_coefficients(g))
-        return self.guard.finish_step(self, closure, [center, *lp.tolist()], center), center
+        self.space.load(sign_descent_(self.space.flat(), plan.estimate(losses), self.sign_lr * scale))
+        return self.finish_step(closure, losses, center, plan.m), center
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -138,21 +140,3 @@ class HybridZO(FullSpaceZO):
             return loss
         st["steps"] += 1
         return super().step(closure)
-
-    def state_dict(self):
-        sd = super().state_dict()
-        st = self.hybrid_state
-        sd["hybrid"] = {"phase": self.phase, "steps": st["steps"], "window_losses": list(st["window_losses"]),
-                        "previous_mean": st["previous_mean"], "switched_at": st["switched_at"]}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("hybrid", None)
-        super().load_state_dict(state_dict)
-        if extra is not None:
-            if extra["phase"] not in PHASES:
-                raise ValueError(f"optimizer state has phase {extra['phase']!r}; valid: {', '.join(PHASES)}")
-            self.phase = extra["phase"]
-            self.hybrid_state = {"steps": int(extra["steps"]), "window_losses": list(extra["window_losses"]),
-                                 "previous_mean": extra["previous_mean"], "switched_at": extra["switched_at"]}

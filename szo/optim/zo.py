@@ -4,11 +4,11 @@ These are the methods the paper shows failing on SNNs (Sec. 3, Figure 1). For a 
 comparison at a fixed forward-pass budget, CGE perturbs ``coords_per_step`` coordinates
 drawn uniformly without replacement each step (sparse CGE as in DeepZero; ``None`` = all d
 coordinates, 2d forwards per step), and RGE uses ``q`` Gaussian directions ``z ~ N(0, I_d)``.
-The update is eq. (6) in parameter space (velocity form heavy ball).
+The update is eq. (6) in parameter space (``szo.zo.heavy_ball_``, velocity form).
 
 ``FullSpaceZO(model, ...)`` or ``FullSpaceZO(model.parameters(), ..., model=model)``; BN
 freezing, neuron resets before every probe and ``bn_update`` as for ``szo.optim.SZO``
-(``szo.optim.probes``).
+(``szo.zo``).
 """
 from __future__ import annotations
 
@@ -17,15 +17,26 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .probes import CounterStateMixin, ProbeGuard, check_hparams, load_flat, resolve_model
+from szo.zo import (Coordinates, Field, ForwardOnlyBase, LoopEvaluator, ParamSpace, Plan, ProbeGuard, StateCodec,
+                    cge_plan, check_hparams, gaussian_rows, heavy_ball_, resolve_model, rge_plan)
 
-__all__ = ["FullSpaceZO"]
+__all__ = ["FullSpaceZO", "COUNTERS"]
+
+COUNTERS = (Field("generator_state", "generator", "generator"), Field("forward_passes", "int", default=0))
+"""The checkpointed counters of a forward-only optimizer: its direction generator (a resumed run
+draws the same directions) and its forward count."""
 
 
-class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
-    """Forward-only full-space ZO optimizer (``estimator="cge"`` or ``"rge"``)."""
+class FullSpaceZO(ForwardOnlyBase):
+    """Forward-only full-space ZO optimizer (``estimator="cge"`` or ``"rge"``).
 
-    forward_only = True
+    A :class:`~szo.zo.ParamSpace` over all parameters, a CGE plan over ``coords_per_step`` random
+    coordinates (probes ``+i, -i`` interleaved) or an RGE plan over ``q`` Gaussian directions
+    (drawn one ``[d]`` vector at a time, estimate accumulated direction by direction), the loop
+    evaluator, and heavy ball on a ``[d]`` velocity (``self.state[first parameter]["velocity"]``).
+    """
+
+    codecs = (StateCodec("zo", COUNTERS),)
 
     def __init__(
         self,
@@ -46,88 +57,45 @@ class FullSpaceZO(CounterStateMixin, torch.optim.Optimizer):
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
-        self.d = sum(p.numel() for p in params)
+        self.space = ParamSpace(params)
+        self.d = self.space.d
         if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
             raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
         self.estimator = estimator
         self.q = q
         self.coords_per_step = coords_per_step
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.model = model
-        self.guard = ProbeGuard(model, "FullSpaceZO", bn_update=bn_update)
-        self.bn = self.guard.bn
-        self.bn_update = self.guard.bn_update
-        self.last_outputs_unperturbed = False
-        self.forward_passes = 0
-        self.last_losses: torch.Tensor | None = None  # the probe losses of the last step (at theta_t)
-        anchor = self.state[params[0]]
-        anchor["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
-
-    @property
-    def _params(self):
-        return self.param_groups[0]["params"]
+        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "FullSpaceZO", bn_update=bn_update)), generator)
+        self.state[params[0]]["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
 
     @property
     def forwards_per_step(self) -> int:
         """Probe forwards per step, plus one unperturbed BN forward under ``bn_update="recompute"``."""
-        extra = int(self.guard.recomputes)
+        extra = int(self.recomputes)
         if self.estimator == "rge":
             return 2 * self.q + extra
         return 2 * (self.coords_per_step or self.d) + extra
 
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params])
-
-    def _load(self, vec: torch.Tensor) -> None:
-        load_flat(self._params, vec)
-
-    @torch.no_grad()
-    def _loss_at(self, closure, vec: torch.Tensor, j: int, m: int) -> float:
-        self._load(vec)
-        self.forward_passes += 1
-        return self.guard.probe(closure, f"closure (probe {j + 1}/{m})")
+    def plan(self) -> Plan:
+        """This step's probes (draws coordinates or directions from ``generator``)."""
+        mu = self.param_groups[0]["mu"]
+        if self.estimator == "cge":
+            n = self.coords_per_step or self.d
+            idx = torch.randperm(self.d, generator=self.generator)[:n] if n < self.d else torch.arange(self.d)
+            return cge_plan(Coordinates(idx, self.d), mu, interleaved=True)
+        z = gaussian_rows(self.q, self.d, self.generator, dtype=self.space.dtype, one_at_a_time=True)
+        return rge_plan(z.to(self.space.device), mu, interleaved=True, accumulate="sequential")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
-            raise ValueError("FullSpaceZO.step needs a closure that runs a forward pass and returns the loss")
+            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the loss")
+        plan = self.plan()
+        with self.evaluator.session():
+            losses = self.evaluator.run(closure, self.space, plan)
+        grad = plan.estimate(losses, dtype=self.space.dtype).to(self.space.device)
         group = self.param_groups[0]
-        mu = group["mu"]
-        theta = self._flat()
-        grad = torch.zeros_like(theta)
-        losses = []
-        self.bn.snapshot()
-        try:
-            if self.estimator == "cge":
-                n = self.coords_per_step or self.d
-                idx = (
-                    torch.randperm(self.d, generator=self.generator)[:n]
-                    if n < self.d
-                    else torch.arange(self.d)
-                ).to(theta.device)
-                probe = theta.clone()
-                for j, i in enumerate(idx.tolist()):
-                    probe[i] = theta[i] + mu
-                    lp = self._loss_at(closure, probe, 2 * j, 2 * n)
-                    probe[i] = theta[i] - mu
-                    lm = self._loss_at(closure, probe, 2 * j + 1, 2 * n)
-                    probe[i] = theta[i]
-                    grad[i] = (lp - lm) / (2 * mu)
-                    losses += [lp, lm]
-            else:
-                for j in range(self.q):
-                    z = torch.randn(self.d, generator=self.generator).to(theta)
-                    lp = self._loss_at(closure, theta + mu * z, 2 * j, 2 * self.q)
-                    lm = self._loss_at(closure, theta - mu * z, 2 * j + 1, 2 * self.q)
-                    grad.add_(z, alpha=(lp - lm) / (2 * mu) / self.q)
-                    losses += [lp, lm]
-        except BaseException:
-            self.bn.restore()
-            self._load(theta)
-            raise
-        self.guard.end_probes()
-        vel = self.state[self._params[0]]["velocity"]
-        vel.mul_(group["momentum"]).add_(grad, alpha=-group["lr"])
-        self._load(theta + vel)
-        return self.guard.finish_step(self, closure, losses, sum(losses) / len(losses))
-
+        vel = heavy_ball_(self.state[self.space.params[0]]["velocity"], grad, lr=group["lr"],
+                          momentum=group["momentum"])
+        self.space.add_(vel)
+        return self.finish_step(closure, losses, float(sum(losses.tolist()) / len(losses)), plan.m)

@@ -48,13 +48,15 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
+from szo.distributed import main_decides
 from szo.functional.zo import NonFiniteLossError
 from szo.io import atomic_write_json
-from szo.optim.bn import bn_layers
+from szo.plots import plot_training_curve
 from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
+from szo.zo import HasSubspace, bn_layers, is_forward_only
 
-__all__ = ["fit", "evaluate", "TrainingDiverged", "DIVERGE_FACTOR"]
+__all__ = ["fit", "evaluate", "evaluate_sums", "TrainingDiverged", "DIVERGE_FACTOR"]
 
 DIVERGE_FACTOR = 1.0e4
 """A run has diverged when a step's training loss exceeds this many times ``max(|first loss|, 1)``
@@ -92,7 +94,7 @@ def _epoch_loader(loader: DataLoader, batches: Sequence[list[int]], generator: t
 
 
 @torch.no_grad()
-def _evaluate_sums(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
+def evaluate_sums(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
                    progress: bool = False) -> tuple[float, int, int]:
     """(sum of per-sample losses, correct, samples) of ``model`` in eval mode over ``loader``."""
     was_training = model.training
@@ -115,7 +117,7 @@ def _evaluate_sums(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: 
 def evaluate(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | torch.device = "cpu",
              progress: bool = False) -> tuple[float, float]:
     """(mean loss, accuracy) of ``model`` in eval mode over ``loader``."""
-    loss_sum, correct, seen = _evaluate_sums(model, loader, loss_fn, device, progress)
+    loss_sum, correct, seen = evaluate_sums(model, loader, loss_fn, device, progress)
     if seen == 0:
         raise ValueError("the test loader yielded no samples")
     return loss_sum / seen, correct / seen
@@ -179,11 +181,11 @@ def fit(
                          "(make_loader(..., shuffle=True, generator=generator)) so runs are reproducible")
     if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
         raise ValueError(f"start_epoch must be an int in [0, epochs), got {start_epoch!r}")
-    forward_only = bool(getattr(optimizer, "forward_only", False))
+    forward_only = is_forward_only(optimizer)
     par = parallel if parallel is not None and parallel.enabled else None
     main = par is None or par.is_main
     if par is not None:
-        if not forward_only or getattr(optimizer, "distributed", None) != par.mode:
+        if not forward_only or optimizer.distributed != par.mode:
             raise ValueError(f"a multi-process run needs a forward-only optimizer built with "
                              f"distributed={par.mode!r} (szo.optim.build_optimizer(..., distributed=...))")
         par.check_batches(int(train_loader.batch_size or 0) or len(next(iter(train_loader.batch_sampler))),
@@ -283,10 +285,7 @@ def fit(
     def accuracy_known() -> bool:
         """The batched engine returns probe losses only (no outputs): train accuracy only from
         the unperturbed BN forward then (``bn_update="recompute"`` with train-mode BN)."""
-        if not (forward_only and getattr(optimizer, "engine", "loop") == "batched"):
-            return True
-        guard = getattr(optimizer, "guard", None)
-        return guard is not None and guard.recomputes
+        return not forward_only or optimizer.train_outputs
 
     acc_known = accuracy_known()
     correct_local = 0  # this rank's correct predictions since the last reduction
@@ -348,20 +347,20 @@ def fit(
             closure.batch = (x_cur["x"], x_cur["y"], loss_fn)  # type: ignore[attr-defined]  # batched engine
             x_cur["scale"] = par.world_size * int(y.shape[0]) / n if shard else 1.0
             acc_buf["sum"] = acc_buf["last"] = None
-            fp_before = int(getattr(optimizer, "forward_passes", 0))
             try:
                 loss_t = optimizer.step(closure)
             except NonFiniteLossError as e:  # a forward-only optimizer's probe
                 diverged(str(e).split(";")[0].replace("returned a non-finite loss", "gave a non-finite loss"))
-            if forward_only:
-                fp += int(getattr(optimizer, "forward_passes", 0)) - fp_before
+            done_step = optimizer.last_step if forward_only else None
+            if done_step is not None:
+                fp += done_step.forwards
             else:
                 fp += 1
                 bp += 1
             loss = float(loss_t.detach()) if isinstance(loss_t, torch.Tensor) else float(loss_t)
             if first_loss is None:  # the scale to compare later losses with: the loss before any update
-                probes = getattr(optimizer, "last_losses", None)  # (bn_update=recompute returns theta_{t+1}'s)
-                ref = float(probes.mean()) if isinstance(probes, torch.Tensor) and probes.numel() else loss
+                # the probes' loss at theta_t (bn_update=recompute returns theta_{t+1}'s)
+                ref = done_step.reference_loss if done_step is not None else loss
                 if math.isfinite(ref):
                     first_loss = ref
             why = _diverged(loss, model, first_loss, diverge_factor)
@@ -369,7 +368,7 @@ def fit(
                 diverged(why)
             loss_sum += loss * n
             # accuracy of the unperturbed forward when the step ran one, else of all its probes
-            acc_out = acc_buf["last"] if getattr(optimizer, "last_outputs_unperturbed", False) else acc_buf["sum"]
+            acc_out = acc_buf["last"] if done_step is not None and done_step.unperturbed else acc_buf["sum"]
             correct_local += int((acc_out.argmax(1) == x_cur["y"]).sum()) if acc_out is not None else 0
             seen += n
             step += 1
@@ -401,7 +400,7 @@ def fit(
         eval_time = 0.0
         if test_loader is not None and (epoch % eval_every == 0 or epoch == epochs):
             t0 = time.perf_counter()
-            sums = _evaluate_sums(model, test_loader, loss_fn, device)
+            sums = evaluate_sums(model, test_loader, loss_fn, device)
             if par is not None:  # every rank evaluated its shard of the test set
                 sums = par.sum_(sums)
             if sums[2] == 0:
@@ -419,7 +418,7 @@ def fit(
             "fp": fp, "bp": bp,
         }
         if par is not None:
-            record.update(_comm_stats(optimizer, step))
+            record.update(_comm_stats(optimizer.bytes_communicated, step))
         history.append(record)
         if progress:
             tqdm.write(f"epoch {epoch}/{epochs}: train loss {record['train_loss']:.4f}"
@@ -435,24 +434,22 @@ def fit(
     summary["status"] = "completed"
     summary["wall_time_min"] = wall_time / 60.0
     if par is not None:
-        summary["distributed"] = {**par.describe(), **_comm_stats(optimizer, step), "startup_bytes": par.startup_bytes}
+        summary["distributed"] = {**par.describe(), **_comm_stats(optimizer.bytes_communicated, step),
+                                  "startup_bytes": par.startup_bytes}
     if not main:  # other ranks write nothing
         for cb in cbs:
             cb.on_train_end(summary)
         return summary
     atomic_write_json(run_dir / "results.json", summary)
     if plot:
-        from szo.plots import plot_training_curve
-
         plot_training_curve(history, run_dir / "training_curve.png", title=str((info or {}).get("name", run_dir.name)))
     for cb in cbs:
         cb.on_train_end(summary)
     return summary
 
 
-def _comm_stats(optimizer: Any, step: int) -> dict[str, Any]:
+def _comm_stats(total: int, step: int) -> dict[str, Any]:
     """Bytes this rank's optimizer put into collectives so far (probe losses, BN statistics)."""
-    total = int(getattr(optimizer, "bytes_communicated", 0))
     return {"bytes_communicated": total, "bytes_per_step": total / step if step else 0.0}
 
 
@@ -461,8 +458,6 @@ def _load_start_state(ckpt_path: Path, run_dir: Path, resume: bool, par: Any
     """The checkpoint to continue from (checked against its sha256 record) and its sha256, or
     (None, None) for a fresh start. Multi-process: rank 0 looks at its run directory and
     broadcasts the verified file's bytes (or its one-line error); every rank loads them."""
-    from szo.distributed import main_decides
-
     def read() -> bytes | None:
         if not ckpt_path.exists():
             return None
@@ -522,7 +517,7 @@ def summarize(history: Sequence[dict[str, Any]], *, model: nn.Module | None = No
     }
     if model is not None:
         out["d"] = int(sum(p.numel() for p in model.parameters()))
-    k = getattr(optimizer, "k", None)
+    k = optimizer.k if isinstance(optimizer, HasSubspace) else None
     out["k"] = int(k) if isinstance(k, int) else None
     out.update(info or {})
     return out

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .comm import all_reduce_
+
 __all__ = ["BNStatsFreezer", "bn_layers", "BN_UPDATES", "check_bn_update"]
 
 BN_UPDATES: tuple[str, ...] = ("recompute", "probe-mean")
@@ -131,8 +133,6 @@ class BNStatsFreezer:
         sent = 0
         count = self._count
         if distributed and self.layers and self.active:
-            from szo.distributed import all_reduce_
-
             ref = self._sum[0][0]
             flat = torch.cat([torch.cat([a, b]) for a, b in self._sum]
                              + [torch.tensor([float(count)], dtype=ref.dtype, device=ref.device)])  # float64

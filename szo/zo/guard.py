@@ -1,4 +1,4 @@
-"""What every forward-only optimizer does around its probes, in one place.
+"""What every forward-only optimizer does around its probes, in one place (the forward-only core).
 
 * **The model.** ``SZO(model, subspace, ...)`` (and ``FullSpaceZO(model, ...)``,
   ``BPSubspace(model, ...)``) take the model itself: its parameters are the optimizer's,
@@ -16,7 +16,7 @@
   runs, and raises one ``ValueError`` if one is a train-mode BN layer or a SpikingJelly
   ``MemoryModule`` the optimizer does not know (no model given, or one outside the given
   model). A closure over a stateless, BN-free network needs no model and passes.
-* **BN statistics.** ``bn_update`` (``szo.optim.bn``): ``"recompute"`` (default) leaves the
+* **BN statistics.** ``bn_update`` (``szo.zo.bn``): ``"recompute"`` (default) leaves the
   running statistics untouched by the probes, then ``ProbeGuard.unperturbed_forward`` runs the
   closure once at theta_{t+1} (train mode), which updates them and gives the logged train
   loss / accuracy; it is skipped (no cost) when no BN layer is in train mode.
@@ -36,11 +36,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ..functional import zo as F
 from .bn import BNStatsFreezer, check_bn_update
 
-__all__ = ["resolve_model", "ProbeGuard", "START_POINTS", "move_to_start", "counter_state", "load_counter_state",
-           "CounterStateMixin", "check_hparams", "load_flat"]
-
-START_POINTS: tuple[str, ...] = ("reference", "current")
-
+__all__ = ["resolve_model", "ProbeGuard", "check_hparams"]
 
 def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[list[torch.Tensor], nn.Module | None]:
     """``(params, model)`` from ``who(model, ...)`` or ``who(params, ..., model=model)``."""
@@ -78,37 +74,6 @@ def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
         raise ValueError(f"mu must be > 0, got {mu}")
     if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
         raise ValueError(f"q must be an integer >= 1, got {q!r}")
-
-
-@torch.no_grad()
-def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy the flat vector ``flat`` into ``params`` in place (their storage stays theirs, unlike
-    ``torch.nn.utils.vector_to_parameters``, which re-points ``.data``)."""
-    off = 0
-    for p in params:
-        n = p.numel()
-        p.copy_(flat[off : off + n].view_as(p))
-        off += n
-
-
-@torch.no_grad()
-def move_to_start(params: list[torch.Tensor], subspace, start: str, who: str) -> None:
-    """``start="reference"``: copy ``subspace.reference`` (theta_ref, where subspace training
-    starts) into the parameters; ``"current"``: leave them as they are."""
-    if start not in START_POINTS:
-        raise ValueError(f"{who}: unknown start {start!r}; valid: reference (move the parameters to the "
-                         "subspace's reference point), current (keep them)")
-    if start == "current":
-        return
-    ref = getattr(subspace, "reference", None)
-    if not isinstance(ref, torch.Tensor):
-        raise ValueError(f"{who}: start='reference' needs subspace.reference (a [d] tensor); this subspace has "
-                         "none: pass start='current' to train from the parameters as they are")
-    d = sum(p.numel() for p in params)
-    if ref.dim() != 1 or ref.numel() != d:
-        raise ValueError(f"{who}: subspace.reference has shape {tuple(ref.shape)}, the parameters d = {d}")
-    for p, chunk in zip(params, ref.split([p.numel() for p in params])):
-        p.copy_(chunk.view_as(p))
 
 
 def _stateful(mod: nn.Module) -> str | None:
@@ -174,18 +139,16 @@ class ProbeGuard:
             handle.remove()
         self._watched = True
 
-    # ------------------------------------------------------------------ one probe, one step
+    # ------------------------------------------------------------------ one probe
     @torch.no_grad()
     def probe(self, closure: Callable[[], torch.Tensor], where: str) -> float:
-        """One probe at the parameters as they are now: the step's BN statistics put back, the
-        neurons reset, the closure run (watched on the first step), its loss checked; under
-        ``probe-mean`` what it did to the BN statistics is added to the step's mean. The caller
-        counts the forward and has called ``bn.snapshot()`` at the start of the step."""
+        """One forward at the parameters as they are now: the step's BN statistics put back, the
+        neurons reset, the closure run, its loss checked; under ``probe-mean`` what it did to the
+        BN statistics is added to the step's mean. The evaluator has called ``bn.snapshot()`` at
+        the start of the step and holds :meth:`watch` around the step's probes."""
         self.bn.restore()
         self.reset()
-        with self.watch():
-            value = closure()
-        out = F.check_loss(value, where)
+        out = F.check_loss(closure(), where)
         if self.probe_mean:
             self.bn.accumulate()
         return out
@@ -198,21 +161,6 @@ class ProbeGuard:
             self.bn.commit()
         else:
             self.bn.restore()
-
-    @torch.no_grad()
-    def finish_step(self, opt, closure: Callable[[], torch.Tensor], losses, fallback: float) -> torch.Tensor:
-        """The end of a step, after the update of a forward-only optimizer ``opt``: ``losses``
-        (this step's probe losses, at theta_t) become ``opt.last_losses``; under ``recompute``
-        with BN in train mode the unperturbed BN forward of theta_{t+1} runs, is counted in
-        ``opt.forward_passes`` and its loss is returned (``opt.last_outputs_unperturbed``);
-        otherwise ``fallback`` (the step's probe loss) is."""
-        opt.last_losses = torch.as_tensor(losses, dtype=torch.float64)
-        opt.last_outputs_unperturbed = self.recomputes
-        if opt.last_outputs_unperturbed:
-            loss = self.unperturbed_forward(closure)
-            opt.forward_passes += 1
-            return torch.tensor(loss)
-        return torch.tensor(fallback)
 
     # ------------------------------------------------------------------ BN forward
     @torch.no_grad()
@@ -234,43 +182,3 @@ class ProbeGuard:
             self.bn.accumulate()
             self.bn.commit(True, process_group)
         return value
-
-
-
-# ---------------------------------------------------------------------- checkpointed counters
-def counter_state(opt) -> dict:
-    """What every forward-only optimizer checkpoints besides torch's per-parameter state: its
-    direction generator (so a resumed run draws the same directions) and its forward count."""
-    return {"generator_state": opt.generator.get_state(), "forward_passes": opt.forward_passes}
-
-
-def load_counter_state(opt, extra: dict) -> None:
-    """Inverse of :func:`counter_state` (missing keys: a fresh generator state, 0 forwards)."""
-    if "generator_state" in extra:
-        opt.generator.set_state(extra["generator_state"].to(torch.uint8))
-    opt.forward_passes = int(extra.get("forward_passes", 0))
-
-
-class CounterStateMixin:
-    """``state_dict`` / ``load_state_dict`` of a forward-only ``torch.optim.Optimizer`` that keeps
-    :func:`counter_state` (plus ``_extra_state()``) under ``state_dict()[_state_key]``."""
-
-    _state_key = "zo"
-
-    def _extra_state(self) -> dict:
-        return {}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        pass
-
-    def state_dict(self):
-        sd = super().state_dict()  # type: ignore[misc]
-        sd[self._state_key] = {**counter_state(self), **self._extra_state()}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = dict(state_dict.pop(self._state_key, {}))
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-        load_counter_state(self, extra)
-        self._load_extra_state(extra)

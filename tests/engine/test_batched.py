@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 import szo.models as M
-from szo.engine import BatchedEvaluator, make_plan_evaluator
+from szo.engine import BatchedEvaluator, BatchedProbeEvaluator, batch_closure
 from szo.losses import tet_loss
 from szo.optim import SZO
+from szo.zo import ParamSpace
 
 # (in_channels, spatial size, k): tiny inputs; the two big models get k=1 (m=2 probes)
 SIZES = {"spike_convnet": (1, 8, 2), "spike_resnet20": (3, 8, 2), "spike_resnet18": (3, 8, 2), "spike_resnet8": (1, 12, 2),
@@ -38,13 +39,19 @@ def _bn_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
 
 
-def _loop_vs_batched(model, opt, x, y, U, chunk=None):
+def _batched(opt, model, plan, x, y, chunk=None):
+    """The plan's losses from the batched engine, as SZO(engine="batched") runs it (one step's probes)."""
+    ev = BatchedProbeEvaluator(opt.guard, model, chunk=chunk)
+    with ev.session():
+        return ev.run(batch_closure(model, tet_loss, x, y), opt.space, plan)
+
+
+def _loop_vs_batched(model, opt, x, y, plan, chunk=None):
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    loop = opt.evaluate_plan(lambda: tet_loss(model(x), y), U)
+    loop = opt.evaluate(lambda: tet_loss(model(x), y), plan)  # the optimizer's loop evaluator
     bn_loop = _bn_state(model)
     model.load_state_dict(start)
-    ev = make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=chunk)
-    batched = ev(opt, U, batch=(x, y))
+    batched = _batched(opt, model, plan, x, y, chunk)
     for k, v in model.state_dict().items():  # parameters untouched
         if "running" not in k and "num_batches" not in k:
             assert torch.equal(v, start[k]), k
@@ -54,9 +61,9 @@ def _loop_vs_batched(model, opt, x, y, U, chunk=None):
 @pytest.mark.parametrize("name", M.names())
 def test_batched_equals_loop_every_model(name):
     model, opt, x, y = _setup(name)
-    U, _ = opt.probe_plan()
-    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=U.shape[0])
-    assert loop.shape == batched.shape == (U.shape[0],)
+    plan = opt.plan()
+    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, plan, chunk=plan.m)
+    assert loop.shape == batched.shape == (plan.m,)
     assert loop.unique().numel() > 1  # the probes really differ
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
     assert bn_loop, "every model in the zoo has BN layers"
@@ -66,14 +73,15 @@ def test_batched_equals_loop_every_model(name):
 
 def test_rge_plan_and_flat_theta_batch_match_loop():
     model, opt, x, y = _setup("spike_convnet", k=4, estimator="rge")
-    U, _ = opt.probe_plan()  # dense Gaussian rows: the GEMM path, not the one-hot gather
-    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U)
+    plan = opt.plan()  # dense Gaussian rows: the GEMM path, not the one-hot gather
+    U = plan.dense()
+    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, plan)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
     for k in bn_loop:
         torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6)
     # the same probes as explicit flat vectors theta_batch [m, d]
     theta0 = model.flat_params()
-    thetas = theta0 + 0.05 * (U.float() @ opt._Pt)
+    thetas = theta0 + 0.05 * (U.float() @ opt.space.basis_t)
     model.eval()  # eval: BN uses running statistics and leaves them alone
     before = _bn_state(model)
     ev = BatchedEvaluator(model, tet_loss, chunk=3)
@@ -92,14 +100,14 @@ def test_rge_plan_and_flat_theta_batch_match_loop():
 @pytest.mark.parametrize("chunk", [1, 2, 4, 5])
 def test_chunking_matches_single_pass(chunk):
     model, opt, x, y = _setup("spike_convnet", k=3)
-    U, _ = opt.probe_plan()
+    U = opt.plan().dense()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     whole = BatchedEvaluator(model, tet_loss, chunk=U.shape[0])
-    ref = whole.losses(x, y, ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05))
+    ref = whole.losses(x, y, ([p.detach() for p in opt.space.params], opt.space.basis_views, U, 0.05))
     bn_ref = _bn_state(model)
     model.load_state_dict(start)
     ev = BatchedEvaluator(model, tet_loss, chunk=chunk)
-    got = ev.losses(x, y, ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05))
+    got = ev.losses(x, y, ([p.detach() for p in opt.space.params], opt.space.basis_views, U, 0.05))
     assert ev.last_chunk == chunk
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0.0)
     for k, v in _bn_state(model).items():
@@ -128,8 +136,8 @@ def test_auto_chunk_is_chosen_once_per_input_shape(monkeypatch):
         return per_copy * (6 - 2 * len(reads)) * 2  # memory_fraction 0.5: 4 copies first, then 2
 
     monkeypatch.setattr(B, "available_memory_bytes", fake_free)
-    U, _ = opt.probe_plan()
-    plan = ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05)
+    U = opt.plan().dense()
+    plan = ([p.detach() for p in opt.space.params], opt.space.basis_views, U, 0.05)
     for _ in range(3):
         ev.losses(x, y, plan)
         assert ev.last_chunk == 4
@@ -139,8 +147,9 @@ def test_auto_chunk_is_chosen_once_per_input_shape(monkeypatch):
 
 def test_loss_fn_per_call_is_not_kept():
     model, opt, x, y = _setup("spike_convnet")
-    U, _ = opt.probe_plan()
-    plan = ([p.detach() for p in opt._params], opt._Pt_views, U, 0.05)
+    step_plan = opt.plan()
+    U = step_plan.dense()
+    plan = ([p.detach() for p in opt.space.params], opt.space.basis_views, U, 0.05)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     ref = BatchedEvaluator(model, tet_loss).losses(x, y, plan)
     model.load_state_dict(start)
@@ -150,11 +159,12 @@ def test_loss_fn_per_call_is_not_kept():
         ev.losses(x, y, plan)
     with pytest.raises(ValueError, match="loss_fn must be callable"):
         ev.losses(x, y, plan, loss_fn="tet")
-    plan_ev = make_plan_evaluator("batched", model)
     model.load_state_dict(start)
-    torch.testing.assert_close(plan_ev(opt, U, batch=(x, y, tet_loss)), ref, rtol=0.0, atol=0.0)
-    with pytest.raises(ValueError, match="needs loss_fn"):  # the last call's loss_fn did not stick
-        plan_ev(opt, U, batch=(x, y))
+    torch.testing.assert_close(_batched(opt, model, step_plan, x, y), ref, rtol=0.0, atol=0.0)
+    closure = batch_closure(model, tet_loss, x, y)
+    closure.batch = (x, y)
+    with pytest.raises(ValueError, match=r"closure.batch must be \(x, y, loss_fn\)"):  # no loss_fn kept anywhere
+        BatchedProbeEvaluator(opt.guard, model).run(closure, opt.space, step_plan)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
@@ -163,23 +173,26 @@ def test_bad_chunk_raises(bad):
     with pytest.raises(ValueError, match="chunk"):
         BatchedEvaluator(model, tet_loss, chunk=bad)
     with pytest.raises(ValueError, match="chunk"):
-        make_plan_evaluator("batched", model, loss_fn=tet_loss, chunk=bad)
+        BatchedProbeEvaluator(SZO(model, SimpleNamespace(basis=torch.eye(model.num_params(), 2), layout=None),
+                                  start="current").guard, model, chunk=bad)
 
 
 def test_bad_inputs_raise():
     model, opt, x, y = _setup("spike_convnet")
+    sub = SimpleNamespace(basis=torch.eye(model.num_params(), 2), layout=None)
     with pytest.raises(ValueError, match="engine"):
-        make_plan_evaluator("vmap", model)
+        SZO(model, sub, engine="vmap")
     ev = BatchedEvaluator(model, tet_loss)
     with pytest.raises(ValueError, match=r"\[m, d\]"):
         ev.losses(x, y, torch.zeros(3, 7))
+    bev = BatchedProbeEvaluator(opt.guard, model)
     with pytest.raises(ValueError, match="batch"):
-        make_plan_evaluator("batched", model, loss_fn=tet_loss)(opt, opt.probe_plan()[0])
-    with pytest.raises(ValueError, match="evaluate_plan"):
-        make_plan_evaluator("loop", model)
+        bev.run(lambda: tet_loss(model(x), y), opt.space, opt.plan())
+    with pytest.raises(ValueError, match="evaluates subspace plans; got a ParamSpace"):
+        bev.run(batch_closure(model, tet_loss, x, y), ParamSpace(list(model.parameters())), opt.plan())
     other, other_opt, _, _ = _setup("spike_convnet", seed=1)
     with pytest.raises(ValueError, match="not model.parameters"):
-        make_plan_evaluator("batched", model, loss_fn=tet_loss)(other_opt, other_opt.probe_plan()[0], batch=(x, y))
+        bev.run(batch_closure(model, tet_loss, x, y), other_opt.space, other_opt.plan())
 
     class Scale(nn.Module):
         def __init__(self):
@@ -218,17 +231,15 @@ def test_streaming_exact_szo_step_equals_multistep_step(name):
 def test_batched_engine_combines_with_streaming(name, stream_bn):
     """Batched engine + streaming forward == loop + streaming forward, for every BN policy."""
     model, opt, x, y = _setup(name)
-    U, _ = opt.probe_plan()
+    plan = opt.plan()
     with model.streaming(time_chunk=1, stream_bn=stream_bn):
-        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=3)
+        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, plan, chunk=3)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
     for k in bn_loop:
         torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_szo_engine_switch_equal_steps_and_clear_errors():
-    from szo.engine import batch_closure
-
     def run(engine: str):
         torch.manual_seed(0)
         model = M.create("spike_convnet", T=2).train()
@@ -272,14 +283,14 @@ def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
 
 # ------------------------------------------------------------------ BN momentum=None (cumulative average)
 def test_bn_momentum_reads_the_counter_only_for_a_cumulative_average():
-    from szo.models.streaming import _bn_momentum
+    from szo.models.streaming import bn_momentum
 
     bn = nn.BatchNorm2d(2)
     bn.num_batches_tracked = None  # any read of the counter would fail
-    assert _bn_momentum(bn) == 0.1
+    assert bn_momentum(bn) == 0.1
     bn = nn.BatchNorm2d(2, momentum=None)
     bn.num_batches_tracked.fill_(3)
-    assert _bn_momentum(bn) == 0.25
+    assert bn_momentum(bn) == 0.25
 
 
 @pytest.mark.parametrize("time_chunk", [None, 1])
@@ -289,9 +300,9 @@ def test_batched_equals_loop_with_cumulative_average_bn(time_chunk):
         if isinstance(mod, nn.BatchNorm2d):
             mod.momentum = None
             mod.num_batches_tracked.fill_(3)
-    U, _ = opt.probe_plan()
+    plan = opt.plan()
     with model.streaming(time_chunk=time_chunk, stream_bn="exact"):
-        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U, chunk=3)
+        loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, plan, chunk=3)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
     for k in bn_loop:
         torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -303,9 +314,9 @@ def test_mixed_eval_and_train_bn_same_statistics_as_loop():
     # engines; the loop used to bump its counter and rewrite it as sum / count
     model, opt, x, y = _setup("spike_convnet")
     model.bn1.eval()
-    U, _ = opt.probe_plan()
+    plan = opt.plan()
     before = _bn_state(model)
-    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, U)
+    loop, batched, bn_loop, bn_batched = _loop_vs_batched(model, opt, x, y, plan)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=0.0)
     for k in ("bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"):
         assert torch.equal(bn_loop[k], before[k]) and torch.equal(bn_batched[k], before[k]), k

@@ -48,26 +48,32 @@ def test_secure_aggregate_equals_centralised_estimate():
     splits = B.dirichlet_split(y.numpy(), 4, alpha=0.5, seed=1)
 
     def loss_on(idx):
-        def f(vec):
-            torch.nn.utils.vector_to_parameters(vec, model.parameters())
-            return nn.functional.cross_entropy(model(x[idx]), y[idx])  # mean over the samples
-        return f
+        return lambda: nn.functional.cross_entropy(model(x[idx]), y[idx])  # mean over the samples
 
     seed, K, sigma = 1234, 8, 1e-2
     for basis_or_none, dim in ((basis, 6), (None, d)):
         z = B.round_directions(seed, K, dim)  # what every client and the server regenerate
         uploads = []
         for c, idx in enumerate(splits):
-            delta = B.loss_differences(loss_on(idx), theta, z, sigma, basis_or_none)
+            delta = B.loss_differences(model, loss_on(idx), theta, z, sigma, basis=basis_or_none)
+            assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), theta)  # restored
             with np.errstate(over="ignore"):
                 uploads.append(B.encode(delta.numpy() * len(idx) / len(y))
                                + B.pairwise_masks(c, list(range(len(splits))), 0, K, b"secret"))
         fed = B.stein_coordinates(torch.from_numpy(B.aggregate(uploads)), z, sigma)
         central = B.stein_coordinates(
-            B.loss_differences(loss_on(np.arange(len(y))), theta, z, sigma, basis_or_none), z, sigma)
+            B.loss_differences(model, loss_on(np.arange(len(y))), theta, z, sigma, basis=basis_or_none), z, sigma)
         # the only difference: 2**-32 fixed point per client upload, / (2 sigma), averaged over K
         torch.testing.assert_close(fed, central, atol=len(splits) * 2.0 ** -32 / (2 * sigma) * 4, rtol=0)
         assert central.abs().max() > 1e-3
+        # an independent transcription of the two-sided difference (eq. 6 numerators), one direction
+        u = (basis_or_none @ z[0]) if basis_or_none is not None else z[0]
+        names, sizes = zip(*[(n, p.numel()) for n, p in model.named_parameters()])
+        shapes = [p.shape for p in model.parameters()]
+        f = lambda v: float(nn.functional.cross_entropy(torch.func.functional_call(  # noqa: E731
+            model, {n: t.view(s) for n, t, s in zip(names, v.split(sizes), shapes)}, (x,)), y))
+        full = B.loss_differences(model, loss_on(np.arange(len(y))), theta, z, sigma, basis=basis_or_none)
+        assert abs(float(full[0]) - (f(theta + sigma * u) - f(theta - sigma * u))) < 1e-12
 
 
 def test_dirichlet_split_partitions_and_skews():

@@ -329,7 +329,7 @@ def test_failed_forward_leaves_no_stream_attached():
     m = _model("spike_convnet").train()
     with torch.no_grad(), pytest.raises(RuntimeError):
         m(torch.rand(2, 3, 8, 8), time_chunk=1)  # wrong channel count
-    assert all(mod._szo_stream is None for mod in m.modules() if isinstance(mod, BatchNorm2d))
+    assert all(mod.stream_policy is None for mod in m.modules() if isinstance(mod, BatchNorm2d))
     with torch.no_grad():
         m(_input("spike_convnet"))  # still an ordinary model
 

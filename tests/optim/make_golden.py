@@ -2,7 +2,8 @@
 reference; see golden_cases.py). ``python tests/optim/make_golden.py`` from the project root.
 
 Each case: ``fit`` for 1 epoch of 2 steps (-> golden/<case>/last.pt + last.json), and a separate
-uninterrupted 2-epoch run whose final model state is golden/<case>/final.safetensors.
+uninterrupted 2-epoch run whose final model state is golden/<case>/final.safetensors and final
+optimizer state golden/<case>/final_optimizer.pt.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.optim.golden_cases import CASES, GOLDEN, K, SEED, STEPS, build, loade
 
 
 def run(case: str, run_dir: Path, epochs: int) -> torch.nn.Module:
+    """``fit`` of ``case`` for ``epochs`` epochs of STEPS steps into ``run_dir``; the trained network."""
     g = torch.Generator().manual_seed(SEED)
     train, test = loaders(g)
     model, sub = model_and_subspace()
@@ -51,7 +53,9 @@ def main() -> None:
                 shutil.copy(Path(tmp) / "half" / "checkpoints" / f, out / f)
             net = run(case, Path(tmp) / "full", epochs=2)
             save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, out / "final.safetensors")
-        print(case, sum((out / f).stat().st_size for f in ("last.pt", "last.json", "final.safetensors")), "bytes")
+            final = torch.load(Path(tmp) / "full" / "checkpoints" / "last.pt", weights_only=True)
+            torch.save(final["optimizer"], out / "final_optimizer.pt")
+        print(case, sum(f.stat().st_size for f in out.iterdir()), "bytes")
 
 
 if __name__ == "__main__":

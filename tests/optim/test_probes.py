@@ -1,4 +1,4 @@
-"""szo.optim.probes: model-first API, start point, unknown-module guard, recompute BN update, bad input."""
+"""szo.zo.guard: model-first API, start point, unknown-module guard, recompute BN update, bad input."""
 from __future__ import annotations
 
 import copy
@@ -187,7 +187,7 @@ def test_bad_input_one_clear_error_each():
         LayerwiseZO(model, bn_update="mean")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'"):
         build_optimizer("np-zo", model, lr=0.1, bn_update="mean")
-    # one check (szo.optim.probes.check_hparams) for every optimizer's hyperparameters
+    # one check (szo.zo.guard.check_hparams) for every optimizer's hyperparameters
     for cls in (FullSpaceZO, HybridZO, LayerwiseZO):  # FullSpaceZO / HybridZO took a negative lr before
         with pytest.raises(ValueError, match="lr must be >= 0, got -1"):
             cls(model, lr=-1)

@@ -11,6 +11,7 @@ from szo.losses import tet_loss
 from szo.models import create
 from szo.train import Callback, fit, load_checkpoint, read_metrics
 from szo.train.checkpoint import checkpoint_path
+from szo.zo import StepInfo
 
 
 def _digits(n_train=192, n_test=96):
@@ -38,14 +39,23 @@ def _loaders(data, g, bs=32):
 
 
 class RandomCoordZO(torch.optim.Optimizer):
-    """Tiny forward-only optimizer for the tests: central differences on m random coordinates."""
+    """Tiny forward-only optimizer for the tests, written from scratch against the protocol
+    (szo.zo.ForwardOnlyOptimizer): central differences on m random coordinates."""
 
     forward_only = True
+    distributed = None
+    bytes_communicated = 0
+    train_outputs = True
 
     def __init__(self, params, lr, generator, m=3, mu=1e-2, momentum=0.5):
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.g, self.m, self.mu = generator, m, mu
         self.forward_passes = 0
+        self.last_step = None
+
+    @property
+    def forwards_per_step(self):
+        return 2 * self.m
 
     @torch.no_grad()
     def step(self, closure):
@@ -72,7 +82,9 @@ class RandomCoordZO(torch.optim.Optimizer):
         buf = st.get("buf", torch.zeros_like(flat)) * self.param_groups[0]["momentum"] + grad
         st["buf"] = buf
         torch.nn.utils.vector_to_parameters(flat - self.param_groups[0]["lr"] * buf, ps)
-        return torch.tensor(sum(losses) / len(losses))
+        self.last_step = StepInfo(loss=sum(losses) / len(losses), losses=torch.tensor(losses, dtype=torch.float64),
+                                  forwards=2 * self.m)
+        return torch.tensor(self.last_step.loss)
 
 
 def test_fit_bp_writes_metrics_results_checkpoint(tmp_path, data, model0):
@@ -175,3 +187,16 @@ def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, data, model0, 
     for ra, rb in zip(a, b):
         for key in ("train_loss", "train_acc", "test_acc", "lr", "fp", "step"):
             assert ra[key] == pytest.approx(rb[key], abs=1e-6), key
+
+
+def test_half_a_forward_only_optimizer_is_refused(tmp_path, data, model0):
+    """An optimizer that says forward_only = True but lacks the protocol is not trained as BP."""
+    class Half(torch.optim.SGD):
+        forward_only = True
+
+    model = copy.deepcopy(model0)
+    g = torch.Generator().manual_seed(2)
+    train, test = _loaders(data, g)
+    with pytest.raises(ValueError, match="Half says forward_only = True but lacks .*last_step"):
+        fit(model, train, test, Half(model.parameters(), lr=0.1), epochs=1, loss_fn=tet_loss, run_dir=tmp_path,
+            generator=g, progress=False)

@@ -1,0 +1,37 @@
+"""The forward-only core: every forward-only optimizer of szo is composed from these parts.
+
+* **space** (``szo.zo.space``) -- which numbers move: :class:`ParamSpace` (all parameters, or
+  one layer's), :class:`SubspaceSpace` (``theta_0 + P c``), :class:`NodeSpace` (a layer's
+  pre-activations), :class:`HostSpace` (host coordinates, e.g. the integer learner's fixed point);
+  the one place flat <-> tensors happens;
+* **plan** (``szo.zo.plans``) -- which probes a step makes and how their losses combine: CGE,
+  RGE, one-point, coordinate one-point; Gaussian and XORShift32 Rademacher directions;
+* **evaluator** (``szo.zo.evaluate``) -- how the probes run: :class:`LoopEvaluator` (THE loop:
+  BN frozen or recomputed, neurons reset, first-step watch, loss check), the batched engine
+  (``szo.engine``), torch.distributed (``szo.distributed``), :class:`JVPEvaluator`;
+* **update** (``szo.zo.update``) -- :func:`heavy_ball_`, :func:`sign_descent_`, the integer rules,
+  and :class:`StateCodec` for the state a checkpoint carries;
+* **protocol** (``szo.zo.protocol``) -- :class:`ForwardOnlyOptimizer` and the per-step
+  :class:`StepInfo` the trainer reads; :class:`ForwardOnlyBase` implements the common part.
+
+The core depends on torch, SpikingJelly and ``szo.functional`` only. docs/architecture.md shows
+how the optimizers of ``szo.optim`` compose it and how to add a method.
+"""
+from .base import CodecOptimizer, ForwardOnlyBase
+from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
+from .evaluate import JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
+from .guard import ProbeGuard, check_hparams, resolve_model
+from .plans import (ESTIMATORS, Coordinates, Plan, cge_plan, coord_one_point_plan, gaussian_rows, one_point_plan,
+                    rademacher_rows, rge_plan)
+from .protocol import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, HasSubspace, StepInfo, is_forward_only
+from .space import START_POINTS, HostSpace, NodeSpace, ParamSpace, Space, SubspaceSpace, move_to_start
+from .update import (Field, StateCodec, heavy_ball_, integer_heavy_ball, quantized_zo_update, sign_descent_)
+
+__all__ = [
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Field", "ForwardOnlyBase", "ForwardOnlyOptimizer",
+    "HasSubspace", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
+    "ProbeGuard", "START_POINTS", "Space", "StateCodec", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
+    "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
+    "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
+    "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_",
+]

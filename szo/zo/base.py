@@ -1,0 +1,121 @@
+"""The shared body of every forward-only optimizer: counting, the step record, the BN forward, state.
+
+:class:`ForwardOnlyBase` is a ``torch.optim.Optimizer`` (param groups, LR schedulers and
+``state_dict`` work as usual) that satisfies :class:`~szo.zo.protocol.ForwardOnlyOptimizer`. A
+composition sets ``self.evaluator`` (how probes run) and calls :meth:`finish_step` at the end of
+``step``: it runs the unperturbed BN forward when ``bn_update="recompute"`` asks for one, counts
+the step's forwards and records the :class:`~szo.zo.protocol.StepInfo`. Extra state goes through
+``codecs`` (:class:`~szo.zo.update.StateCodec`), one section per key of ``state_dict()``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .protocol import StepInfo
+from .update import StateCodec
+
+__all__ = ["CodecOptimizer", "ForwardOnlyBase"]
+
+
+class CodecOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose extra state is ``codecs``: ``state_dict()[codec.key]`` each."""
+
+    codecs: tuple[StateCodec, ...] = ()
+
+    def state_dict(self):
+        sd = super().state_dict()
+        for codec in self.codecs:
+            sd[codec.key] = codec.encode(self)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        sections = {c.key: state_dict.pop(c.key, None) for c in self.codecs}
+        super().load_state_dict(state_dict)
+        for codec in self.codecs:
+            if sections[codec.key]:
+                codec.decode(self, dict(sections[codec.key]))
+
+
+class ForwardOnlyBase(CodecOptimizer):
+    """Base of the forward-only compositions (see the module docstring)."""
+
+    forward_only = True
+
+    def _init_forward_only(self, evaluator, generator: torch.Generator | None = None) -> None:
+        self.evaluator = evaluator
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.forward_passes = 0
+        self._last_step: StepInfo | None = None
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def guard(self):
+        """The evaluator's probe guard (model, BN rule, resets)."""
+        return self.evaluator.guard
+
+    @property
+    def bn(self):
+        return self.evaluator.guard.bn
+
+    @property
+    def bn_update(self) -> str:
+        return self.evaluator.guard.bn_update
+
+    @property
+    def distributed(self) -> str | None:
+        return self.evaluator.distributed
+
+    @property
+    def bytes_communicated(self) -> int:
+        return self.evaluator.bytes_communicated
+
+    @bytes_communicated.setter
+    def bytes_communicated(self, value: int) -> None:
+        self.evaluator.bytes_communicated = int(value)
+
+    @property
+    def last_step(self) -> StepInfo | None:
+        return self._last_step
+
+    @property
+    def train_outputs(self) -> bool:
+        """The closure calls show the trainer outputs to compute train accuracy from: every probe
+        calls the closure, or the step ends with the unperturbed forward."""
+        return bool(self.evaluator.sees_outputs or self.evaluator.guard.recomputes)
+
+    @property
+    def recomputes(self) -> bool:
+        """Steps end with the unperturbed BN forward (one more forward per step)."""
+        return self.evaluator.guard.recomputes
+
+    # kept for code written against the attributes the trainer used to read
+    @property
+    def last_losses(self) -> torch.Tensor | None:
+        return None if self._last_step is None else self._last_step.losses
+
+    @property
+    def last_outputs_unperturbed(self) -> bool:
+        return self._last_step is not None and self._last_step.unperturbed
+
+    # ------------------------------------------------------------------ the end of a step
+    @torch.no_grad()
+    def finish_step(self, closure: Callable[[], torch.Tensor], losses, fallback: float, forwards: int
+                    ) -> torch.Tensor:
+        """After the update: the unperturbed BN forward of theta_{t+1} under ``bn_update="recompute"``
+        with BN in train mode (its loss is returned), else ``fallback`` (the probes' loss at
+        theta_t); ``forwards`` (the probes) plus that forward are counted."""
+        losses = torch.as_tensor(losses, dtype=torch.float64)
+        unperturbed = self.evaluator.guard.recomputes
+        bn_loss = None
+        loss = float(fallback)
+        if unperturbed:
+            bn_loss = self.evaluator.unperturbed(closure)
+            forwards += 1
+            loss = bn_loss
+        self.forward_passes += forwards
+        self._last_step = StepInfo(loss=loss, losses=losses, forwards=forwards, unperturbed=unperturbed,
+                                   bn_loss=bn_loss)
+        return torch.tensor(loss)

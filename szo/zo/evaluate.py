@@ -1,0 +1,203 @@
+"""Evaluators: how the probes of a plan run. One protocol, several implementations.
+
+* :class:`LoopEvaluator` -- THE probe loop: for each probe of the plan, the step's BN running
+  statistics put back (``szo.zo.bn``), the neurons reset, the model moved to the probe by the
+  space, the closure run and its loss checked, and under ``bn_update="probe-mean"`` the probe's
+  statistics added to the step's mean; the first step's probes are watched for train-mode BN /
+  stateful modules the optimizer does not know (``ProbeGuard.watch``); the parameters are
+  restored exactly afterwards, whatever happened.
+* ``szo.engine.BatchedEvaluator`` -- the same plan as folded forwards (one per chunk of probes).
+* ``szo.distributed.DistributedEvaluator`` -- the loop on several processes (a slice of the
+  probes, or a shard of the batch, per rank; losses all-reduced).
+* :class:`JVPEvaluator` -- forward gradients: each probe is one forward-mode pass giving the
+  loss and its directional derivative along a tangent.
+
+An optimizer runs its probes inside ``with evaluator.session():`` (one per step: the BN
+snapshot at the start, the BN commit / restore at the end, a restore on any error), and after
+its update asks ``evaluator.unperturbed(closure)`` for the BN forward of ``bn_update="recompute"``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.func import functional_call
+
+from ..functional import zo as F
+from .guard import ProbeGuard
+from .plans import Plan
+from .space import Space
+
+__all__ = ["ProbeEvaluator", "LoopEvaluator", "JVPEvaluator", "jvp_closure"]
+
+Closure = Callable[[], torch.Tensor]
+
+
+@runtime_checkable
+class ProbeEvaluator(Protocol):
+    """Runs a plan's probes and returns their losses (float64 ``[m]``, probe order)."""
+
+    guard: ProbeGuard
+    distributed: str | None
+    bytes_communicated: int
+
+    @property
+    def sees_outputs(self) -> bool:
+        """Every probe calls the closure (whose outputs a trainer can read)."""
+        ...
+
+    def session(self) -> ContextManager: ...
+
+    def run(self, closure: Closure, space: Space, plan: Plan, *, label: str = "probe") -> torch.Tensor: ...
+
+    def unperturbed(self, closure: Closure) -> float: ...
+
+
+class LoopEvaluator:
+    """The probe loop: one closure call per probe (see the module docstring)."""
+
+    distributed: str | None = None
+    sees_outputs = True
+
+    def __init__(self, guard: ProbeGuard):
+        self.guard = guard
+        self.bytes_communicated = 0
+
+    # ------------------------------------------------------------------ step scope
+    @contextlib.contextmanager
+    def session(self) -> Iterator["LoopEvaluator"]:
+        """One step's probes: BN snapshot before, commit / restore after, restore on error."""
+        self.guard.bn.snapshot()
+        try:
+            yield self
+        except BaseException:
+            self.guard.bn.restore()
+            raise
+        self._end_session()
+
+    def _end_session(self) -> None:
+        self.guard.end_probes()
+
+    # ------------------------------------------------------------------ the loop
+    def _rows(self, m: int) -> Sequence[int]:
+        """The probes this process evaluates."""
+        return range(m)
+
+    def _context(self) -> ContextManager:
+        """Held around the probes (the distributed evaluator's synchronised BN)."""
+        return contextlib.nullcontext()
+
+    def _reduce(self, losses: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """The step's losses from this process' (the distributed evaluator all-reduces them)."""
+        return losses
+
+    @torch.no_grad()
+    def run(self, closure: Closure, space: Space, plan: Plan, *, label: str = "probe") -> torch.Tensor:
+        """Loss of the closure at every probe of ``plan``; the space is back at its point afterwards."""
+        guard, m = self.guard, plan.m
+        losses = torch.zeros(m, dtype=torch.float64)
+        rows = self._rows(m)
+        mover = space.mover(plan)
+        try:
+            with self._context(), guard.watch():
+                for j in rows:
+                    mover.move(j)
+                    losses[j] = guard.probe(closure, f"closure ({label} {j + 1}/{m})")
+        finally:
+            mover.restore()
+        return self._reduce(losses, rows)
+
+    def unperturbed(self, closure: Closure) -> float:
+        """The unperturbed train-mode forward of the updated model (``bn_update="recompute"``)."""
+        return self.guard.unperturbed_forward(closure)
+
+
+# ---------------------------------------------------------------------- forward gradients
+class _CallClosure(nn.Module):
+    """``functional_call`` target: holds the model, its forward calls the user's closure."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, closure):
+        return closure()
+
+
+def jvp_closure(model: nn.Module, names: list[str], closure: Closure, tangents: list[torch.Tensor],
+                where: str = "closure", dual_context: Callable[[nn.Module], ContextManager] | None = None
+                ) -> tuple[float, float]:
+    """``(L(theta), grad L . v)`` from one forward pass with tangent ``v`` (one tensor per parameter).
+
+    The parameters become dual tensors (``torch.autograd.forward_ad``) swapped in with
+    ``torch.func.functional_call``; ``dual_context(model)`` is held around the pass (the LIF's
+    forward-mode surrogate, ``szo.models.forward_mode.jvp_neurons``).
+    """
+    if getattr(model, "time_chunk", None) is not None:
+        raise ValueError("forward gradients need the multi-step forward: the JVP through a time-chunked "
+                         "(streaming) forward is not exact; call model.set_streaming(None)")
+    wrapper = _CallClosure(model)
+    ctx = dual_context(model) if dual_context is not None else contextlib.nullcontext()
+    with ctx, fwAD.dual_level():
+        duals = {f"model.{n}": fwAD.make_dual(p.detach(), t.to(p.dtype))
+                 for n, p, t in zip(names, model.parameters(), tangents)}
+        value = functional_call(wrapper, duals, (closure,))
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{where} must return the loss as a tensor for a forward gradient, "
+                             f"got {type(value).__name__}")
+        primal, tangent = fwAD.unpack_dual(value)
+        loss = F.check_loss(primal, where)
+        if tangent is None:
+            raise ValueError(f"{where}'s loss does not depend on the parameters in forward mode "
+                             "(did the closure detach it or call .item()?)")
+        return loss, F.check_loss(tangent, f"{where} (directional derivative)")
+
+
+class JVPEvaluator:
+    """Forward-gradient probes: ``q`` JVP passes, each the loss and ``grad L . v_j`` for a tangent.
+
+    BN running statistics: every pass starts from the step's statistics, which become their mean
+    over the passes (the JVP primal is itself an unperturbed forward of theta_t, ``probe-mean``).
+    """
+
+    distributed: str | None = None
+    sees_outputs = True
+
+    def __init__(self, model: nn.Module, names: list[str], who: str,
+                 dual_context: Callable[[nn.Module], ContextManager] | None = None):
+        self.guard = ProbeGuard(model, who, bn_update="probe-mean")
+        self.model = model
+        self.names = names
+        self.dual_context = dual_context
+        self.bytes_communicated = 0
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator["JVPEvaluator"]:
+        self.guard.bn.snapshot()
+        try:
+            yield self
+        except BaseException:
+            self.guard.bn.restore()
+            raise
+        self.guard.end_probes()
+
+    def run(self, closure: Closure, tangents: Callable[[int], list[torch.Tensor]], q: int, *,
+            label: str = "tangent") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(losses [q], jvps [q])`` (float64) for the tangents ``tangents(j)``, ``j < q``."""
+        losses = torch.empty(q, dtype=torch.float64)
+        jvps = torch.empty(q, dtype=torch.float64)
+        guard = self.guard
+        with guard.watch():
+            for j in range(q):
+                guard.bn.restore()
+                guard.reset()
+                losses[j], jvps[j] = jvp_closure(self.model, self.names, closure, tangents(j),
+                                                 f"closure ({label} {j + 1}/{q})", self.dual_context)
+                guard.bn.accumulate()
+        return losses, jvps
+
+    def unperturbed(self, closure: Closure) -> float:
+        return self.guard.unperturbed_forward(closure)

@@ -1,0 +1,203 @@
+"""Plans: which probes a step makes, and how their losses combine into an estimate.
+
+A :class:`Plan` is ``m`` probes ``theta + sign_j * mu * D[index_j]`` of a space (``index_j = -1``:
+the centre ``theta`` itself), where ``D`` is either a dense ``[n, k]`` tensor of directions in the
+space's coordinates or :class:`Coordinates` (basis vectors ``e_i``, never materialised).
+``plan.estimate(losses)`` turns the ``m`` losses (float64, in probe order) into the gradient
+estimate in the same coordinates, with the arithmetic of the plan's ``estimator``:
+
+=================  ===========================================  ====================================
+estimator          probes                                       estimate
+=================  ===========================================  ====================================
+``cge``            ``+mu e_i``, ``-mu e_i`` per coordinate      ``(L+ - L-) / 2mu`` (eq. 3, SZO-CGE)
+``rge``            ``+mu z_j``, ``-mu z_j``                     ``1/q sum (L+ - L-) / 2mu z_j`` (eq. 4)
+``one-point``      centre, ``+mu z_j``                          ``1/q sum (L+ - L0) / mu z_j``
+``coord-one-point`` centre, ``+mu e_i``                          ``(L+_i - L0) / mu`` (SZO Table 13)
+=================  ===========================================  ====================================
+
+(``szo.functional.zo`` holds the coefficient formulas; the plans order the probes and pick the
+losses.) The factories below build the plans of every method; the same ``Plan`` drives the loop,
+the batched engine (``dense()``: the ``[m, k]`` rows ``sign_j D[index_j]``) and the
+distributed evaluator. Directions are drawn from an explicit ``torch.Generator`` (or the integer
+learner's XORShift32) in the order the optimizers always drew them: a checkpointed generator
+state resumes the same directions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..functional import zo as F
+from ..functional.xorshift import XorShift32
+
+__all__ = ["Coordinates", "Plan", "ESTIMATORS", "cge_plan", "rge_plan", "one_point_plan", "coord_one_point_plan",
+           "gaussian_rows", "rademacher_rows"]
+
+ESTIMATORS: tuple[str, ...] = ("cge", "rge", "one-point", "coord-one-point")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Directions ``e_i`` for ``i`` in ``indices`` (a long tensor ``[n]``) of a space of dimension ``dim``."""
+
+    indices: torch.Tensor
+    dim: int
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """``m`` probes ``theta + sign[j] * mu * directions[index[j]]`` (``index[j] == -1``: the centre).
+
+    ``accumulate``: how the RGE estimate sums its directions: ``"mean"`` (one vectorised
+    float64 mean, the subspace methods), ``"sequential"`` (direction by direction into one
+    ``[dim]`` buffer in the directions' dtype: no ``[q, d]`` temporary, the full-space methods)
+    or ``"matmul"`` (``differences @ D / q`` in float64, the integer learner's).
+    """
+
+    estimator: str
+    directions: torch.Tensor | Coordinates
+    index: tuple[int, ...]
+    sign: tuple[float, ...]
+    mu: float
+    accumulate: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {self.estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        if len(self.index) != len(self.sign):
+            raise ValueError("a plan needs one sign per probe")
+        if not self.mu > 0:
+            raise ValueError(f"mu must be > 0, got {self.mu}")
+
+    @property
+    def m(self) -> int:
+        """Probes (forward passes) of the plan."""
+        return len(self.index)
+
+    @property
+    def dim(self) -> int:
+        D = self.directions
+        return D.dim if isinstance(D, Coordinates) else int(D.shape[-1])
+
+    def dense(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``U [m, dim]``: row ``j`` is ``sign[j] * D[index[j]]`` (zeros for a centre probe)."""
+        U = torch.zeros(self.m, self.dim, dtype=dtype)
+        D = self.directions
+        for j, (i, s) in enumerate(zip(self.index, self.sign)):
+            if i < 0:
+                continue
+            if isinstance(D, Coordinates):
+                U[j, int(D.indices[i])] = s
+            else:
+                U[j] = D[i].to(dtype) if s > 0 else -D[i].to(dtype)
+        return U
+
+    # ------------------------------------------------------------------ losses -> estimate
+    def pairs(self, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L+, L-)`` per direction of a two-sided plan (float64 ``[n]`` each)."""
+        n = len(self.directions.indices) if isinstance(self.directions, Coordinates) else self.directions.shape[0]
+        lp = torch.empty(n, dtype=torch.float64)
+        lm = torch.empty(n, dtype=torch.float64)
+        for j, (i, s) in enumerate(zip(self.index, self.sign)):
+            (lp if s > 0 else lm)[i] = losses[j]
+        return lp, lm
+
+    def _centre(self, losses: torch.Tensor, centre: float | None) -> tuple[float, torch.Tensor]:
+        if centre is None:
+            if -1 not in self.index:
+                raise ValueError(f"a {self.estimator} plan without a centre probe needs centre= (the loss at theta)")
+            centre = float(losses[self.index.index(-1)])
+        plus = torch.tensor([float(losses[j]) for j, i in enumerate(self.index) if i >= 0], dtype=torch.float64)
+        return centre, plus
+
+    def estimate(self, losses: torch.Tensor, *, centre: float | None = None,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The gradient estimate ``[dim]`` from the probe losses (float64, probe order).
+
+        ``centre``: the loss at theta when the plan has no centre probe (one-sided plans whose
+        centre was measured apart, e.g. the layer-wise methods' clean forward). Coordinate plans
+        over a subset write their coefficients into a zero ``[dim]`` vector of ``dtype``.
+        """
+        mu, D = self.mu, self.directions
+        if self.estimator == "cge":
+            lp, lm = self.pairs(losses)
+            coef = F.cge_coefficients(lp, lm, mu)
+            return _scatter(coef, D, dtype)
+        if self.estimator == "coord-one-point":
+            c0, plus = self._centre(losses, centre)
+            return _scatter((plus - c0) / mu, D, dtype)
+        if self.estimator == "rge":
+            lp, lm = self.pairs(losses)
+            if self.accumulate == "matmul":
+                return ((lp - lm) / (2 * mu)) @ D.to(torch.float64) / D.shape[0]
+            if self.accumulate == "sequential":
+                g = torch.zeros(D.shape[1], dtype=D.dtype, device=D.device)
+                q = D.shape[0]
+                for j in range(q):
+                    g.add_(D[j], alpha=(float(lp[j]) - float(lm[j])) / (2 * mu) / q)
+                return g
+            return F.rge_coefficients(lp, lm, D, mu)
+        c0, plus = self._centre(losses, centre)
+        return F.forward_difference_coefficients(plus, c0, D, mu)
+
+
+def _scatter(coef: torch.Tensor, D: torch.Tensor | Coordinates, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(D, Coordinates):
+        raise ValueError("coordinate estimators need Coordinates directions")
+    if len(D.indices) == D.dim and torch.equal(D.indices, torch.arange(D.dim)):
+        return coef.to(dtype)
+    out = torch.zeros(D.dim, dtype=dtype)
+    out[D.indices] = coef.to(dtype)
+    return out
+
+
+# ---------------------------------------------------------------------- directions
+def gaussian_rows(q: int, k: int, generator: torch.Generator | None, *, dtype=torch.float64,
+                  one_at_a_time: bool = False) -> torch.Tensor:
+    """``q`` draws of ``z ~ N(0, I_k)`` ``[q, k]``: one ``[q, k]`` draw, or (``one_at_a_time``) ``q``
+    draws of ``[k]`` in a row -- the stream of a method that drew one direction per probe pair."""
+    if one_at_a_time:
+        return torch.stack([torch.randn(k, generator=generator, dtype=dtype) for _ in range(q)])
+    return F.sample_gaussian(q, k, generator, dtype=dtype)
+
+
+def rademacher_rows(rng: XorShift32, q: int, k: int) -> torch.Tensor:
+    """``q`` Rademacher rows ``[q, k]`` (int64 in {-1, +1}) from one 32-bit draw of ``rng`` that
+    seeds the step (seed 004: perturbations regenerated from a seed, never stored)."""
+    g = XorShift32(rng.next())
+    return torch.stack([g.rademacher(k) for _ in range(q)])
+
+
+# ---------------------------------------------------------------------- plans
+def _signed(n: int, interleaved: bool) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    if interleaved:  # +0, -0, +1, -1, ...
+        return tuple(i for i in range(n) for _ in (0, 1)), tuple(s for _ in range(n) for s in (1.0, -1.0))
+    return tuple(range(n)) * 2, (1.0,) * n + (-1.0,) * n  # +0 .. +(n-1), -0 .. -(n-1)
+
+
+def cge_plan(coords: Coordinates | int, mu: float, *, interleaved: bool = False) -> Plan:
+    """Two-sided coordinate probes: ``2n`` forwards (``coords``: all ``k`` coordinates, or a subset)."""
+    if isinstance(coords, int):
+        coords = Coordinates(torch.arange(coords), coords)
+    index, sign = _signed(len(coords.indices), interleaved)
+    return Plan("cge", coords, index, sign, float(mu))
+
+
+def rge_plan(z: torch.Tensor, mu: float, *, interleaved: bool = False, accumulate: str = "mean") -> Plan:
+    """Two-sided random-direction probes along the rows of ``z [q, k]``: ``2q`` forwards."""
+    index, sign = _signed(z.shape[0], interleaved)
+    return Plan("rge", z, index, sign, float(mu), accumulate)
+
+
+def one_point_plan(z: torch.Tensor, mu: float, *, centre: bool = True) -> Plan:
+    """One-sided probes along the rows of ``z [q, k]``, after the centre (``centre``): ``q + 1`` forwards."""
+    q = z.shape[0]
+    return Plan("one-point", z, ((-1,) if centre else ()) + tuple(range(q)), (1.0,) * (q + int(centre)), float(mu))
+
+
+def coord_one_point_plan(k: int, mu: float) -> Plan:
+    """The centre, then ``+mu e_i`` for each of the ``k`` coordinates: ``k + 1`` forwards (SZO's
+    one-point CGE, paper Table 13)."""
+    return Plan("coord-one-point", Coordinates(torch.arange(k), k), (-1,) + tuple(range(k)), (1.0,) * (k + 1),
+                float(mu))

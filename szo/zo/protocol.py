@@ -1,0 +1,102 @@
+"""What a trainer may rely on from a forward-only optimizer: the protocol and one record per step.
+
+``szo.train.fit`` drives any ``torch.optim.Optimizer``; when it is a
+:class:`ForwardOnlyOptimizer` (``isinstance`` works: the protocol is runtime-checkable) the trainer
+hands it a no-grad closure and reads everything it logs from :attr:`last_step`, a frozen
+:class:`StepInfo`, instead of guessing attributes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["StepInfo", "ForwardOnlyOptimizer", "HasSubspace", "is_forward_only", "PROTOCOL_MEMBERS"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step of a forward-only optimizer.
+
+    * ``loss``: what ``step`` returned (the unperturbed BN forward's loss when it ran, else the
+      probes' loss at theta_t);
+    * ``losses``: the probe losses at theta_t (float64, probe order);
+    * ``forwards``: forward passes of the whole batch this step (probes + the BN forward);
+    * ``unperturbed``: the step's last closure call was the unperturbed train-mode forward of
+      theta_{t+1} (``bn_update="recompute"``), so its outputs are the step's train outputs;
+    * ``bn_loss``: that forward's loss (None when none ran);
+    * ``reference_loss``: the loss before the update (mean of the probes at theta_t), the scale a
+      divergence check compares later losses with.
+    """
+
+    loss: float
+    losses: torch.Tensor
+    forwards: int
+    unperturbed: bool = False
+    bn_loss: float | None = None
+
+    @property
+    def reference_loss(self) -> float:
+        return float(self.losses.mean()) if self.losses.numel() else self.loss
+
+
+@runtime_checkable
+class ForwardOnlyOptimizer(Protocol):
+    """A ``torch.optim.Optimizer`` trained by forward passes only.
+
+    * ``step(closure)``: calls the no-grad ``closure`` (forward, loss) once per probe; returns the loss;
+    * ``forward_passes``: forwards so far (checkpointed); ``forwards_per_step``: per step;
+    * ``last_step``: the :class:`StepInfo` of the last step (None before the first);
+    * ``distributed``: ``None``, ``"data"`` or ``"perturbation"`` (torch.distributed mode);
+    * ``bytes_communicated``: bytes this rank put into collectives (0 in one process);
+    * ``train_outputs``: the closure calls of a step show the trainer the outputs it computes the
+      train accuracy from (False: the batched engine folds the probes without returning outputs,
+      and no unperturbed forward runs).
+    """
+
+    forward_only: bool
+    forward_passes: int
+    distributed: str | None
+    bytes_communicated: int
+
+    @property
+    def forwards_per_step(self) -> int: ...
+
+    @property
+    def last_step(self) -> StepInfo | None: ...
+
+    @property
+    def train_outputs(self) -> bool: ...
+
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+@runtime_checkable
+class HasSubspace(Protocol):
+    """An optimizer that moves the parameters inside a k-dimensional subspace."""
+
+    k: int
+
+
+PROTOCOL_MEMBERS: tuple[str, ...] = ("forward_only", "forward_passes", "distributed", "bytes_communicated",
+                                     "forwards_per_step", "last_step", "train_outputs", "step", "state_dict",
+                                     "load_state_dict")
+
+
+def is_forward_only(optimizer: object) -> bool:
+    """True for a :class:`ForwardOnlyOptimizer`, False for any other optimizer (BP: the trainer
+    runs ``backward``); one ValueError for an object that says ``forward_only = True`` but lacks
+    part of the protocol (it would otherwise be trained as a BP optimizer without a word)."""
+    if isinstance(optimizer, ForwardOnlyOptimizer):
+        return bool(optimizer.forward_only)
+    if vars(type(optimizer)).get("forward_only") is True or vars(optimizer).get("forward_only") is True:
+        missing = [m for m in PROTOCOL_MEMBERS if not hasattr(optimizer, m)]
+        raise ValueError(f"{type(optimizer).__name__} says forward_only = True but lacks {', '.join(missing)} of "
+                         "the forward-only protocol (szo.zo.ForwardOnlyOptimizer; subclass szo.zo.ForwardOnlyBase "
+                         "to get them)")
+    return False

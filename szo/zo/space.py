@@ -1,0 +1,355 @@
+"""Spaces: which numbers a forward-only method moves, and the one place flat <-> tensors happens.
+
+A *space* is where probe directions live and where the update lands:
+
+* :class:`ParamSpace` -- parameters as one flat vector of dimension d (the order of the
+  parameters given: ``named_parameters()`` order for ``model.parameters()``). Full-space ZO,
+  forward gradient, and -- over one layer's parameters -- the layer-wise weight perturbation.
+* :class:`SubspaceSpace` -- ``theta = theta_0 + P c`` for a basis ``P [d, k]`` (SZO, BP-Subspace,
+  the subspace forward gradient). ``basis_t`` (``P^T``, row-contiguous ``[k, d]``) and
+  ``basis_views`` (its ``[k, numel]`` column blocks per parameter) are public: the batched and
+  distributed evaluators use them.
+* :class:`NodeSpace` -- the pre-activations of one layer (node perturbation): a probe adds its
+  direction to the layer's output through a forward hook, no parameter moves.
+* :class:`HostSpace` -- float64 host coordinates mapped to the model's float32 parameters
+  (``theta = origin + P c``, loaded on every move): the integer on-chip learner (``c`` in fixed
+  point) and a federated client (the server's coordinates). Its ``to_params`` decides the map.
+
+Every space gives a :class:`Mover` for a :class:`~szo.zo.plans.Plan`: ``move(j)`` puts the model at
+probe ``j`` (``theta + sign_j mu D[index_j]``, or back to ``theta`` for a centre probe) and
+``restore()`` puts the exact saved values back. The arithmetic of a move is the space's own and is
+documented at each class: changing it changes results bit for bit (tests/optim/test_golden.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from .plans import Coordinates, Plan
+
+__all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "START_POINTS",
+           "move_to_start"]
+
+START_POINTS: tuple[str, ...] = ("reference", "current")
+
+
+class Mover(Protocol):
+    """Moves the model to the probes of one plan and back."""
+
+    def move(self, j: int) -> None: ...
+
+    def restore(self) -> None: ...
+
+
+class Space(Protocol):
+    """Where a plan's directions live: ``mover(plan)`` saves the current point and returns a :class:`Mover`."""
+
+    def mover(self, plan: Plan) -> Mover: ...
+
+
+class ParamSpace:
+    """A list of parameter tensors seen as one flat vector (d entries, the tensors' order, row-major)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params = list(params)  # may be empty (e.g. a pipeline stage without parameters)
+        self.sizes = [p.numel() for p in self.params]
+        self.d = sum(self.sizes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    # ------------------------------------------------------------------ flat <-> tensors
+    def flat(self) -> torch.Tensor:
+        """A new 1-D tensor ``[d]`` holding the parameters' values."""
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat ``[d]`` tensor shaped like each parameter."""
+        if flat.dim() != 1 or flat.numel() != self.d:
+            raise ValueError(f"expected a flat tensor of d = {self.d} entries, got shape {tuple(flat.shape)}")
+        return [chunk.view_as(p) for chunk, p in zip(flat.split(self.sizes), self.params)]
+
+    @torch.no_grad()
+    def load(self, flat: torch.Tensor) -> None:
+        """Copy a flat vector into the parameters in place (their storage stays theirs, unlike
+        ``torch.nn.utils.vector_to_parameters``, which re-points ``.data``)."""
+        for p, v in zip(self.params, self.split(flat)):
+            p.copy_(v)
+
+    def save(self) -> list[torch.Tensor]:
+        """Exact copies of the parameters (what a restore puts back)."""
+        return [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def restore(self, saved: Sequence[torch.Tensor]) -> None:
+        for p, s in zip(self.params, saved):
+            p.copy_(s)
+
+    # ------------------------------------------------------------------ updates
+    @torch.no_grad()
+    def add_(self, flat: torch.Tensor, alpha: float = 1.0) -> None:
+        """``theta += alpha * flat`` (``alpha = 1``: one rounding per entry, as ``theta + flat``)."""
+        for p, v in zip(self.params, self.split(flat.to(device=self.device, dtype=self.dtype))):
+            if alpha == 1.0:
+                p.add_(v)
+            else:
+                p.add_(v, alpha=alpha)
+
+    # ------------------------------------------------------------------ probes
+    def mover(self, plan: Plan) -> "ParamMover":
+        """Probes ``theta + (sign mu) D[i]``: dense rows are ``[d]`` vectors (one rounding of
+        ``sign mu D[i]``, one of the sum: ``theta + mu * z``); a coordinate row changes one entry
+        (``theta_i + sign mu``)."""
+        return ParamMover(self, plan)
+
+
+class ParamMover:
+    def __init__(self, space: ParamSpace, plan: Plan):
+        self.space, self.plan = space, plan
+        self.saved = space.save()
+        D = plan.directions
+        if isinstance(D, Coordinates):
+            bounds, off = [], 0
+            for n in space.sizes:
+                bounds.append(off)
+                off += n
+            self._where = [_locate(int(i), bounds) for i in D.indices.tolist()]
+        else:
+            if D.dim() != 2 or D.shape[1] != space.d:
+                raise ValueError(f"plan directions must be [n, d] with d = {space.d}, got {tuple(D.shape)}")
+            self._rows = D.to(device=space.device, dtype=space.dtype)
+
+    @torch.no_grad()
+    def move(self, j: int) -> None:
+        i, sign = self.plan.index[j], self.plan.sign[j]
+        sp = self.space
+        if i < 0:
+            sp.restore(self.saved)
+            return
+        if isinstance(self.plan.directions, Coordinates):
+            sp.restore(self.saved)
+            t, off = self._where[i]
+            p, s = sp.params[t], self.saved[t]
+            p.view(-1)[off] = s.view(-1)[off] + sign * self.plan.mu
+            return
+        step = (sign * self.plan.mu) * self._rows[i]
+        for p, s, v in zip(sp.params, self.saved, sp.split(step)):
+            torch.add(s, v, out=p.data)
+
+    def restore(self) -> None:
+        self.space.restore(self.saved)
+
+
+def _locate(i: int, bounds: list[int]) -> tuple[int, int]:
+    """(parameter index, offset inside it) of flat coordinate ``i``."""
+    t = max(k for k, b in enumerate(bounds) if b <= i)
+    return t, i - bounds[t]
+
+
+class SubspaceSpace(ParamSpace):
+    """``theta = theta_0 + P c``: probes and updates move the parameters along ``P``'s columns.
+
+    ``basis_t`` is ``P^T`` on the parameters' device and dtype, row-contiguous, so that direction
+    ``i`` is one contiguous row; ``basis_views[t]`` is its ``[k, numel]`` block of parameter ``t``.
+    A probe is ``torch.add(theta, (u @ P^T_t), alpha=sign mu)`` per parameter (the basis row itself
+    for a coordinate probe: ``e_i @ P^T`` is that row exactly).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], basis: torch.Tensor):
+        super().__init__(params)
+        if basis.dim() != 2 or basis.shape[0] != self.d:
+            raise ValueError(f"basis must be [d, k] with d = {self.d}, got {tuple(basis.shape)}")
+        bt = basis.detach().t()
+        self.basis_t = (bt if bt.is_contiguous() else bt.contiguous()).to(device=self.device, dtype=self.dtype)
+        self.k = int(self.basis_t.shape[0])
+        self.basis_views: list[torch.Tensor] = []
+        off = 0
+        for n in self.sizes:
+            self.basis_views.append(self.basis_t[:, off:off + n])
+            off += n
+
+    @torch.no_grad()
+    def add_coords(self, coeffs: torch.Tensor, scale: float = 1.0) -> None:
+        """``theta += scale * P @ coeffs``, parameter by parameter."""
+        coeffs = coeffs.to(self.basis_t.dtype).to(self.basis_t.device)
+        for p, pt in zip(self.params, self.basis_views):
+            p.add_((coeffs @ pt).view_as(p), alpha=scale)
+
+    def direction(self, u: torch.Tensor) -> list[torch.Tensor]:
+        """``P u`` as one tensor per parameter (``u`` on the basis' device and dtype)."""
+        return [(u @ pt).view_as(p) for p, pt in zip(self.params, self.basis_views)]
+
+    def project(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """``P^T g`` for a gradient given per parameter (None counts as zero), on the basis' device."""
+        g = torch.zeros(self.k, dtype=self.basis_t.dtype, device=self.basis_t.device)
+        for t, pt in zip(tensors, self.basis_views):
+            if t is not None:
+                g += pt @ t.reshape(-1)
+        return g
+
+    def mover(self, plan: Plan) -> "SubspaceMover":  # type: ignore[override]
+        return SubspaceMover(self, plan)
+
+
+class SubspaceMover:
+    def __init__(self, space: SubspaceSpace, plan: Plan):
+        self.space, self.plan = space, plan
+        self.saved = space.save()
+        D = plan.directions
+        if isinstance(D, Coordinates):
+            self._coord = D.indices.tolist()
+            self._rows = None
+        else:
+            if D.dim() != 2 or D.shape[1] != space.k:
+                raise ValueError(f"plan directions must be [n, k] with k = {space.k}, got {tuple(D.shape)}")
+            self._coord = None
+            # on the basis' device once: a per-probe transfer would synchronise a GPU every probe
+            self._rows = D.to(device=space.basis_t.device, dtype=space.basis_t.dtype)
+
+    @torch.no_grad()
+    def move(self, j: int) -> None:
+        i, sign = self.plan.index[j], self.plan.sign[j]
+        sp = self.space
+        if i < 0:
+            sp.restore(self.saved)
+            return
+        alpha = sign * self.plan.mu
+        if self._coord is not None:
+            c = self._coord[i]
+            for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
+                torch.add(s, pt[c].view_as(p), alpha=alpha, out=p.data)
+            return
+        u = self._rows[i]
+        for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
+            torch.add(s, (u @ pt).view_as(p), alpha=alpha, out=p.data)
+
+    def restore(self) -> None:
+        self.space.restore(self.saved)
+
+
+class NodeSpace:
+    """The output (pre-activation) of one module: a probe adds ``sign mu D[i]`` (shaped like the
+    output) through a forward hook, removed by ``restore``. No parameter moves."""
+
+    def __init__(self, module: nn.Module, shape: torch.Size):
+        self.module = module
+        self.shape = torch.Size(shape)
+
+    def mover(self, plan: Plan) -> "NodeMover":
+        return NodeMover(self, plan)
+
+
+class NodeMover:
+    def __init__(self, space: NodeSpace, plan: Plan):
+        self.space, self.plan = space, plan
+        self._handle = None
+
+    def move(self, j: int) -> None:
+        self.restore()
+        i = self.plan.index[j]
+        if i < 0:
+            return
+        scale = self.plan.sign[j] * self.plan.mu
+        xi = self.plan.directions[i].view(self.space.shape)
+        self._handle = self.space.module.register_forward_hook(lambda mod, args, out: out + scale * xi.to(out))
+
+    def restore(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+class HostSpace:
+    """Host-side coordinates ``c`` (float64, or int64 fixed point) loaded into the model on every move.
+
+    ``to_params(c)`` gives the model's parameters for coordinates ``c`` (float64 ``[d]``); a load
+    writes them into ``model.parameters()`` in the parameters' dtype (one rounding). ``probe="coords"``: a probe
+    moves the coordinates, ``c + sign mu D[i]`` (integer arithmetic for int64 ``c``), then
+    ``clip`` (e.g. the integer learner's counted saturation); ``probe="params"``: a probe moves
+    the parameters around ``theta = to_params(c)``, ``theta + sign mu u_i`` with
+    ``u_i = basis @ D[i]`` (``basis`` None: ``u_i = D[i]``), float64, then loaded (a federated
+    client probing around the server's point).
+    """
+
+    PROBES = ("coords", "params")
+
+    def __init__(self, model: nn.Module, to_params: Callable[[torch.Tensor], torch.Tensor], c: torch.Tensor, *,
+                 probe: str = "coords", clip: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 basis: torch.Tensor | None = None):
+        if probe not in self.PROBES:
+            raise ValueError(f"unknown probe kind {probe!r}; valid: {', '.join(self.PROBES)}")
+        self.model = model
+        self.to_params = to_params
+        self.c = c
+        self.probe = probe
+        self.clip = clip
+        self.basis = basis
+        self.params = ParamSpace(list(model.parameters()))
+
+    def load(self, c: torch.Tensor) -> None:
+        self.load_params(self.to_params(c))
+
+    def load_params(self, theta: torch.Tensor) -> None:
+        """Parameters := ``theta`` (a float64 ``[d]``), rounded once to their dtype."""
+        self.params.load(theta.to(self.params.dtype))
+
+    def mover(self, plan: Plan) -> "HostMover":
+        return HostMover(self, plan)
+
+
+class HostMover:
+    def __init__(self, space: HostSpace, plan: Plan):
+        self.space, self.plan = space, plan
+        self._theta = space.to_params(space.c) if space.probe == "params" else None
+
+    def move(self, j: int) -> None:
+        sp, plan = self.space, self.plan
+        i = plan.index[j]
+        if i < 0:
+            sp.load(sp.c)
+            return
+        D = plan.directions
+        if isinstance(D, Coordinates):
+            z = torch.zeros(D.dim, dtype=sp.c.dtype)
+            z[int(D.indices[i])] = 1
+        else:
+            z = D[i]
+        if self._theta is not None:
+            u = (sp.basis @ z if sp.basis is not None else z).to(self._theta.dtype)
+            sp.load_params(self._theta + (plan.sign[j] * plan.mu) * u)
+            return
+        if sp.c.is_floating_point():
+            probe = sp.c + (plan.sign[j] * plan.mu) * z
+        else:  # fixed point: exact integer arithmetic (mu an integer number of LSBs, directions integers)
+            probe = sp.c + int(plan.sign[j]) * int(plan.mu) * z.to(sp.c.dtype)
+        sp.load(sp.clip(probe) if sp.clip is not None else probe)
+
+    def restore(self) -> None:
+        self.space.load(self.space.c)
+
+
+@torch.no_grad()
+def move_to_start(params: list[torch.Tensor], subspace, start: str, who: str) -> None:
+    """``start="reference"``: copy ``subspace.reference`` (theta_ref, where subspace training
+    starts) into the parameters; ``"current"``: leave them as they are."""
+    if start not in START_POINTS:
+        raise ValueError(f"{who}: unknown start {start!r}; valid: reference (move the parameters to the "
+                         "subspace's reference point), current (keep them)")
+    if start == "current":
+        return
+    ref = getattr(subspace, "reference", None)
+    if not isinstance(ref, torch.Tensor):
+        raise ValueError(f"{who}: start='reference' needs subspace.reference (a [d] tensor); this subspace has "
+                         "none: pass start='current' to train from the parameters as they are")
+    d = sum(p.numel() for p in params)
+    if ref.dim() != 1 or ref.numel() != d:
+        raise ValueError(f"{who}: subspace.reference has shape {tuple(ref.shape)}, the parameters d = {d}")
+    for p, chunk in zip(params, ref.split([p.numel() for p in params])):
+        p.copy_(chunk.view_as(p))
