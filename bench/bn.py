@@ -45,8 +45,8 @@ def _running_var(model: nn.Module) -> torch.Tensor:
     return torch.cat([m.running_var.detach().clone() for m in _bn(model)])
 
 
-def _loaders(cfg):
-    from szo.pipeline import _loaders as loaders
+def loaders_for(cfg):
+    from szo.runs import loaders_for as loaders
 
     return loaders(cfg, torch.Generator().manual_seed(int(cfg["seed"])))
 
@@ -64,14 +64,14 @@ def precise_bn(model: nn.Module, loader) -> nn.Module:
 
 
 def run_gap(run_dir: Path) -> dict:
-    from szo.pipeline import _loss, load_run_model
+    from szo.runs import load_run_model, loss_for
     from szo.train import evaluate
 
     model, cfg = load_run_model(run_dir)
-    train, test = _loaders(cfg)
+    train, test = loaders_for(cfg)
     precise = precise_bn(model, train)
     ratio = _running_var(model) / _running_var(precise)
-    loss_fn = _loss(cfg)
+    loss_fn = loss_for(cfg)
     _, acc = evaluate(model.eval(), test, loss_fn)
     _, acc_precise = evaluate(precise, test, loss_fn)
     return {"run": str(run_dir), "method": cfg["method"], "bn_update": cfg["szo"]["bn_update"],
@@ -83,7 +83,7 @@ def run_gap(run_dir: Path) -> dict:
 def step_bias(root: Path, batches: int, at: Path | None = None) -> list[dict]:
     from szo.config import load_recipe
     from szo.optim import SZO
-    from szo.pipeline import _loss, build_model, load_run_model, subspace_store_for
+    from szo.runs import build_model, load_run_model, loss_for, subspace_store_for
 
     state = load_run_model(at)[0].state_dict() if at is not None else None
 
@@ -94,8 +94,8 @@ def step_bias(root: Path, batches: int, at: Path | None = None) -> list[dict]:
         cfg = load_recipe("digits-scratch", [f"subspace.root={root}", *sets])
         model = build_model(cfg).train()
         sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
-        loss_fn = _loss(cfg)
-        train, _ = _loaders(cfg)
+        loss_fn = loss_for(cfg)
+        train, _ = loaders_for(cfg)
         errs = []
         for i, (x, y) in enumerate(train):
             if i == batches:

@@ -30,13 +30,13 @@ from common import machine_info, write_result
 
 from szo.config import load_recipe
 from szo.optim import build_optimizer
-from szo.pipeline import _loaders, _loss, build_model, subspace_store_for
+from szo.runs import build_model, loaders_for, loss_for, subspace_store_for
 
 
 def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: int = 1):
     torch.set_num_threads(1)
     cfg = load_recipe("digits-scratch", sets)
-    train, _ = _loaders(cfg, torch.Generator().manual_seed(int(cfg["seed"])), None)
+    train, _ = loaders_for(cfg, torch.Generator().manual_seed(int(cfg["seed"])), None)
     model = build_model(cfg)
     sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
     model.load_flat_params(sub.reference)
@@ -44,7 +44,7 @@ def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: 
     opt = build_optimizer(cfg["method"], model, subspace=sub, lr=1.0, momentum=cfg["train"]["momentum"],
                           weight_decay=0.0, mu=cfg["szo"]["mu"], q=cfg["szo"]["q"], coords_per_step=None,
                           generator=torch.Generator().manual_seed(0), distributed="data" if world > 1 else None)
-    loss_fn = _loss(cfg)
+    loss_fn = loss_for(cfg)
     params, losses = [], []
     for i, (x, y) in enumerate(train):
         if i == steps:

@@ -88,7 +88,8 @@ def short(name: str) -> str:
 
 def _ensure_subspace(root: Path, runs: Path) -> None:
     from szo.config import load_recipe
-    from szo.pipeline import run_recipe, subspace_store_for
+    from szo.pipeline import run_recipe
+    from szo.runs import subspace_store_for
 
     cfg = load_recipe("digits-bp", [f"subspace.root={root}", "progress=false"])
     try:
@@ -104,7 +105,8 @@ def step_peak(name: str, root: Path) -> int | None:
     from szo.data import get_dataset
     from szo.methods import QZO_METHODS
     from szo.optim import build_optimizer
-    from szo.pipeline import _loss, build_model, optimizer_options, subspace_store_for
+    from szo.pipeline import optimizer_options
+    from szo.runs import build_model, loss_for, subspace_store_for
 
     row = ROWS[name]
     if "federated" in row or row["method"] in QZO_METHODS:
@@ -125,7 +127,7 @@ def step_peak(name: str, root: Path) -> int | None:
     n = cfg["data"]["batch_size"]
     x = torch.stack([ds[i][0] for i in range(n)])
     y = torch.tensor([ds[i][1] for i in range(n)])
-    loss_fn = _loss(cfg)
+    loss_fn = loss_for(cfg)
     model.train()
     if getattr(opt, "forward_only", False):
         def closure():

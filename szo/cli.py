@@ -6,7 +6,7 @@
     szo demo digits [--out DIR]
     szo report RUN_DIR [RUN_DIR ...] [--out DIR]
     szo subspace build|ls|show|rm ...          (subspace_store.cli)
-    szo export RUN_DIR --to nir OUT.nir / szo import IN.nir [--data NAME]   (szo.export.cli)
+    szo export RUN_DIR --to nir OUT.nir / szo import IN.nir [--data NAME]   (szo.commands.export)
 
 Other packages add commands through ``_REGISTRARS``: each module is imported lazily and its
 ``register(subparsers)`` adds a parser whose ``func(args) -> int`` runs it; a module may
@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 __all__ = ["main", "build_parser"]
 
-_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.export.cli",
+_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.commands.export",
                "szo.federated.cli", "szo.study.cli"]
 
 

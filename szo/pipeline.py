@@ -39,6 +39,7 @@ import torch
 
 from szo.config import method_label, write_config
 from szo.io import atomic_save_safetensors
+from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 
 __all__ = ["run_recipe", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage", "build_store_subspace", "build_model",
            "subspace_store_for", "run_dir_guard", "check_store_entry"]
@@ -51,22 +52,6 @@ def _device(cfg: Mapping[str, Any], device: str | None) -> str:
     return str(dev)
 
 
-def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
-    """The recipe's model; init drawn under ``fork_rng`` seeded with ``cfg['seed']``."""
-    from szo import models
-    from szo.data import dataset_info
-
-    info = dataset_info(cfg["data"]["name"])
-    m = cfg["model"]
-    kw = dict(m["kwargs"])
-    kw.setdefault("in_channels", info.in_channels)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(cfg["seed"]))
-        model = models.create(m["name"], num_classes=info.num_classes, T=m["T"] or info.default_T,
-                              activation=m["activation"], bn_time=m["bn_time"], **kw)
-    return model.set_memory_format(m.get("memory_format", "auto"))
-
-
 def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
     """The recipe's ``compile`` setting on the model (every stage, so BPTT and SZO timings stay comparable)."""
     c = cfg["compile"]
@@ -74,65 +59,10 @@ def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
         model.set_compile(True, backend="inductor" if c is True else c)
 
 
-def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model a run directory holds, and its resolved config.
-
-    ``run_dir/config.yaml`` rebuilds the model (``build_model``: dataset classes / channels,
-    ``model.kwargs``, T); the weights (parameters and BN buffers) come from
-    ``model.safetensors`` (BPTT runs) or else ``checkpoints/last.pt`` (``weights_only``).
-    """
-    from safetensors.torch import load_file
-
-    from szo.config import load_recipe
-    from szo.train import checkpoint_path, load_checkpoint
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: no config.yaml (written by every szo recipe run)")
-    cfg = load_recipe(run_dir / "config.yaml")
-    model = build_model(cfg)
-    if (run_dir / "model.safetensors").is_file():
-        state = load_file(run_dir / "model.safetensors")
-    else:
-        state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
-    if cfg.get("kind") == "subspace" and cfg["method"] == "tt-zo":  # the run trained TT cores
-        from szo.models.tt import tt_parametrize
-
-        tt_parametrize(model, cfg["tt"]["rank"], cores=cfg["tt"]["cores"], min_params=cfg["tt"]["min_params"])
-    model.load_state_dict(state, strict=True)
-    return model.to(device), cfg
-
-
-def _loaders(cfg: Mapping[str, Any], generator: torch.Generator, parallel=None):
-    """Train loader over the whole train set (``fit`` shards its batches) and test loader
-    (this rank's contiguous shard of the test set in a multi-process run)."""
-    from torch.utils.data import Subset
-
-    from szo.data import get_dataset, make_loader
-
-    d = cfg["data"]
-    common = dict(data_dir=d["data_dir"], download=d["download"], **d["kwargs"])
-    train = get_dataset(d["name"], "train", augment=d["augment"], **common)
-    test = get_dataset(d["name"], "test", augment=False if d["augment"] is not None else None, **common)
-    if parallel is not None:
-        lo, hi = parallel.shard_bounds(len(test))
-        if hi == lo:
-            raise ValueError(f"the test set has {len(test)} samples, fewer than the {parallel.world_size} processes")
-        test = Subset(test, range(lo, hi))
-    return (make_loader(train, d["batch_size"], shuffle=True, generator=generator, num_workers=d["num_workers"]),
-            make_loader(test, d["test_batch_size"], shuffle=False, num_workers=d["num_workers"]))
-
-
 def _scheduler(opt: torch.optim.Optimizer, stage: Mapping[str, Any]):
     if stage["scheduler"] == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=stage["epochs"])
     return None
-
-
-def subspace_store_for(cfg: Mapping[str, Any]):
-    from subspace_store import SubspaceStore
-
-    return SubspaceStore(cfg["subspace"]["root"])
 
 
 @contextlib.contextmanager
@@ -179,13 +109,6 @@ def _check_trajectory_size(cfg: Mapping[str, Any], steps_per_epoch: int) -> None
                          f"{tr['every']}, record_initial={str(tr['record_initial']).lower()}{win}); choose "
                          f"subspace.k <= {max(n - 1, 1)} or record more samples (smaller trajectory.every, "
                          "more bptt.epochs)")
-
-
-def _loss(cfg: Mapping[str, Any]):
-    from szo.losses import get_loss
-
-    lc = cfg["loss"]
-    return get_loss(lc["name"], **({"lamb": lc["lamb"], "phi": lc["phi"]} if lc["name"] == "tet" else {}))
 
 
 def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
@@ -238,7 +161,7 @@ def _bptt_stage(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: b
     if build:
         check_store_entry(cfg)
     g = torch.Generator().manual_seed(int(cfg["seed"]))
-    train, test = _loaders(cfg, g)
+    train, test = loaders_for(cfg, g)
     if build and name is not None and not store.exists(name):
         _check_trajectory_size(cfg, len(train))
     if resume and (run_dir / "trajectory" / "manifest.json").is_file():
@@ -251,7 +174,7 @@ def _bptt_stage(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: b
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
     rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
                              every=cfg["trajectory"]["every"], record_initial=cfg["trajectory"]["record_initial"])
-    summary = fit(model, train, test, opt, epochs=st["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, st),
+    summary = fit(model, train, test, opt, epochs=st["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, st),
                   device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(rec)], generator=g, resume=resume,
                   eval_every=st["eval_every"], progress=cfg["progress"], max_steps_per_epoch=st["max_steps_per_epoch"],
                   checkpoint_every_steps=st["checkpoint_every_steps"], info=_info(cfg, "bp", "bptt", model))
@@ -286,7 +209,7 @@ def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any
     from szo.train import evaluate
 
     hw = cfg["hw"]
-    _, acc_float = evaluate(model, test_loader, _loss(cfg))
+    _, acc_float = evaluate(model, test_loader, loss_for(cfg))
     runs = {}
     for arithmetic in ("szo", "loihi"):
         for reset in (None, "zero"):
@@ -378,7 +301,7 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(cfg, run_dir / "config.yaml")
     g = torch.Generator().manual_seed(int(cfg["seed"]))
-    train, test = _loaders(cfg, g, par)
+    train, test = loaders_for(cfg, g, par)
     model = build_model(cfg)
     sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
     extra: dict[str, Any] = {"backend": cfg["backend"], "bn_stats": cfg["bn_stats"]}
@@ -434,7 +357,7 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
                               **optimizer_options(cfg))
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
-    summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=_loss(cfg), scheduler=_scheduler(opt, tr),
+    summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
                   device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
                   progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
                   checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],

@@ -1,7 +1,6 @@
 """The run-directory contract (docs/runs.md): one writer, resume that checks what it resumes,
 checksummed checkpoints, validation before compute, one line for a diverged run."""
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -114,7 +113,6 @@ def test_config_differences():
 def test_resume_takes_the_runs_own_config_and_is_exact(store, tmp_path, capsys, monkeypatch):
     """README-style: a --set method=szo-rge run, interrupted, resumed without the --set,
     continues as SZO-RGE and ends where the uninterrupted run ends."""
-    import szo.distributed as D
 
     rge = ["method=szo-rge", "szo.q=2"]
     assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "ref")] + _sets(store, *rge)) == 0

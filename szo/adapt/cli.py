@@ -135,7 +135,8 @@ def train_source(cfg: Mapping[str, Any], run_dir: Path, device: str) -> tuple[to
     model init under ``fork_rng``; writes ``run_dir/model.safetensors``) without building a
     store subspace (``build=False``: the adaptation subspace is built from its trajectory
     here, nothing is written to a subspace store). Returns the model and its trajectory."""
-    from szo.pipeline import load_run_model, run_bptt_stage
+    from szo.pipeline import run_bptt_stage
+    from szo.runs import load_run_model
 
     run_bptt_stage(cfg, run_dir, device=device, build=False)
     model, _ = load_run_model(run_dir, device)
@@ -146,7 +147,7 @@ def load_source(run_dir: str | os.PathLike, dataset_name: str, device: str = "cp
     """The model of a ``szo recipe`` run directory (``szo.pipeline.load_run_model``), checked
     against the corrupted data set's number of classes."""
     from szo.data import dataset_info
-    from szo.pipeline import load_run_model
+    from szo.runs import load_run_model
 
     model, _ = load_run_model(run_dir, device)
     n = dataset_info(dataset_name).num_classes
@@ -161,7 +162,7 @@ def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_t
     protocol's description for the results. Built subspaces are saved in ``out/subspaces``."""
     from subspace_store import SubspaceStore
 
-    from szo.pipeline import _loss
+    from szo.runs import loss_for
 
     from . import subspace as adapt_subspace
 
@@ -187,7 +188,7 @@ def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_t
     subs, info = adapt_subspace.protocol_subspaces(
         source, src_traj, t["data"], protocol, run_dir=out, corruptions=t["corruptions"] or list(CORRUPTIONS),
         corruption=ft["corruption"], severity=ft["severity"], images=ft["images"], k=k, n_source=t["n_source"],
-        finetune=finetune, loss=_loss(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed,
+        finetune=finetune, loss=loss_for(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed,
         device=device, progress=progress)
     if isinstance(subs, Mapping):
         for c, s in subs.items():

@@ -202,7 +202,7 @@ def finetune_on_dataset(
     """Supervised BP fine-tuning of a copy of ``source_model`` on the labelled ``dataset``.
 
     ``loss``: a ``szo.losses`` name (its default options) or a loss ``fn(out, y)``, e.g. a
-    recipe's ``szo.pipeline._loss(cfg)`` (TET with the recipe's lamb / phi).
+    recipe's ``szo.pipeline.loss_for(cfg)`` (TET with the recipe's lamb / phi).
     Records at least ``samples`` weight vectors (every ``epochs * steps_per_epoch // samples``
     optimizer steps, initial weights excluded) into ``run_dir/trajectory`` and returns that
     directory. The source model is not modified.

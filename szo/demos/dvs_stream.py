@@ -262,7 +262,7 @@ def _load_recipe_run(directory: Path) -> SourceModel:
     from subspace_store import SubspaceStore
 
     from szo.data.synthetic_events import SyntheticGesture
-    from szo.pipeline import load_run_model
+    from szo.runs import load_run_model
 
     raw = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8")) or {}
     data = raw.get("data") or {}

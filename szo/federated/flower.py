@@ -86,14 +86,14 @@ class _Task:
 
     def __init__(self, cfg: Mapping[str, Any], space: str) -> None:
         from szo.zo.bn import bn_layers
-        from szo.pipeline import _loss, build_model, subspace_store_for
+        from szo.runs import build_model, loss_for, subspace_store_for
 
         self.model = build_model(cfg)
         sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=self.model)
         self.reference = sub.reference.detach().to(torch.float64)
         self.basis = sub.basis.detach().to(torch.float64) if space == "subspace" else None
         self.dim = int(self.basis.shape[1]) if self.basis is not None else int(self.reference.numel())
-        self.loss_fn = _loss(cfg)
+        self.loss_fn = loss_for(cfg)
         self.bn = bn_layers(self.model)
         self.model.load_flat_params(self.reference.float())
 
@@ -298,7 +298,8 @@ def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Feder
     from szo.config import write_config
     from szo.data import make_loader
     from szo.io import atomic_write_json
-    from szo.pipeline import run_bptt_stage, subspace_store_for
+    from szo.pipeline import run_bptt_stage
+    from szo.runs import subspace_store_for
 
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

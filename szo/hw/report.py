@@ -72,7 +72,7 @@ def load_target(target: str | SpikingModel) -> tuple[SpikingModel, str, dict[str
         return target, target.model_name, None
     p = Path(str(target))
     if p.is_dir():
-        from szo.pipeline import load_run_model
+        from szo.runs import load_run_model
 
         try:
             model, cfg = load_run_model(p)

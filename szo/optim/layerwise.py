@@ -34,7 +34,7 @@ loss), ``"probe-mean"`` sets them to the mean over the step's forwards (``step``
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn

@@ -127,11 +127,11 @@ def diagnose_run(run_dir: str | os.PathLike, *, subspace: str | None = None, mus
                  max_full_cge: int = 2000, seed: int = 0, out: str | os.PathLike | None = None) -> dict[str, Any]:
     """Diagnose a run directory's model (SNN and, with ``twin``, its ReLU twin); writes JSON."""
     from szo.io import atomic_write_json
-    from szo.pipeline import _loss, build_model, load_run_model, subspace_store_for
+    from szo.runs import build_model, load_run_model, loss_for, subspace_store_for
 
     model, cfg = load_run_model(run_dir)
     x, y = run_batch(cfg, batch)
-    loss_fn = _loss(cfg)
+    loss_fn = loss_for(cfg)
     name = subspace or cfg["subspace"]["name"]
     store = subspace_store_for(cfg)
     directions = store.load(name, model).basis if name and name in store else None

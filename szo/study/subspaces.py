@@ -33,7 +33,7 @@ def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequen
     """``{variant: Subspace}`` for the BPTT run ``bp_run`` (see the module doc); ``model``: the
     run's model if the caller has it loaded already (``load_run_model``)."""
     from subspace_store import bn_and_head_names, build_subspace, coordinate_subspace, random_subspace
-    from szo.pipeline import load_run_model
+    from szo.runs import load_run_model
 
     traj = Path(bp_run) / "trajectory"
     if not traj.is_dir():
@@ -63,13 +63,13 @@ def projection_rows(bp_run: str | os.PathLike, variants: dict[str, Any], loaded=
     """For every variant: k, distance of the projected BP solution to theta_BP and its test accuracy;
     ``loaded``: ``load_run_model(bp_run)`` if the caller has it already."""
     from subspace_store import project_point
-    from szo.pipeline import _loaders, _loss, load_run_model
+    from szo.runs import load_run_model, loaders_for, loss_for
     from szo.train.trainer import evaluate
 
     model, cfg = loaded if loaded is not None else load_run_model(bp_run)
     theta_bp = model.flat_params().detach().clone()
-    _, test = _loaders(cfg, torch.Generator().manual_seed(0))
-    loss_fn = _loss(cfg)
+    _, test = loaders_for(cfg, torch.Generator().manual_seed(0))
+    loss_fn = loss_for(cfg)
     _, acc_bp = evaluate(model, test, loss_fn)
     rows = []
     for name, sub in variants.items():
@@ -92,7 +92,8 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
     Writes ``subspaces.json`` to ``out`` (default ``BP_RUN/study-subspaces``)."""
     from szo.config import load_recipe
     from szo.io import atomic_write_json
-    from szo.pipeline import load_run_model, run_recipe, subspace_store_for
+    from szo.pipeline import run_recipe
+    from szo.runs import load_run_model, subspace_store_for
 
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be a non-empty store name prefix, got {prefix!r}")

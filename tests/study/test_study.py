@@ -8,7 +8,8 @@ import torch
 
 from szo.cli import main
 from szo.config import load_recipe
-from szo.pipeline import load_run_model, run_recipe
+from szo.pipeline import run_recipe
+from szo.runs import load_run_model
 from szo.study.diagnose import diagnose_model, surrogate_gradient
 from szo.study.subspaces import subspace_variants
 
@@ -53,18 +54,18 @@ def test_diagnose_cli_rows_and_model_untouched(runs, capsys):
 
 def test_surrogate_gradient_restores_bn_and_diagnose_validates(runs):
     model, cfg = load_run_model(runs / "bp")
-    from szo.pipeline import _loss
+    from szo.runs import loss_for
     from szo.study.diagnose import run_batch
 
     x, y = run_batch(cfg, 8)
     bufs = {k: v.clone() for k, v in model.named_buffers()}
-    g = surrogate_gradient(model, x, y, _loss(cfg))
+    g = surrogate_gradient(model, x, y, loss_for(cfg))
     assert g.shape == (model.num_params(),) and torch.isfinite(g).all() and g.abs().sum() > 0
     assert all(torch.equal(bufs[k], v) for k, v in model.named_buffers())
     with pytest.raises(ValueError, match="repeats"):
-        diagnose_model(model, x, y, _loss(cfg), directions=None, mus=[0.1], qs=[1], repeats=1)
+        diagnose_model(model, x, y, loss_for(cfg), directions=None, mus=[0.1], qs=[1], repeats=1)
     with pytest.raises(ValueError, match="mus"):
-        diagnose_model(model, x, y, _loss(cfg), directions=None, mus=[], qs=[1])
+        diagnose_model(model, x, y, loss_for(cfg), directions=None, mus=[], qs=[1])
     with pytest.raises(ValueError, match="is not in the store"):
         from szo.study.diagnose import diagnose_run
         diagnose_run(runs / "bp", subspace="nope")

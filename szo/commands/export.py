@@ -110,7 +110,7 @@ def run_import(args: argparse.Namespace) -> int:
 
     ref = None
     if args.compare is not None:
-        from szo.pipeline import load_run_model
+        from szo.runs import load_run_model
 
         ref = load_run_model(args.compare)[0].eval()
     loader = make_loader(get_dataset(args.data, "test"), args.batch, shuffle=False)
