@@ -40,13 +40,14 @@ BPTT = ["bptt.epochs=2", "bptt.max_steps_per_epoch=8", "trajectory.every=1", "su
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("SZO_FAULT_INJECT", None)
-    return env
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
-def szo_cmd(recipe: str, out: Path, sets: list[str], *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "szo", "recipe", recipe, "--out", str(out)]
+def szo_cmd(recipe: str, out: Path, sets: list[str], *extra: str, fault: str | None = None) -> list[str]:
+    """``python -m szo recipe ...``; ``fault="RANK:STEP"``: through tests/fault_launcher.py, which
+    makes rank RANK SIGKILL itself right after optimizer step STEP (no such hook in the library)."""
+    module = ["szo"] if fault is None else ["tests.fault_launcher", fault]
+    cmd = [sys.executable, "-m", *module, "recipe", recipe, "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     return cmd + list(extra)
@@ -188,11 +189,11 @@ def main() -> int:
         row(f"SIGKILL SZO-CGE run #{i + 1} (random moment)", "exact resume",
             exact, f"killed {killed}; stale lock taken over: {'yes' if stale else 'no'}; resume exit={code}, "
                    f"params {'bit-identical' if exact else 'DIFFER'}")
-    # --- SIGKILL right after a random optimizer step (the run kills itself: $SZO_FAULT_INJECT=0:STEP)
+    # --- SIGKILL right after a random optimizer step (the run kills itself: tests/fault_launcher.py 0:STEP)
     for i in range(args.kills):
         out = tmp / f"szo-step{i}"
         at = rng.randint(1, 23)  # 2 epochs x 12 steps
-        r = run(szo_cmd("digits-scratch", out, sets), dict(_env(), SZO_FAULT_INJECT=f"0:{at}"))
+        r = run(szo_cmd("digits-scratch", out, sets, fault=f"0:{at}"))
         rec = out / "checkpoints" / "last.json"
         ck = json.loads(rec.read_text())["step"] if rec.is_file() else None
         r2 = run(szo_cmd("digits-scratch", out, sets, "--resume"))
@@ -215,17 +216,18 @@ def main() -> int:
             f"model + trajectory {'bit-identical' if ok else 'DIFFER'}")
     # --- torchrun: rank 1 SIGKILLs itself after step 5; resume; equal to an uninterrupted 2-process run
     if not args.no_torchrun:
-        def cmd(out: Path) -> list[str]:
+        def cmd(out: Path, fault: str | None = None) -> list[str]:
             import socket
 
             with socket.socket() as sk:  # a free port: other jobs on this machine may use torchrun too
                 sk.bind(("127.0.0.1", 0))
                 port = sk.getsockname()[1]
+            one = szo_cmd("digits-scratch", out, sets + ["distributed.timeout_s=60"], fault=fault)
             return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                    "-m", "szo"] + szo_cmd("digits-scratch", out, sets + ["distributed.timeout_s=60"])[3:]
+                    *one[1:]]
 
         run(cmd(tmp / "dref"))
-        r = run(cmd(tmp / "dkill"), dict(_env(), SZO_FAULT_INJECT="1:5"))
+        r = run(cmd(tmp / "dkill", fault="1:5"))
         errs = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
         ok1 = len(errs) == 1 and errs[0].startswith("error: rank 0/2:")  # rank 1 is gone, rank 0 says why
         line = (errs[0] if errs else "(no error line)")[:150]

@@ -170,7 +170,8 @@ def persistent_state_bytes(model: torch.nn.Module, opt) -> dict:
                 yield st
 
     out = {"weights": size(model.parameters()), "buffers": size(model.buffers())}
-    basis = getattr(opt, "_Pt", None)  # SZO keeps P^T [k, d] row-contiguous
+    space = getattr(opt, "space", None)  # SZO's SubspaceSpace keeps P^T [k, d] row-contiguous
+    basis = getattr(space, "basis_t", None)
     out["basis"] = size([basis]) if basis is not None else 0
     out["optimizer"] = size(state_tensors(opt))
     out["total"] = sum(out.values())

@@ -127,7 +127,7 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
                            samples=sw, overhead_ratio=ratio, overhead_ratio_cpu=ratio_cpu,
                            target=target, met=target is not None and ratio <= target,
                            met_cpu=target is not None and ratio_cpu <= target,
-                           chunk=(opt._batched.evaluator.last_chunk if engine == "batched" else None))
+                           chunk=(opt.evaluator.last_chunk if engine == "batched" else None))
                 if compiled:  # the compiled step against 2k eager forwards (target <= 0.5 on Spike-ResNet20)
                     e_wall, e_cpu = statistics.median(ew), statistics.median(ec)
                     row.update(t_fwd_eager=e_wall, t_fwd_eager_cpu=e_cpu, ratio_to_eager=t_step / (m * e_wall),

@@ -53,7 +53,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.losses import entropy_loss
 from szo.optim import build_optimizer
-from szo.zo.bn import BNStatsFreezer
+from szo.zo import BNStatsFreezer, is_forward_only
 
 __all__ = [
     "METHODS",
@@ -210,15 +210,15 @@ class Adapter:
         for k, v in self.model.state_dict().items():
             v.copy_(self._model_state[k])
         if self.optimizer is not None and self._opt_state is not None:
-            gen = getattr(self.optimizer, "generator", None)
-            gen_state = gen.get_state() if isinstance(gen, torch.Generator) else None
-            fps = getattr(self.optimizer, "forward_passes", None)
-            self.optimizer.load_state_dict(copy.deepcopy(self._opt_state))
+            opt = self.optimizer
+            forward_only = is_forward_only(opt)  # its generator and forward count are not part of the reset
+            gen_state = opt.generator.get_state() if forward_only else None
+            fps = opt.forward_passes if forward_only else None
+            opt.load_state_dict(copy.deepcopy(self._opt_state))
             # random directions keep coming from the run's stream (fresh after a reset)
-            if gen_state is not None:
-                gen.set_state(gen_state)
-            if fps is not None:
-                self.optimizer.forward_passes = fps
+            if forward_only:
+                opt.generator.set_state(gen_state)
+                opt.forward_passes = fps
 
     def counts(self) -> dict[str, int]:
         return {"fp": self.forward_passes, "bp": self.backward_passes, "batches": self.batches}

@@ -41,9 +41,8 @@ falls back to a per-copy loop, so it is not faster than the sequential loop; it 
 """
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as Fn
@@ -54,6 +53,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..functional import zo as F
 from ..models.streaming import bn_momentum
 from ..zo.bn import BNStatsFreezer
+from ..zo.evaluate import EvaluatorBase
 from ..zo.guard import ProbeGuard
 from ..zo.plans import Plan
 from ..zo.space import SubspaceSpace
@@ -432,7 +432,7 @@ class BatchedEvaluator:
 
 
 # ---------------------------------------------------------------------- probe evaluator
-class BatchedProbeEvaluator:
+class BatchedProbeEvaluator(EvaluatorBase):
     """``SZO(engine="batched")``'s probe evaluator (a ``szo.zo`` probe evaluator): one folded forward
     per chunk of a plan's probes ``theta + mu P U[j]`` in a :class:`~szo.zo.SubspaceSpace`.
 
@@ -442,31 +442,19 @@ class BatchedProbeEvaluator:
     the closure, so a trainer sees no train outputs from them (``sees_outputs`` False).
     """
 
-    distributed: str | None = None
     sees_outputs = False
 
     def __init__(self, guard: ProbeGuard, model: nn.Module, *, chunk: int | None = None):
         if model is None:
             raise ValueError("the batched engine needs the model")
-        self.guard = guard
+        super().__init__(guard)
         self.evaluator = BatchedEvaluator(model, None, chunk=chunk)
-        self.bytes_communicated = 0
         self._checked: SubspaceSpace | None = None  # the space whose parameters were checked
 
     @property
     def last_chunk(self) -> int | None:
         """Copies per folded pass of the last step."""
         return self.evaluator.last_chunk
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator["BatchedProbeEvaluator"]:
-        self.guard.bn.snapshot()
-        try:
-            yield self
-        except BaseException:
-            self.guard.bn.restore()
-            raise
-        self.guard.end_probes()
 
     @torch.no_grad()
     def run(self, closure: Callable[[], torch.Tensor], space: SubspaceSpace, plan: Plan, *,
@@ -490,9 +478,6 @@ class BatchedProbeEvaluator:
         theta0 = [p.detach() for p in space.params]
         return ev.losses(x, y, (theta0, space.basis_views, plan.dense(), plan.mu), loss_fn,
                          update_bn=False, into=self.guard.bn if self.guard.probe_mean else None)
-
-    def unperturbed(self, closure: Callable[[], torch.Tensor]) -> float:
-        return self.guard.unperturbed_forward(closure)
 
 
 def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from szo.federated import baffle as B
+from szo.zo import bn_layers, heavy_ball_
 
 __all__ = ["FederatedConfig", "run_federated", "SPACES"]
 
@@ -85,7 +86,6 @@ class _Task:
     """What server and clients both build from the recipe: model, loss, subspace (basis, reference)."""
 
     def __init__(self, cfg: Mapping[str, Any], space: str) -> None:
-        from szo.zo.bn import bn_layers
         from szo.runs import build_model, loss_for, subspace_store_for
 
         self.model = build_model(cfg)
@@ -233,7 +233,7 @@ def _make_strategy(cfg: Mapping[str, Any], fc: FederatedConfig, task: _Task, n_t
             z = B.round_directions(int(seeds[server_round]), fc.K, task.dim)
             grad = B.stein_coordinates(delta, z, fc.sigma).numpy()
             lr = fc.lr * 0.5 * (1 + math.cos(math.pi * (server_round - 1) / fc.rounds))  # cosine, as the recipes
-            self.v = fc.momentum * self.v - lr * grad
+            heavy_ball_(torch.from_numpy(self.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
             self.c = self.c + self.v
             if self.bn.size:
                 weights = [r.num_examples / n_total for _, r in results]

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from szo.functional.diagnostics import draw_estimates, estimate_statistics, rge_variance_closed_form
+from szo.zo import ProbeGuard
 
 __all__ = ["diagnose_model", "diagnose_run", "run_batch", "plot_diagnose", "render"]
 
@@ -72,14 +73,14 @@ def diagnose_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, los
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     was = model.training
     model.train()
+    # the optimizers' probe rule (szo.zo.ProbeGuard): every probe starts from the same BN running
+    # statistics and reset neurons, its loss checked; the estimators are szo.functional's pure ones
+    guard = ProbeGuard(model, "szo diagnose")
+    guard.bn.snapshot()
 
     def loss_at(v: torch.Tensor) -> float:
         model.load_flat_params(v)
-        with torch.no_grad():
-            out = float(loss_fn(model(x), y))
-            for k, b in model.named_buffers():  # every probe sees the same BN running statistics
-                b.copy_(buffers[k])
-        return out
+        return guard.probe(lambda: loss_fn(model(x), y), "diagnose probe")
 
     rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(seed)

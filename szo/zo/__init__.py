@@ -19,7 +19,7 @@ how the optimizers of ``szo.optim`` compose it and how to add a method.
 """
 from .base import CodecOptimizer, ForwardOnlyBase
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
-from .evaluate import JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
+from .evaluate import EvaluatorBase, JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
 from .guard import ProbeGuard, check_hparams, resolve_model
 from .plans import (ESTIMATORS, Coordinates, Plan, cge_plan, coord_one_point_plan, gaussian_rows, one_point_plan,
                     rademacher_rows, rge_plan)
@@ -28,7 +28,7 @@ from .space import START_POINTS, HostSpace, NodeSpace, ParamSpace, Space, Subspa
 from .update import (Field, StateCodec, heavy_ball_, integer_heavy_ball, quantized_zo_update, sign_descent_)
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Field", "ForwardOnlyBase", "ForwardOnlyOptimizer",
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "ForwardOnlyOptimizer",
     "HasSubspace", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",

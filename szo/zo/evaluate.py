@@ -31,7 +31,7 @@ from .guard import ProbeGuard
 from .plans import Plan
 from .space import Space
 
-__all__ = ["ProbeEvaluator", "LoopEvaluator", "JVPEvaluator", "jvp_closure"]
+__all__ = ["ProbeEvaluator", "EvaluatorBase", "LoopEvaluator", "JVPEvaluator", "jvp_closure"]
 
 Closure = Callable[[], torch.Tensor]
 
@@ -56,8 +56,8 @@ class ProbeEvaluator(Protocol):
     def unperturbed(self, closure: Closure) -> float: ...
 
 
-class LoopEvaluator:
-    """The probe loop: one closure call per probe (see the module docstring)."""
+class EvaluatorBase:
+    """What every evaluator shares: the step scope around the probes and the BN forward."""
 
     distributed: str | None = None
     sees_outputs = True
@@ -66,9 +66,8 @@ class LoopEvaluator:
         self.guard = guard
         self.bytes_communicated = 0
 
-    # ------------------------------------------------------------------ step scope
     @contextlib.contextmanager
-    def session(self) -> Iterator["LoopEvaluator"]:
+    def session(self) -> Iterator["EvaluatorBase"]:
         """One step's probes: BN snapshot before, commit / restore after, restore on error."""
         self.guard.bn.snapshot()
         try:
@@ -80,6 +79,14 @@ class LoopEvaluator:
 
     def _end_session(self) -> None:
         self.guard.end_probes()
+
+    def unperturbed(self, closure: Closure) -> float:
+        """The unperturbed train-mode forward of the updated model (``bn_update="recompute"``)."""
+        return self.guard.unperturbed_forward(closure)
+
+
+class LoopEvaluator(EvaluatorBase):
+    """The probe loop: one closure call per probe (see the module docstring)."""
 
     # ------------------------------------------------------------------ the loop
     def _rows(self, m: int) -> Sequence[int]:
@@ -109,10 +116,6 @@ class LoopEvaluator:
         finally:
             mover.restore()
         return self._reduce(losses, rows)
-
-    def unperturbed(self, closure: Closure) -> float:
-        """The unperturbed train-mode forward of the updated model (``bn_update="recompute"``)."""
-        return self.guard.unperturbed_forward(closure)
 
 
 # ---------------------------------------------------------------------- forward gradients
@@ -156,33 +159,19 @@ def jvp_closure(model: nn.Module, names: list[str], closure: Closure, tangents: 
         return loss, F.check_loss(tangent, f"{where} (directional derivative)")
 
 
-class JVPEvaluator:
+class JVPEvaluator(EvaluatorBase):
     """Forward-gradient probes: ``q`` JVP passes, each the loss and ``grad L . v_j`` for a tangent.
 
     BN running statistics: every pass starts from the step's statistics, which become their mean
     over the passes (the JVP primal is itself an unperturbed forward of theta_t, ``probe-mean``).
     """
 
-    distributed: str | None = None
-    sees_outputs = True
-
     def __init__(self, model: nn.Module, names: list[str], who: str,
                  dual_context: Callable[[nn.Module], ContextManager] | None = None):
-        self.guard = ProbeGuard(model, who, bn_update="probe-mean")
+        super().__init__(ProbeGuard(model, who, bn_update="probe-mean"))
         self.model = model
         self.names = names
         self.dual_context = dual_context
-        self.bytes_communicated = 0
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator["JVPEvaluator"]:
-        self.guard.bn.snapshot()
-        try:
-            yield self
-        except BaseException:
-            self.guard.bn.restore()
-            raise
-        self.guard.end_probes()
 
     def run(self, closure: Closure, tangents: Callable[[int], list[torch.Tensor]], q: int, *,
             label: str = "tangent") -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +187,3 @@ class JVPEvaluator:
                                                  f"closure ({label} {j + 1}/{q})", self.dual_context)
                 guard.bn.accumulate()
         return losses, jvps
-
-    def unperturbed(self, closure: Closure) -> float:
-        return self.guard.unperturbed_forward(closure)

@@ -47,6 +47,8 @@ class ForwardOnlyOptimizer(Protocol):
 
     * ``step(closure)``: calls the no-grad ``closure`` (forward, loss) once per probe; returns the loss;
     * ``forward_passes``: forwards so far (checkpointed); ``forwards_per_step``: per step;
+    * ``generator``: the ``torch.Generator`` its random directions come from (checkpointed, so a
+      resumed run draws the same ones; a test-time adapter's reset leaves it running);
     * ``last_step``: the :class:`StepInfo` of the last step (None before the first);
     * ``distributed``: ``None``, ``"data"`` or ``"perturbation"`` (torch.distributed mode);
     * ``bytes_communicated``: bytes this rank put into collectives (0 in one process);
@@ -57,6 +59,7 @@ class ForwardOnlyOptimizer(Protocol):
 
     forward_only: bool
     forward_passes: int
+    generator: torch.Generator
     distributed: str | None
     bytes_communicated: int
 
@@ -83,7 +86,7 @@ class HasSubspace(Protocol):
     k: int
 
 
-PROTOCOL_MEMBERS: tuple[str, ...] = ("forward_only", "forward_passes", "distributed", "bytes_communicated",
+PROTOCOL_MEMBERS: tuple[str, ...] = ("forward_only", "forward_passes", "generator", "distributed", "bytes_communicated",
                                      "forwards_per_step", "last_step", "train_outputs", "step", "state_dict",
                                      "load_state_dict")
 

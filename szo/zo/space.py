@@ -110,10 +110,34 @@ class ParamSpace:
         return ParamMover(self, plan)
 
 
-class ParamMover:
-    def __init__(self, space: ParamSpace, plan: Plan):
+class _SavingMover:
+    """A mover over parameters: saves them, puts them back on ``restore`` (and for a centre probe)."""
+
+    def __init__(self, space: "ParamSpace", plan: Plan, dim: int, what: str):
         self.space, self.plan = space, plan
         self.saved = space.save()
+        D = plan.directions
+        if not isinstance(D, Coordinates) and (D.dim() != 2 or D.shape[1] != dim):
+            raise ValueError(f"plan directions must be [n, {what}] with {what} = {dim}, got {tuple(D.shape)}")
+
+    @torch.no_grad()
+    def move(self, j: int) -> None:
+        i = self.plan.index[j]
+        if i < 0:
+            self.restore()
+        else:
+            self._move(i, self.plan.sign[j] * self.plan.mu)
+
+    def _move(self, i: int, alpha: float) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        self.space.restore(self.saved)
+
+
+class ParamMover(_SavingMover):
+    def __init__(self, space: ParamSpace, plan: Plan):
+        super().__init__(space, plan, space.d, "d")
         D = plan.directions
         if isinstance(D, Coordinates):
             bounds, off = [], 0
@@ -122,29 +146,18 @@ class ParamMover:
                 off += n
             self._where = [_locate(int(i), bounds) for i in D.indices.tolist()]
         else:
-            if D.dim() != 2 or D.shape[1] != space.d:
-                raise ValueError(f"plan directions must be [n, d] with d = {space.d}, got {tuple(D.shape)}")
             self._rows = D.to(device=space.device, dtype=space.dtype)
 
-    @torch.no_grad()
-    def move(self, j: int) -> None:
-        i, sign = self.plan.index[j], self.plan.sign[j]
+    def _move(self, i: int, alpha: float) -> None:
         sp = self.space
-        if i < 0:
-            sp.restore(self.saved)
-            return
         if isinstance(self.plan.directions, Coordinates):
             sp.restore(self.saved)
             t, off = self._where[i]
-            p, s = sp.params[t], self.saved[t]
-            p.view(-1)[off] = s.view(-1)[off] + sign * self.plan.mu
+            sp.params[t].view(-1)[off] = self.saved[t].view(-1)[off] + alpha
             return
-        step = (sign * self.plan.mu) * self._rows[i]
+        step = alpha * self._rows[i]
         for p, s, v in zip(sp.params, self.saved, sp.split(step)):
             torch.add(s, v, out=p.data)
-
-    def restore(self) -> None:
-        self.space.restore(self.saved)
 
 
 def _locate(i: int, bounds: list[int]) -> tuple[int, int]:
@@ -198,29 +211,17 @@ class SubspaceSpace(ParamSpace):
         return SubspaceMover(self, plan)
 
 
-class SubspaceMover:
+class SubspaceMover(_SavingMover):
     def __init__(self, space: SubspaceSpace, plan: Plan):
-        self.space, self.plan = space, plan
-        self.saved = space.save()
+        super().__init__(space, plan, space.k, "k")
         D = plan.directions
-        if isinstance(D, Coordinates):
-            self._coord = D.indices.tolist()
-            self._rows = None
-        else:
-            if D.dim() != 2 or D.shape[1] != space.k:
-                raise ValueError(f"plan directions must be [n, k] with k = {space.k}, got {tuple(D.shape)}")
-            self._coord = None
-            # on the basis' device once: a per-probe transfer would synchronise a GPU every probe
-            self._rows = D.to(device=space.basis_t.device, dtype=space.basis_t.dtype)
+        self._coord = D.indices.tolist() if isinstance(D, Coordinates) else None
+        # on the basis' device once: a per-probe transfer would synchronise a GPU every probe
+        self._rows = None if self._coord is not None else D.to(device=space.basis_t.device,
+                                                                 dtype=space.basis_t.dtype)
 
-    @torch.no_grad()
-    def move(self, j: int) -> None:
-        i, sign = self.plan.index[j], self.plan.sign[j]
+    def _move(self, i: int, alpha: float) -> None:
         sp = self.space
-        if i < 0:
-            sp.restore(self.saved)
-            return
-        alpha = sign * self.plan.mu
         if self._coord is not None:
             c = self._coord[i]
             for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
@@ -229,9 +230,6 @@ class SubspaceMover:
         u = self._rows[i]
         for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
             torch.add(s, (u @ pt).view_as(p), alpha=alpha, out=p.data)
-
-    def restore(self) -> None:
-        self.space.restore(self.saved)
 
 
 class NodeSpace:

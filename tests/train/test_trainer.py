@@ -49,7 +49,7 @@ class RandomCoordZO(torch.optim.Optimizer):
 
     def __init__(self, params, lr, generator, m=3, mu=1e-2, momentum=0.5):
         super().__init__(params, dict(lr=lr, momentum=momentum))
-        self.g, self.m, self.mu = generator, m, mu
+        self.generator, self.m, self.mu = generator, m, mu
         self.forward_passes = 0
         self.last_step = None
 
@@ -61,7 +61,7 @@ class RandomCoordZO(torch.optim.Optimizer):
     def step(self, closure):
         ps = self.param_groups[0]["params"]
         d = sum(p.numel() for p in ps)
-        idx = torch.randperm(d, generator=self.g)[: self.m]
+        idx = torch.randperm(d, generator=self.generator)[: self.m]
         flat = torch.nn.utils.parameters_to_vector(ps)
         grad = torch.zeros_like(flat)
         losses = []

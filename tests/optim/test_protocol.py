@@ -1,0 +1,96 @@
+"""Every forward-only method, built as the pipeline builds it, satisfies the one optimizer protocol
+(szo.zo.ForwardOnlyOptimizer) and reports each step in a StepInfo the trainer can rely on."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from szo.engine import batch_closure
+from szo.hw import to_fixed
+from szo.hw.train import OnChipSZO
+from szo.losses import tet_loss
+from szo.methods import BACKPROP_METHODS, FORWARD_ONLY_METHODS, QZO_METHODS
+from szo.models import create
+from szo.models.tt import tt_parametrize
+from szo.optim import build_optimizer
+from szo.zo import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, StepInfo, is_forward_only
+
+BUILT = [m for m in FORWARD_ONLY_METHODS if m not in QZO_METHODS]  # qzo: OnChipSZO, below
+ONCHIP = {"onchip-cge": dict(estimator="cge"), "onchip-rademacher": dict(estimator="rademacher", q=2),
+          "qzo": dict(estimator="rademacher", rule="eq8", q=2)}
+
+
+def _model_and_subspace(k: int = 3):
+    torch.manual_seed(0)
+    model = create("spike_convnet", num_classes=10, T=2, width=4).train()  # the digits ConvNet
+    d = model.num_params()
+    basis = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(1)))[0]
+    return model, SimpleNamespace(basis=basis, layout=model.param_layout(), reference=model.flat_params())
+
+
+def _build(name: str):
+    model, sub = _model_and_subspace()
+    if name in ONCHIP:
+        net = to_fixed(model, weight_bits=8)
+        return net, OnChipSZO(net, sub, lr=0.5, mu_lsb=1 << 11, **ONCHIP[name])
+    if name == "tt-zo":
+        tt_parametrize(model, 2, cores=2, min_params=100)
+    kw = dict(lr=0.01, momentum=0.0 if name == "asyncfgd" else 0.9, mu=0.01, q=2)
+    return model, build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(2), **kw)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.rand(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+@pytest.mark.parametrize("name", BUILT + ["szo-cge-batched"] + list(ONCHIP))
+def test_every_forward_only_method_satisfies_the_protocol(name):
+    if name == "szo-cge-batched":
+        model, sub = _model_and_subspace()
+        opt = build_optimizer("szo-cge", model, subspace=sub, lr=0.5, mu=0.05, engine="batched")
+    else:
+        model, opt = _build(name)
+    assert isinstance(opt, ForwardOnlyOptimizer) and is_forward_only(opt), name
+    assert all(hasattr(opt, m) for m in PROTOCOL_MEMBERS)
+    assert opt.last_step is None and opt.forward_passes == 0
+    assert opt.distributed is None and opt.bytes_communicated == 0
+    x, y = _batch()
+    calls = []
+    inner = batch_closure(model, tet_loss, x, y)
+
+    def closure():
+        calls.append(1)
+        return inner()
+
+    closure.batch = inner.batch
+    loss = opt.step(closure)
+    info = opt.last_step
+    assert isinstance(info, StepInfo)
+    with pytest.raises(AttributeError):
+        info.forwards = 0  # frozen: the trainer's record of the step
+    assert info.forwards == opt.forwards_per_step == opt.forward_passes, name
+    # the batched engine folds its probes into one call-free pass; everything else calls the closure per forward
+    assert len(calls) == (int(info.unperturbed) if name == "szo-cge-batched" else info.forwards)
+    assert info.losses.dtype == torch.float64 and info.losses.numel() >= 1
+    assert torch.isfinite(info.losses).all() and info.loss == pytest.approx(float(loss))
+    assert info.unperturbed == (info.bn_loss is not None)
+    assert isinstance(opt.train_outputs, bool) and (opt.train_outputs or name == "szo-cge-batched")
+    assert float(info.reference_loss) == pytest.approx(float(info.losses.mean()))
+    # the state round trip: a fresh optimizer loads it and writes the same state back
+    sd = opt.state_dict()
+    if name == "szo-cge-batched":
+        return
+    _, fresh = _build(name)
+    fresh.load_state_dict(sd)
+    again = fresh.state_dict()
+    assert again.keys() == sd.keys() and fresh.forward_passes == opt.forward_passes
+
+
+@pytest.mark.parametrize("name", BACKPROP_METHODS)
+def test_backprop_methods_are_not_forward_only(name):
+    model, sub = _model_and_subspace()
+    opt = build_optimizer(name, model, subspace=sub, lr=0.1)
+    assert not isinstance(opt, ForwardOnlyOptimizer) and not is_forward_only(opt)
