@@ -22,20 +22,12 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from szo.io import atomic_write_text
-from szo.methods import (  # the one method table (no torch import)
-    ENGINE_METHODS,
-    FIXED_BACKEND_METHODS,
-    FORWARD_ONLY_METHODS,
-    INTEGER_LEARNER_METHODS,
-    METHODS,
-    STREAMING_METHODS,
-    SUBSPACE_METHODS,
-)
+from szo.methods import METHODS, get_method, list_methods, method_label, which_methods  # the one method table (no torch import)
 
 __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES",
     "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides",
-    "parse_override", "validate", "resolve", "write_config", "method_label",
+    "parse_override", "validate", "resolve", "write_config", "method_label",  # method_label: szo.methods
 ]
 
 _FREE = object()  # marks a free-form mapping (model.kwargs, data.kwargs)
@@ -344,7 +336,7 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     _choice(full, "mode", MODES)
     if kind not in EXTERNAL_KINDS:
-        _choice(full, "method", METHODS)
+        _choice(full, "method", list_methods())
     dev = full["device"]
     if not (dev in DEVICES or (isinstance(dev, str) and dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ValueError(f"invalid device {dev!r}; valid: cpu, cuda, cuda:N")
@@ -394,37 +386,34 @@ def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_method_options(full: Mapping[str, Any]) -> None:
-    """Options of the subspace stage that only some methods take (szo.methods), checked before
-    anything runs: a recipe must not fail after its BPTT stage on a combination known up front."""
+    """Options of the subspace stage that only some methods take (their ``szo.methods`` record),
+    checked before anything runs: a recipe must not fail after its BPTT stage on a combination
+    known up front."""
     method, sz = full["method"], full["szo"]
-    if method in SUBSPACE_METHODS and full["train"]["weight_decay"]:
-        raise ValueError(f"method {method!r} uses no weight decay (paper App. G); set train.weight_decay=0")
-    if sz["time_chunk"] is not None and method not in STREAMING_METHODS:
-        from szo.methods import LAYERWISE_METHODS
-
-        why = ("backpropagates" if method not in FORWARD_ONLY_METHODS
-               else "perturbs layer outputs over all T steps at once" if method in LAYERWISE_METHODS
-               else "takes forward-mode derivatives")
+    spec = get_method(method)
+    if full["train"]["weight_decay"] and not spec.weight_decay:
+        raise ValueError(f"method {method!r} uses no weight decay (paper App. G / its seed paper); "
+                         "set train.weight_decay=0")
+    if full["train"]["momentum"] and not spec.momentum:
+        raise ValueError(f"method {method!r} takes no momentum (seed 001 Algorithm 1 / seed 004 eq. 8: plain "
+                         f"steps); set train.momentum=0 (got {full['train']['momentum']})")
+    if sz["time_chunk"] is not None and not spec.streaming:
+        why = ("backpropagates" if spec.backprop else "takes forward-mode derivatives" if spec.jvp
+               else "perturbs layer outputs over all T steps at once")
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{method!r} {why}; valid methods with szo.time_chunk: {', '.join(STREAMING_METHODS)}")
-    if sz["engine"] != "loop" and method not in ENGINE_METHODS:
+                         f"{method!r} {why}; valid methods with szo.time_chunk: "
+                         f"{', '.join(list_methods(streaming=True))}")
+    if sz["engine"] not in spec.engines:
         raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
-                         f"engine 'loop'; valid methods for it: {', '.join(ENGINE_METHODS)}")
+                         f"engine 'loop'; valid methods for it: {', '.join(list_methods(engines=sz['engine']))}")
     tt = full["tt"]
-    if method == "tt-zo" and not (tt["sign_mu"] > 0 and tt["sign_lr"] >= 0 and tt["tol"] >= 0):
+    if not (tt["sign_mu"] > 0 and tt["sign_lr"] >= 0 and tt["tol"] >= 0):
         raise ValueError(f"tt.sign_mu must be > 0 and tt.sign_lr, tt.tol >= 0; got sign_mu={tt['sign_mu']}, "
                          f"sign_lr={tt['sign_lr']}, tol={tt['tol']}")
-    from szo.methods import LAYERWISE_METHODS
-
-    if sz["layers"] is not None and method not in LAYERWISE_METHODS:
-        raise ValueError(f"'szo.layers' (sparse layer-wise training) applies to {', '.join(LAYERWISE_METHODS)}; "
-                         f"method {method!r} trains every parameter: leave szo.layers null")
-    if sz["stages"] is not None and method != "asyncfgd":
-        raise ValueError(f"'szo.stages' (pipeline stages) applies to method 'asyncfgd'; method {method!r} takes none: "
-                         "leave szo.stages null")
-    if method == "asyncfgd" and (full["train"]["momentum"] or full["train"]["weight_decay"]):
-        raise ValueError("method 'asyncfgd' is plain SGD (seed 001, Algorithm 1): set train.momentum=0 and "
-                         f"train.weight_decay=0 (got {full['train']['momentum']}, {full['train']['weight_decay']})")
+    for key, what in (("layers", "sparse layer-wise training"), ("stages", "pipeline stages")):
+        if sz[key] is not None and key not in spec.options:
+            raise ValueError(f"'szo.{key}' ({what}) applies to {which_methods(options=key)}; method {method!r} takes none: "
+                             f"leave szo.{key} null")
     if sz["chunk"] is not None and sz["engine"] != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
@@ -473,39 +462,38 @@ def _check_hw(full: Mapping[str, Any]) -> None:
         if full["bn_stats"] != "deployed":
             raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
                              "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
-        if full["method"] not in FIXED_BACKEND_METHODS:
+        if not get_method(full["method"]).fixed_backend:
             raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full['method']!r}; "
-                             f"valid: {', '.join(FIXED_BACKEND_METHODS)}")
+                             f"valid: {', '.join(list_methods(fixed_backend=True))}")
         if full["szo"]["engine"] != "loop":
             raise ValueError("backend 'fixed' evaluates probes one integer forward at a time; "
                              "valid szo.engine for it: loop")
         if full["szo"]["time_chunk"] is not None:
             raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
                              "szo.time_chunk applies to backend 'float' (set it to null)")
-    if full["method"] == "qzo" and hw["learner"] != "integer":
-        raise ValueError("method 'qzo' (seed-004 quantized ZO) is an integer learner on the fixed-point forward: "
-                         "set backend=fixed, bn_stats=deployed and hw.learner=integer (recipe digits-fixed does)")
-    if hw["learner"] == "integer" and (full["backend"] != "fixed" or full["method"] not in INTEGER_LEARNER_METHODS):
+    spec = get_method(full["method"]) if full["method"] in list_methods() else None
+    if spec is not None and spec.integer and hw["learner"] != "integer":
+        raise ValueError(f"method {full['method']!r} (seed-004 quantized ZO) is an integer learner on the "
+                         "fixed-point forward: set backend=fixed, bn_stats=deployed and hw.learner=integer "
+                         "(recipe digits-fixed does)")
+    if hw["learner"] == "integer" and (full["backend"] != "fixed" or spec is None or not spec.integer_learner):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
-                         f"backend 'fixed' and a method in: {', '.join(INTEGER_LEARNER_METHODS)}")
+                         f"backend 'fixed' and a method in: {', '.join(list_methods(integer_learner=True))}")
     if full["bn_stats"] == "deployed" and full["kind"] != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 
 
-# train.lr defaults of the methods from other seed papers: full-space forward gradient (AsyncFGD's
-# grid 1e-5..1e-2, SGD here) and TT-ZO (seed 000 Sec. 4: SGD lr 1e-3)
-_PAPER_LR = {"fg": 1.0e-3, "asyncfgd": 1.0e-3, "tt-zo": 1.0e-3}
-
-
 def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``validate`` plus defaults that depend on other values (``train.lr: null`` -> method default:
-    1.0 for subspace and full-space ZO methods (paper App. G), ``bptt.lr`` for full-space BP,
-    ``_PAPER_LR`` for fg and tt-zo)."""
+    """``validate`` plus defaults that depend on other values (``train.lr: null`` -> the method's
+    default: its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
+    ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G))."""
     full = validate(cfg)
     if full["kind"] in EXTERNAL_KINDS:
         return full
     if full["train"]["lr"] is None:
-        full["train"]["lr"] = full["bptt"]["lr"] if full["method"] == "bp" else _PAPER_LR.get(full["method"], 1.0)
+        spec = get_method(full["method"])
+        default = full["bptt"]["lr"] if spec.backprop and not spec.subspace else 1.0
+        full["train"]["lr"] = spec.defaults.get("train.lr", default)
     return full
 
 
@@ -522,8 +510,8 @@ def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) ->
     if not isinstance(per, dict):
         raise ValueError(f"'method_defaults' must map a method to a section of values, got {per!r}")
     for m, values in per.items():
-        if m not in METHODS:
-            raise ValueError(f"method_defaults: unknown method {m!r}; valid: {', '.join(METHODS)}")
+        if m not in list_methods():
+            raise ValueError(f"method_defaults: unknown method {m!r}; valid: {', '.join(list_methods())}")
         if not isinstance(values, dict):
             raise ValueError(f"method_defaults.{m} must be a mapping of recipe values, got {values!r}")
     method = dict(items).get("method", raw.get("method", DEFAULTS["method"]))
@@ -544,20 +532,3 @@ load_config = load_recipe
 def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically)."""
     atomic_write_text(path, yaml.safe_dump(dict(cfg), sort_keys=False, default_flow_style=False))
-
-
-_LABELS = {"bp": "BP", "bp-subspace": "BP-Subspace", "szo-cge": "SZO-CGE", "szo-rge": "SZO-RGE",
-           "szo-1pt": "SZO-1pt", "zo-cge": "ZO-CGE", "zo-rge": "ZO-RGE"}
-_LABELS.update({"fg": "FG", "fg-subspace": "FG-Subspace", "tt-zo": "TT-ZO", "asyncfgd": "AsyncFGD"})
-_LABELS.update({"np-zo": "NP-ZO", "wp-zo": "WP-ZO", "awp-zo": "WP/NP-ZO", "qzo": "QZO"})  # seed 004
-_Q_LABELED = ("szo-rge", "szo-1pt", "zo-rge", "fg", "fg-subspace", "np-zo", "wp-zo", "awp-zo", "qzo")
-
-
-def method_label(method: str, q: int | None = None, activation: str = "lif") -> str:
-    """Paper-style column name: ``SZO-RGE(q=1)``, ``BP-Subspace``; ``(ANN)`` for relu twins."""
-    label = _LABELS.get(method, method)
-    if method in _Q_LABELED and q is not None:
-        label += f"(q={q})"
-    if activation == "relu":
-        label += " (ANN)"
-    return label

@@ -1,41 +1,231 @@
-"""The training methods and what each can do: the one table config validation, the optimizer
-factory (``szo.optim.build_optimizer``) and the pipeline consult (no torch import here).
+"""The method registry: one record per method, the one table everything else reads.
 
-* ``bp``: full-space BPTT; ``bp-subspace``: BPTT gradient projected onto the subspace;
-* ``szo-cge`` / ``szo-rge`` / ``szo-1pt``: subspace zeroth-order (paper eq. 5, App. F);
-* ``zo-cge`` / ``zo-rge``: full-space zeroth-order baselines (DeepZero-style);
-* ``fg`` / ``fg-subspace``: forward gradient (JVP, AsyncFGD seed 001), full space / subspace;
-* ``asyncfgd``: AsyncFGD's K-stage pipeline iterates (stale stages, seed 001 Algorithm 1) in one
-  process, ``szo.stages`` = K (``szo.optim.AsyncFGD``; the multi-process pipeline: ``szo.asyncfgd``);
-* ``tt-zo``: zeroth-order in tensor-train factor space, signRGE-then-CGE (seed 000);
-* ``np-zo`` / ``wp-zo`` / ``awp-zo``: layer-wise node / weight / adaptive weight-or-node perturbation
-  (seed 004, Sec. 3.2; ``szo.optim.LayerwiseZO``), full space; ``szo.layers`` = sparse training;
-* ``qzo``: quantized ZO (seed 004, eqs. 6 and 8): XORShift32 Rademacher forward differences and
-  the integer update of eq. 8 on the on-chip learner (``szo.hw.train.OnChipSZO(rule="eq8")``),
-  through the fixed-point forward.
+Config validation (``szo.config``), the optimizer factory (``szo.optim.build_optimizer``), the
+pipeline, the report's labels, the test-time-adaptation and DVS demos and ``szo recipe --list``
+read :class:`MethodSpec` records from here (``get_method``, ``list_methods``); no other module
+keeps a list of method names or branches on one. A record says what the method is (label,
+family, forwards per step), what it needs (a stored subspace, backprop, forward-mode AD, the
+integer backend), what it can run with (engines, torchrun modes, the streaming forward, the
+fixed-point backend) and its recipe defaults. The optimizer builders live next to the
+optimizers and are attached with :func:`register_builder` (``szo.optim`` imports all of them).
+
+Adding a method = one module (its optimizer, composed from ``szo.zo``, and a builder decorated
+with ``@register_builder("name")``) + one :func:`register_method` record below.
+
+No torch import here: the registry is read by tools that never train.
 """
 from __future__ import annotations
 
-__all__ = ["METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
-           "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS", "INTEGER_LEARNER_METHODS",
-           "LAYERWISE_METHODS", "QZO_METHODS"]
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping
 
-METHODS: tuple[str, ...] = ("bp", "bp-subspace", "szo-cge", "szo-rge", "szo-1pt", "zo-cge", "zo-rge")
-METHODS += ("fg", "fg-subspace", "tt-zo")  # forward gradient (szo.optim.fg), tensor-train ZO (szo.optim.tt)
-FG_METHODS: tuple[str, ...] = ("fg", "fg-subspace", "asyncfgd")  # forward-mode AD (JVP) passes
-METHODS += ("asyncfgd",)
-LAYERWISE_METHODS: dict[str, str] = {"np-zo": "node", "wp-zo": "weight", "awp-zo": "adaptive"}  # -> perturbation
-QZO_METHODS: tuple[str, ...] = ("qzo",)
-METHODS += tuple(LAYERWISE_METHODS) + QZO_METHODS
-SZO_METHODS: tuple[str, ...] = ("szo-cge", "szo-rge", "szo-1pt")
-SUBSPACE_METHODS: tuple[str, ...] = ("bp-subspace",) + SZO_METHODS + ("fg-subspace",)  # need a stored subspace
-BACKPROP_METHODS: tuple[str, ...] = ("bp", "bp-subspace")
-FORWARD_ONLY_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m not in BACKPROP_METHODS)
-# szo.time_chunk (streaming forward): not the forward-gradient methods, whose JVP through the exact
-# streaming BN passes is wrong (the loss matches, the tangent does not: measured)
-STREAMING_METHODS: tuple[str, ...] = tuple(m for m in FORWARD_ONLY_METHODS  # layer-wise: hooks see all T at once
-                                            if m not in FG_METHODS + tuple(LAYERWISE_METHODS))
-DISTRIBUTED_METHODS: tuple[str, ...] = SZO_METHODS  # torchrun: only probe losses cross the network
-ENGINE_METHODS: tuple[str, ...] = SZO_METHODS  # szo.engine='batched' evaluates SZO probe plans
-FIXED_BACKEND_METHODS: tuple[str, ...] = SZO_METHODS + QZO_METHODS  # training through the integer forward
-INTEGER_LEARNER_METHODS: tuple[str, ...] = ("szo-cge", "szo-rge") + QZO_METHODS  # szo.hw.train.OnChipSZO
+__all__ = [
+    "MethodSpec", "Family", "register_method", "register_builder", "get_method", "list_methods", "method_label",
+    "which_methods",
+    "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
+    "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
+    "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
+    "NO_ADAPTATION",
+]
+
+NO_ADAPTATION = "none"
+"""The test-time "method" that does not adapt (the source model as it is)."""
+
+Family = Literal["backprop", "subspace-zo", "full-space-zo", "forward-gradient", "tensor-train-zo", "layer-wise-zo",
+                 "on-chip", "test-time"]
+Engine = Literal["loop", "batched"]
+ParallelMode = Literal["data", "perturbation"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What one method is and what it can run with.
+
+    * ``forwards``: forwards per step as a formula (k: subspace dimension, q: directions, L:
+      perturbed layers, n: coordinates per step; ``+ 1``: the unperturbed BN forward under
+      ``bn_update="recompute"`` when BN layers train);
+    * ``subspace``: trains in a stored trajectory subspace (``build_optimizer(subspace=...)``);
+      ``backprop``: runs ``backward`` (1 FP + 1 BP per step); ``jvp``: forward-mode AD passes;
+      ``integer``: the integer on-chip learner (backend fixed, ``hw.learner: integer``);
+    * ``engines`` / ``parallel``: probe evaluators it can use (``szo.engine``) and torchrun modes;
+      ``streaming``: ``szo.time_chunk`` allowed; ``fixed_backend``: trains through the
+      fixed-point forward; ``integer_learner``: ``hw.learner: integer`` allowed;
+    * ``weight_decay`` / ``momentum``: whether the method takes them; ``options``: the
+      method-specific ``szo.*`` keys it reads (``layers``, ``stages``, ``coords_per_step``);
+    * ``variant``: what the family's optimizer is told (the estimator of an SZO / full-space ZO
+      method, the perturbation of a layer-wise one);
+    * ``q_labeled``: its label carries ``(q=...)``; ``trainable``: a ``kind: subspace`` recipe
+      method (False: a test-time adaptation method only); ``adapter``: the kind of test-time
+      adapter that runs it (``szo.adapt``: source, batch-statistics, tent, subspace-gradient,
+      subspace-zo), None if it does not adapt;
+    * ``defaults``: recipe values that hold for this method unless the recipe sets them
+      (dotted keys, e.g. ``{"train.lr": 1e-3}``).
+    """
+
+    name: str
+    label: str
+    family: Family
+    forwards: str
+    subspace: bool = False
+    backprop: bool = False
+    jvp: bool = False
+    integer: bool = False
+    engines: tuple[Engine, ...] = ("loop",)
+    parallel: tuple[ParallelMode, ...] = ()
+    streaming: bool = False
+    fixed_backend: bool = False
+    integer_learner: bool = False
+    weight_decay: bool = False
+    momentum: bool = True
+    options: tuple[str, ...] = ()
+    variant: str | None = None
+    q_labeled: bool = False
+    trainable: bool = True
+    adapter: str | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def forward_only(self) -> bool:
+        return not self.backprop
+
+    @property
+    def adapts(self) -> bool:
+        """A test-time adaptation method (``szo.adapt``)."""
+        return self.adapter is not None
+
+    def builder(self, integer: bool = False) -> Callable[..., Any]:
+        """The optimizer factory ``builder(spec, model, subspace, options, run)`` (``szo.optim``):
+        the float one, or (``integer``, always for an ``integer`` method) the integer on-chip learner's."""
+        try:
+            return _BUILDERS[(self.name, integer or self.integer)]
+        except KeyError:
+            what = "integer on-chip learner" if integer or self.integer else "optimizer builder"
+            raise ValueError(f"method {self.name!r} has no {what} registered; import szo.optim "
+                             "(it registers every builder)") from None
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+_BUILDERS: dict[tuple[str, bool], Callable[..., Any]] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` to the registry (one name, one record)."""
+    if spec.name in _REGISTRY:
+        raise ValueError(f"method {spec.name!r} is registered already")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def register_builder(*names: str, integer: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``fn`` builds the optimizer of the registered methods ``names`` (``integer``:
+    their integer on-chip learner)."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for n in names:
+            get_method(n)
+            _BUILDERS[(n, integer)] = fn
+        return fn
+    return deco
+
+
+def list_methods(*, trainable: bool | None = True, **capabilities: Any) -> tuple[str, ...]:
+    """Registered method names (registry order) whose record has every given field value, e.g.
+    ``list_methods(subspace=True)``; ``trainable=None``: test-time adaptation methods too."""
+    out = []
+    for spec in _REGISTRY.values():
+        if trainable is not None and spec.trainable != trainable:
+            continue
+        if all(_matches(getattr(spec, k), v) for k, v in capabilities.items()):
+            out.append(spec.name)
+    return tuple(out)
+
+
+def _matches(have: Any, want: Any) -> bool:
+    if callable(want):
+        return bool(want(have))
+    if isinstance(have, tuple) and not isinstance(want, tuple):
+        return want in have  # e.g. engines="batched", parallel="data"
+    return have == want
+
+
+def which_methods(**capabilities: Any) -> str:
+    """``"method 'asyncfgd'"`` / ``"methods 'np-zo', 'wp-zo'"``: the methods with these record
+    values, for an error message that says which methods take a setting."""
+    names = list_methods(**capabilities)
+    return f"method {names[0]!r}" if len(names) == 1 else f"methods {', '.join(map(repr, names))}"
+
+
+def get_method(name: str, *, trainable: bool | None = None) -> MethodSpec:
+    """The record of ``name``; one ValueError listing the valid names otherwise."""
+    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    if spec is None or (trainable is not None and spec.trainable != trainable):
+        valid = list_methods(trainable=trainable)
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(valid)}")
+    return spec
+
+
+def method_label(method: str, q: int | None = None, activation: str = "lif", *, q_sep: str = "") -> str:
+    """The paper-style name of a method: ``SZO-RGE(q=1)``, ``BP-Subspace``; ``(ANN)`` for ReLU
+    twins; ``q_sep=" "`` gives the adaptation tables' ``SZO-RGE (q=10)``. Unknown names are
+    returned as they are (a results file of another version)."""
+    spec = _REGISTRY.get(method)
+    label = spec.label if spec is not None else str(method)
+    if spec is not None and spec.q_labeled and q is not None:
+        label += f"{q_sep}(q={q})"
+    if activation == "relu":
+        label += " (ANN)"
+    return label
+
+
+# ---------------------------------------------------------------------- the records
+_FO = dict(streaming=True)  # forward-only, single-evaluation probes: the streaming forward applies
+for _spec in (
+    # test-time adaptation only (szo.adapt): no recipe trains with them
+    MethodSpec(NO_ADAPTATION, "No adapt.", "test-time", "1", trainable=False, adapter="source"),
+    MethodSpec("bn", "BN", "test-time", "1", trainable=False, adapter="batch-statistics"),
+    MethodSpec("tent", "Tent (BP)", "test-time", "1 FP + 1 BP", backprop=True, trainable=False, adapter="tent"),
+    MethodSpec("bp", "BP", "backprop", "1 FP + 1 BP", backprop=True, weight_decay=True),
+    MethodSpec("bp-subspace", "BP-Subspace", "backprop", "1 FP + 1 BP", subspace=True, backprop=True,
+               adapter="subspace-gradient"),
+    MethodSpec("szo-cge", "SZO-CGE", "subspace-zo", "2k + 1", subspace=True, engines=("loop", "batched"),
+               parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, adapter="subspace-zo", variant="cge", **_FO),
+    MethodSpec("szo-rge", "SZO-RGE", "subspace-zo", "2q + 1", subspace=True, engines=("loop", "batched"),
+               parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, q_labeled=True,
+               adapter="subspace-zo", variant="rge", **_FO),
+    MethodSpec("szo-1pt", "SZO-1pt", "subspace-zo", "q + 1 + 1", subspace=True, engines=("loop", "batched"),
+               parallel=("data", "perturbation"), fixed_backend=True, q_labeled=True, variant="one-point", **_FO),
+    MethodSpec("zo-cge", "ZO-CGE", "full-space-zo", "2n + 1", options=("coords_per_step",), variant="cge", **_FO),
+    MethodSpec("zo-rge", "ZO-RGE", "full-space-zo", "2q + 1", q_labeled=True, variant="rge", **_FO),
+    MethodSpec("fg", "FG", "forward-gradient", "q (JVP passes)", jvp=True, q_labeled=True,
+               defaults={"train.lr": 1.0e-3}),
+    MethodSpec("fg-subspace", "FG-Subspace", "forward-gradient", "q (JVP passes)", subspace=True, jvp=True,
+               q_labeled=True),
+    MethodSpec("tt-zo", "TT-ZO", "tensor-train-zo", "signRGE: q_s + 1 + 1; CGE: 2n + 1",
+               options=("coords_per_step",), defaults={"train.lr": 1.0e-3}, **_FO),
+    MethodSpec("asyncfgd", "AsyncFGD", "forward-gradient", "1 (JVP pass)", jvp=True, momentum=False,
+               options=("stages",), defaults={"train.lr": 1.0e-3}),
+    MethodSpec("np-zo", "NP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers",), q_labeled=True, variant="node"),
+    MethodSpec("wp-zo", "WP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers",), q_labeled=True,
+               variant="weight"),
+    MethodSpec("awp-zo", "WP/NP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers",), q_labeled=True,
+               variant="adaptive"),
+    MethodSpec("qzo", "QZO", "on-chip", "1 + q", subspace=True, integer=True, fixed_backend=True,
+               integer_learner=True, momentum=False, q_labeled=True, variant="eq8", **_FO),
+):
+    register_method(_spec)
+
+# derived views, kept for code written against the earlier module constants
+METHODS: tuple[str, ...] = list_methods()
+SUBSPACE_METHODS: tuple[str, ...] = list_methods(subspace=True, integer=False)
+SZO_METHODS: tuple[str, ...] = list_methods(family="subspace-zo")
+BACKPROP_METHODS: tuple[str, ...] = list_methods(backprop=True)
+FORWARD_ONLY_METHODS: tuple[str, ...] = list_methods(backprop=False)
+FG_METHODS: tuple[str, ...] = list_methods(jvp=True)
+DISTRIBUTED_METHODS: tuple[str, ...] = list_methods(parallel="data")
+ENGINE_METHODS: tuple[str, ...] = list_methods(engines="batched")
+STREAMING_METHODS: tuple[str, ...] = list_methods(streaming=True)
+FIXED_BACKEND_METHODS: tuple[str, ...] = list_methods(fixed_backend=True)
+INTEGER_LEARNER_METHODS: tuple[str, ...] = list_methods(integer_learner=True)
+LAYERWISE_METHODS: dict[str, str] = {m: get_method(m).variant for m in list_methods(family="layer-wise-zo")}
+QZO_METHODS: tuple[str, ...] = list_methods(integer=True)
+TTA_METHODS: tuple[str, ...] = list_methods(trainable=None, adapts=True)
+TTA_SUBSPACE_METHODS: tuple[str, ...] = list_methods(trainable=None, adapts=True, subspace=True)

@@ -37,7 +37,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from szo.config import method_label, write_config
+from szo.config import write_config
+from szo.hw.convert import FixedPointNetwork
+from szo.methods import get_method, list_methods, method_label
+from szo.optim import HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
+from szo.train.callbacks import ResultFields
 from szo.io import atomic_save_safetensors
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 
@@ -112,9 +116,7 @@ def _check_trajectory_size(cfg: Mapping[str, Any], steps_per_epoch: int) -> None
 
 
 def _info(cfg: Mapping[str, Any], method: str, mode: str, model: torch.nn.Module) -> dict[str, Any]:
-    from szo.config import _Q_LABELED
-
-    q = cfg["szo"]["q"] if method in _Q_LABELED else None
+    q = cfg["szo"]["q"] if get_method(method).q_labeled else None
     return {"recipe": cfg["name"], "label": method_label(method, q, cfg["model"]["activation"]), "method": method,
             "mode": mode, "dataset": cfg["data"]["name"], "model": cfg["model"]["name"],
             "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
@@ -241,11 +243,10 @@ def _parallel(cfg: Mapping[str, Any]):
 
 def _check_distributed(cfg: Mapping[str, Any]) -> None:
     """Everything a multi-process run does not support, checked before any work starts."""
-    from szo.methods import DISTRIBUTED_METHODS
-
-    if cfg["method"] not in DISTRIBUTED_METHODS:
+    if cfg["distributed"]["mode"] not in get_method(cfg["method"]).parallel:
         raise ValueError(f"method {cfg['method']!r} does not run on several processes; multi-process (torchrun) "
-                         f"runs support: {', '.join(DISTRIBUTED_METHODS)} (or run it in one process)")
+                         f"runs support: {', '.join(list_methods(parallel=cfg['distributed']['mode']))} "
+                         "(or run it in one process)")
     sz = cfg["szo"]
     for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
                       (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
@@ -270,15 +271,22 @@ def run_subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, de
         return _subspace_stage(cfg, run_dir, device=device, resume=resume, par=par, callbacks=callbacks)
 
 
-def optimizer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``szo.optim.build_optimizer`` keywords a resolved subspace-recipe config sets
-    (``train`` / ``szo`` / ``tt`` sections), for the subspace stage and for tools that build the
-    same optimizer outside a run (``bench/methods.py``)."""
-    tr, sz, tt = cfg["train"], cfg["szo"], cfg["tt"]
-    return dict(lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
-                coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"],
-                bn_update=sz["bn_update"], layers=sz["layers"], stages=sz["stages"],
-                tt={k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")})
+def optimizer_options(cfg: Mapping[str, Any]) -> OptimizerOptions:
+    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets (``train`` /
+    ``szo`` / ``tt`` / ``hw`` sections), for the subspace stage and for tools that build the same
+    optimizer outside a run (``bench/methods.py``)."""
+    tr, sz, tt, hw = cfg["train"], cfg["szo"], cfg["tt"], cfg["hw"]
+    integer = None
+    if hw["learner"] == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
+        integer = IntegerLearnerOptions(basis_bits=hw["basis_bits"] or 16, coord_bits=hw["coord_bits"],
+                                        coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
+                                        seed=int(cfg["seed"]) % 0xFFFFFFFF + 1)
+    return OptimizerOptions(
+        lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
+        coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
+        layers=None if sz["layers"] is None else tuple(sz["layers"]), stages=sz["stages"],
+        tt=TTOptions(**{k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")}),
+        integer=integer)
 
 
 def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str, resume: bool,
@@ -331,7 +339,7 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
             else:  # OnChipSZO quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
     tt = cfg["tt"]
-    if cfg["method"] == "tt-zo":  # ZO in TT-factor space: the large weights become TT cores (TT-SVD of the start)
+    if get_method(cfg["method"]).family == "tensor-train-zo":  # the large weights become TT cores (TT-SVD of the start)
         from szo.models.tt import tt_parametrize
 
         extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
@@ -340,36 +348,29 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
     tr, sz = cfg["train"], cfg["szo"]
     # forward-only methods: probes and evaluation run the streaming forward if asked for
     model.set_streaming(sz["time_chunk"], sz["stream_bn"])
-    if hw["learner"] == "integer":  # method qzo: rule eq8 (seed 004), config makes it an integer learner
-        from szo.hw.train import OnChipSZO
-
-        opt = OnChipSZO(net, sub, lr=tr["lr"], momentum=tr["momentum"],
-                        mu_lsb=max(1, round(sz["mu"] * 2 ** hw["coord_frac"])),
-                        estimator="cge" if cfg["method"] == "szo-cge" else "rademacher", q=sz["q"],
-                        seed=int(cfg["seed"]) % 0xFFFFFFFF + 1, basis_bits=hw["basis_bits"] or 16,
-                        coord_bits=hw["coord_bits"], coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
-                        rule="eq8" if cfg["method"] == "qzo" else "momentum")
-    else:
-        opt = build_optimizer(cfg["method"], net, subspace=sub, generator=g,
-                              distributed=par.mode if par is not None else None,
-                              sync_bn=par.sync_bn if par is not None else True,
-                              start="current",  # already at sub.reference (loaded above)
-                              **optimizer_options(cfg))
+    run = RunOptions(generator=g, distributed=par.mode if par is not None else None,
+                     sync_bn=par.sync_bn if par is not None else True,
+                     start="current")  # already at sub.reference (loaded above)
+    opt = build_optimizer(cfg["method"], net, subspace=sub, options=optimizer_options(cfg), run=run)
     info = _info(cfg, cfg["method"], cfg["mode"], model)
     info.update(subspace=cfg["subspace"]["name"], k=sub.k, **extra)
-    summary = fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
-                  device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
-                  progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
-                  checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
-                  parallel=par, callbacks=list(callbacks))
-    if cfg["backend"] == "fixed" and (par is None or par.is_main):  # every clamp of the integer forwards
-        summary["saturations"] = net.saturation_counts()
-        summary["saturations_total"] = net.counter.total()
-        atomic_write_json(run_dir / "results.json", summary)
-    if cfg["method"] == "tt-zo" and (par is None or par.is_main):  # when HybridZO left signRGE for CGE
-        summary["tt"] = dict(summary["tt"], switched_at_step=opt.hybrid_state["switched_at"])
-        atomic_write_json(run_dir / "results.json", summary)
-    return summary
+    report = ResultFields(lambda: _late_results(net, opt, extra))
+    return fit(net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
+               device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
+               progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
+               checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
+               parallel=par, callbacks=[report, *callbacks])
+
+
+def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """What is known only after training: every clamp of the integer forwards (backend fixed) and
+    when a tensor-train run left signRGE for CGE (``HybridZO.hybrid_state``)."""
+    out: dict[str, Any] = {}
+    if isinstance(net, FixedPointNetwork):
+        out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
+    if isinstance(opt, HybridZO):
+        out["tt"] = dict(extra.get("tt", {}), switched_at_step=opt.hybrid_state["switched_at"])
+    return out
 
 
 def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str | None = None,

@@ -20,6 +20,7 @@ from szo import models
 from szo.config import load_recipe
 from szo.data import dataset_info, get_dataset, make_loader
 from szo.losses import get_loss
+from szo.methods import get_method
 from szo.models.tt import tt_parametrize
 from szo.train import checkpoint_path, load_checkpoint
 
@@ -55,7 +56,7 @@ def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[tor
         state = load_file(run_dir / "model.safetensors")
     else:
         state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
-    if cfg.get("kind") == "subspace" and cfg["method"] == "tt-zo":  # the run trained TT cores
+    if cfg.get("kind") == "subspace" and get_method(cfg["method"]).family == "tensor-train-zo":  # trained TT cores
         tt_parametrize(model, cfg["tt"]["rank"], cores=cfg["tt"]["cores"], min_params=cfg["tt"]["min_params"])
     model.load_state_dict(state, strict=True)
     return model.to(device), cfg

@@ -170,7 +170,15 @@ def test_method_table_is_shared():
     from szo import methods as M
 
     assert C.METHODS is O.METHODS is M.METHODS
-    assert O.SUBSPACE_METHODS is M.SUBSPACE_METHODS and O.DISTRIBUTED_METHODS is M.DISTRIBUTED_METHODS
+    assert O.SUBSPACE_METHODS is M.SUBSPACE_METHODS
+    # every recipe method has its record and an optimizer builder (float or the integer learner's)
+    for name in M.list_methods():
+        spec = M.get_method(name)
+        assert spec.builder(integer=spec.integer) is not None, name
+        assert M.method_label(name) == spec.label
+    assert set(M.TTA_METHODS) - set(M.METHODS) == {"none", "bn", "tent"}  # adaptation-only records
+    with pytest.raises(ValueError, match="unknown method 'sgd'; valid: bp, bp-subspace"):
+        M.get_method("sgd", trainable=True)
 
 
 def test_new_methods_resolve_in_every_subspace_recipe():
@@ -204,7 +212,7 @@ def test_asyncfgd_method_options():
         if _raw_recipe(name).get("kind") == "subspace" and name != "digits-fixed":
             cfg = load_recipe(name, ["method=asyncfgd", "train.momentum=0"])
             assert cfg["method"] == "asyncfgd" and cfg["szo"]["stages"] in (None, 2)
-    with pytest.raises(ValueError, match="'asyncfgd' is plain SGD .* set train.momentum=0"):
+    with pytest.raises(ValueError, match="'asyncfgd' takes no momentum .* set train.momentum=0"):
         load_recipe("cifar10-scratch", ["method=asyncfgd"])
     with pytest.raises(ValueError, match="'szo.stages' .* applies to method 'asyncfgd'; method 'fg'"):
         load_recipe("digits-scratch", ["method=fg", "szo.stages=2"])

@@ -45,6 +45,7 @@ all batches (one per batch, i.e. per call to the network, not per sample).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -52,6 +53,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.losses import entropy_loss
+from szo.methods import NO_ADAPTATION, TTA_METHODS, TTA_SUBSPACE_METHODS, get_method
 from szo.optim import build_optimizer
 from szo.zo import BNStatsFreezer, is_forward_only
 
@@ -75,25 +77,21 @@ __all__ = [
     "BPSubspaceAdapt",
     "SZOAdapt",
     "build_adapter",
+    "adapter_class",
+    "AdaptOptions",
 ]
 
-METHODS = ("none", "bn", "tent", "bp-subspace", "szo-cge", "szo-rge")
+#: the test-time adaptation methods (their ``szo.methods`` records name an ``adapter``), table order
+METHODS = TTA_METHODS
 #: the methods that adapt inside the adaptation subspace (they need ``subspace``)
-SUBSPACE_METHODS = ("bp-subspace", "szo-cge", "szo-rge")
+SUBSPACE_METHODS = TTA_SUBSPACE_METHODS
 SETTINGS = ("reset", "continual")
 PREDICT = ("before", "after")
 TENT_OPTIMIZERS = ("adam", "sgd")
-#: column / row names used in the paper's Table 2 and Tables 5-10
-METHOD_LABELS = {
-    "none": "No adapt.",
-    "bn": "BN",
-    "tent": "Tent (BP)",
-    "bp-subspace": "BP-Subspace",
-    "szo-cge": "SZO-CGE",
-    "szo-rge": "SZO-RGE",
-}
+#: column / row names used in the paper's Table 2 and Tables 5-10 (the registry's labels)
+METHOD_LABELS = {m: get_method(m).label for m in METHODS}
 #: whether the method back-propagates (the "BP" column of Tables 5-10)
-USES_BP = {"none": False, "bn": False, "tent": True, "bp-subspace": True, "szo-cge": False, "szo-rge": False}
+USES_BP = {m: get_method(m).backprop for m in METHODS}
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -161,9 +159,22 @@ def check_model(model: nn.Module) -> None:
 
 # --------------------------------------------------------------------------- adapters
 class Adapter:
-    """Predict-and-adapt wrapper: holds ``model`` (adapted in place) and its ``optimizer``."""
+    """Predict-and-adapt wrapper: holds ``model`` (adapted in place) and its ``optimizer``.
+
+    Subclasses name the adapter ``kind`` the registry's records refer to (``szo.methods``), say
+    whether their predictions depend on the reset / continual setting (``setting_free``: they
+    change no parameter), which learning rate they use (``lr_option``) and what a batch costs
+    (:meth:`per_batch`)."""
 
     method: str = ""
+    kind: str = ""
+    setting_free = False
+    lr_option: str | None = None  # "lr" (subspace methods) | "tent_lr" | None
+
+    @classmethod
+    def per_batch(cls, predict: str, k: int | None, q: int, method: str) -> tuple[int, int]:
+        """(#FP, #BP) per batch (network calls on the whole batch)."""
+        return 1, 0
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
@@ -227,7 +238,9 @@ class Adapter:
 class NoAdapt(Adapter):
     """The source model, eval mode (running BN statistics), no adaptation."""
 
-    method = "none"
+    method = NO_ADAPTATION
+    kind = "source"
+    setting_free = True
 
     def __init__(self, model: nn.Module, *, predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         model.eval()
@@ -244,6 +257,8 @@ class BNAdapt(Adapter):
     """Test-batch BN statistics (Schneider et al., 2020); parameters never change."""
 
     method = "bn"
+    kind = "batch-statistics"
+    setting_free = True
 
     def __init__(self, model: nn.Module, *, predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         configure_bn(model)
@@ -260,6 +275,10 @@ class BNAdapt(Adapter):
 
 class _GradientAdapter(Adapter):
     """One BP step on the entropy loss per batch (Tent, BP-Subspace)."""
+
+    @classmethod
+    def per_batch(cls, predict: str, k: int | None, q: int, method: str) -> tuple[int, int]:
+        return 1 + (predict == "after"), 1
 
     @torch.enable_grad()
     def _forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,6 +301,8 @@ class Tent(_GradientAdapter):
     """Tent: entropy minimisation on the BN affine parameters (Wang et al., 2020)."""
 
     method = "tent"
+    kind = "tent"
+    lr_option = "tent_lr"
 
     def __init__(self, model: nn.Module, *, optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
@@ -302,6 +323,8 @@ class BPSubspaceAdapt(_GradientAdapter):
     """Entropy BPTT gradient of all parameters projected on the subspace (eq. 6 update)."""
 
     method = "bp-subspace"
+    kind = "subspace-gradient"
+    lr_option = "lr"
 
     def __init__(self, model: nn.Module, subspace, *, lr: float, momentum: float = 0.9,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
@@ -314,10 +337,18 @@ class BPSubspaceAdapt(_GradientAdapter):
 class SZOAdapt(Adapter):
     """SZO: forward-only entropy minimisation in the subspace (CGE: 2k probes, RGE: 2q)."""
 
+    kind = "subspace-zo"
+    lr_option = "lr"
+
+    @classmethod
+    def per_batch(cls, predict: str, k: int | None, q: int, method: str) -> tuple[int, int]:
+        probes = 2 * (k or 0) if get_method(method).variant == "cge" else 2 * q
+        return probes + 1, 0  # + one clean prediction forward (before or after the step)
+
     def __init__(self, model: nn.Module, subspace, *, method: str = "szo-cge", lr: float, mu: float = 1.0,
                  momentum: float = 0.9, q: int = 10, generator: torch.Generator | None = None,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
-        check_choice("SZO method", method, ("szo-cge", "szo-rge"))
+        check_choice("SZO method", method, [m for m in METHODS if get_method(m).adapter == self.kind])
         configure_bn(model)
         # adaptation starts from the source model; BN normalises with test-batch statistics and
         # never uses its running statistics, so an unperturbed BN forward per step would buy nothing
@@ -338,41 +369,48 @@ class SZOAdapt(Adapter):
         return out
 
 
-def build_adapter(
-    method: str,
-    model: nn.Module,
-    *,
-    subspace=None,
-    lr: float | None = None,
-    momentum: float = 0.9,
-    mu: float = 1.0,
-    q: int = 10,
-    predict: str = "before",
-    tent_optimizer: str = "adam",
-    tent_lr: float = 1e-3,
-    tent_momentum: float = 0.9,
-    generator: torch.Generator | None = None,
-    loss_fn: LossFn = entropy_loss,
-) -> Adapter:
-    """The :class:`Adapter` for one of ``METHODS`` around ``model`` (adapted in place).
+@dataclass(frozen=True)
+class AdaptOptions:
+    """An adapter's settings: ``lr`` / ``momentum`` / ``mu`` / ``q`` / ``generator`` are the
+    subspace methods' (bp-subspace, szo-*); Tent has its own ``tent_optimizer`` / ``tent_lr`` /
+    ``tent_momentum``; ``predict`` and ``loss_fn`` apply to every method."""
 
-    ``lr`` / ``momentum`` are the subspace methods' (bp-subspace, szo-*); Tent has its own
-    ``tent_optimizer`` / ``tent_lr`` / ``tent_momentum``. Subspace methods need ``subspace``.
-    """
+    subspace: object = None
+    lr: float | None = None
+    momentum: float = 0.9
+    mu: float = 1.0
+    q: int = 10
+    predict: str = "before"
+    tent_optimizer: str = "adam"
+    tent_lr: float = 1e-3
+    tent_momentum: float = 0.9
+    generator: torch.Generator | None = None
+    loss_fn: LossFn = entropy_loss
+
+
+def adapter_class(method: str) -> type[Adapter]:
+    """The :class:`Adapter` subclass that runs ``method`` (its registry record's ``adapter`` kind)."""
     check_choice("method", method, METHODS)
-    check_choice("predict", predict, PREDICT)
-    if method == "none":
-        return NoAdapt(model, predict=predict, loss_fn=loss_fn)
-    if method == "bn":
-        return BNAdapt(model, predict=predict, loss_fn=loss_fn)
-    if method == "tent":
-        return Tent(model, optimizer=tent_optimizer, lr=tent_lr, momentum=tent_momentum, predict=predict,
-                    loss_fn=loss_fn)
-    if subspace is None:
+    kind = get_method(method).adapter
+    return next(c for c in (NoAdapt, BNAdapt, Tent, BPSubspaceAdapt, SZOAdapt) if c.kind == kind)
+
+
+def build_adapter(method: str, model: nn.Module, **options) -> Adapter:
+    """The :class:`Adapter` for one of ``METHODS`` around ``model`` (adapted in place); keywords
+    are the fields of :class:`AdaptOptions`. Subspace methods need ``subspace`` and ``lr``."""
+    o = AdaptOptions(**options)
+    cls = adapter_class(method)
+    check_choice("predict", o.predict, PREDICT)
+    common = dict(predict=o.predict, loss_fn=o.loss_fn)
+    if cls is Tent:
+        return Tent(model, optimizer=o.tent_optimizer, lr=o.tent_lr, momentum=o.tent_momentum, **common)
+    if cls.lr_option != "lr":
+        return cls(model, **common)
+    if o.subspace is None:
         raise ValueError(f"method {method!r} needs an adaptation subspace (szo.adapt.subspace.build_adaptation_subspace)")
-    if lr is None:
+    if o.lr is None:
         raise ValueError(f"method {method!r} needs lr (paper App. G: 1.0 for reset, 0.1 for continual)")
-    if method == "bp-subspace":
-        return BPSubspaceAdapt(model, subspace, lr=lr, momentum=momentum, predict=predict, loss_fn=loss_fn)
-    return SZOAdapt(model, subspace, method=method, lr=lr, mu=mu, momentum=momentum, q=q, generator=generator,
-                    predict=predict, loss_fn=loss_fn)
+    if cls is BPSubspaceAdapt:
+        return BPSubspaceAdapt(model, o.subspace, lr=o.lr, momentum=o.momentum, **common)
+    return SZOAdapt(model, o.subspace, method=method, lr=o.lr, mu=o.mu, momentum=o.momentum, q=o.q,
+                    generator=o.generator, **common)

@@ -27,13 +27,14 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, build_adapter, check_choice
+from .methods import (METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, adapter_class, build_adapter,
+                      check_choice)
 from .tables import write_tables
 
 __all__ = ["run_tta", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
 
 #: methods whose predictions do not depend on the setting (no parameter change, batch-local)
-SETTING_FREE_METHODS = ("none", "bn")
+SETTING_FREE_METHODS = tuple(m for m in METHODS if adapter_class(m).setting_free)
 
 
 def _resolve_names(what: str, value: str | Sequence[str], valid: Sequence[str], everything: str) -> list[str]:
@@ -66,13 +67,7 @@ def _model_name(model: nn.Module) -> str:
 
 def _per_batch(method: str, predict: str, k: int | None, q: int) -> tuple[int, int]:
     """(#FP, #BP) per batch of one method (network calls on the whole batch)."""
-    extra = 1 if predict == "after" else 0
-    if method in ("none", "bn"):
-        return 1, 0
-    if method in ("tent", "bp-subspace"):
-        return 1 + extra, 1
-    probes = 2 * (k or 0) if method == "szo-cge" else 2 * q
-    return probes + 1, 0  # + one clean prediction forward (before or after the step)
+    return adapter_class(method).per_batch(predict, k, q, method)
 
 
 def run_tta(
@@ -258,7 +253,7 @@ def run_tta(
                 "batches": done["batches"],
                 "fp_per_batch": fpb,
                 "bp_per_batch": bpb,
-                "lr": tent_lr if method == "tent" else (lr if method in needs_subspace else None),
+                "lr": {"tent_lr": tent_lr, "lr": lr, None: None}[adapter_class(method).lr_option],
                 "time_s": elapsed,
                 "time_per_corruption_s": seconds,
             }

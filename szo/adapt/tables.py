@@ -20,10 +20,13 @@ from typing import Any, Mapping
 
 from szo.io import atomic_write_json, atomic_write_text
 
-from .methods import METHOD_LABELS, USES_BP
+from szo.methods import NO_ADAPTATION
+from szo.methods import method_label
+
+from .methods import USES_BP
 from .subspace import LABEL_LEAK
 
-__all__ = ["SHORT_NAMES", "method_label", "protocol_text", "corruption_table", "summary_table", "plot_accuracy",
+__all__ = ["SHORT_NAMES", "protocol_text", "corruption_table", "summary_table", "plot_accuracy",
            "write_tables"]
 
 #: column headers of Tables 5-10 (imagecorruptions / Hendrycks & Dietterich names)
@@ -51,14 +54,6 @@ def protocol_text(results: Mapping[str, Any]) -> str:
     return "".join(f"{line}\n\n" for line in lines)
 
 
-def method_label(method: str, q: int | None = None) -> str:
-    """Paper name of a method (``SZO-RGE (q=10)``)."""
-    label = METHOD_LABELS.get(method, method)
-    if method == "szo-rge" and q is not None:
-        label = f"{label} (q={q})"
-    return label
-
-
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100.0 * v:.2f}"
 
@@ -78,7 +73,7 @@ def corruption_table(results: Mapping[str, Any], setting: str) -> str:
     q = results.get("config", {}).get("q")
     rows = [["Method", "BP", *[SHORT_NAMES.get(c, c) for c in corruptions], "Average Acc."]]
     for method, r in results["results"][setting].items():
-        rows.append([method_label(method, q), "✓" if USES_BP.get(method, False) else "X",
+        rows.append([method_label(method, q, q_sep=" "), "✓" if USES_BP.get(method, False) else "X",
                      *[_pct(r["per_corruption"].get(c)) for c in corruptions], _pct(r["average"])])
     title = (f"Accuracy (%) on {results['dataset']} ({results.get('model', '?')}) with corruption severity "
              f"level {results['severity']} under *{setting.capitalize()}* setting.\n\n")
@@ -89,7 +84,7 @@ def summary_table(results: Mapping[str, Any]) -> str:
     """Markdown table like Table 2: rows = settings, columns = methods (average accuracy)."""
     q = results.get("config", {}).get("q")
     methods = list(results["methods"])
-    rows = [["Setting", "Dataset", "Model", *[method_label(m, q) for m in methods]]]
+    rows = [["Setting", "Dataset", "Model", *[method_label(m, q, q_sep=" ") for m in methods]]]
     for setting, per_method in results["results"].items():
         rows.append([setting.capitalize(), str(results["dataset"]), str(results.get("model", "?")),
                      *[_pct(per_method[m]["average"]) if m in per_method else "-" for m in methods]])
@@ -97,7 +92,7 @@ def summary_table(results: Mapping[str, Any]) -> str:
              *[f"#BP ({s})" for s in results["results"]]]]
     for m in methods:
         any_r = next(r[m] for r in results["results"].values() if m in r)
-        cost.append([method_label(m, q), str(any_r["fp_per_batch"]), str(any_r["bp_per_batch"]),
+        cost.append([method_label(m, q, q_sep=" "), str(any_r["fp_per_batch"]), str(any_r["bp_per_batch"]),
                      *[str(r[m]["fp"]) if m in r else "-" for r in results["results"].values()],
                      *[str(r[m]["bp"]) if m in r else "-" for r in results["results"].values()]])
     title = (f"Accuracy (%) on unsupervised model adaptation on {results['dataset']} "
@@ -118,7 +113,7 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
     methods = list(dict.fromkeys(m for st in settings for m in results["results"][st]))
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
     markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
-    points = [m for m in methods if m != "none"]
+    points = [m for m in methods if m != NO_ADAPTATION]
     dx = {m: (j - (len(points) - 1) / 2) * min(0.13, 0.8 / max(len(points), 1)) for j, m in enumerate(points)}
     diff_ref = "bn" if "bn" in methods else None
     ratios = [3, 2] if diff_ref else [3]
@@ -133,11 +128,11 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
         handles, labels = [], []  # in the table's method order
         for m, r in per.items():
             ys = [100.0 * r["per_corruption"][c] for c in corruptions]
-            if m == "none":
+            if m == NO_ADAPTATION:
                 handles.append(ax.bar(xs, ys, width=0.8, color="0.85"))
             else:
                 handles += ax.plot([x + dx[m] for x in xs], ys, ls="none", marker=markers[m], ms=5, color=colors[m])
-            labels.append(f"{method_label(m, q)}: {100.0 * r['average']:.1f}")
+            labels.append(f"{method_label(m, q, q_sep=' ')}: {100.0 * r['average']:.1f}")
         ax.set_ylabel("accuracy (%)")
         ax.set_ylim(0, 102)
         proto = results.get("protocol") or {}
@@ -153,7 +148,7 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
             base = per[diff_ref]["per_corruption"]
             ax2.axhline(0.0, color=colors[diff_ref], lw=1.2)
             for m, r in per.items():
-                if m in ("none", diff_ref):
+                if m in (NO_ADAPTATION, diff_ref):
                     continue
                 ax2.plot([x + dx[m] for x in xs], [100.0 * (r["per_corruption"][c] - base[c]) for c in corruptions],
                          ls="none", marker=markers[m], ms=5, color=colors[m])

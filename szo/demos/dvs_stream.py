@@ -36,6 +36,7 @@ from spikingjelly.activation_based.base import MemoryModule
 from torch import nn
 
 from szo.io import atomic_save_safetensors, atomic_write_json
+from szo.methods import NO_ADAPTATION, TTA_METHODS, get_method, method_label
 
 __all__ = [
     "ADAPT_METHODS",
@@ -56,7 +57,8 @@ __all__ = [
     "run_demo",
 ]
 
-ADAPT_METHODS = ("szo-cge", "szo-rge", "none")
+#: the on-line adaptation methods (forward-only SZO in the source subspace), then no adaptation
+ADAPT_METHODS = tuple(m for m in TTA_METHODS if get_method(m).adapter == "subspace-zo") + (NO_ADAPTATION,)
 SOURCE_FORMAT = "szo-dvs-stream-source"
 SOURCE_VERSION = 1
 SUBSPACE_NAME = "source"
@@ -432,7 +434,7 @@ class OnlineClassifier:
         self.model = model
         self.settings = settings
         self.opt = None
-        if settings.adapt != "none":
+        if settings.adapt != NO_ADAPTATION:
             self.opt = build_optimizer(settings.adapt, model, subspace=subspace, lr=settings.lr,
                                        momentum=settings.momentum, mu=settings.mu, q=settings.q,
                                        generator=torch.Generator().manual_seed(settings.seed), start="current")
@@ -564,8 +566,10 @@ def _class_names() -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- plot
-def _run_label(name: str) -> str:
-    return "no adaptation" if name == "none" else name
+def _run_name(name: str) -> str:
+    """A run's name in the plot: the method's label (``No adapt.``), ``+labels`` kept."""
+    method, plus, rest = name.partition("+")
+    return method_label(method) + plus + rest
 
 
 def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s: float | None,
@@ -585,14 +589,14 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
     for j, (name, run) in enumerate(runs.items()):
         pred = np.array([r["pred"] for r in run["windows"]])
         ax1.scatter(t, pred + 0.15 * (j - 0.5), s=10, marker=MARKERS[j % len(MARKERS)],
-                    label=f"predicted ({_run_label(name)})")
+                    label=f"predicted ({_run_name(name)})")
         ok = (pred == lab).astype(float)
         valid = lab >= 0
         run_acc = np.array([r["running_acc"] if r["running_acc"] is not None else np.nan for r in run["windows"]])
         slide = np.convolve(np.where(valid, ok, 0), np.ones(smooth), "same") / np.maximum(
             np.convolve(valid.astype(float), np.ones(smooth), "same"), 1)
-        line, = ax2.plot(t, run_acc, lw=2, label=f"since the start ({_run_label(name)})")
-        ax2.plot(t, slide, lw=1, ls="--", color=line.get_color(), label=f"last {smooth} windows ({_run_label(name)})")
+        line, = ax2.plot(t, run_acc, lw=2, label=f"since the start ({_run_name(name)})")
+        ax2.plot(t, slide, lw=1, ls="--", color=line.get_color(), label=f"last {smooth} windows ({_run_name(name)})")
     for ax in (ax1, ax2):
         if shift_at_s is not None:
             ax.axvline(shift_at_s, color="r", ls=":", lw=2, label="domain shift")
@@ -631,7 +635,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
     t_wall = time.perf_counter()
     src = load_source_model(model_dir) if model_dir else train_source_model(
         out_dir / "source", source_settings, progress=progress, log=log)
-    if src.subspace is None and stream.adapt != "none":
+    if src.subspace is None and stream.adapt != NO_ADAPTATION:
         raise ValueError(f"{model_dir} is an exported NIR model: it has no subspace to adapt in; "
                          f"run it with --adapt none")
     shift_at = None
@@ -661,7 +665,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
                          "(W and H must be the same integer multiple; same polarity count)")
     downsample = sw // mw
     window_us = int(round(stream.window_ms * 1000))
-    methods = [stream.adapt] + (["none"] if compare and stream.adapt != "none" else [])
+    methods = [stream.adapt] + ([NO_ADAPTATION] if compare and stream.adapt != NO_ADAPTATION else [])
     prev_threads = torch.get_num_threads()
     if threads is not None:  # one window is a tiny tensor: thread hand-off costs more than it saves
         torch.set_num_threads(int(threads))
@@ -694,7 +698,7 @@ def _replay_all(methods: list[str], src: SourceModel, stream: StreamSettings, ev
     for method in methods:
         settings = StreamSettings(**{**asdict(stream), "adapt": method})
         clf = OnlineClassifier(src.fresh_model(), src.subspace, settings)
-        name = method + ("+labels" if settings.use_labels and method != "none" else "")
+        name = method + ("+labels" if settings.use_labels and method != NO_ADAPTATION else "")
         runs[name] = replay(events, segments, clf, window_us=window_us, bin_us=src.bin_us, sensor_size=sensor,
                             downsample=downsample, shift_at=shift_at, print_every=print_every, name=name, log=log)
         s = runs[name]["summary"]

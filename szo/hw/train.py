@@ -28,6 +28,7 @@ from torch import nn
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
 from szo.functional.xorshift import XorShift32
+from szo.methods import register_builder
 from szo.train.trainer import evaluate_sums
 from szo.zo import (Field, ForwardOnlyBase, HostSpace, LoopEvaluator, Plan, ProbeGuard, StateCodec, cge_plan,
                     check_hparams, integer_heavy_ball, one_point_plan, quantized_zo_update, rademacher_rows, rge_plan)
@@ -285,3 +286,17 @@ class OnChipSZO(ForwardOnlyBase):
         if self.rule == "eq8":
             del bits["momentum"]
         return bits
+
+
+@register_builder("szo-cge", "szo-rge", "qzo", integer=True)
+def build_on_chip(spec, model: nn.Module, subspace: Any, o, run) -> OnChipSZO:
+    """The integer learner of a method (``o.integer`` gives the widths and the XORShift32 seed):
+    ``szo-cge`` -> CGE with integer momentum, ``szo-rge`` -> Rademacher (seed 004) with integer
+    momentum, ``qzo`` -> seed 004's eq. 8 (no momentum). ``mu`` in coordinate units becomes
+    ``round(mu 2**coord_frac)`` LSBs."""
+    h = o.integer
+    rule = "eq8" if spec.variant == "eq8" else "momentum"
+    return OnChipSZO(model, subspace, lr=o.lr, momentum=o.momentum, mu_lsb=max(1, round(o.mu * 2 ** h.coord_frac)),
+                     estimator="cge" if spec.variant == "cge" else "rademacher", q=o.q, seed=h.seed,
+                     basis_bits=h.basis_bits, coord_bits=h.coord_bits, coord_frac=h.coord_frac, ref_bits=h.ref_bits,
+                     rule=rule)

@@ -3,18 +3,25 @@
 >>> from szo.optim import SZO
 >>> opt = SZO(model, subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge")  # starts at subspace.reference
 >>> loss = opt.step(lambda: loss_fn(model(x), y))
+
+``build_optimizer(method, model, ...)`` builds any registered method (``szo.methods``) with the
+builder its module registered; importing this package registers all of them (the integer
+on-chip learner's comes from ``szo.hw.train``).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
-from szo.methods import DISTRIBUTED_METHODS, ENGINE_METHODS, LAYERWISE_METHODS, METHODS, QZO_METHODS, SUBSPACE_METHODS
-from szo.models.tt import tt_layers
+from szo.hw.train import OnChipSZO
+from szo.methods import METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder, which_methods
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .layerwise import LayerwiseZO
+from .options import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, split_keywords
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .tt import HybridZO
 from .zo import FullSpaceZO
@@ -28,6 +35,7 @@ __all__ = [
     "AsyncFGD",
     "HybridZO",
     "LayerwiseZO",
+    "OnChipSZO",
     "SubspaceOptimizer",
     "BNStatsFreezer",
     "bn_layers",
@@ -36,119 +44,81 @@ __all__ = [
     "check_layout",
     "ForwardOnlyOptimizer",
     "StepInfo",
+    "OptimizerOptions",
+    "RunOptions",
+    "TTOptions",
+    "IntegerLearnerOptions",
     "METHODS",
     "SUBSPACE_METHODS",
-    "DISTRIBUTED_METHODS",
     "build_optimizer",
 ]
 
 
+@register_builder("bp")
+def build_bp(spec, model: nn.Module, subspace, o: OptimizerOptions, run: RunOptions) -> torch.optim.Optimizer:
+    """Full-space BPTT: ``torch.optim.SGD`` with momentum and weight decay."""
+    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
-def build_optimizer(
-    method: str,
-    model: nn.Module,
-    *,
-    subspace=None,
-    lr: float,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    mu: float = 1.0,
-    q: int = 1,
-    coords_per_step: int | None = None,
-    generator: torch.Generator | None = None,
-    distributed: str | None = None,
-    sync_bn: bool = True,
-    engine: str = "loop",
-    chunk: int | None = None,
-    process_group=None,
-    tt: dict | None = None,
-    bn_update: str = "recompute",
-    start: str = "reference",
-    layers: list[str] | None = None,
-    stages: int | None = None,
-) -> torch.optim.Optimizer:
-    """The optimizer for one of ``METHODS``; subspace methods need ``subspace``.
 
-    ``distributed`` (``"data"`` | ``"perturbation"``, see ``SZO``) is supported by the
-    forward-only subspace methods ``DISTRIBUTED_METHODS`` only.
-
-    ``zo-cge`` perturbs ``coords_per_step`` random coordinates per step (default: the
-    subspace's k when a subspace is given, so it spends the same 2k forwards per step as
-    SZO-CGE, else all d coordinates).
-
-    ``fg`` / ``fg-subspace`` (forward gradient, ``szo.optim.fg``) use ``q`` tangents per step;
-    ``asyncfgd`` (:class:`AsyncFGD`) cuts the model into ``stages`` (default 2) pipeline stages and
-    is plain SGD (``momentum`` must be 0), tangents seeded by ``generator.initial_seed()``.
-    ``tt-zo`` needs a model whose large layers are TT-parameterised
-    (``szo.models.tt.tt_parametrize``) and runs ``HybridZO`` on its parameters (the TT cores
-    and the small dense tensors): ``mu`` / ``lr`` / ``momentum`` / ``coords_per_step`` are the
-    CGE phase's, ``tt`` holds the signRGE phase and switch options (``sign_lr``, ``sign_q``,
-    ``sign_mu``, ``window``, ``tol``, ``switch_step``).
-
-    ``bn_update`` (``szo.zo.bn``): ``"recompute"`` or ``"probe-mean"``, for the ZO methods
-    (``szo-*``, ``zo-*``, ``tt-zo``, ``np-zo`` / ``wp-zo`` / ``awp-zo``); the forward-gradient
-    methods' JVP primal is itself an unperturbed forward of theta_t, which updates the statistics.
-    ``start`` (subspace methods): ``"reference"`` moves the parameters to ``subspace.reference``
-    (as ``SZO(model, subspace)`` does), ``"current"`` keeps them (test-time adaptation starts
-    from the source model).
-    ``np-zo`` / ``wp-zo`` / ``awp-zo`` (:class:`LayerwiseZO`) perturb the layers named in ``layers``
-    (default: every linear / convolution layer), ``q`` probes per layer. ``qzo`` is the integer
-    on-chip learner (``szo.hw.train.OnChipSZO(rule="eq8")``), built by the pipeline from the
-    recipe's ``hw`` block.
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
-    if distributed is not None and method not in DISTRIBUTED_METHODS:
-        raise ValueError(f"method {method!r} does not run on several processes; multi-process (torchrun) runs "
-                         f"support: {', '.join(DISTRIBUTED_METHODS)}")
-    if engine != "loop" and method not in ENGINE_METHODS:
-        raise ValueError(f"engine {engine!r} applies to the SZO methods ({', '.join(ENGINE_METHODS)}); "
-                         f"method {method!r} runs with engine 'loop'")
+def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
+    """What the registry says a method can take, checked once for every method."""
+    m = spec.name
+    if run.distributed is not None and run.distributed not in spec.parallel:
+        raise ValueError(f"method {m!r} does not run on several processes; multi-process (torchrun) runs "
+                         f"support: {', '.join(list_methods(parallel=run.distributed))}")
+    if o.engine not in spec.engines:
+        raise ValueError(f"engine {o.engine!r} applies to the SZO methods ({', '.join(list_methods(engines=o.engine))}); "
+                         f"method {m!r} runs with engine 'loop'")
     if not isinstance(model, nn.Module):
         raise ValueError(f"build_optimizer needs the model (a torch.nn.Module), got {type(model).__name__}")
-    if method in QZO_METHODS:
-        raise ValueError(f"method {method!r} is the integer on-chip learner: build szo.hw.train.OnChipSZO(model, "
-                         "subspace, rule='eq8', ...) (the pipeline does so from the recipe's hw block)")
-    if method in LAYERWISE_METHODS:
-        if weight_decay:
-            raise ValueError(f"method {method!r} uses no weight decay; got weight_decay={weight_decay}")
-        return LayerwiseZO(model, perturbation=LAYERWISE_METHODS[method], layers=layers, mu=mu, lr=lr,
-                           momentum=momentum, q=q, generator=generator, bn_update=bn_update)
-    params = list(model.parameters())
-    if not params:
+    if not list(model.parameters()):
         raise ValueError(f"the model ({type(model).__name__}) has no parameters to train")
-    if method == "bp":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if method in SUBSPACE_METHODS:
-        if subspace is None:
-            raise ValueError(f"method {method!r} needs a subspace (build one with `szo subspace build`)")
-        if weight_decay:
-            raise ValueError(f"method {method!r} uses no weight decay (paper App. G); got weight_decay={weight_decay}")
-        if method == "bp-subspace":
-            return BPSubspace(model, subspace, lr=lr, momentum=momentum, start=start)
-        if method == "fg-subspace":
-            return SubspaceForwardGradient(params, subspace, model=model, lr=lr, momentum=momentum, q=q,
-                                           generator=generator)
-        estimator = {"szo-cge": "cge", "szo-rge": "rge", "szo-1pt": "one-point"}[method]
-        return SZO(model, subspace, mu=mu, lr=lr, momentum=momentum, estimator=estimator, q=q,
-                   generator=generator, distributed=distributed, sync_bn=sync_bn, process_group=process_group,
-                   engine=engine, chunk=chunk, bn_update=bn_update, start=start)
-    if stages is not None and method != "asyncfgd":
-        raise ValueError(f"stages (pipeline stages) applies to method 'asyncfgd'; method {method!r} takes none")
-    if method == "fg":
-        return ForwardGradient(params, model=model, lr=lr, momentum=momentum, q=q, generator=generator)
-    if method == "asyncfgd":
-        if weight_decay:
-            raise ValueError(f"method 'asyncfgd' uses no weight decay (seed 001, Algorithm 1); got weight_decay={weight_decay}")
-        return AsyncFGD(model, stages=2 if stages is None else stages, lr=lr, momentum=momentum, generator=generator)
-    if method == "tt-zo":
-        if not tt_layers(model):
-            raise ValueError("method 'tt-zo' trains TT cores: TT-parameterise the model first "
-                             "(szo.models.tt.tt_parametrize(model, rank=...))")
-        return HybridZO(params, lr=lr, momentum=momentum, mu=mu, coords_per_step=coords_per_step, model=model,
-                        generator=generator, bn_update=bn_update, **dict(tt or {}))
-    # full-space ZO
-    if method == "zo-cge" and coords_per_step is None and subspace is not None:
-        coords_per_step = int(subspace.basis.shape[1])
-    return FullSpaceZO(model, estimator=method.split("-")[1], mu=mu, lr=lr, momentum=momentum, q=q,
-                       coords_per_step=coords_per_step, generator=generator, bn_update=bn_update)
+    if spec.subspace and subspace is None:
+        raise ValueError(f"method {m!r} needs a subspace (build one with `szo subspace build`)")
+    if o.weight_decay and not spec.weight_decay:
+        raise ValueError(f"method {m!r} uses no weight decay (paper App. G / its seed paper); "
+                         f"got weight_decay={o.weight_decay}")
+    for key, what in (("stages", "pipeline stages"), ("layers", "sparse layer-wise training")):
+        if getattr(o, key) is not None and key not in spec.options:
+            raise ValueError(f"{key} ({what}) applies to {which_methods(options=key)}; method {m!r} takes none")
+    if o.integer is not None and not spec.integer_learner:
+        raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "
+                         f"method {m!r} has none")
+
+
+def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: OptimizerOptions | None = None,
+                    run: RunOptions | None = None, **keywords) -> torch.optim.Optimizer:
+    """The optimizer of a registered method (``szo.methods``); subspace methods need ``subspace``.
+
+    Settings come as ``options`` / ``run`` records (:class:`OptimizerOptions`,
+    :class:`RunOptions`) or as keywords of their fields (``lr=``, ``momentum=``, ``mu=``,
+    ``q=``, ``coords_per_step=``, ``engine=``, ``chunk=``, ``bn_update=``, ``layers=``,
+    ``stages=``, ``tt=``, ``integer=``, ``weight_decay=``; ``generator=``, ``distributed=``,
+    ``sync_bn=``, ``process_group=``, ``start=``), not both.
+
+    ``distributed`` (``"data"`` | ``"perturbation"``, see ``SZO``) is supported by the methods
+    whose record lists it (the SZO methods). ``zo-cge`` perturbs ``coords_per_step`` random
+    coordinates per step (default: the subspace's k when a subspace is given, so it spends the
+    same 2k forwards per step as SZO-CGE, else all d coordinates). ``fg`` / ``fg-subspace`` use
+    ``q`` tangents per step; ``asyncfgd`` cuts the model into ``stages`` (default 2) pipeline
+    stages and is plain SGD (``momentum`` must be 0). ``tt-zo`` needs a TT-parameterised model
+    (``szo.models.tt.tt_parametrize``); ``tt`` holds its signRGE phase and switch. ``bn_update``:
+    ``"recompute"`` or ``"probe-mean"`` (``szo.zo.bn``). ``start`` (subspace methods):
+    ``"reference"`` moves the parameters to ``subspace.reference``, ``"current"`` keeps them.
+    ``np-zo`` / ``wp-zo`` / ``awp-zo`` perturb the layers named in ``layers`` (default: every
+    linear / convolution layer). ``integer`` (:class:`IntegerLearnerOptions`) trains
+    ``szo-cge`` / ``szo-rge`` / ``qzo`` with the integer on-chip learner
+    (``szo.hw.train.OnChipSZO``; ``qzo``: seed 004's eq. 8), ``mu`` in coordinate units.
+    """
+    spec = get_method(method, trainable=True)
+    if options is None or run is None:
+        if (options is None) != (run is None) and keywords:
+            raise ValueError("give build_optimizer either options= and run= or keywords, not both")
+        if options is None:
+            options, run = split_keywords(keywords)
+    elif keywords:
+        raise ValueError("give build_optimizer either options= and run= or keywords, not both")
+    if spec.integer and options.integer is None:
+        options = dataclasses.replace(options, integer=IntegerLearnerOptions())
+    _check(spec, model, subspace, options, run)
+    return spec.builder(integer=options.integer is not None)(spec, model, subspace, options, run)

@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from szo.methods import register_builder
 from szo.zo import (Field, ForwardOnlyBase, JVPEvaluator, ParamSpace, StateCodec, check_hparams, gaussian_rows,
                     heavy_ball_, jvp_closure)
 
@@ -239,3 +240,23 @@ class AsyncFGD(ForwardOnlyBase):
                 p.add_(u[k][n], alpha=-lr * d)  # plain SGD along the stage's tangent (Algorithm 1)
         self.steps += 1
         return self.finish_step(closure, losses, loss, 1)
+
+
+# ---------------------------------------------------------------------- registry builders
+@register_builder("fg")
+def build_fg(spec, model: nn.Module, subspace, o, run) -> ForwardGradient:
+    return ForwardGradient(model.parameters(), model=model, lr=o.lr, momentum=o.momentum, q=o.q,
+                           generator=run.generator)
+
+
+@register_builder("fg-subspace")
+def build_fg_subspace(spec, model: nn.Module, subspace, o, run) -> SubspaceForwardGradient:
+    """The params form: the parameters stay where they are (``start`` does not apply)."""
+    return SubspaceForwardGradient(model.parameters(), subspace, model=model, lr=o.lr, momentum=o.momentum, q=o.q,
+                                   generator=run.generator)
+
+
+@register_builder("asyncfgd")
+def build_asyncfgd(spec, model: nn.Module, subspace, o, run) -> AsyncFGD:
+    return AsyncFGD(model, stages=2 if o.stages is None else o.stages, lr=o.lr, momentum=o.momentum,
+                    generator=run.generator)

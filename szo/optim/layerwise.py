@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from szo.methods import register_builder
 from szo.zo import (Field, ForwardOnlyBase, LoopEvaluator, NodeSpace, ParamSpace, ProbeGuard, StateCodec,
                     check_hparams, coord_one_point_plan, heavy_ball_, one_point_plan)
 
@@ -164,3 +165,10 @@ class LayerwiseZO(ForwardOnlyBase):
         for p in group["params"]:
             p.add_(heavy_ball_(self.state[p]["velocity"], grads[p], lr=group["lr"], momentum=group["momentum"]))
         return self.finish_step(closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
+
+
+@register_builder("np-zo", "wp-zo", "awp-zo")
+def build_layerwise(spec, model: nn.Module, subspace, o, run) -> LayerwiseZO:
+    """LayerwiseZO with the method's perturbation (``spec.variant``: node, weight, adaptive)."""
+    return LayerwiseZO(model, perturbation=spec.variant, layers=None if o.layers is None else list(o.layers),
+                       mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q, generator=run.generator, bn_update=o.bn_update)

@@ -33,6 +33,7 @@ from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
 from szo.distributed import DistributedEvaluator
 from szo.engine import ENGINES, BatchedProbeEvaluator
 from szo.layout import layout_from_json, layout_mismatch, param_layout
+from szo.methods import register_builder
 from szo.zo import (CodecOptimizer, Field, ForwardOnlyBase, LoopEvaluator, Plan, ProbeGuard, StateCodec,
                     SubspaceSpace, cge_plan, check_hparams, gaussian_rows, heavy_ball_, move_to_start, one_point_plan,
                     resolve_model, rge_plan)
@@ -324,3 +325,17 @@ class BPSubspace(SubspaceOptimizer):
         g_c = self.space.project([p.grad for p in self.space.params])
         self.apply_update(g_c.to(torch.float64).cpu())
         return loss
+
+
+# ---------------------------------------------------------------------- registry builders
+@register_builder("bp-subspace")
+def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
+    return BPSubspace(model, subspace, lr=o.lr, momentum=o.momentum, start=run.start)
+
+
+@register_builder("szo-cge", "szo-rge", "szo-1pt")
+def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
+    """SZO with the method's estimator (``spec.variant``: cge, rge, one-point)."""
+    return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
+               generator=run.generator, distributed=run.distributed, sync_bn=run.sync_bn,
+               process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start)

@@ -30,6 +30,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from szo.methods import register_builder
+from szo.models.tt import tt_layers
 from szo.zo import Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
 
 from .zo import COUNTERS, FullSpaceZO
@@ -140,3 +142,15 @@ class HybridZO(FullSpaceZO):
             return loss
         st["steps"] += 1
         return super().step(closure)
+
+
+@register_builder("tt-zo")
+def build_tt_zo(spec, model: nn.Module, subspace, o, run) -> HybridZO:
+    """HybridZO on the parameters of a TT-parameterised model (the TT cores and the small dense tensors)."""
+    if not tt_layers(model):
+        raise ValueError("method 'tt-zo' trains TT cores: TT-parameterise the model first "
+                         "(szo.models.tt.tt_parametrize(model, rank=...))")
+    t = o.tt
+    return HybridZO(list(model.parameters()), lr=o.lr, momentum=o.momentum, mu=o.mu, coords_per_step=o.coords_per_step,
+                    model=model, generator=run.generator, bn_update=o.bn_update, sign_lr=t.sign_lr,
+                    sign_q=t.sign_q, sign_mu=t.sign_mu, window=t.window, tol=t.tol, switch_step=t.switch_step)

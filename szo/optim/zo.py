@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from szo.methods import register_builder
 from szo.zo import (Coordinates, Field, ForwardOnlyBase, LoopEvaluator, ParamSpace, Plan, ProbeGuard, StateCodec,
                     cge_plan, check_hparams, gaussian_rows, heavy_ball_, resolve_model, rge_plan)
 
@@ -99,3 +100,14 @@ class FullSpaceZO(ForwardOnlyBase):
                           momentum=group["momentum"])
         self.space.add_(vel)
         return self.finish_step(closure, losses, float(sum(losses.tolist()) / len(losses)), plan.m)
+
+
+@register_builder("zo-cge", "zo-rge")
+def build_full_space_zo(spec, model: nn.Module, subspace, o, run) -> FullSpaceZO:
+    """Full-space ZO (``spec.variant``: cge, rge). CGE's ``coords_per_step`` defaults to the
+    subspace's k when one is given (the same 2k forwards per step as SZO-CGE), else all d."""
+    coords = o.coords_per_step
+    if spec.variant == "cge" and coords is None and subspace is not None:
+        coords = int(subspace.basis.shape[1])
+    return FullSpaceZO(model, estimator=spec.variant, mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q,
+                       coords_per_step=coords, generator=run.generator, bn_update=o.bn_update)

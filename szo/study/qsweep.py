@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from szo.methods import get_method, method_label
+
 __all__ = ["study_q", "q_rows", "render_q", "plot_q"]
 
 
@@ -56,7 +58,7 @@ def q_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for name, r in runs.items():
         cfg, s = r["config"], r["summary"]
         k = int(s.get("k") or 0)
-        q = int(cfg["szo"]["q"]) if cfg["method"] == "szo-rge" else None
+        q = int(cfg["szo"]["q"]) if get_method(cfg["method"]).q_labeled else None
         steps = max(int(s.get("steps") or 0), 1)
         rows.append({
             "run": name, "method": cfg["method"], "q": q, "k": k,
@@ -77,7 +79,7 @@ def render_q(rows: Sequence[dict[str, Any]]) -> str:
         acc = "-" if r["best_test_acc"] is None else f"{100 * r['best_test_acc']:.2f} %"
         fin = "-" if r["final_test_acc"] is None else f"{100 * r['final_test_acc']:.2f} %"
         t = "-" if r["train_time_min"] is None else f"{r['train_time_min']:.2f}"
-        label = "SZO-CGE" if r["method"] == "szo-cge" else "SZO-RGE"
+        label = method_label(r["method"])
         lines.append(f"| {label} | {r['q'] if r['q'] is not None else '-'} | {r['fp_per_step']:.0f} | {acc} | {fin} "
                      f"| {r['best_epoch']} / {r['epochs']} | {t} |")
     return "\n".join(lines)
@@ -89,7 +91,7 @@ def plot_q(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str =
 
     plt = pyplot()
     rge = sorted((r for r in rows if r["q"] is not None), key=lambda r: r["q"])
-    cge = [r for r in rows if r["method"] == "szo-cge"]
+    cge = [r for r in rows if r["q"] is None]  # the coordinate estimator: no q
     fig, axes = plt.subplots(1, 2, figsize=(8.6, 3.4))
     panels = (("best_test_acc", 100.0, "best test accuracy (%)"), ("train_time_min", 1.0, "training time (min)"))
     for ax, (key, scale, ylabel) in zip(axes, panels):

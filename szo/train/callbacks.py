@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from szo.io import atomic_write_text
 
-__all__ = ["Callback", "MetricsLogger", "TrajectoryCallback", "read_metrics"]
+__all__ = ["Callback", "MetricsLogger", "ResultFields", "TrajectoryCallback", "read_metrics"]
 
 
 class Callback:
@@ -30,6 +30,22 @@ class Callback:
 
     def on_train_end(self, summary: dict[str, Any]) -> None:
         """After the last epoch, with the results.json summary."""
+
+    def results(self) -> dict[str, Any]:
+        """Fields this callback adds to results.json (asked right before it is written: at the
+        end of the run, or when it diverges)."""
+        return {}
+
+
+class ResultFields(Callback):
+    """Adds ``fields()`` to results.json: what is known only after training (e.g. the integer
+    forwards' saturation counts, when a hybrid optimizer switched phase)."""
+
+    def __init__(self, fields: Callable[[], dict[str, Any]]):
+        self.fields = fields
+
+    def results(self) -> dict[str, Any]:
+        return dict(self.fields())
 
 
 class MetricsLogger(Callback):

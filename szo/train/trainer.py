@@ -35,13 +35,15 @@ writes metrics.jsonl, checkpoints, results.json and the plot, and shows progress
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -56,7 +58,8 @@ from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
 from szo.zo import HasSubspace, bn_layers, is_forward_only
 
-__all__ = ["fit", "evaluate", "evaluate_sums", "TrainingDiverged", "DIVERGE_FACTOR"]
+__all__ = ["fit", "FitOptions", "Trainer", "RunState", "StepStrategy", "evaluate", "evaluate_sums", "TrainingDiverged",
+           "DIVERGE_FACTOR"]
 
 DIVERGE_FACTOR = 1.0e4
 """A run has diverged when a step's training loss exceeds this many times ``max(|first loss|, 1)``
@@ -123,42 +126,433 @@ def evaluate(model: nn.Module, loader: Iterable, loss_fn: LossFn, device: str | 
     return loss_sum / seen, correct / seen
 
 
-def fit(
-    model: nn.Module,
-    train_loader: DataLoader,
-    test_loader: Iterable | None,
-    optimizer: torch.optim.Optimizer,
-    *,
-    epochs: int,
-    loss_fn: LossFn,
-    scheduler: Any = None,
-    device: str | torch.device = "cpu",
-    run_dir: str | os.PathLike,
-    callbacks: Sequence[Callback] = (),
-    generator: torch.Generator,
-    resume: bool = False,
-    start_epoch: int = 0,
-    eval_every: int = 1,
-    progress: bool = True,
-    max_steps_per_epoch: int | None = None,
-    checkpoint_every_steps: int | None = None,
-    info: dict[str, Any] | None = None,
-    plot: bool = True,
-    bn_stats: str = "batch",
-    parallel: Any = None,
-    diverge_factor: float | None = DIVERGE_FACTOR,
-) -> dict[str, Any]:
+@dataclass
+class FitOptions:
+    """What ``fit`` is told besides the model, loaders and optimizer (see :func:`fit`)."""
+
+    epochs: int
+    loss_fn: LossFn
+    run_dir: str | os.PathLike
+    generator: torch.Generator
+    scheduler: Any = None
+    device: str | torch.device = "cpu"
+    callbacks: Sequence[Callback] = ()
+    resume: bool = False
+    start_epoch: int = 0
+    eval_every: int = 1
+    progress: bool = True
+    max_steps_per_epoch: int | None = None
+    checkpoint_every_steps: int | None = None
+    info: dict[str, Any] | None = None
+    plot: bool = True
+    bn_stats: str = "batch"
+    parallel: Any = None
+    diverge_factor: float | None = DIVERGE_FACTOR
+
+    def check(self, train_loader: Any) -> None:
+        """One ValueError for a bad setting, before anything runs."""
+        if self.bn_stats not in ("batch", "deployed"):
+            raise ValueError(f"unknown bn_stats {self.bn_stats!r}; valid: batch, deployed")
+        _positive_int("epochs", self.epochs)
+        _positive_int("eval_every", self.eval_every)
+        _positive_int("max_steps_per_epoch", self.max_steps_per_epoch, allow_none=True)
+        _positive_int("checkpoint_every_steps", self.checkpoint_every_steps, allow_none=True)
+        if not isinstance(self.generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(self.generator).__name__}")
+        if not isinstance(train_loader, DataLoader):
+            raise ValueError(f"train_loader must be a torch DataLoader, got {type(train_loader).__name__}")
+        if isinstance(train_loader.sampler, RandomSampler) and train_loader.sampler.generator is not self.generator:
+            raise ValueError("train_loader must shuffle with the run generator passed to fit "
+                             "(make_loader(..., shuffle=True, generator=generator)) so runs are reproducible")
+        s = self.start_epoch
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.epochs:
+            raise ValueError(f"start_epoch must be an int in [0, epochs), got {s!r}")
+
+
+@dataclass
+class RunState:
+    """Where a run stands (what a checkpoint restores): epochs / steps done, forwards and
+    backwards counted, times, the metrics history, a mid-epoch position, the first step's loss."""
+
+    epoch: int = 0
+    step: int = 0
+    fp: int = 0
+    bp: int = 0
+    train_time: float = 0.0
+    wall_time: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    mid: dict[str, Any] | None = None
+    first_loss: float | None = None
+
+    @classmethod
+    def from_checkpoint(cls, st: Mapping[str, Any]) -> "RunState":
+        return cls(epoch=int(st["epoch"]), step=int(st["step"]), fp=int(st["fp"]), bp=int(st["bp"]),
+                   train_time=float(st["train_time_s"]), wall_time=float(st["wall_time_s"]),
+                   history=list(st["history"]), mid=st.get("in_epoch"), first_loss=st.get("first_loss"))
+
+
+class StepStrategy:
+    """How one optimizer step runs and is counted: the closure the optimizer gets, the forwards
+    and backwards it cost, the loss before the update, which outputs give the train accuracy."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: LossFn):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.forward_only = is_forward_only(optimizer)
+        self._outs: list[torch.Tensor] = []  # the mean-over-T outputs of this step's closure calls
+
+    @property
+    def accuracy_known(self) -> bool:
+        """The batched engine returns probe losses only (no outputs): train accuracy only from
+        the unperturbed BN forward then (``bn_update="recompute"`` with train-mode BN)."""
+        return not self.forward_only or self.optimizer.train_outputs
+
+    def closure(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> Callable[[], torch.Tensor]:
+        """The step's closure; ``scale`` != 1: a shard's share of the batch loss (data-parallel)."""
+        model, loss_fn, opt, outs = self.model, self.loss_fn, self.optimizer, self._outs
+        outs.clear()
+
+        def closure() -> torch.Tensor:
+            if self.forward_only:
+                with torch.no_grad():
+                    out = model(x)
+                    loss = loss_fn(out, y)
+                    if scale != 1.0:  # unequal shards: the mean over ranks = the batch mean
+                        loss = loss * scale
+            else:
+                opt.zero_grad(set_to_none=True)
+                out = model(x)
+                loss = loss_fn(out, y)
+                loss.backward()
+            outs.append(out.detach().mean(0))
+            return loss
+
+        closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]  # the batched engine folds the probes over x
+        return closure
+
+    def counts(self) -> tuple[int, int]:
+        """(forwards, backwards) of the step just taken."""
+        info = self.optimizer.last_step if self.forward_only else None
+        return (info.forwards, 0) if info is not None else (1, 1)
+
+    def reference_loss(self, loss: float) -> float:
+        """The loss before the update (a forward-only step's probes at theta_t; ``bn_update=recompute``
+        returns theta_{t+1}'s)."""
+        info = self.optimizer.last_step if self.forward_only else None
+        return info.reference_loss if info is not None else loss
+
+    def accuracy_outputs(self) -> torch.Tensor | None:
+        """The unperturbed forward's outputs when the step ran one, else the sum over its probes."""
+        if not self._outs:
+            return None
+        info = self.optimizer.last_step if self.forward_only else None
+        if info is not None and info.unperturbed:
+            return self._outs[-1]
+        total = self._outs[0]
+        for o in self._outs[1:]:
+            total = total + o
+        return total
+
+
+@dataclass
+class _Epoch:
+    """The running sums of one epoch (a mid-epoch checkpoint stores them)."""
+
+    batches: list
+    done: int = 0
+    loss_sum: float = 0.0
+    correct: float = 0.0  # all ranks' count (reduced)
+    seen: int = 0
+    train_time: float = 0.0
+    correct_local: int = 0  # this rank's count since the last reduction
+
+
+class Trainer:
+    """One ``fit`` call: resume, the epoch loop, the step, evaluation, checkpoints, results."""
+
+    def __init__(self, model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None, optimizer: Any,
+                 options: FitOptions):
+        options.check(train_loader)
+        self.model, self.train_loader, self.test_loader, self.optimizer = model, train_loader, test_loader, optimizer
+        self.o = options
+        self.steps = StepStrategy(model, optimizer, options.loss_fn)
+        par = options.parallel
+        self.par = par if par is not None and par.enabled else None
+        self.main = self.par is None or self.par.is_main
+        self.progress = options.progress
+        if self.par is not None:
+            if not self.steps.forward_only or optimizer.distributed != self.par.mode:
+                raise ValueError(f"a multi-process run needs a forward-only optimizer built with "
+                                 f"distributed={self.par.mode!r} (szo.optim.build_optimizer(..., distributed=...))")
+            self.par.check_batches(int(train_loader.batch_size or 0) or len(next(iter(train_loader.batch_sampler))),
+                                   len(train_loader.dataset), options.max_steps_per_epoch)  # type: ignore[arg-type]
+            self.progress = self.progress and self.main
+        self.shard = self.par is not None and self.par.shards_batches
+        # accuracy denominator: in perturbation mode every rank counts the whole batch for its probes
+        self.acc_ranks = self.par.world_size if self.par is not None and not self.par.shards_batches else 1
+        self.run_dir = Path(options.run_dir)
+        self.ckpt_path = checkpoint_path(self.run_dir)
+        self.method = (options.info or {}).get("method")
+        self.state = RunState(epoch=options.start_epoch)
+        self.ckpt_sha: str | None = None
+        self.t_wall0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any]:
+        o = self.o
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        logger = MetricsLogger(self.run_dir / "metrics.jsonl") if self.main else None
+        self.model.to(o.device)
+        resumed = self._resume()
+        s = self.state  # the checkpoint's, when resumed
+        if self.par is not None:
+            self.par.broadcast_model(self.model)  # once; afterwards identical updates keep the ranks in sync
+        if logger is not None:
+            logger.reset(s.history)
+        self.cbs: list[Callback] = ([logger] if logger is not None else []) + list(o.callbacks)
+        for cb in self.cbs:
+            cb.on_train_start(epoch=s.epoch, step=s.step, resumed=resumed)
+        self.t_wall0 = time.perf_counter()
+        while s.epoch < o.epochs:
+            self._end_epoch(self._train_epoch())
+        return self._finish()
+
+    def _resume(self) -> bool:
+        """Load the checkpoint when resuming (and say where the run continues); False for a fresh start."""
+        st, self.ckpt_sha = _load_start_state(self.ckpt_path, self.run_dir, self.o.resume, self.par)
+        if st is None:
+            return False
+        o = self.o
+        _check_checkpoint_kind(st, self.ckpt_path, self.method, type(self.optimizer).__name__)
+        self.model.load_state_dict(st["model"])
+        self.optimizer.load_state_dict(st["optimizer"])
+        if o.scheduler is not None and st.get("scheduler") is not None:
+            o.scheduler.load_state_dict(st["scheduler"])
+        o.generator.set_state(st["generator"])
+        s = self.state = RunState.from_checkpoint(st)
+        if self.main:
+            n_steps = len(self.train_loader.batch_sampler)  # type: ignore[arg-type]
+            if o.max_steps_per_epoch is not None:
+                n_steps = min(n_steps, o.max_steps_per_epoch)
+            into = f", {int(s.mid['batches_done'])} of its {n_steps} steps done" if s.mid is not None else ""
+            where = (f"epoch {s.epoch + 1} of {o.epochs}{into}" if s.epoch < o.epochs
+                     else f"all {o.epochs} epochs were done already")
+            print(f"resuming {self.run_dir} after step {s.step}: {where}"
+                  f"{f' (method {self.method})' if self.method else ''}", flush=True)
+        return True
+
+    # ------------------------------------------------------------------ one epoch
+    def _start_epoch(self) -> tuple[_Epoch, Any, Any]:
+        """The epoch's batch order (redrawn from the epoch-start generator state on a mid-epoch
+        resume), its running sums and the loader over the batches still to do."""
+        o, s, g = self.o, self.state, self.o.generator
+        mid = s.mid
+        if mid is not None:
+            g.set_state(mid["generator_epoch_start"])
+        gen_epoch_start = g.get_state()
+        batches = list(self.train_loader.batch_sampler)
+        if o.max_steps_per_epoch is not None:
+            batches = batches[:o.max_steps_per_epoch]
+        if not batches:
+            raise ValueError("the train loader yields no batches (dataset smaller than batch_size with drop_last?)")
+        ep = _Epoch(batches)
+        if mid is not None:
+            ep.done, ep.loss_sum, ep.correct = int(mid["batches_done"]), float(mid["loss_sum"]), float(mid["correct"])
+            ep.seen, ep.train_time = int(mid["seen"]), float(mid["epoch_train_time_s"])
+        todo = batches[ep.done:]
+        loader = _epoch_loader(self.train_loader, [self.par.shard(b) for b in todo] if self.shard else todo, g)
+        it = zip(iter(loader), todo)
+        if mid is not None:
+            g.set_state(mid["generator"])
+        s.mid = None
+        return ep, it, gen_epoch_start
+
+    def _train_epoch(self) -> tuple[_Epoch, float]:
+        o, s = self.o, self.state
+        ep, it, gen_epoch_start = self._start_epoch()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.model.train()
+        if o.bn_stats == "deployed":
+            for m in bn_layers(self.model):
+                m.eval()
+        self.bar = tqdm(total=len(ep.batches), initial=ep.done, desc=f"epoch {s.epoch + 1}/{o.epochs}", leave=False,
+                        disable=not self.progress, dynamic_ncols=True)
+        t_last = time.perf_counter()
+        for (x, y), global_batch in it:
+            loss = self._step(x, y, len(global_batch), ep)
+            dt = time.perf_counter() - t_last
+            s.train_time += dt
+            ep.train_time += dt
+            self.bar.update(1)
+            if self.progress:
+                acc = {"acc": f"{(ep.correct + ep.correct_local) / ep.seen:.3f}"} if self.steps.accuracy_known else {}
+                self.bar.set_postfix(loss=f"{ep.loss_sum / ep.seen:.4f}", **acc, refresh=False)
+            for cb in self.cbs:
+                cb.on_step_end(s.step, s.epoch, loss)
+            every = o.checkpoint_every_steps
+            if every is not None and s.step % every == 0 and ep.done < len(ep.batches):
+                ep.correct += self._reduce_correct(ep)  # every rank takes part, rank 0 writes
+                self._checkpoint({"generator_epoch_start": gen_epoch_start, "generator": o.generator.get_state(),
+                                  "batches_done": ep.done, "loss_sum": ep.loss_sum, "correct": ep.correct,
+                                  "seen": ep.seen, "epoch_train_time_s": ep.train_time})
+            t_last = time.perf_counter()
+        self.bar.close()
+        ep.correct += self._reduce_correct(ep)
+        return ep, lr
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, n: int, ep: _Epoch) -> float:
+        """One optimizer step on the batch (``n`` samples in the global batch); its bookkeeping."""
+        o, s, steps = self.o, self.state, self.steps
+        x, y = x.to(o.device, non_blocking=True), y.to(o.device, non_blocking=True)
+        scale = self.par.world_size * int(y.shape[0]) / n if self.shard else 1.0
+        try:
+            loss_t = self.optimizer.step(steps.closure(x, y, scale))
+        except NonFiniteLossError as e:  # a forward-only optimizer's probe
+            self._diverged(str(e).split(";")[0].replace("returned a non-finite loss", "gave a non-finite loss"))
+        fwd, bwd = steps.counts()
+        s.fp += fwd
+        s.bp += bwd
+        loss = float(loss_t.detach()) if isinstance(loss_t, torch.Tensor) else float(loss_t)
+        if s.first_loss is None:  # the scale to compare later losses with: the loss before any update
+            ref = steps.reference_loss(loss)
+            if math.isfinite(ref):
+                s.first_loss = ref
+        why = _diverged(loss, self.model, s.first_loss, o.diverge_factor)
+        if why is not None:
+            self._diverged(why)
+        ep.loss_sum += loss * n
+        out = steps.accuracy_outputs()
+        ep.correct_local += int((out.argmax(1) == y).sum()) if out is not None else 0
+        ep.seen += n
+        s.step += 1
+        ep.done += 1
+        return loss
+
+    def _reduce_correct(self, ep: _Epoch) -> float:
+        """All ranks' correct count since the last call (a collective: every rank calls it)."""
+        got = self.par.sum_([ep.correct_local])[0] / self.acc_ranks if self.par is not None else ep.correct_local
+        ep.correct_local = 0
+        return got
+
+    def _end_epoch(self, done: tuple[_Epoch, float]) -> None:
+        """Scheduler, evaluation, the metrics record, callbacks, the epoch-end checkpoint."""
+        ep, lr = done
+        o, s = self.o, self.state
+        if o.scheduler is not None:
+            o.scheduler.step()
+        s.epoch += 1
+        test_loss = test_acc = None
+        eval_time = 0.0
+        if self.test_loader is not None and (s.epoch % o.eval_every == 0 or s.epoch == o.epochs):
+            t0 = time.perf_counter()
+            test_loss, test_acc = self._evaluate()
+            eval_time = time.perf_counter() - t0
+        if self.par is not None:
+            self.par.check_in_sync(self.model)
+        known = self.steps.accuracy_known
+        record = {
+            "epoch": s.epoch, "step": s.step,
+            "train_loss": ep.loss_sum / ep.seen, "train_acc": ep.correct / ep.seen if known else None,
+            "test_loss": test_loss, "test_acc": test_acc, "lr": lr,
+            "epoch_train_time_s": ep.train_time, "eval_time_s": eval_time,
+            "train_time_s": s.train_time, "wall_time_s": s.wall_time + (time.perf_counter() - self.t_wall0),
+            "fp": s.fp, "bp": s.bp,
+        }
+        if self.par is not None:
+            record.update(_comm_stats(self.optimizer.bytes_communicated, s.step))
+        s.history.append(record)
+        if self.progress:
+            tqdm.write(f"epoch {s.epoch}/{o.epochs}: train loss {record['train_loss']:.4f}"
+                       + (f" acc {record['train_acc']:.4f}" if known else "")
+                       + (f" | test acc {test_acc:.4f}" if test_acc is not None else "")
+                       + f" | lr {lr:.4g} | #FP {s.fp} #BP {s.bp}")
+        for cb in self.cbs:
+            cb.on_epoch_end(s.epoch, s.step, record)
+        self._checkpoint(None)
+
+    def _evaluate(self) -> tuple[float, float]:
+        sums = evaluate_sums(self.model, self.test_loader, self.o.loss_fn, self.o.device)
+        if self.par is not None:  # every rank evaluated its shard of the test set
+            sums = self.par.sum_(sums)
+        if sums[2] == 0:
+            raise ValueError("the test loader yielded no samples")
+        return sums[0] / sums[2], sums[1] / sums[2]
+
+    # ------------------------------------------------------------------ writing
+    def _checkpoint(self, in_epoch: dict[str, Any] | None) -> None:
+        if not self.main:
+            return
+        o, s = self.o, self.state
+        self.ckpt_sha = save_checkpoint(self.ckpt_path, {
+            "method": self.method, "optimizer_class": type(self.optimizer).__name__, "first_loss": s.first_loss,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": o.scheduler.state_dict() if o.scheduler is not None else None,
+            "generator": o.generator.get_state(),
+            "epoch": s.epoch, "step": s.step, "fp": s.fp, "bp": s.bp,
+            "train_time_s": s.train_time, "wall_time_s": s.wall_time + (time.perf_counter() - self.t_wall0),
+            "history": s.history, "in_epoch": in_epoch,
+        }, previous_sha256=self.ckpt_sha)
+
+    def _summary(self) -> dict[str, Any]:
+        summary = summarize(self.state.history, model=self.model, optimizer=self.optimizer, info=self.o.info)
+        for cb in self.cbs:
+            summary.update(cb.results())
+        return summary
+
+    def _diverged(self, why: str) -> None:
+        """Close the progress bar (the error gets its own line), mark results.json, stop."""
+        o, s = self.o, self.state
+        self.bar.close()
+        if self.progress and not sys.stderr.isatty():  # a log file keeps the bar's text: end its line
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        msg = (f"training diverged at step {s.step + 1} (epoch {s.epoch + 1} of {o.epochs}"
+               f"{f', method {self.method}' if self.method else ''}): {why}; lower the learning rate"
+               + (" (train.lr) or the perturbation scale (szo.mu)" if self.steps.forward_only else ""))
+        if self.main:
+            summary = self._summary()
+            summary.update(status="diverged", error=msg, diverged_step=s.step + 1)
+            atomic_write_json(self.run_dir / "results.json", summary)
+        raise TrainingDiverged(msg)
+
+    def _finish(self) -> dict[str, Any]:
+        o, s = self.o, self.state
+        s.wall_time += time.perf_counter() - self.t_wall0
+        summary = self._summary()
+        summary["status"] = "completed"
+        summary["wall_time_min"] = s.wall_time / 60.0
+        if self.par is not None:
+            summary["distributed"] = {**self.par.describe(), **_comm_stats(self.optimizer.bytes_communicated, s.step),
+                                      "startup_bytes": self.par.startup_bytes}
+        if self.main:  # other ranks write nothing
+            atomic_write_json(self.run_dir / "results.json", summary)
+            if o.plot:
+                plot_training_curve(s.history, self.run_dir / "training_curve.png",
+                                    title=str((o.info or {}).get("name", self.run_dir.name)))
+        for cb in self.cbs:
+            cb.on_train_end(summary)
+        return summary
+
+
+def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None, optimizer: torch.optim.Optimizer,
+        **options: Any) -> dict[str, Any]:
     """Train ``model`` for ``epochs`` epochs (total, counted from 0) and return the summary.
 
+    Keywords (:class:`FitOptions`): ``epochs``, ``loss_fn``, ``run_dir``, ``generator`` (required);
+    ``scheduler``, ``device``, ``callbacks``, ``resume``, ``start_epoch``, ``eval_every``,
+    ``progress``, ``max_steps_per_epoch``, ``checkpoint_every_steps``, ``info``, ``plot``,
+    ``bn_stats``, ``parallel``, ``diverge_factor``.
+
     Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
-    results.json (the summary) and training_curve.png. ``scheduler`` is stepped once per
-    epoch. ``start_epoch`` numbers the first epoch of a fresh run (ignored on resume).
-    ``info`` (e.g. method, recipe, k) is merged into the summary. ``bn_stats="deployed"``
-    keeps every BatchNorm layer in eval mode while training (normalise with the running
-    statistics, never update them: the BN of a chip that folds it into the weights);
-    ``"batch"`` is ordinary train-mode BN. ``parallel`` (``szo.distributed.Parallel``) runs
-    this rank's part of a multi-process run (see the module docstring); the test loader
-    should then hold this rank's shard of the test set.
+    results.json (the summary, with what the callbacks' ``results()`` add) and
+    training_curve.png. ``scheduler`` is stepped once per epoch. ``start_epoch`` numbers the
+    first epoch of a fresh run (ignored on resume). ``info`` (e.g. method, recipe, k) is merged
+    into the summary. ``bn_stats="deployed"`` keeps every BatchNorm layer in eval mode while
+    training (normalise with the running statistics, never update them: the BN of a chip that
+    folds it into the weights); ``"batch"`` is ordinary train-mode BN. ``parallel``
+    (``szo.distributed.Parallel``) runs this rank's part of a multi-process run (see the module
+    docstring); the test loader should then hold this rank's shard of the test set.
 
     Divergence (a non-finite loss or parameter, or a loss above ``diverge_factor`` times
     ``max(|first loss|, 1)``; ``None`` checks finiteness only) stops the run with one
@@ -166,286 +560,14 @@ def fit(
     ``"status": "diverged"``. A resumed run refuses a checkpoint written by another method or
     optimizer class, and says where it continues.
     """
-    if bn_stats not in ("batch", "deployed"):
-        raise ValueError(f"unknown bn_stats {bn_stats!r}; valid: batch, deployed")
-    _positive_int("epochs", epochs)
-    _positive_int("eval_every", eval_every)
-    _positive_int("max_steps_per_epoch", max_steps_per_epoch, allow_none=True)
-    _positive_int("checkpoint_every_steps", checkpoint_every_steps, allow_none=True)
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if not isinstance(train_loader, DataLoader):
-        raise ValueError(f"train_loader must be a torch DataLoader, got {type(train_loader).__name__}")
-    if isinstance(train_loader.sampler, RandomSampler) and train_loader.sampler.generator is not generator:
-        raise ValueError("train_loader must shuffle with the run generator passed to fit "
-                         "(make_loader(..., shuffle=True, generator=generator)) so runs are reproducible")
-    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
-        raise ValueError(f"start_epoch must be an int in [0, epochs), got {start_epoch!r}")
-    forward_only = is_forward_only(optimizer)
-    par = parallel if parallel is not None and parallel.enabled else None
-    main = par is None or par.is_main
-    if par is not None:
-        if not forward_only or optimizer.distributed != par.mode:
-            raise ValueError(f"a multi-process run needs a forward-only optimizer built with "
-                             f"distributed={par.mode!r} (szo.optim.build_optimizer(..., distributed=...))")
-        par.check_batches(int(train_loader.batch_size or 0) or len(next(iter(train_loader.batch_sampler))),
-                          len(train_loader.dataset), max_steps_per_epoch)  # type: ignore[arg-type]
-        progress = progress and main
-    shard = par is not None and par.shards_batches
-    # accuracy denominator: in perturbation mode every rank counts the whole batch for its probes
-    acc_ranks = par.world_size if par is not None and not par.shards_batches else 1
-
-    run_dir = Path(run_dir)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = checkpoint_path(run_dir)
-    logger = MetricsLogger(run_dir / "metrics.jsonl") if main else None
-    model.to(device)
-
-    # ---------------------------------------------------------------- state
-    history: list[dict[str, Any]] = []
-    epoch, step, fp, bp = start_epoch, 0, 0, 0
-    train_time, wall_time = 0.0, 0.0
-    mid: dict[str, Any] | None = None
-    resumed = False
-    method = (info or {}).get("method")
-    opt_kind = type(optimizer).__name__
-    first_loss: float | None = None
-    st, ckpt_sha = _load_start_state(ckpt_path, run_dir, resume, par)
-    if st is not None:
-        _check_checkpoint_kind(st, ckpt_path, method, opt_kind)
-        model.load_state_dict(st["model"])
-        optimizer.load_state_dict(st["optimizer"])
-        if scheduler is not None and st.get("scheduler") is not None:
-            scheduler.load_state_dict(st["scheduler"])
-        generator.set_state(st["generator"])
-        epoch, step, fp, bp = int(st["epoch"]), int(st["step"]), int(st["fp"]), int(st["bp"])
-        train_time, wall_time = float(st["train_time_s"]), float(st["wall_time_s"])
-        history = list(st["history"])
-        mid = st.get("in_epoch")
-        first_loss = st.get("first_loss")
-        resumed = True
-        if main:
-            n_steps = len(train_loader.batch_sampler)  # type: ignore[arg-type]
-            if max_steps_per_epoch is not None:
-                n_steps = min(n_steps, max_steps_per_epoch)
-            into = f", {int(mid['batches_done'])} of its {n_steps} steps done" if mid is not None else ""
-            where = (f"epoch {epoch + 1} of {epochs}{into}" if epoch < epochs
-                     else f"all {epochs} epochs were done already")
-            print(f"resuming {run_dir} after step {step}: {where}{f' (method {method})' if method else ''}", flush=True)
-    if par is not None:
-        par.broadcast_model(model)  # once; afterwards identical updates keep the ranks in sync
-    if logger is not None:
-        logger.reset(history)
-
-    def checkpoint(in_epoch: dict[str, Any] | None) -> None:
-        nonlocal ckpt_sha
-        if not main:
-            return
-        ckpt_sha = save_checkpoint(ckpt_path, {
-            "method": method, "optimizer_class": opt_kind, "first_loss": first_loss,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "generator": generator.get_state(),
-            "epoch": epoch, "step": step, "fp": fp, "bp": bp,
-            "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
-            "history": history, "in_epoch": in_epoch,
-        }, previous_sha256=ckpt_sha)
-
-    cbs: list[Callback] = ([logger] if logger is not None else []) + list(callbacks)
-    for cb in cbs:
-        cb.on_train_start(epoch=epoch, step=step, resumed=resumed)
-
-    t_wall0 = time.perf_counter()
-    x_cur: dict[str, Any] = {"scale": 1.0}
-    acc_buf: dict[str, Any] = {}
-
-    def _record(out: torch.Tensor) -> None:
-        m = out.detach().mean(0)
-        acc_buf["sum"] = m if acc_buf.get("sum") is None else acc_buf["sum"] + m
-        acc_buf["last"] = m
-
-    def closure() -> torch.Tensor:
-        x, y = x_cur["x"], x_cur["y"]
-        if forward_only:
-            with torch.no_grad():
-                out = model(x)
-                loss = loss_fn(out, y)
-                if x_cur["scale"] != 1.0:  # unequal shards: the mean over ranks = the batch mean
-                    loss = loss * x_cur["scale"]
-        else:
-            optimizer.zero_grad(set_to_none=True)
-            out = model(x)
-            loss = loss_fn(out, y)
-            loss.backward()
-        _record(out)
-        return loss
-
-    def accuracy_known() -> bool:
-        """The batched engine returns probe losses only (no outputs): train accuracy only from
-        the unperturbed BN forward then (``bn_update="recompute"`` with train-mode BN)."""
-        return not forward_only or optimizer.train_outputs
-
-    acc_known = accuracy_known()
-    correct_local = 0  # this rank's correct predictions since the last reduction
-
-    def reduce_correct() -> float:
-        """All ranks' correct count since the last call (a collective: every rank calls it)."""
-        nonlocal correct_local
-        got = par.sum_([correct_local])[0] / acc_ranks if par is not None else correct_local
-        correct_local = 0
-        return got
-
-    def diverged(why: str) -> None:
-        """Close the progress bar (the error gets its own line), mark results.json, stop."""
-        bar.close()
-        if progress and not sys.stderr.isatty():  # a log file keeps the bar's text: end its line
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-        msg = (f"training diverged at step {step + 1} (epoch {epoch + 1} of {epochs}"
-               f"{f', method {method}' if method else ''}): {why}; lower the learning rate"
-               + (" (train.lr) or the perturbation scale (szo.mu)" if forward_only else ""))
-        if main:
-            summary = summarize(history, model=model, optimizer=optimizer, info=info)
-            summary.update(status="diverged", error=msg, diverged_step=step + 1)
-            atomic_write_json(run_dir / "results.json", summary)
-        raise TrainingDiverged(msg)
-
-    # ---------------------------------------------------------------- loop
-    while epoch < epochs:
-        if mid is not None:
-            generator.set_state(mid["generator_epoch_start"])
-        gen_epoch_start = generator.get_state()
-        batches = list(train_loader.batch_sampler)
-        if max_steps_per_epoch is not None:
-            batches = batches[:max_steps_per_epoch]
-        if not batches:
-            raise ValueError("the train loader yields no batches (dataset smaller than batch_size with drop_last?)")
-        done = int(mid["batches_done"]) if mid is not None else 0
-        loss_sum = float(mid["loss_sum"]) if mid is not None else 0.0
-        correct = float(mid["correct"]) if mid is not None else 0.0  # all ranks' count (reduced)
-        seen = int(mid["seen"]) if mid is not None else 0
-        epoch_train_time = float(mid["epoch_train_time_s"]) if mid is not None else 0.0
-        todo = batches[done:]
-        it = iter(_epoch_loader(train_loader, [par.shard(b) for b in todo] if shard else todo, generator))
-        if mid is not None:
-            generator.set_state(mid["generator"])
-        mid = None
-        lr = float(optimizer.param_groups[0]["lr"])
-        model.train()
-        if bn_stats == "deployed":
-            for m in bn_layers(model):
-                m.eval()
-        acc_known = accuracy_known()
-        bar = tqdm(total=len(batches), initial=done, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
-                   disable=not progress, dynamic_ncols=True)
-        t_last = time.perf_counter()
-        for (x, y), global_batch in zip(it, todo):
-            n = len(global_batch)  # samples of the global batch (this rank may hold a shard)
-            x_cur["x"], x_cur["y"] = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            closure.batch = (x_cur["x"], x_cur["y"], loss_fn)  # type: ignore[attr-defined]  # batched engine
-            x_cur["scale"] = par.world_size * int(y.shape[0]) / n if shard else 1.0
-            acc_buf["sum"] = acc_buf["last"] = None
-            try:
-                loss_t = optimizer.step(closure)
-            except NonFiniteLossError as e:  # a forward-only optimizer's probe
-                diverged(str(e).split(";")[0].replace("returned a non-finite loss", "gave a non-finite loss"))
-            done_step = optimizer.last_step if forward_only else None
-            if done_step is not None:
-                fp += done_step.forwards
-            else:
-                fp += 1
-                bp += 1
-            loss = float(loss_t.detach()) if isinstance(loss_t, torch.Tensor) else float(loss_t)
-            if first_loss is None:  # the scale to compare later losses with: the loss before any update
-                # the probes' loss at theta_t (bn_update=recompute returns theta_{t+1}'s)
-                ref = done_step.reference_loss if done_step is not None else loss
-                if math.isfinite(ref):
-                    first_loss = ref
-            why = _diverged(loss, model, first_loss, diverge_factor)
-            if why is not None:
-                diverged(why)
-            loss_sum += loss * n
-            # accuracy of the unperturbed forward when the step ran one, else of all its probes
-            acc_out = acc_buf["last"] if done_step is not None and done_step.unperturbed else acc_buf["sum"]
-            correct_local += int((acc_out.argmax(1) == x_cur["y"]).sum()) if acc_out is not None else 0
-            seen += n
-            step += 1
-            done += 1
-            dt = time.perf_counter() - t_last
-            train_time += dt
-            epoch_train_time += dt
-            bar.update(1)
-            if progress:
-                bar.set_postfix(loss=f"{loss_sum / seen:.4f}",
-                                **({"acc": f"{(correct + correct_local) / seen:.3f}"} if acc_known else {}),
-                                refresh=False)
-            for cb in cbs:
-                cb.on_step_end(step, epoch, loss)
-            if checkpoint_every_steps is not None and step % checkpoint_every_steps == 0 and done < len(batches):
-                correct += reduce_correct()  # every rank takes part, rank 0 writes
-                checkpoint({
-                    "generator_epoch_start": gen_epoch_start, "generator": generator.get_state(),
-                    "batches_done": done, "loss_sum": loss_sum, "correct": correct, "seen": seen,
-                    "epoch_train_time_s": epoch_train_time,
-                })
-            t_last = time.perf_counter()
-        bar.close()
-        correct += reduce_correct()
-        if scheduler is not None:
-            scheduler.step()
-        epoch += 1
-        test_loss = test_acc = None
-        eval_time = 0.0
-        if test_loader is not None and (epoch % eval_every == 0 or epoch == epochs):
-            t0 = time.perf_counter()
-            sums = evaluate_sums(model, test_loader, loss_fn, device)
-            if par is not None:  # every rank evaluated its shard of the test set
-                sums = par.sum_(sums)
-            if sums[2] == 0:
-                raise ValueError("the test loader yielded no samples")
-            test_loss, test_acc = sums[0] / sums[2], sums[1] / sums[2]
-            eval_time = time.perf_counter() - t0
-        if par is not None:
-            par.check_in_sync(model)
-        record = {
-            "epoch": epoch, "step": step,
-            "train_loss": loss_sum / seen, "train_acc": correct / seen if acc_known else None,
-            "test_loss": test_loss, "test_acc": test_acc, "lr": lr,
-            "epoch_train_time_s": epoch_train_time, "eval_time_s": eval_time,
-            "train_time_s": train_time, "wall_time_s": wall_time + (time.perf_counter() - t_wall0),
-            "fp": fp, "bp": bp,
-        }
-        if par is not None:
-            record.update(_comm_stats(optimizer.bytes_communicated, step))
-        history.append(record)
-        if progress:
-            tqdm.write(f"epoch {epoch}/{epochs}: train loss {record['train_loss']:.4f}"
-                       + (f" acc {record['train_acc']:.4f}" if acc_known else "")
-                       + (f" | test acc {test_acc:.4f}" if test_acc is not None else "")
-                       + f" | lr {lr:.4g} | #FP {fp} #BP {bp}")
-        for cb in cbs:
-            cb.on_epoch_end(epoch, step, record)
-        checkpoint(None)
-
-    wall_time += time.perf_counter() - t_wall0
-    summary = summarize(history, model=model, optimizer=optimizer, info=info)
-    summary["status"] = "completed"
-    summary["wall_time_min"] = wall_time / 60.0
-    if par is not None:
-        summary["distributed"] = {**par.describe(), **_comm_stats(optimizer.bytes_communicated, step),
-                                  "startup_bytes": par.startup_bytes}
-    if not main:  # other ranks write nothing
-        for cb in cbs:
-            cb.on_train_end(summary)
-        return summary
-    atomic_write_json(run_dir / "results.json", summary)
-    if plot:
-        plot_training_curve(history, run_dir / "training_curve.png", title=str((info or {}).get("name", run_dir.name)))
-    for cb in cbs:
-        cb.on_train_end(summary)
-    return summary
+    names = {f.name for f in dataclasses.fields(FitOptions)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"fit() got unexpected keyword(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    missing = [n for n in ("epochs", "loss_fn", "run_dir", "generator") if n not in options]
+    if missing:
+        raise TypeError(f"fit() missing required keyword(s): {', '.join(missing)}")
+    return Trainer(model, train_loader, test_loader, optimizer, FitOptions(**options)).run()
 
 
 def _comm_stats(total: int, step: int) -> dict[str, Any]:

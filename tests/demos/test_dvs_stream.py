@@ -207,7 +207,7 @@ def test_timeline_names_classes_and_keeps_legends_off_the_data(tmp_path, figures
         leg = ax.get_legend()
         assert leg.get_window_extent(r).x0 >= ax.get_window_extent(r).x1  # right of the panel, not over it
     texts = [t.get_text() for t in top.get_legend().get_texts()]
-    assert texts == ["true class", "predicted (szo-cge)", "predicted (no adaptation)", "domain shift"]
+    assert texts == ["true class", "predicted (SZO-CGE)", "predicted (No adapt.)", "domain shift"]  # registry labels
     # a model whose classes are not the named ones keeps numbers
     ds.plot_timeline(tmp_path / "u.png", {"none": {"windows": windows}}, shift_at_s=None, n_classes=12,
                      class_names=CLASSES)
