@@ -1,83 +1,222 @@
-"""Recipe configs: YAML defaults + ``--set a.b=value`` overrides -> one validated, resolved dict.
+"""Recipe configs: one typed schema, YAML defaults + ``--set a.b=value`` overrides -> one validated,
+resolved, frozen config.
 
-A recipe is a YAML mapping (``yaml.safe_load``) with the sections below; a recipe may start
-with ``extends: OTHER`` to take another recipe's values as its defaults, and may hold
-``method_defaults: {METHOD: {...}}``, values that apply only when that method is chosen. Values given with
-``--set`` are parsed with ``yaml.safe_load`` (``--set train.epochs=3``, ``--set
-data.data_dir=null``, ``--set model.kwargs={width: 8}``). Unknown keys and invalid choices
-raise ``ValueError`` with one line that lists what is valid.
+The schema is the frozen dataclasses below, one per section (``model``, ``data``, ``loss``,
+``bptt`` / ``train``, ``trajectory``, ``subspace``, ``szo``, ``hw``, ``tt``, ``distributed``,
+``tta``, ``federated``, ``log``): each field's type (``Literal`` for a fixed choice, ``| None``
+where null is valid) and its ``metadata`` (``min``, ``choices`` read from a registry) say what
+is valid. Every kind of run (``kind: bp | subspace | tta``, and ``szo federated``) reads the same
+schema, so ``config.yaml`` in every run directory records every section.
 
-The resolved config (defaults filled in, ``train.lr: null`` replaced by the method's
-default) is what ``write_config`` stores as ``run_dir/config.yaml``; ``szo recipe
+A recipe is a YAML mapping (``yaml.safe_load``); it may start with ``extends: OTHER`` to take
+another recipe's values as its defaults, and may hold ``method_defaults: {METHOD: {...}}``,
+values that apply only when that method is chosen. Values given with ``--set`` are parsed with
+``yaml.safe_load`` (``--set train.epochs=3``, ``--set data.data_dir=null``, ``--set
+model.kwargs={width: 8}``). Unknown keys, wrong types and invalid choices raise ``ValueError``
+with one line that names the key and what is valid; every setting of every stage is checked
+when the config is resolved, before anything runs.
+
+The resolved config (:class:`RecipeConfig`; sections read as mappings too: ``cfg["train"]["lr"]``
+is ``cfg.train.lr``) is what ``write_config`` stores as ``run_dir/config.yaml``; ``szo recipe
 RUN_DIR/config.yaml`` re-runs it.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal
 
 import yaml
 
+from szo import data as szo_data
+from szo import models as szo_models
+from szo.engine import ENGINES
 from szo.io import atomic_write_text
-from szo.methods import METHODS, get_method, list_methods, method_label, which_methods  # the one method table (no torch import)
+from szo.losses import LOSSES
+from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label, which_methods
+from szo.models.base import MEMORY_FORMATS
+from szo.models.compiled import check_compile
+from szo.models.neurons import ACTIVATIONS
+from szo.models.streaming import BN_TIMES, STREAM_BN_MODES
+from szo.zo.bn import BN_UPDATES
 
 __all__ = [
-    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES",
-    "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides",
-    "parse_override", "validate", "resolve", "write_config", "method_label",  # method_label: szo.methods
+    "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
+    "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides", "parse_override", "validate",
+    "resolve", "write_config", "method_label", "config_dict", "TTA_SETTINGS", "TTA_PREDICT", "TENT_OPTIMIZERS",
+    "TTA_PROTOCOLS", "FEDERATED_SPACES",
 ]
 
-_FREE = object()  # marks a free-form mapping (model.kwargs, data.kwargs)
-KINDS = ("bp", "subspace", "tta")
-# Recipe kinds run by other modules: kind -> (module, resolve function, run function,
-# extra top-level keys with defaults). The shared sections keep their meaning; the module's
-# resolve function checks its own section and ``method`` choices.
-EXTERNAL_KINDS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
-    "tta": ("szo.adapt.cli", "resolve_tta", "run_recipe", {"setting": "both", "tta": _FREE}),
-}
-MODES = ("scratch", "continual")
-DEVICES = ("cpu", "cuda")
-SCHEDULERS = ("cosine", "constant")
-REFERENCES = ("first", "last")
-BACKENDS = ("float", "fixed")  # = szo.hw.BACKENDS
-BN_STATS = ("batch", "deployed")
-HW_LEARNERS = ("float", "integer")  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
-HW_ARITHMETICS = ("szo", "loihi")  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
-HW_RESETS = ("subtract", "zero")  # = szo.hw.neuron.RESETS (null: each LIF's own)
-DIST_MODES = ("data", "perturbation")  # = szo.distributed.MODES
+Kind = Literal["bp", "subspace", "tta"]
+Mode = Literal["scratch", "continual"]
+Scheduler = Literal["cosine", "constant"]
+Reference = Literal["first", "last"]
+Backend = Literal["float", "fixed"]  # = szo.hw.BACKENDS
+BNStats = Literal["batch", "deployed"]
+HWLearner = Literal["float", "integer"]  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
+HWArithmetic = Literal["szo", "loihi"]  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
+HWReset = Literal["subtract", "zero"]  # = szo.hw.neuron.RESETS (null: each LIF's own)
+DistMode = Literal["data", "perturbation"]  # = szo.distributed.MODES
+TTASetting = Literal["reset", "continual", "both"]
+TTAPredict = Literal["before", "after"]
+TentOptimizer = Literal["adam", "sgd"]
+TTAProtocol = Literal["paper", "train", "loco"]
+FederatedSpace = Literal["subspace", "full"]
 
-_STAGE = {
-    "epochs": 1, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "scheduler": "cosine",
-    "eval_every": 1, "max_steps_per_epoch": None, "checkpoint_every_steps": None,
-}
+KINDS: tuple[str, ...] = typing.get_args(Kind)
+MODES: tuple[str, ...] = typing.get_args(Mode)
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+SCHEDULERS: tuple[str, ...] = typing.get_args(Scheduler)
+DIST_MODES: tuple[str, ...] = typing.get_args(DistMode)
+TTA_SETTINGS: tuple[str, ...] = ("reset", "continual")
+TTA_PREDICT: tuple[str, ...] = typing.get_args(TTAPredict)
+TENT_OPTIMIZERS: tuple[str, ...] = typing.get_args(TentOptimizer)
+TTA_PROTOCOLS: tuple[str, ...] = typing.get_args(TTAProtocol)
+HW_ARITHMETICS: tuple[str, ...] = typing.get_args(HWArithmetic)
+HW_RESETS: tuple[str, ...] = typing.get_args(HWReset)
+FEDERATED_SPACES: tuple[str, ...] = typing.get_args(FederatedSpace)
 
-# Every valid key with its default. A recipe only lists what differs.
-DEFAULTS: dict[str, Any] = {
-    "name": None,
-    "description": "",
-    "kind": "bp",            # bp: BPTT (+ trajectory + subspace); subspace: train in a subspace
-    "mode": "scratch",       # subspace recipes: scratch (reference = first sample) | continual
-    "method": "szo-cge",     # subspace stage optimizer (szo.optim.build_optimizer)
-    "seed": 0,
-    "device": "cpu",
-    "progress": True,
+
+# ----------------------------------------------------------------------------- the schema
+def _free() -> dict[str, Any]:
+    return {}
+
+
+def _opt(default: Any = None, **meta: Any) -> Any:
+    """A field with validation metadata (``min``, ``max``, ``gt``, ``choices``, ``free``)."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Section(Mapping):
+    """A frozen config section that also reads as the mapping it was written as. Constructing one
+    checks every value against its field's type and metadata (a section cannot hold an invalid
+    value, whoever builds it)."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            if _section_type(hints[f.name]) is not None or f.metadata.get("free"):
+                continue
+            meta = {k: v for k, v in f.metadata.items() if k != "required"}
+            v = getattr(self, f.name)
+            checked = _check_value(f.name, v, hints[f.name], meta)
+            if checked is not v:
+                object.__setattr__(self, f.name, checked)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a section or plain mapping with the same values (a config.yaml read back)."""
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self.to_dict() == config_dict(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking value semantics, like the dict it was
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts / lists (what config.yaml holds)."""
+        return {k: (v.to_dict() if isinstance(v, Section) else copy.deepcopy(v)) for k, v in self.items()}
+
+    def replace(self, **changes: Any) -> "Section":
+        return dataclasses.replace(self, **changes)
+
+
+def _models() -> list[str]:
+    return szo_models.names()
+
+
+def _datasets() -> list[str]:
+    return szo_data.names()
+
+
+@dataclass(frozen=True, eq=False)
+class ModelConfig(Section):
     # bn_time: BatchNorm over time, "shared" (one normalisation over all T*N samples of a forward,
     # one running-statistics update) or "per-step" (the authors' single-step convention: each
     # time step normalised with its own statistics, T updates per forward); see docs/bn.md.
     # memory_format: activations' layout, auto (channels-last on CPU for the models measured faster
     # so) | channels_last | contiguous; see SpikingModel.set_memory_format, docs/performance.md
-    "model": {"name": None, "T": None, "activation": "lif", "bn_time": "shared", "memory_format": "auto",
-              "kwargs": _FREE},
-    "data": {"name": None, "data_dir": None, "download": False, "augment": None, "batch_size": 128,
-             "test_batch_size": 256, "num_workers": 0, "kwargs": _FREE},
-    "loss": {"name": "tet", "lamb": 0.05, "phi": 1.0},
-    "bptt": dict(_STAGE, lr=0.1, weight_decay=1.0e-4),
-    "trajectory": {"every": "epoch", "record_initial": True},
-    "subspace": {"name": None, "k": 20, "window": None, "reference": "first", "root": None},
-    "train": dict(_STAGE, lr=None, weight_decay=0.0),
+    name: str | None = _opt(None, choices=_models)  # required: see _check_required
+    T: int | None = _opt(None, min=1)
+    activation: str = _opt("lif", choices=lambda: ACTIVATIONS)
+    bn_time: str = _opt("shared", choices=lambda: BN_TIMES)
+    memory_format: str = _opt("auto", choices=lambda: MEMORY_FORMATS)
+    kwargs: dict = _opt({}, free=True)
+
+
+@dataclass(frozen=True, eq=False)
+class DataConfig(Section):
+    name: str | None = _opt(None, choices=_datasets)  # required: see _check_required
+    data_dir: str | None = None
+    download: bool = False
+    augment: bool | None = None
+    batch_size: int = _opt(128, min=1)
+    test_batch_size: int = _opt(256, min=1)
+    num_workers: int = _opt(0, min=0)
+    kwargs: dict = _opt({}, free=True)
+
+
+@dataclass(frozen=True, eq=False)
+class LossConfig(Section):
+    name: str = _opt("tet", choices=lambda: list(LOSSES))
+    lamb: float = _opt(0.05, min=0.0, max=1.0)
+    phi: float = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class StageConfig(Section):
+    """A training stage (``bptt``: the BPTT run that records the trajectory; ``train``: the
+    subspace stage, ``lr: null`` = the method's default)."""
+
+    epochs: int = _opt(1, min=1)
+    lr: float | None = _opt(0.1, min=0.0)
+    momentum: float = _opt(0.9, min=0.0, below=1.0)
+    weight_decay: float = _opt(0.0, min=0.0)
+    scheduler: Scheduler = "cosine"
+    eval_every: int = _opt(1, min=1)
+    max_steps_per_epoch: int | None = _opt(None, min=1)
+    checkpoint_every_steps: int | None = _opt(None, min=1)
+
+
+@dataclass(frozen=True, eq=False)
+class TrajectoryConfig(Section):
+    every: int | str = "epoch"  # "epoch" or a positive number of steps
+    record_initial: bool = True
+
+
+@dataclass(frozen=True, eq=False)
+class SubspaceConfig(Section):
+    name: str | None = None
+    k: int = _opt(20, min=1)
+    window: str | list | None = None
+    reference: Reference = "first"
+    root: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class SZOConfig(Section):
     # time_chunk: forward-only stages run the T steps in chunks of this many (1 = streaming,
     # memory flat in T; null = all T at once); stream_bn: what train-mode BN does in a chunked
     # forward (exact | running | chunk, see szo.models.streaming)
@@ -86,71 +225,173 @@ DEFAULTS: dict[str, Any] = {
     # bn_update: BN running statistics after a forward-only step: recompute (one unperturbed
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.zo.bn and docs/bn.md
-    "szo": {"mu": 1.0, "q": 1, "coords_per_step": None, "time_chunk": None, "stream_bn": "exact",
-            "engine": "loop", "chunk": None, "bn_update": "recompute", "layers": None, "stages": None},
-    # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
-    # bn_stats "deployed" normalises with the source model's running statistics, frozen
-    # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
-    "backend": "float",
-    "bn_stats": "batch",
-    # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
-    # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
-    # szo.models.compiled. Off by default (no GPU run has checked it yet); on CPU the compile
-    # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
-    "compile": False,
-    # hw.arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
-    # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); hw.reset: null keeps each LIF's reset, zero = standard Loihi LIF
-    "hw": {"weight_bits": 8, "basis_bits": 8, "learner": "float", "coord_bits": 32, "coord_frac": 16,
-           "ref_bits": 16, "arithmetic": "szo", "reset": None},
+    mu: float = _opt(1.0, gt=0.0)
+    q: int = _opt(1, min=1)
+    coords_per_step: int | None = _opt(None, min=1)
+    time_chunk: int | None = _opt(None, min=1)
+    stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES)
+    engine: str = _opt("loop", choices=lambda: ENGINES)
+    chunk: int | None = _opt(None, min=1)
+    bn_update: str = _opt("recompute", choices=lambda: BN_UPDATES)
+    layers: list | None = None  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
+    stages: int | None = _opt(None, min=1)  # asyncfgd: pipeline stages K, null = 2
+
+
+@dataclass(frozen=True, eq=False)
+class HWConfig(Section):
+    # arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
+    # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); reset: null keeps each LIF's reset, zero = standard Loihi LIF
+    weight_bits: int = _opt(8, min=2, max=16)
+    basis_bits: int | None = _opt(8, min=2, max=16)
+    learner: HWLearner = "float"
+    coord_bits: int = _opt(32, min=8, max=48)
+    coord_frac: int = _opt(16, min=0)
+    ref_bits: int = _opt(16, min=2, max=32)
+    arithmetic: HWArithmetic = "szo"
+    reset: HWReset | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class TTConfig(Section):
     # method tt-zo (szo.models.tt, szo.optim.tt): TT rank(s), cores per weight, which layers (weights
     # with >= min_params entries), the signRGE phase (seed 000: N = 10 directions, mu = 0.1) and the
     # switch to CGE (plateau over `window` steps by less than `tol`, or at switch_step); the CGE
     # phase takes szo.mu / szo.coords_per_step / train.lr / train.momentum
-    "tt": {"rank": 4, "cores": 2, "min_params": 1024, "sign_lr": 1.0e-3, "sign_q": 10, "sign_mu": 0.1,
-           "window": 20, "tol": 0.01, "switch_step": None},
-    # multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process
-    "distributed": {"mode": "data", "sync_bn": True, "timeout_s": 300.0},
-}
+    rank: int | list = 4
+    cores: int = _opt(2, min=1)
+    min_params: int = _opt(1024, min=1)
+    sign_lr: float = _opt(1.0e-3, min=0.0)
+    sign_q: int = _opt(10, min=1)
+    sign_mu: float = _opt(0.1, gt=0.0)
+    window: int = _opt(20, min=1)
+    tol: float = _opt(0.01, min=0.0)
+    switch_step: int | None = _opt(None, min=0)
 
-# type rules: key path -> (types, nullable)
-_INT, _FLOAT, _BOOL, _STR = (int,), (float, int), (bool,), (str,)
-_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
-    "name": (_STR, False), "description": (_STR, False), "kind": (_STR, False), "mode": (_STR, False),
-    "method": (_STR, False), "seed": (_INT, False), "device": (_STR, False), "progress": (_BOOL, False),
-    "model.name": (_STR, False), "model.T": (_INT, True), "model.activation": (_STR, False),
-    "model.bn_time": (_STR, False), "model.memory_format": (_STR, False), "szo.bn_update": (_STR, False),
-    "data.name": (_STR, False), "data.data_dir": (_STR, True), "data.download": (_BOOL, False),
-    "data.augment": (_BOOL, True), "data.batch_size": (_INT, False), "data.test_batch_size": (_INT, False),
-    "data.num_workers": (_INT, False),
-    "loss.name": (_STR, False), "loss.lamb": (_FLOAT, False), "loss.phi": (_FLOAT, False),
-    "trajectory.every": ((str, int), False), "trajectory.record_initial": (_BOOL, False),
-    "subspace.name": (_STR, True), "subspace.k": (_INT, False), "subspace.window": ((str, list), True),
-    "subspace.reference": (_STR, False), "subspace.root": (_STR, True),
-    "szo.mu": (_FLOAT, False), "szo.q": (_INT, False), "szo.coords_per_step": (_INT, True),
-    "backend": (_STR, False), "bn_stats": (_STR, False), "compile": ((bool, str), False),
-    "hw.weight_bits": (_INT, False), "hw.basis_bits": (_INT, True), "hw.learner": (_STR, False),
-    "hw.coord_bits": (_INT, False), "hw.coord_frac": (_INT, False), "hw.ref_bits": (_INT, False),
-    "hw.arithmetic": (_STR, False), "hw.reset": (_STR, True),
-    "distributed.mode": (_STR, False), "distributed.sync_bn": (_BOOL, False), "distributed.timeout_s": (_FLOAT, False),
-    "szo.time_chunk": (_INT, True), "szo.stream_bn": (_STR, False),
-    "szo.engine": (_STR, False), "szo.chunk": (_INT, True),
-    "tt.rank": ((int, list), False), "tt.cores": (_INT, False), "tt.min_params": (_INT, False),
-    "tt.sign_lr": (_FLOAT, False), "tt.sign_q": (_INT, False), "tt.sign_mu": (_FLOAT, False),
-    "tt.window": (_INT, False), "tt.tol": (_FLOAT, False), "tt.switch_step": (_INT, True),
-    "szo.layers": ((list,), True),  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
-    "szo.stages": (_INT, True),  # asyncfgd: pipeline stages K, null = 2
-}
-for _s in ("bptt", "train"):
-    _TYPES.update({
-        f"{_s}.epochs": (_INT, False), f"{_s}.lr": (_FLOAT, _s == "train"), f"{_s}.momentum": (_FLOAT, False),
-        f"{_s}.weight_decay": (_FLOAT, False), f"{_s}.scheduler": (_STR, False), f"{_s}.eval_every": (_INT, False),
-        f"{_s}.max_steps_per_epoch": (_INT, True), f"{_s}.checkpoint_every_steps": (_INT, True),
-    })
-_POSITIVE = {"data.batch_size", "data.test_batch_size", "subspace.k", "szo.q", "szo.coords_per_step", "model.T",
-             "szo.time_chunk", "szo.chunk", "szo.stages",
-             "bptt.epochs", "train.epochs", "bptt.eval_every", "train.eval_every", "bptt.max_steps_per_epoch",
-             "train.max_steps_per_epoch", "bptt.checkpoint_every_steps", "train.checkpoint_every_steps",
-             "distributed.timeout_s", "tt.cores", "tt.min_params", "tt.sign_q", "tt.window"}
+
+@dataclass(frozen=True, eq=False)
+class DistributedConfig(Section):
+    """Multi-process runs (torchrun ... -m szo recipe NAME); ignored by one process."""
+
+    mode: DistMode = "data"
+    sync_bn: bool = True
+    timeout_s: float = _opt(300.0, gt=0.0)
+
+
+@dataclass(frozen=True, eq=False)
+class FinetuneConfig(Section):
+    """How the adaptation subspace is built (``tta.protocol``: what it is fine-tuned on)."""
+
+    trajectory: str | None = None        # existing fine-tuning trajectory (needed for *-c sets without train split)
+    corruption: str = "gaussian_noise"   # paper / train: the one corruption fine-tuned on
+    severity: int = _opt(1, min=1, max=5)
+    images: int | None = _opt(None, min=1)  # first n of the split (loco: in all, across the 14); null = split size
+    epochs: int = _opt(10, min=1)
+    samples: int = _opt(20, min=1)
+    lr: float = _opt(0.01, min=0.0)
+    momentum: float = _opt(0.9, min=0.0, below=1.0)
+    weight_decay: float = _opt(0.0, min=0.0)
+    batch_size: int = _opt(64, min=1)
+
+
+@dataclass(frozen=True, eq=False)
+class TTAConfig(Section):
+    """Test-time adaptation (``kind: tta``; paper Sec. 6.3 / App. G)."""
+
+    data: str = _opt("digits-c", choices=_datasets)  # corrupted test set
+    severity: int = _opt(5, min=1, max=5)
+    batch_size: int = _opt(100, min=1)  # App. G: 100 for CIFAR-C, 500 for ImageNet-C
+    data_dir: str | None = None
+    download: bool = False
+    kwargs: dict = _opt({}, free=True)  # extra get_dataset keywords of the corrupted set
+    corruptions: list | None = None     # null = the 15 in table order
+    lr_reset: float = _opt(1.0, min=0.0)  # App. G (subspace methods)
+    lr_continual: float = _opt(0.1, min=0.0)
+    momentum: float = _opt(0.9, min=0.0, below=1.0)
+    predict: TTAPredict = "before"
+    tent_optimizer: TentOptimizer = "adam"  # Tent's CIFAR setting; sgd (lr 2.5e-4 @ batch 64) for ImageNet
+    tent_lr: float = _opt(1.0e-3, gt=0.0)
+    tent_momentum: float = _opt(0.9, min=0.0, below=1.0)
+    max_batches: int | None = _opt(None, min=1)
+    source_run: str | None = None      # szo recipe run dir (config.yaml, model.safetensors or last.pt, trajectory/)
+    train_source: bool = False         # with source_run null: BPTT-train the source here (digits-size only)
+    source_trajectory: str | None = None  # default: <source_run>/trajectory
+    n_source: int = _opt(20, min=1)    # last source-trajectory samples in the PCA
+    protocol: TTAProtocol = "train"    # fine-tuning data of the subspace: paper (test labels leak) | train | loco
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+
+@dataclass(frozen=True, eq=False)
+class FederatedConfig(Section):
+    """One BAFFLE run (``szo federated``; the recipe gives model, data, loss, subspace, seed)."""
+
+    clients: int = _opt(8, min=1)
+    rounds: int = _opt(100, min=1)
+    K: int = _opt(20, min=1)            # directions per round (BAFFLE's K); 2K forwards per client per round
+    sigma: float = _opt(0.3, gt=0.0)    # perturbation scale (SZO-RGE's mu on digits)
+    lr: float = _opt(0.3, min=0.0)
+    momentum: float = _opt(0.9, min=0.0, below=1.0)
+    alpha: float = _opt(0.5, gt=0.0)    # Dirichlet label skew
+    batch_size: int = _opt(64, min=1)   # local batch per round
+    space: FederatedSpace = "subspace"  # subspace: directions P z_k; full: z_k in R^d
+    secure: bool = True                 # zero-sum masks
+    eval_every: int = _opt(10, min=1)
+    bn_momentum: float = _opt(0.1, gt=0.0, max=1.0)
+    round_timeout_s: float = _opt(600.0, gt=0.0)
+
+
+@dataclass(frozen=True, eq=False)
+class LogConfig(Section):
+    """Metric sinks besides metrics.jsonl (every run writes that)."""
+
+    tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard (SummaryWriter)
+
+
+@dataclass(frozen=True, eq=False)
+class RecipeConfig(Section):
+    """A resolved recipe: every section, defaults filled in, every value checked."""
+
+    name: str | None = _opt(None, required=True)
+    description: str = ""
+    kind: Kind = "bp"            # bp: BPTT (+ trajectory + subspace); subspace: train in a subspace; tta
+    mode: Mode = "scratch"       # subspace recipes: scratch (reference = first sample) | continual
+    method: str = "szo-cge"      # subspace stage optimizer (szo.methods); kind tta: "all" or a comma list
+    setting: TTASetting = "both"  # kind tta: reset | continual | both
+    seed: int = _opt(0, min=0, max=2 ** 63 - 1)
+    device: str = "cpu"
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    bptt: StageConfig = field(default_factory=lambda: StageConfig(lr=0.1, weight_decay=1.0e-4))
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
+    train: StageConfig = field(default_factory=lambda: StageConfig(lr=None, weight_decay=0.0))
+    szo: SZOConfig = field(default_factory=SZOConfig)
+    # subspace stage only: "fixed" trains through the Loihi-style integer forward (szo.hw);
+    # bn_stats "deployed" normalises with the source model's running statistics, frozen
+    # (what a chip that folds BN into its weights computes); "batch" is ordinary train-mode BN.
+    backend: Backend = "float"
+    bn_stats: BNStats = "batch"
+    # torch.compile the model's multi-step forward in every stage (BPTT, BP-Subspace, SZO probes):
+    # false | true (inductor) | a torch.compile backend name (e.g. aot_eager to debug); see
+    # szo.models.compiled. Off by default (no GPU run has checked it yet); on CPU the compile
+    # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
+    compile: bool | str = False
+    hw: HWConfig = field(default_factory=HWConfig)
+    tt: TTConfig = field(default_factory=TTConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    tta: TTAConfig = field(default_factory=TTAConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -225,44 +466,34 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _defaults(kind: Any) -> dict[str, Any]:
-    if kind not in KINDS:
-        raise ValueError(f"invalid kind {kind!r}; valid: {', '.join(KINDS)}")
-    if kind in EXTERNAL_KINDS:
-        return {**DEFAULTS, **EXTERNAL_KINDS[kind][3]}
-    return DEFAULTS
+def _section_type(hint: Any) -> type[Section] | None:
+    return hint if isinstance(hint, type) and issubclass(hint, Section) else None
 
 
-def _get(tree: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-def _check_key(dotted: str, defaults: Mapping[str, Any] = DEFAULTS) -> None:
+def _check_key(dotted: str, cls: type[Section] = RecipeConfig) -> None:
+    """One ValueError if ``dotted`` names no setting of the schema (free-form mappings take any key)."""
     parts = dotted.split(".")
-    node: Any = defaults
+    node: type[Section] | None = cls
     for i, part in enumerate(parts):
-        if node is _FREE:
-            return
-        if not isinstance(node, dict) or part not in node:
+        names = node._names() if node is not None else ()
+        if part not in names:
             parent = ".".join(parts[:i])
-            if isinstance(node, dict):
-                where = f"under '{parent}'" if parent else "at the top level"
-                raise ValueError(f"unknown key '{dotted}'; valid keys {where}: {', '.join(node)}")
-            raise ValueError(f"unknown key '{dotted}': '{parent}' is a value, not a section")
-        node = node[part]
+            if node is None:
+                raise ValueError(f"unknown key '{dotted}': '{parent}' is a value, not a section")
+            where = f"under '{parent}'" if parent else "at the top level"
+            raise ValueError(f"unknown key '{dotted}'; valid keys {where}: {', '.join(names)}")
+        f = next(f for f in dataclasses.fields(node) if f.name == part)
+        if f.metadata.get("free"):
+            return
+        node = _section_type(_hints(node)[part])
 
 
-def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str | tuple[str, Any]]) -> dict[str, Any]:
-    """A copy of ``cfg`` with ``key=value`` overrides applied (keys checked against DEFAULTS)."""
-    cfg = copy.deepcopy(cfg)
+def apply_overrides(cfg: Mapping[str, Any], overrides: Iterable[str | tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``cfg`` (plain dicts) with ``key=value`` overrides applied (keys checked against the schema)."""
+    cfg = config_dict(cfg)
     items = [parse_override(i) if isinstance(i, str) else i for i in overrides]
-    kind = dict(items).get("kind", cfg.get("kind", DEFAULTS["kind"]))
-    defaults = _defaults(kind)
     for key, value in items:
-        _check_key(key, defaults)
+        _check_key(key)
         parts = key.split(".")
         node = cfg
         for part in parts[:-1]:
@@ -273,228 +504,258 @@ def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str | tuple[str, An
     return cfg
 
 
+def config_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config (resolved or raw) as plain nested dicts, deep-copied."""
+    if isinstance(cfg, Section):
+        return cfg.to_dict()
+    return {k: (config_dict(v) if isinstance(v, Mapping) else copy.deepcopy(v)) for k, v in cfg.items()}
+
+
 # ----------------------------------------------------------------------------- validation
-def _fill(defaults: Mapping[str, Any], given: Mapping[str, Any], prefix: str = "",
-          root: Mapping[str, Any] = DEFAULTS) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in given.items():
-        _check_key(prefix + k, root)
-    for k, d in defaults.items():
-        if d is _FREE:
-            v = given.get(k) or {}
-            if not isinstance(v, dict):
-                raise ValueError(f"'{prefix + k}' must be a mapping, got {v!r}")
-            out[k] = copy.deepcopy(v)
-        elif isinstance(d, dict):
-            v = given.get(k) or {}
-            if not isinstance(v, dict):
-                raise ValueError(f"'{prefix + k}' must be a section (mapping) with keys {', '.join(d)}, got {v!r}")
-            out[k] = _fill(d, v, prefix + k + ".", root)
-        else:
-            out[k] = copy.deepcopy(given.get(k, d))
-    return out
+def _type_name(t: Any) -> str:
+    return "float" if t is float else t.__name__
 
 
-def _choice(cfg: Mapping[str, Any], key: str, valid: Iterable[str]) -> None:
-    valid = list(valid)
-    v = _get(cfg, key)
-    if v not in valid:
-        raise ValueError(f"invalid {key} {v!r}; valid: {', '.join(map(str, valid))}")
-
-
-def validate(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Fill defaults, check every key, type and choice; returns the full config."""
-    kind = cfg.get("kind", DEFAULTS["kind"])
-    root = _defaults(kind)
-    full = _fill(root, cfg, root=root)
-    for key, (types, nullable) in _TYPES.items():
-        v = _get(full, key)
-        if v is None:
-            if nullable:
-                continue
-            raise ValueError(f"'{key}' must be set (got null)")
-        if float in types and isinstance(v, str):  # YAML 1.1 reads 1e-4 as a string
-            try:
-                v = float(v)
-            except ValueError:
-                raise ValueError(f"'{key}' must be a number, got {v!r}") from None
-        if isinstance(v, bool) and bool not in types:
-            raise ValueError(f"'{key}' must be {'/'.join(t.__name__ for t in types)}, got {v!r}")
-        if not isinstance(v, types):
-            raise ValueError(f"'{key}' must be {'/'.join(t.__name__ for t in types)}, got {v!r}")
-        if float in types:
+def _check_value(key: str, v: Any, hint: Any, meta: Mapping[str, Any]) -> Any:
+    """``v`` checked against the field's type and metadata; the value to store (numbers coerced)."""
+    args = typing.get_args(hint)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = [a for a in args if a is not type(None)] if union else [hint]
+    nullable = union and type(None) in args
+    if v is None:
+        if nullable and not meta.get("required"):
+            return None
+        raise ValueError(f"'{key}' must be set (got null)")
+    literal = next((o for o in options if typing.get_origin(o) is Literal), None)
+    if literal is not None:
+        valid = typing.get_args(literal)
+        if v not in valid:
+            raise ValueError(f"invalid {key} {v!r}; valid: {', '.join(map(str, valid))}")
+        return v
+    kinds = tuple(typing.get_origin(o) or o for o in options)
+    if float in kinds and isinstance(v, str):  # YAML 1.1 reads 1e-4 as a string
+        try:
             v = float(v)
-        if key in _POSITIVE and v < 1:
-            raise ValueError(f"'{key}' must be >= 1, got {v!r}")
-        sec, _, leaf = key.rpartition(".")
-        (_get(full, sec) if sec else full)[leaf] = v
-    from szo import data as szo_data
-    from szo import models as szo_models
-    from szo.engine import ENGINES
-    from szo.losses import LOSSES
-    from szo.models.neurons import ACTIVATIONS
+        except ValueError:
+            raise ValueError(f"'{key}' must be a number, got {v!r}") from None
+    ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+    if float in kinds and isinstance(v, int) and not isinstance(v, bool):
+        ok, v = True, float(v)
+    if not ok:
+        want = "/".join(_type_name(k) + ("/int" if k is float else "") for k in kinds)
+        raise ValueError(f"'{key}' must be {want}, got {v!r}")
+    if "choices" in meta:
+        valid = list(meta["choices"]())
+        if v not in valid:
+            raise ValueError(f"invalid {key} {v!r}; valid: {', '.join(map(str, valid))}")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        _check_range(key, v, meta)
+    return v
 
-    _choice(full, "mode", MODES)
-    if kind not in EXTERNAL_KINDS:
-        _choice(full, "method", list_methods())
-    dev = full["device"]
+
+def _check_range(key: str, v: float, meta: Mapping[str, Any]) -> None:
+    lo, hi, gt, below = meta.get("min"), meta.get("max"), meta.get("gt"), meta.get("below")
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"'{key}' must be a finite number, got {v!r}")
+    if lo is not None and v < lo:
+        raise ValueError(f"'{key}' must be >= {lo}, got {v!r}")
+    if gt is not None and not v > gt:
+        raise ValueError(f"'{key}' must be > {gt}, got {v!r}")
+    if hi is not None and v > hi:
+        raise ValueError(f"'{key}' must be <= {hi}, got {v!r}")
+    if below is not None and not v < below:
+        raise ValueError(f"'{key}' must be < {below}, got {v!r}")
+
+
+def _build(cls: type[Section], given: Any, prefix: str = "") -> Section:
+    """``cls`` from a raw mapping: unknown keys refused, defaults filled, every value checked."""
+    if not isinstance(given, Mapping):
+        where = prefix.rstrip(".")
+        raise ValueError(f"'{where}' must be a section (mapping) with keys {', '.join(cls._names())}, got {given!r}")
+    names = cls._names()
+    for k in given:
+        if k not in names:
+            where = f"under '{prefix.rstrip('.')}'" if prefix else "at the top level"
+            raise ValueError(f"unknown key '{prefix}{k}'; valid keys {where}: {', '.join(names)}")
+    hints, defaults, values = _hints(cls), cls(), {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        sub = _section_type(hints[f.name])
+        if sub is not None:
+            base = getattr(defaults, f.name).to_dict()
+            values[f.name] = _build(sub, _deep_merge(base, given.get(f.name) or {}) if isinstance(
+                given.get(f.name) or {}, Mapping) else given.get(f.name), key + ".")
+        elif f.metadata.get("free"):
+            v = given.get(f.name) or {}
+            if not isinstance(v, dict):
+                raise ValueError(f"'{key}' must be a mapping, got {v!r}")
+            values[f.name] = copy.deepcopy(v)
+        else:
+            values[f.name] = _check_value(key, copy.deepcopy(given.get(f.name, getattr(defaults, f.name))),
+                                          hints[f.name], f.metadata)
+    return cls(**values)
+
+
+def validate(cfg: Mapping[str, Any]) -> RecipeConfig:
+    """Fill defaults, check every key, type and choice, then the combinations; the typed config."""
+    raw = config_dict(cfg)
+    if raw.get("kind") == "tta":
+        raw.setdefault("method", "all")  # test-time adaptation compares every method unless told otherwise
+    full = _build(RecipeConfig, raw)
+    dev = full.device
     if not (dev in DEVICES or (isinstance(dev, str) and dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ValueError(f"invalid device {dev!r}; valid: cpu, cuda, cuda:N")
-    _choice(full, "model.name", szo_models.names())
-    _choice(full, "model.activation", ACTIVATIONS)
-    _choice(full, "data.name", szo_data.names())
-    _choice(full, "loss.name", list(LOSSES))
-    _choice(full, "bptt.scheduler", SCHEDULERS)
-    _choice(full, "train.scheduler", SCHEDULERS)
-    _choice(full, "subspace.reference", REFERENCES)
-    _choice(full, "distributed.mode", DIST_MODES)
-    from szo.models.streaming import STREAM_BN_MODES
-
-    from szo.models.base import MEMORY_FORMATS
-    from szo.models.streaming import BN_TIMES
-    from szo.zo.bn import BN_UPDATES
-
-    _choice(full, "szo.stream_bn", STREAM_BN_MODES)
-    _choice(full, "szo.engine", ENGINES)
-    _choice(full, "szo.bn_update", BN_UPDATES)
-    _choice(full, "model.bn_time", BN_TIMES)
-    _choice(full, "model.memory_format", MEMORY_FORMATS)
-    ev = full["trajectory"]["every"]
-    if ev != "epoch" and (isinstance(ev, str) or ev < 1):
+    ev = full.trajectory.every
+    if ev != "epoch" and (isinstance(ev, str) or isinstance(ev, bool) or ev < 1):
         raise ValueError(f"invalid trajectory.every {ev!r}; valid: 'epoch' or a positive int (steps)")
-    for s in ("bptt", "train"):
-        if not 0.0 <= full[s]["momentum"] < 1.0:
-            raise ValueError(f"'{s}.momentum' must be in [0, 1), got {full[s]['momentum']}")
-    if not 0.0 <= full["loss"]["lamb"] <= 1.0:
-        raise ValueError(f"'loss.lamb' must be in [0, 1], got {full['loss']['lamb']}")
-    if full["szo"]["mu"] <= 0:
-        raise ValueError(f"'szo.mu' must be > 0, got {full['szo']['mu']}")
-    if full["subspace"]["name"] is None and (full["kind"] == "subspace"):
+    _check_required(full)
+    if full.kind == "tta":
+        _check_tta(full)
+        return full
+    if full.method not in list_methods():
+        raise ValueError(f"invalid method {full.method!r}; valid: {', '.join(list_methods())}")
+    if full.subspace.name is None and full.kind == "subspace":
         raise ValueError("a subspace recipe needs 'subspace.name' (the store entry to train in)")
-    if kind in EXTERNAL_KINDS:
-        import importlib
-
-        mod, resolve_fn, _, _ = EXTERNAL_KINDS[kind]
-        return getattr(importlib.import_module(mod), resolve_fn)(full)
-    if full["kind"] == "subspace":
+    if full.kind == "subspace":
         _check_method_options(full)
     _check_hw(full)
     _check_compile(full)
-    if full["mode"] == "continual" and full["subspace"]["reference"] != "last":
+    if full.mode == "continual" and full.subspace.reference != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
+    if not full.hw.coord_frac < full.hw.coord_bits:
+        raise ValueError(f"need 0 <= hw.coord_frac < hw.coord_bits, got {full.hw.coord_frac}, {full.hw.coord_bits}")
     return full
 
 
-def _check_method_options(full: Mapping[str, Any]) -> None:
+def _check_required(full: RecipeConfig) -> None:
+    """``model.name`` and ``data.name``: every training recipe needs them; a ``kind: tta`` recipe
+    only when it trains its source model here (``tta.train_source``)."""
+    if full.kind == "tta" and not full.tta.train_source:
+        return
+    for key, value in (("model.name", full.model.name), ("data.name", full.data.name)):
+        if value is None:
+            raise ValueError(f"'{key}' must be set (got null)")
+
+
+def _tta_names(what: str, value: str, valid: Iterable[str], everything: str) -> list[str]:
+    """``everything``, one name or a comma list -> the names, checked."""
+    valid = list(valid)
+    names = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not names:
+        raise ValueError(f"no {what} given; valid: {everything}, {', '.join(valid)}")
+    for n in names:
+        if n != everything and n not in valid:
+            raise ValueError(f"unknown {what} {n!r}; valid: {everything}, {', '.join(valid)}")
+    return valid if everything in names else [v for v in valid if v in names]
+
+
+def _check_tta(full: RecipeConfig) -> None:
+    """The ``kind: tta`` combinations: methods, settings and the adaptation-subspace protocol."""
+    methods = _tta_names("method", full.method, TTA_METHODS, "all")
+    settings = _tta_names("setting", full.setting, TTA_SETTINGS, "both")
+    t = full.tta
+    if t.protocol == "loco" and any(get_method(m).subspace for m in methods):
+        if t.finetune.trajectory is not None:
+            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
+                             "one given tta.finetune.trajectory (set it to null, or use protocol paper / train)")
+        if full.subspace.name:
+            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
+                             "one subspace store entry subspace.name (set it to null, or use protocol paper / train)")
+        if settings == ["continual"]:
+            raise ValueError("tta.protocol=loco (leave one corruption out) is defined for the reset setting only: "
+                             "the continual setting adapts across every corruption, so none is left out; "
+                             "use setting=reset (setting=both runs the reset setting only)")
+
+
+def _check_method_options(full: RecipeConfig) -> None:
     """Options of the subspace stage that only some methods take (their ``szo.methods`` record),
     checked before anything runs: a recipe must not fail after its BPTT stage on a combination
     known up front."""
-    method, sz = full["method"], full["szo"]
+    method, sz = full.method, full.szo
     spec = get_method(method)
-    if full["train"]["weight_decay"] and not spec.weight_decay:
+    if full.train.weight_decay and not spec.weight_decay:
         raise ValueError(f"method {method!r} uses no weight decay (paper App. G / its seed paper); "
                          "set train.weight_decay=0")
-    if full["train"]["momentum"] and not spec.momentum:
+    if full.train.momentum and not spec.momentum:
         raise ValueError(f"method {method!r} takes no momentum (seed 001 Algorithm 1 / seed 004 eq. 8: plain "
-                         f"steps); set train.momentum=0 (got {full['train']['momentum']})")
-    if sz["time_chunk"] is not None and not spec.streaming:
+                         f"steps); set train.momentum=0 (got {full.train.momentum})")
+    if sz.time_chunk is not None and not spec.streaming:
         why = ("backpropagates" if spec.backprop else "takes forward-mode derivatives" if spec.jvp
                else "perturbs layer outputs over all T steps at once")
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
                          f"{method!r} {why}; valid methods with szo.time_chunk: "
                          f"{', '.join(list_methods(streaming=True))}")
-    if sz["engine"] not in spec.engines:
-        raise ValueError(f"szo.engine {sz['engine']!r} evaluates SZO probe plans; method {method!r} runs with "
-                         f"engine 'loop'; valid methods for it: {', '.join(list_methods(engines=sz['engine']))}")
-    tt = full["tt"]
-    if not (tt["sign_mu"] > 0 and tt["sign_lr"] >= 0 and tt["tol"] >= 0):
-        raise ValueError(f"tt.sign_mu must be > 0 and tt.sign_lr, tt.tol >= 0; got sign_mu={tt['sign_mu']}, "
-                         f"sign_lr={tt['sign_lr']}, tol={tt['tol']}")
+    if sz.engine not in spec.engines:
+        raise ValueError(f"szo.engine {sz.engine!r} evaluates SZO probe plans; method {method!r} runs with "
+                         f"engine 'loop'; valid methods for it: {', '.join(list_methods(engines=sz.engine))}")
     for key, what in (("layers", "sparse layer-wise training"), ("stages", "pipeline stages")):
         if sz[key] is not None and key not in spec.options:
-            raise ValueError(f"'szo.{key}' ({what}) applies to {which_methods(options=key)}; method {method!r} takes none: "
-                             f"leave szo.{key} null")
-    if sz["chunk"] is not None and sz["engine"] != "batched":
+            raise ValueError(f"'szo.{key}' ({what}) applies to {which_methods(options=key)}; method {method!r} "
+                             f"takes none: leave szo.{key} null")
+    if sz.chunk is not None and sz.engine != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")
 
 
-def _check_compile(full: Mapping[str, Any]) -> None:
+def _check_compile(full: RecipeConfig) -> None:
     """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
     own multi-step forward (batched engine, streaming forward, integer backend)."""
-    c = full["compile"]
+    c = full.compile
     if c is False:
         return
-    from szo.models.compiled import check_compile
-
     check_compile("inductor" if c is True else c)
-    sz = full["szo"]
-    for bad, what in ((sz["engine"] != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
-                      (sz["time_chunk"] is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
-                      (full["backend"] != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
+    sz = full.szo
+    for bad, what in ((sz.engine != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
+                      (sz.time_chunk is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
+                      (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
         if bad:
             raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
 
 
-def _check_hw(full: Mapping[str, Any]) -> None:
+def _check_hw(full: RecipeConfig) -> None:
     """Backend / BN-statistics / fixed-point learner choices and the combinations that make sense."""
-    _choice(full, "backend", BACKENDS)
-    _choice(full, "bn_stats", BN_STATS)
-    _choice(full, "hw.learner", HW_LEARNERS)
-    _choice(full, "hw.arithmetic", HW_ARITHMETICS)
-    hw = full["hw"]
-    if hw["reset"] is not None:
-        _choice(full, "hw.reset", HW_RESETS)
-    if full["backend"] != "fixed" and (hw["arithmetic"] != "szo" or hw["reset"] is not None):
+    hw = full.hw
+    if full.backend != "fixed" and (hw.arithmetic != "szo" or hw.reset is not None):
         raise ValueError("hw.arithmetic / hw.reset choose the integer arithmetic of backend 'fixed'; with backend "
-                         f"{full['backend']!r} leave them at 'szo' / null")
-    for key in ("weight_bits", "basis_bits"):
-        if hw[key] is not None and not 2 <= hw[key] <= 16:
-            raise ValueError(f"'hw.{key}' must be an int in [2, 16] (e.g. 8 or 4){' or null' if key == 'basis_bits' else ''}, "
-                             f"got {hw[key]!r}")
-    if not 8 <= hw["coord_bits"] <= 48 or not 0 <= hw["coord_frac"] < hw["coord_bits"]:
-        raise ValueError(f"need 8 <= hw.coord_bits <= 48 and 0 <= hw.coord_frac < hw.coord_bits, "
-                         f"got {hw['coord_bits']}, {hw['coord_frac']}")
-    if full["backend"] == "fixed":
-        if full["kind"] != "subspace":
+                         f"{full.backend!r} leave them at 'szo' / null")
+    spec = get_method(full.method)
+    if full.backend == "fixed":
+        if full.kind != "subspace":
             raise ValueError("backend 'fixed' applies to the subspace stage (kind: subspace); "
                              "BPTT needs float gradients: run it with backend 'float'")
-        if full["bn_stats"] != "deployed":
+        if full.bn_stats != "deployed":
             raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
                              "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
-        if not get_method(full["method"]).fixed_backend:
-            raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full['method']!r}; "
+        if not spec.fixed_backend:
+            raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full.method!r}; "
                              f"valid: {', '.join(list_methods(fixed_backend=True))}")
-        if full["szo"]["engine"] != "loop":
+        if full.szo.engine != "loop":
             raise ValueError("backend 'fixed' evaluates probes one integer forward at a time; "
                              "valid szo.engine for it: loop")
-        if full["szo"]["time_chunk"] is not None:
+        if full.szo.time_chunk is not None:
             raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
                              "szo.time_chunk applies to backend 'float' (set it to null)")
-    spec = get_method(full["method"]) if full["method"] in list_methods() else None
-    if spec is not None and spec.integer and hw["learner"] != "integer":
-        raise ValueError(f"method {full['method']!r} (seed-004 quantized ZO) is an integer learner on the "
+    if spec.integer and hw.learner != "integer":
+        raise ValueError(f"method {full.method!r} (seed-004 quantized ZO) is an integer learner on the "
                          "fixed-point forward: set backend=fixed, bn_stats=deployed and hw.learner=integer "
                          "(recipe digits-fixed does)")
-    if hw["learner"] == "integer" and (full["backend"] != "fixed" or spec is None or not spec.integer_learner):
+    if hw.learner == "integer" and (full.backend != "fixed" or not spec.integer_learner):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          f"backend 'fixed' and a method in: {', '.join(list_methods(integer_learner=True))}")
-    if full["bn_stats"] == "deployed" and full["kind"] != "subspace":
+    if full.bn_stats == "deployed" and full.kind != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
 
 
-def resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
     """``validate`` plus defaults that depend on other values (``train.lr: null`` -> the method's
     default: its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
     ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G))."""
     full = validate(cfg)
-    if full["kind"] in EXTERNAL_KINDS:
+    if full.kind == "tta" or full.train.lr is not None:
         return full
-    if full["train"]["lr"] is None:
-        spec = get_method(full["method"])
-        default = full["bptt"]["lr"] if spec.backprop and not spec.subspace else 1.0
-        full["train"]["lr"] = spec.defaults.get("train.lr", default)
-    return full
+    spec = get_method(full.method)
+    default = full.bptt.lr if spec.backprop and not spec.subspace else 1.0
+    return dataclasses.replace(full, train=full.train.replace(lr=spec.defaults.get("train.lr", default)))
 
 
 def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -518,7 +779,7 @@ def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) ->
     return _deep_merge(raw, per.get(method, {}))
 
 
-def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str | tuple[str, Any]] = ()) -> dict[str, Any]:
+def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str | tuple[str, Any]] = ()) -> RecipeConfig:
     """Shipped recipe name or a YAML path, ``extends`` resolved, the chosen method's
     ``method_defaults`` merged, overrides applied, validated, resolved."""
     items = [parse_override(i) if isinstance(i, str) else i for i in overrides]
@@ -531,4 +792,8 @@ load_config = load_recipe
 
 def write_config(cfg: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically)."""
-    atomic_write_text(path, yaml.safe_dump(dict(cfg), sort_keys=False, default_flow_style=False))
+    atomic_write_text(path, yaml.safe_dump(config_dict(cfg), sort_keys=False, default_flow_style=False))
+
+
+#: every valid key with its default (a recipe only lists what differs); derived from the schema
+DEFAULTS: dict[str, Any] = RecipeConfig().to_dict()

@@ -389,13 +389,10 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
 
 def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
                 callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    from szo.config import EXTERNAL_KINDS
+    if cfg["kind"] == "tta":
+        from szo.adapt.cli import run_recipe as run_tta_recipe  # noqa: PLC0415 (adapt builds on the stages here)
 
-    if cfg["kind"] in EXTERNAL_KINDS:  # e.g. kind: tta -> szo.adapt.cli.run_recipe
-        import importlib
-
-        mod, _, run_fn, _ = EXTERNAL_KINDS[cfg["kind"]]
-        return getattr(importlib.import_module(mod), run_fn)(cfg, out, device=dev)
+        return run_tta_recipe(cfg, out, device=dev)
     if cfg["kind"] == "bp":
         return run_bptt_stage(cfg, out, device=dev, resume=resume)
     store = subspace_store_for(cfg)

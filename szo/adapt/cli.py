@@ -4,7 +4,7 @@ Recipe (``recipes/*-tta.yaml``): the shared sections (``model``, ``data`` = the 
 data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo.q``, ``seed``,
 ``device``, ``progress``) mean what they mean for ``kind: bp`` recipes; ``method`` is one of
 ``szo.adapt.METHODS`` or ``all``; ``setting`` is ``reset`` | ``continual`` | ``both``; the
-``tta`` section (``TTA_DEFAULTS``) holds the rest. :func:`run_recipe` runs
+``tta`` section (``szo.config.TTAConfig``) holds the rest. :func:`run_recipe` runs
 
 1. the source model: ``tta.source_run`` (a ``szo recipe`` run directory: ``config.yaml`` +
    ``model.safetensors`` or ``checkpoints/last.pt``, and a trajectory; read by
@@ -24,7 +24,6 @@ data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -33,100 +32,13 @@ from typing import Any, Mapping
 
 import torch
 
-from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, check_choice
+from szo.config import RecipeConfig, resolve
+
+from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS
 from .subspace import LABEL_LEAK
 from .tables import write_tables
 
-__all__ = ["TTA_DEFAULTS", "resolve_tta", "run_recipe", "register", "main", "train_source", "load_source"]
-
-#: the ``tta`` section of a ``kind: tta`` recipe, with defaults (paper Sec. 6.3 / App. G)
-TTA_DEFAULTS: dict[str, Any] = {
-    "data": "digits-c",          # corrupted test set (szo.data name)
-    "severity": 5,
-    "batch_size": 100,           # App. G: 100 for CIFAR-C, 500 for ImageNet-C
-    "data_dir": None,
-    "download": False,
-    "kwargs": {},                # extra get_dataset keywords of the corrupted set
-    "corruptions": None,         # null = the 15 in table order
-    "lr_reset": 1.0,             # App. G (subspace methods)
-    "lr_continual": 0.1,
-    "momentum": 0.9,
-    "predict": "before",
-    "tent_optimizer": "adam",    # Tent's CIFAR setting; sgd (lr 2.5e-4 @ batch 64) for ImageNet
-    "tent_lr": 1.0e-3,
-    "tent_momentum": 0.9,
-    "max_batches": None,
-    "source_run": None,          # szo recipe run dir (config.yaml, model.safetensors or last.pt, trajectory/)
-    "train_source": False,       # with source_run null: BPTT-train the source here (digits-size only)
-    "source_trajectory": None,   # default: <source_run>/trajectory
-    "n_source": 20,              # last source-trajectory samples in the PCA
-    "protocol": "train",         # fine-tuning data of the subspace: paper (test split: labels leak) | train | loco
-    "finetune": {
-        "trajectory": None,      # existing fine-tuning trajectory (needed for *-c sets without train split)
-        "corruption": "gaussian_noise",   # paper / train: the one corruption fine-tuned on
-        "severity": 1,
-        "images": None,          # fine-tuning images (first n of the split; loco: in all, across the 14); null = split size
-        "epochs": 10,
-        "samples": 20,
-        "lr": 0.01,
-        "momentum": 0.9,
-        "weight_decay": 0.0,
-        "batch_size": 64,
-    },
-}
-
-
-def _merge(base: Mapping[str, Any], over: Mapping[str, Any], where: str) -> dict[str, Any]:
-    out = copy.deepcopy(dict(base))
-    for key, v in (over or {}).items():
-        if key not in base:
-            raise ValueError(f"unknown key '{where}{key}'; valid: {', '.join(base)}")
-        if isinstance(base[key], dict) and base[key] and isinstance(v, Mapping):
-            out[key] = _merge(base[key], v, f"{where}{key}.")
-        else:
-            out[key] = v
-    return out
-
-
-def resolve_tta(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The config with the ``tta`` section filled and the TTA choices checked (ValueError)."""
-    full = copy.deepcopy(dict(cfg))
-    full["tta"] = _merge(TTA_DEFAULTS, full.get("tta") or {}, "tta.")
-    full.setdefault("method", "all")
-    full.setdefault("setting", "both")
-    from .runner import resolve_methods, resolve_settings
-
-    resolve_methods(full["method"])
-    resolve_settings(full["setting"])
-    t = full["tta"]
-    check_choice("tta.predict", t["predict"], PREDICT)
-    check_choice("tta.tent_optimizer", t["tent_optimizer"], TENT_OPTIMIZERS)
-    for key in ("lr_reset", "lr_continual", "tent_lr", "momentum", "tent_momentum"):
-        t[key] = float(t[key])
-    for key in ("batch_size", "severity", "n_source"):
-        if isinstance(t[key], bool) or not isinstance(t[key], int) or t[key] < 1:
-            raise ValueError(f"'tta.{key}' must be a positive int, got {t[key]!r}")
-    for key in ("lr", "momentum", "weight_decay"):
-        t["finetune"][key] = float(t["finetune"][key])
-    from .subspace import PROTOCOLS
-
-    check_choice("tta.protocol", t["protocol"], PROTOCOLS)
-    images = t["finetune"]["images"]
-    if images is not None and (isinstance(images, bool) or not isinstance(images, int) or images < 1):
-        raise ValueError(f"'tta.finetune.images' must be a positive int or null (the whole split), got {images!r}")
-    if t["protocol"] == "loco" and any(m in SUBSPACE_METHODS for m in resolve_methods(full["method"])):
-        if t["finetune"]["trajectory"] is not None:
-            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
-                             "one given tta.finetune.trajectory (set it to null, or use protocol paper / train)")
-        if (full.get("subspace") or {}).get("name"):
-            raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
-                             "one subspace store entry subspace.name (set it to null, or use protocol paper / train)")
-        if resolve_settings(full["setting"]) == ["continual"]:
-            raise ValueError("tta.protocol=loco (leave one corruption out) is defined for the reset setting only: "
-                             "the continual setting adapts across every corruption, so none is left out; "
-                             "use setting=reset (setting=both runs the reset setting only)")
-    return full
-
+__all__ = ["run_recipe", "register", "main", "train_source", "load_source"]
 
 # --------------------------------------------------------------------------- source model
 def train_source(cfg: Mapping[str, Any], run_dir: Path, device: str) -> tuple[torch.nn.Module, Path]:
@@ -201,7 +113,7 @@ def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_t
 # --------------------------------------------------------------------------- recipe stage
 def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str = "cpu") -> dict[str, Any]:
     """Run a ``kind: tta`` recipe into ``out_dir``; returns the TTA results dict."""
-    cfg = resolve_tta(cfg)
+    cfg = cfg if isinstance(cfg, RecipeConfig) else resolve(cfg)
     t, out = cfg["tta"], Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed = int(cfg.get("seed", 0))

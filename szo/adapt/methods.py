@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.config import TENT_OPTIMIZERS, TTA_PREDICT, TTA_SETTINGS
 from szo.losses import entropy_loss
 from szo.methods import NO_ADAPTATION, TTA_METHODS, TTA_SUBSPACE_METHODS, get_method
 from szo.optim import build_optimizer
@@ -85,9 +86,8 @@ __all__ = [
 METHODS = TTA_METHODS
 #: the methods that adapt inside the adaptation subspace (they need ``subspace``)
 SUBSPACE_METHODS = TTA_SUBSPACE_METHODS
-SETTINGS = ("reset", "continual")
-PREDICT = ("before", "after")
-TENT_OPTIMIZERS = ("adam", "sgd")
+SETTINGS = TTA_SETTINGS
+PREDICT = TTA_PREDICT
 #: column / row names used in the paper's Table 2 and Tables 5-10 (the registry's labels)
 METHOD_LABELS = {m: get_method(m).label for m in METHODS}
 #: whether the method back-propagates (the "BP" column of Tables 5-10)

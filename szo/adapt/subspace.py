@@ -37,13 +37,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from szo.config import TTA_PROTOCOLS
+
 from .methods import check_choice
 
 __all__ = ["PROTOCOLS", "PROTOCOL_SPLITS", "LABEL_LEAK", "protocol_info", "finetune_dataset", "finetune_on_dataset",
            "build_adaptation_subspace", "protocol_subspaces", "source_tail"]
 
 #: how the adaptation subspace's fine-tuning data are chosen (``tta.protocol``)
-PROTOCOLS = ("paper", "train", "loco")
+PROTOCOLS = TTA_PROTOCOLS
 #: the split each protocol fine-tunes on
 PROTOCOL_SPLITS = {"paper": "test", "train": "train", "loco": "train"}
 #: the flag every output of the paper protocol carries

@@ -1,11 +1,23 @@
-"""``szo federated RECIPE [--clients 8] [--rounds 100] ...``: BAFFLE on Flower (szo.federated.flower)."""
+"""``szo federated RECIPE [--clients 8] [--rounds 100] ...``: BAFFLE on Flower (szo.federated.flower).
+
+RECIPE is a shipped ``kind: subspace`` recipe or a YAML file; its ``federated`` section
+(``szo.config.FederatedConfig``) holds the federation's settings, and every flag below is a
+shortcut for ``--set federated.KEY=VALUE`` (a flag given wins over the recipe).
+"""
 from __future__ import annotations
 
 import argparse
 
-from szo.federated.flower import SPACES, FederatedConfig
+from szo.config import FederatedConfig, load_recipe
+from szo.federated.flower import SPACES, run_federated
 
 __all__ = ["register"]
+
+# flag -> federated.KEY (the flag's help says what the key means)
+_FLAGS = {"clients": "client processes", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
+          "sigma": "perturbation scale", "lr": "server learning rate (cosine over the rounds)",
+          "momentum": "server heavy-ball momentum", "alpha": "Dirichlet label skew (small = non-IID)",
+          "batch_size": "local batch per client and round", "eval_every": "server-side test evaluation period"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -14,21 +26,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "federated", help="forward-only federated training (BAFFLE on Flower, one process per client)",
         description="BAFFLE (seed 002): each round the server sends the model and a seed; every client "
                     "returns K loss differences on its local data (masked, zero-sum); the server "
-                    "regenerates the directions and steps. Model, data, loss and subspace come from RECIPE "
-                    "(a 'kind: subspace' recipe, e.g. digits-scratch). See docs/federated.md.")
+                    "regenerates the directions and steps. Model, data, loss, subspace and the federated "
+                    "section come from RECIPE (a 'kind: subspace' recipe name or YAML file, e.g. "
+                    "digits-scratch). See docs/federated.md.")
     p.add_argument("name", metavar="RECIPE")
-    p.add_argument("--clients", type=int, default=d.clients, help=f"client processes (default {d.clients})")
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--K", dest="K", type=int, default=d.K, help="directions per round (2K forwards per client)")
-    p.add_argument("--sigma", type=float, default=d.sigma, help="perturbation scale")
-    p.add_argument("--lr", type=float, default=d.lr, help="server learning rate (cosine over the rounds)")
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--alpha", type=float, default=d.alpha, help="Dirichlet label skew (small = non-IID)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="local batch per client and round")
-    p.add_argument("--space", choices=SPACES, default=d.space,
-                   help="subspace: directions P z in the recipe's stored subspace; full: z in R^d")
-    p.add_argument("--no-secure", dest="secure", action="store_false", help="upload without zero-sum masks")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="server-side test evaluation period")
+    for key, help_text in _FLAGS.items():
+        flag = "--" + key.replace("_", "-")
+        p.add_argument(flag, dest=key, type=type(getattr(d, key)), default=None,
+                       help=f"{help_text} (federated.{key}; default: the recipe's, else {getattr(d, key)})")
+    p.add_argument("--space", choices=SPACES, default=None,
+                   help="subspace: directions P z in the recipe's stored subspace; full: z in R^d (federated.space)")
+    p.add_argument("--no-secure", dest="secure", action="store_const", const=False, default=None,
+                   help="upload without zero-sum masks (federated.secure=false)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override (repeatable)")
     p.add_argument("--out", default=None, help="run directory (default runs/federated-RECIPE)")
     p.set_defaults(func=_run)
@@ -36,15 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from szo.config import load_recipe
-    from szo.federated.flower import run_federated
-
-    fc = FederatedConfig(clients=args.clients, rounds=args.rounds, K=args.K, sigma=args.sigma, lr=args.lr,
-                         momentum=args.momentum, alpha=args.alpha, batch_size=args.batch_size, space=args.space,
-                         secure=args.secure, eval_every=args.eval_every)
-    cfg = load_recipe(args.name, args.set or [])
+    flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "secure") if (v := getattr(args, k)) is not None]
+    cfg = load_recipe(args.name, (args.set or []) + flags)
+    fc = cfg.federated
     out = args.out or f"runs/federated-{cfg['name']}"
-    s = run_federated(cfg, out, fc)
+    s = run_federated(cfg, out)
     print(f"federated {cfg['name']} [BAFFLE, {fc.clients} clients, K={fc.K}, {fc.space}] done in {out}: "
           f"max test acc {100 * s['best_test_acc']:.2f}%, #FP {s['fp']}, #BP 0, "
           f"{s['bytes_down_per_round']:.0f} B down / {s['bytes_up_per_round']:.0f} B up per round, "

@@ -40,45 +40,13 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve
 from szo.federated import baffle as B
 from szo.zo import bn_layers, heavy_ball_
 
-__all__ = ["FederatedConfig", "run_federated", "SPACES"]
+__all__ = ["FederatedConfig", "run_federated", "SPACES"]  # FederatedConfig: the schema's (szo.config)
 
-SPACES: tuple[str, ...] = ("subspace", "full")
-
-
-@dataclasses.dataclass(frozen=True)
-class FederatedConfig:
-    """Settings of one BAFFLE run (the recipe gives model, data, loss, subspace, seed)."""
-
-    clients: int = 8
-    rounds: int = 100
-    K: int = 20                 # directions per round (BAFFLE's K); 2K forwards per client per round
-    sigma: float = 0.3          # perturbation scale (SZO-RGE's mu on digits)
-    lr: float = 0.3
-    momentum: float = 0.9
-    alpha: float = 0.5          # Dirichlet label skew
-    batch_size: int = 64        # local batch per round
-    space: str = "subspace"     # "subspace": directions P z_k; "full": z_k in R^d
-    secure: bool = True         # zero-sum masks
-    eval_every: int = 10
-    bn_momentum: float = 0.1
-    round_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for name in ("clients", "rounds", "K", "batch_size", "eval_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}"
-                                 + (" (a federation needs at least one client)" if name == "clients" else ""))
-        if self.space not in SPACES:
-            raise ValueError(f"unknown space {self.space!r}; valid: {', '.join(SPACES)}")
-        if not self.sigma > 0 or not self.lr >= 0 or not 0 <= self.momentum < 1 or not self.alpha > 0:
-            raise ValueError(f"need sigma > 0, lr >= 0, 0 <= momentum < 1, alpha > 0; got sigma={self.sigma}, "
-                             f"lr={self.lr}, momentum={self.momentum}, alpha={self.alpha}")
-        if not 0 < self.bn_momentum <= 1 or not self.round_timeout_s > 0:
-            raise ValueError("need 0 < bn_momentum <= 1 and round_timeout_s > 0")
+SPACES: tuple[str, ...] = FEDERATED_SPACES
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -272,16 +240,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig) -> dict[str, Any]:
+def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig | None = None
+                  ) -> dict[str, Any]:
     """Run BAFFLE for ``fc.rounds`` rounds with ``fc.clients`` client processes; write ``out_dir``
-    (config.yaml, federated.json, metrics.jsonl, results.json); return the summary.
+    (config.yaml, federated.json, metrics.jsonl, results.json); return the summary. ``fc``
+    defaults to the recipe's ``federated`` section; given, it replaces that section (config.yaml
+    records what ran).
 
     The server's own work (evaluation) runs with one torch thread while the clients share the
     cores; the caller's thread count is restored afterwards."""
+    cfg = cfg if isinstance(cfg, RecipeConfig) else resolve(cfg)
+    if fc is not None:
+        cfg = dataclasses.replace(cfg, federated=fc)
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_federated(cfg, out_dir, fc)
+        return _run_federated(cfg, out_dir, cfg.federated)
     finally:
         torch.set_num_threads(prev)
 
@@ -307,7 +281,7 @@ def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Feder
     if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
         run_bptt_stage(cfg, run_dir / "bptt")  # the subspace the clients download once
     write_config(cfg, run_dir / "config.yaml")
-    atomic_write_json(run_dir / "federated.json", dataclasses.asdict(fc))
+    atomic_write_json(run_dir / "federated.json", fc.to_dict())
     train = _dataset(cfg, "train")
     splits = B.dirichlet_split(_targets(train), fc.clients, fc.alpha, seed=int(cfg["seed"]))
     n_total = int(sum(len(s) for s in splits))
@@ -322,7 +296,7 @@ def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Feder
     try:
         for c in range(fc.clients):  # one OS process per client, spec on stdin (the secret never hits the disk)
             p = subprocess.Popen([sys.executable, "-m", "szo.federated.flower"], stdin=subprocess.PIPE, env=env)
-            spec = {"cfg": cfg, "federated": dataclasses.asdict(fc), "cid": c, "indices": splits[c].tolist(),
+            spec = {"cfg": cfg.to_dict(), "federated": fc.to_dict(), "cid": c, "indices": splits[c].tolist(),
                     "secret": secret.hex(), "address": address}
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()

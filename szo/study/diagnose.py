@@ -18,7 +18,7 @@ mu -> 0 RGE variance next to the measured one, and a plot next to it (``.png``).
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -141,8 +141,7 @@ def diagnose_run(run_dir: str | os.PathLike, *, subspace: str | None = None, mus
     rows = diagnose_model(model, x, y, loss_fn, directions=directions, mus=mus, qs=qs, repeats=repeats,
                           seed=seed, max_full_cge=max_full_cge, label="snn")
     if twin:
-        tcfg = copy.deepcopy(cfg)
-        tcfg["model"]["activation"], tcfg["model"]["T"] = "relu", 1
+        tcfg = dataclasses.replace(cfg, model=cfg.model.replace(activation="relu", T=1))  # the ReLU twin, T = 1
         relu = build_model(tcfg)
         relu.load_state_dict(model.state_dict(), strict=True)
         rows += diagnose_model(relu, x, y, loss_fn, directions=directions, mus=mus, qs=qs, repeats=repeats,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from szo.adapt import run_tta
-from szo.adapt.cli import resolve_tta
+from szo.config import validate
 from szo.adapt.subspace import LABEL_LEAK, finetune_dataset
 from szo.data import CORRUPTIONS
 
@@ -17,7 +17,12 @@ from .test_runner import CORR, fake_data
 
 # --------------------------------------------------------------------------- resolution and errors
 def _cfg(**tta):
-    return {"method": "all", "setting": "both", "tta": tta}
+    return {"name": "t", "kind": "tta", "method": "all", "setting": "both", "tta": tta}
+
+
+def resolve_tta(cfg):
+    """The kind: tta config through the one schema (szo.config)."""
+    return validate({"name": "t", "kind": "tta", **cfg})
 
 
 def test_protocol_resolution_and_errors():
@@ -25,9 +30,9 @@ def test_protocol_resolution_and_errors():
     assert resolve_tta(_cfg())["tta"]["finetune"]["images"] is None
     for p in ("paper", "train", "loco"):
         assert resolve_tta(_cfg(protocol=p))["tta"]["protocol"] == p
-    with pytest.raises(ValueError, match="unknown tta.protocol 'honest'; valid: paper, train, loco"):
+    with pytest.raises(ValueError, match="invalid tta.protocol 'honest'; valid: paper, train, loco"):
         resolve_tta(_cfg(protocol="honest"))
-    with pytest.raises(ValueError, match="'tta.finetune.images' must be a positive int or null"):
+    with pytest.raises(ValueError, match="'tta.finetune.images' must be >= 1, got 0"):
         resolve_tta(_cfg(finetune={"images": 0}))
     with pytest.raises(ValueError, match="loco .* reset setting only.*use setting=reset"):
         resolve_tta({**_cfg(protocol="loco"), "setting": "continual"})

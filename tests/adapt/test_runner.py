@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from szo.adapt import METHODS, resolve_methods, resolve_settings, run_tta
-from szo.adapt.cli import resolve_tta
+from szo.config import validate
 from szo.adapt.tables import corruption_table, summary_table
 
 from .test_methods import random_subspace, state, tiny_model
@@ -123,8 +123,8 @@ def test_bad_method_and_setting_names(tmp_path):
     with pytest.raises(ValueError, match="need an adaptation subspace"):
         run_tta(tiny_model(), None, "digits-c", "szo-rge", "reset", batch_size=4, out_dir=tmp_path,
                 corruptions=CORR, get_data=fake_data, progress=False)
-    with pytest.raises(ValueError, match="unknown key 'tta.lr'; valid: data, severity"):
-        resolve_tta({"tta": {"lr": 1.0}})
+    with pytest.raises(ValueError, match="unknown key 'tta.lr'; valid keys under 'tta': data, severity"):
+        validate({"name": "x", "kind": "tta", "tta": {"lr": 1.0}})
 
 
 def test_recipe_without_source_gives_clear_error(tmp_path):

@@ -18,7 +18,7 @@ def run_dir(tmp_path):
     cfg = load_recipe("digits-bp")
     d = tmp_path / "run"
     d.mkdir()
-    atomic_write_text(d / "config.yaml", yaml.safe_dump(cfg))
+    atomic_write_text(d / "config.yaml", yaml.safe_dump(cfg.to_dict()))
     model = build_model(cfg)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, d / "model.safetensors")
     return d

@@ -100,7 +100,7 @@ def test_round_directions_are_regenerated_from_the_seed():
 def test_federated_config_rejects_zero_clients():
     from szo.federated.flower import FederatedConfig
 
-    with pytest.raises(ValueError, match="clients must be an int >= 1"):
+    with pytest.raises(ValueError, match="'clients' must be >= 1, got 0"):
         FederatedConfig(clients=0)
     with pytest.raises(ValueError, match="valid: subspace, full"):
         FederatedConfig(space="tt")
@@ -111,6 +111,6 @@ def test_cli_zero_clients_is_one_clear_error(capsys):
 
     assert main(["federated", "digits-scratch", "--clients", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: clients must be an int >= 1, got 0 (a federation needs at least one client)"]
+    assert err == ["error: 'federated.clients' must be >= 1, got 0"]
     assert main(["federated", "digits-bp", "--clients", "2"]) == 2
     assert "kind: subspace" in capsys.readouterr().err
