@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from common import RESULTS, machine_info, set_threads, write_result
+from torch import nn
 
 
 def _bn(model: nn.Module) -> list[nn.Module]:

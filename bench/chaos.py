@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, machine_info, write_result
+from common import machine_info, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
@@ -311,7 +311,7 @@ def main() -> int:
     row("subspace.k > planned samples - 1", "exit 2, one line, before BPTT", ok, f"exit={r.returncode} '{line}'")
 
     wall = time.perf_counter() - t0
-    print(f"\n| case | expected | outcome | ok |\n|---|---|---|---|")
+    print("\n| case | expected | outcome | ok |\n|---|---|---|---|")
     for x in rows:
         print(f"| {x['case']} | {x['expected']} | {x['outcome'].replace('|', '/')} | {'yes' if x['ok'] else 'NO'} |")
     n_ok = sum(x["ok"] for x in rows)

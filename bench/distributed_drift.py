@@ -25,7 +25,6 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from common import machine_info, write_result
 
 from szo.config import load_recipe
@@ -61,9 +60,9 @@ def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: 
 def _worker(rank: int, world: int, init: str, out: str, sets: list[str], steps: int, dtype: torch.dtype) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        p, l = _run(sets, steps, dtype, rank, world)
+        p, losses = _run(sets, steps, dtype, rank, world)
         if rank == 0:
-            torch.save({"params": p, "losses": l}, out)
+            torch.save({"params": p, "losses": losses}, out)
     finally:
         dist.barrier()
         dist.destroy_process_group()

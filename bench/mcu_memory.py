@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("--q", type=int, default=4, help="probes per layer")
     a = p.parse_args()
     torch.set_num_threads(1)
-    print(f"| model | T | L | sum d_w | sum d_a | " + " | ".join(TABLE3_ROWS) + " |")
+    print("| model | T | L | sum d_w | sum d_a | " + " | ".join(TABLE3_ROWS) + " |")
     print("|" + "---|" * (5 + len(TABLE3_ROWS)))
     for name in a.models:
         for T in a.T:

@@ -36,8 +36,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, RandomSubspace, cpu_alloc_peak, machine_info, make_batch, make_model,  # noqa: E402
-                    proc_status_kb, run_json_worker, set_threads, write_result)
+from common import (  # noqa: E402
+    RESULTS,
+    RandomSubspace,
+    cpu_alloc_peak,
+    machine_info,
+    make_batch,
+    make_model,
+    proc_status_kb,
+    run_json_worker,
+    set_threads,
+    write_result,
+)
+
 from szo.models.streaming import STREAM_BN_MODES  # noqa: E402
 
 METHODS = ("bptt", "bptt-ckpt", "bptt-bf16", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import RESULTS, machine_info, set_threads, write_result
+from common import machine_info, set_threads, write_result
 
 
 def main() -> None:

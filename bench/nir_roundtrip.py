@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from common import RESULTS, set_threads  # noqa: F401  (puts the checkout on sys.path)
+
 from szo.data import get_dataset, make_loader
 from szo.export import from_nir, read_nir, to_nir, write_nir
 from szo.export.simulators import run_snntorch, snntorch_from_nir

@@ -42,8 +42,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RandomSubspace, machine_info, make_batch, make_model, set_threads, stock_twin,  # noqa: E402
-                    timed, write_result)
+from common import RandomSubspace, machine_info, make_batch, make_model, set_threads, stock_twin, timed, write_result  # noqa: E402
 
 from szo.functional.zo import sample_gaussian  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402

@@ -19,8 +19,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, RandomSubspace, machine_info, make_batch, make_model,  # noqa: E402
-                    median_time, set_threads, timed, write_result)
+from common import (  # noqa: E402
+    RESULTS,
+    RandomSubspace,
+    machine_info,
+    make_batch,
+    make_model,
+    median_time,
+    set_threads,
+    timed,
+    write_result,
+)
 
 from szo.engine import batch_closure  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402

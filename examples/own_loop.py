@@ -21,7 +21,11 @@ x_all = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1).div(16).re
 y_all = torch.tensor(digits.target)
 train = list(zip(x_all[:, :1400].split(64, dim=1), y_all[:1400].split(64)))
 x_test, y_test = x_all[:, 1400:], y_all[1400:]
-loss_fn = lambda out, y: nn.functional.cross_entropy(out.mean(0), y)
+
+
+def loss_fn(out, y):  # out: [T, N, 10] -> the mean over time is the prediction
+    return nn.functional.cross_entropy(out.mean(0), y)
+
 
 # 1. BPTT for 3 epochs, recording the weight trajectory (initial weights + one sample per epoch)
 teacher = make_model()

@@ -23,23 +23,33 @@ its results.json says ``"status": "diverged"``. Only rank 0 prints the summary l
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
+from importlib import metadata
 from typing import Any, Sequence
 
 __all__ = ["main", "build_parser"]
 
-_REGISTRARS = ["subspace_store.cli", "szo.hw.cli", "szo.adapt.cli", "szo.demos.cli", "szo.commands.export",
-               "szo.federated.cli", "szo.study.cli"]
+COMMAND_GROUP = "szo.commands"
+"""Entry-point group of the subcommands: ``name = "module:register"`` (``register(subparsers)``)."""
+DEMO_GROUP = "szo.demos"
+"""Entry-point group of ``szo demo NAME``: ``register_demo(demo_subparsers)``."""
 
 
-def _import_registrar(name: str):
+def _entry_points(group: str) -> list[metadata.EntryPoint]:
+    eps = sorted(metadata.entry_points(group=group), key=lambda ep: ep.name)
+    if not eps and group == COMMAND_GROUP:
+        raise RuntimeError(f"no '{group}' entry points: szo is not installed (pip install -e . from the project root)")
+    return eps
+
+
+def _load(ep: metadata.EntryPoint):
+    """The registrar function; None when its module needs an extra that is not installed."""
     try:
-        return importlib.import_module(name)
+        return ep.load()
     except ModuleNotFoundError as e:
-        # skip only if the registrar module itself (or its package) is missing
-        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+        module = ep.value.split(":")[0]
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
             return None
         raise
 
@@ -131,14 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="write report.md, report.json and accuracy.png here")
     rp.set_defaults(func=_cmd_report)
 
-    for name in _REGISTRARS:
-        mod = _import_registrar(name)
-        if mod is None:
-            continue
-        if hasattr(mod, "register"):
-            mod.register(sub)
-        if hasattr(mod, "register_demo"):
-            mod.register_demo(dsub)
+    for group, target in ((COMMAND_GROUP, sub), (DEMO_GROUP, dsub)):
+        for ep in _entry_points(group):
+            register = _load(ep)
+            if register is not None:
+                register(target)
     return p
 
 

@@ -39,11 +39,11 @@ import torch
 
 from szo.config import write_config
 from szo.hw.convert import FixedPointNetwork
+from szo.io import atomic_save_safetensors
 from szo.methods import get_method, list_methods, method_label
 from szo.optim import HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
-from szo.train.callbacks import ResultFields
-from szo.io import atomic_save_safetensors
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
+from szo.train.callbacks import ResultFields
 
 __all__ = ["run_recipe", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage", "build_store_subspace", "build_model",
            "subspace_store_for", "run_dir_guard", "check_store_entry"]
@@ -151,7 +151,6 @@ def run_bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
 
 
 def _bptt_stage(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, build: bool) -> dict[str, Any]:
-    from szo.optim import build_optimizer
     from szo.train import TrajectoryCallback, fit
     from szo.trajectory import Trajectory, TrajectoryRecorder
 
@@ -300,8 +299,6 @@ def _subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, devic
     coordinate state by :class:`szo.hw.train.OnChipSZO` (integer c / momentum; ``szo-rge`` then
     draws seed-004 Rademacher directions from XORShift32).
     """
-    from szo.io import atomic_write_json
-    from szo.optim import build_optimizer
     from szo.train import fit
 
     run_dir = Path(run_dir)

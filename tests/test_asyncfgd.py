@@ -53,6 +53,7 @@ def _worker(rank, K, init_file, out_dir, spiking):
         shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K,spiking", [(3, False), (2, True)])  # each spawns K fresh interpreters (slow)
 def test_pipeline_on_processes_equals_the_staleness_rule(tmp_path, K, spiking):
     layers, batches, loss_fn, encode = setup(spiking)

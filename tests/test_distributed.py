@@ -12,6 +12,8 @@ from torch import nn
 from szo.distributed import shutdown
 from szo.optim import SZO
 
+pytestmark = pytest.mark.slow  # gloo process groups in several processes
+
 STEPS, K, GLOBAL_BATCH = int(os.environ.get("DBG_STEPS", 3)), 4, 16
 
 

@@ -22,6 +22,8 @@ import torch
 from szo.config import load_recipe
 from szo.pipeline import run_recipe
 
+pytestmark = pytest.mark.slow  # torchrun with 2 processes
+
 REPO = Path(__file__).resolve().parents[1]
 K, WIDTH, BATCH, STEPS = 4, 4, 32, 3
 TINY = ["model.T=2", f"model.kwargs={{width: {WIDTH}}}", "progress=false", f"data.batch_size={BATCH}",

@@ -1,59 +1,63 @@
-"""environment.yml's pip section lists the same dependencies as setup.py."""
-import ast
+"""pyproject.toml is the one source: dependencies, extras, commands (entry points), package data,
+the package list; environment.yml and the Makefile install from it; a wheel built from it works."""
+import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
+import tomllib
 import yaml
+from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # extras installed by `make install` / environment.yml; "cuda" (triton) is GPU-only and left out
-ENV_EXTRAS = ("test", "dvs", "corruptions", "deploy", "federated")
+ENV_EXTRAS = ("test", "dvs", "corruptions", "deploy", "federated", "log")
 
 
-def _setup_lists():
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("INSTALL_REQUIRES", "EXTRAS_REQUIRE"):
-                found[node.targets[0].id] = ast.literal_eval(node.value)
-    return found["INSTALL_REQUIRES"], found["EXTRAS_REQUIRE"]
-
-
-def test_environment_yml_matches_setup_py():
-    install, extras = _setup_lists()
+def test_environment_yml_and_makefile_install_from_pyproject():
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
-    pip_reqs = [p for p in pip if not p.startswith("-e")]
-    expected = list(install) + [r for e in ENV_EXTRAS for r in extras[e]]
-    assert sorted(pip_reqs) == sorted(expected)
-    assert "-e ." in pip
-    assert set(extras) - set(ENV_EXTRAS) == {"cuda"}, "a new extra: add it to environment.yml or ENV_EXTRAS"
+    spec = f'-e ".[{",".join(ENV_EXTRAS)}]"'
+    assert pip == [spec.replace('"', "")] or pip == [spec]  # no copy of the requirements: pyproject's
+    assert spec in (ROOT / "Makefile").read_text()
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert set(extras) - set(ENV_EXTRAS) == {"cuda"}, "a new extra: add it to environment.yml / Makefile"
+    assert not (ROOT / "setup.py").exists()
 
 
-def test_makefile_installs_the_same_extras():
-    mk = (ROOT / "Makefile").read_text()
-    assert f'-e ".[{",".join(ENV_EXTRAS)}]"' in mk
+def test_upper_bounds_where_an_api_is_known_to_break():
+    deps = PYPROJECT["project"]["dependencies"] + [d for e in PYPROJECT["project"]["optional-dependencies"].values()
+                                                   for d in e]
+    bounded = {d.split(">")[0].split("[")[0] for d in deps if "<" in d}
+    assert {"spikingjelly", "flwr", "nir"} <= bounded
 
 
-def test_recipes_are_package_data():
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    kws = {k.arg: k.value for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"
-           for k in n.keywords}
-    assert ast.literal_eval(kws["package_dir"]) == {"szo._recipes": "recipes"}
-    assert ast.literal_eval(kws["package_data"]) == {"szo._recipes": ["*.yaml"]}
-    assert (ROOT / "recipes" / "__init__.py").is_file()
-    assert "szo=szo.cli:main" in ast.literal_eval(kws["entry_points"])["console_scripts"]
+def test_package_list_is_the_package_tree():
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = set(find_packages(where=str(ROOT), include=["szo", "szo.*", "subspace_store", "subspace_store.*"]))
+    assert listed == found | {"szo._recipes"}, f"pyproject.toml's packages differ from the tree: {listed ^ found}"
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"szo._recipes": "recipes"}
+    assert PYPROJECT["tool"]["setuptools"]["package-data"]["szo._recipes"] == ["*.yaml"]
+    assert (ROOT / "recipes" / "__init__.py").is_file() and (ROOT / "szo" / "py.typed").is_file()
 
 
-def test_non_editable_install_finds_the_recipes(tmp_path):
-    """Build the wheel from a copy of the sources, install it into a bare folder, list recipes."""
+def test_commands_are_entry_points_of_the_installed_package():
+    assert PYPROJECT["project"]["scripts"]["szo"] == "szo.cli:main"
+    declared = PYPROJECT["project"]["entry-points"]["szo.commands"]
+    installed = {ep.name: ep.value for ep in metadata.entry_points(group="szo.commands")}
+    assert installed == declared  # `make install` registered them
+    for ep in metadata.entry_points(group="szo.commands"):
+        assert callable(ep.load()), ep
+
+
+def test_non_editable_install_finds_the_recipes_and_commands(tmp_path):
+    """Build the wheel from a copy of the sources, install it into a bare folder, list recipes and commands."""
     import shutil
-    import subprocess
-    import sys
 
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("setup.py", "README.md"):
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for pkg in ("szo", "subspace_store", "recipes"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
@@ -65,10 +69,20 @@ def test_non_editable_install_finds_the_recipes(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
                         "--target", str(tmp_path / "site"), str(wheel)], **run)
     assert p.returncode == 0, p.stderr
-    code = ("import szo, szo.config as c; print(szo.__file__); print(' '.join(c.recipe_names())); "
-            "print(c.load_recipe('digits-fixed')['backend'])")
+    code = ("import szo, szo.config as c; from importlib import metadata; print(szo.__file__); "
+            "print(' '.join(c.recipe_names())); print(c.load_recipe('digits-fixed')['backend']); "
+            "print(' '.join(sorted(e.name for e in metadata.entry_points(group='szo.commands'))))")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site")}, **run)
     assert p.returncode == 0, p.stderr
-    where, names, backend = p.stdout.splitlines()
+    where, names, backend, commands = p.stdout.splitlines()
     assert where.startswith(str(tmp_path / "site"))  # the installed copy, not the source tree
     assert set(names.split()) == {f.stem for f in (ROOT / "recipes").glob("*.yaml")} and backend == "fixed"
+    assert set(commands.split()) == set(PYPROJECT["project"]["entry-points"]["szo.commands"])
+    assert (tmp_path / "site" / "szo" / "py.typed").is_file()
+
+
+def test_ruff_is_clean():
+    """The lint step of `make test`, also here so that a bare pytest run sees it."""
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "szo", "subspace_store", "tests", "bench", "examples"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -7,8 +7,8 @@ import yaml
 
 from szo.config import load_recipe
 from szo.pipeline import build_store_subspace, run_recipe
-from szo.runs import subspace_store_for
 from szo.report import collect_runs, render
+from szo.runs import subspace_store_for
 
 TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
 

@@ -73,7 +73,6 @@ def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_t
     """Step 2 of :func:`run_recipe`: the subspace (or ``{corruption: subspace}`` for loco) and the
     protocol's description for the results. Built subspaces are saved in ``out/subspaces``."""
     from subspace_store import SubspaceStore
-
     from szo.runs import loss_for
 
     from . import subspace as adapt_subspace

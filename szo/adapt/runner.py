@@ -19,6 +19,7 @@ import copy
 import os
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,11 +28,21 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from .methods import (METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS, adapter_class, build_adapter,
-                      check_choice)
+from szo.data import CORRUPTIONS, get_dataset, make_loader
+
+from .methods import (
+    METHODS,
+    PREDICT,
+    SETTINGS,
+    SUBSPACE_METHODS,
+    TENT_OPTIMIZERS,
+    adapter_class,
+    build_adapter,
+    check_choice,
+)
 from .tables import write_tables
 
-__all__ = ["run_tta", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
+__all__ = ["run_tta", "TTAOptions", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
 
 #: methods whose predictions do not depend on the setting (no parameter change, batch-local)
 SETTING_FREE_METHODS = tuple(m for m in METHODS if adapter_class(m).setting_free)
@@ -70,221 +81,232 @@ def _per_batch(method: str, predict: str, k: int | None, q: int) -> tuple[int, i
     return adapter_class(method).per_batch(predict, k, q, method)
 
 
-def run_tta(
-    source_model: nn.Module,
-    subspace: Any,
-    dataset_name: str,
-    methods: str | Sequence[str],
-    settings: str | Sequence[str],
-    *,
-    severity: int = 5,
-    batch_size: int,
-    lr_reset: float = 1.0,
-    lr_continual: float = 0.1,
-    data_dir: str | os.PathLike | None = None,
-    seed: int = 0,
-    out_dir: str | os.PathLike,
-    corruptions: Sequence[str] | None = None,
-    mu: float = 1.0,
-    momentum: float = 0.9,
-    q: int = 10,
-    predict: str = "before",
-    tent_optimizer: str = "adam",
-    tent_lr: float = 1e-3,
-    tent_momentum: float = 0.9,
-    device: str | torch.device = "cpu",
-    max_batches: int | None = None,
-    dataset_kwargs: Mapping[str, Any] | None = None,
-    get_data: Callable[[str], Dataset] | None = None,
-    download: bool = False,
-    progress: bool = True,
-    plot: bool = True,
-    write: bool = True,
-    info: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Adapt and evaluate every (method, setting) on ``dataset_name`` severity ``severity``.
+@dataclass(frozen=True)
+class TTAOptions:
+    """How :func:`run_tta` adapts and evaluates (everything but the source, subspace, data set,
+    methods and settings).
 
-    Args:
-        source_model: the source model; never modified (every run adapts its own copy).
-        subspace: the adaptation subspace (``subspace_store.Subspace``) for bp-subspace / szo-*;
-            may be None if no subspace method is run. Or a mapping ``{corruption: Subspace}``
-            (one per evaluated corruption, all of the same k; e.g. leave-one-corruption-out):
-            then every corruption is adapted in its own subspace, reset setting only.
-        methods / settings: names, ``"all"`` / ``"both"``, comma lists or lists.
-        lr_reset / lr_continual: learning rate of the subspace methods per setting (App. G).
-        corruptions: default ``szo.data.CORRUPTIONS`` (the 15, table order).
-        predict: ``"before"`` | ``"after"`` (see ``szo.adapt.methods``).
-        max_batches: adapt on at most this many batches per corruption (quick checks).
-        get_data: ``corruption -> Dataset`` to use instead of ``szo.data.get_dataset``.
-        write: write the results (``szo.adapt.tables.write_tables``: ``tta_results.json``, the
-            markdown tables and, with ``plot``, ``tta_accuracy.png`` in ``out_dir``); ``False``
-            when the caller adds to the results and writes them itself (once).
-
-    Returns the results dict.
+    ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (App. G);
+    ``corruptions``: default ``szo.data.CORRUPTIONS`` (the 15, table order); ``predict``:
+    ``"before"`` | ``"after"`` (see ``szo.adapt.methods``); ``max_batches``: adapt on at most this
+    many batches per corruption (quick checks); ``get_data``: ``corruption -> Dataset`` instead of
+    ``szo.data.get_dataset``; ``write``: write the results (``szo.adapt.tables.write_tables``:
+    ``tta_results.json``, the markdown tables and, with ``plot``, ``tta_accuracy.png`` in
+    ``out_dir``), ``False`` when the caller adds to the results and writes them itself (once).
     """
-    methods = resolve_methods(methods)
-    settings = resolve_settings(settings)
-    check_choice("predict", predict, PREDICT)
-    check_choice("Tent optimizer", tent_optimizer, TENT_OPTIMIZERS)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches < 1):
-        raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
-    needs_subspace = [m for m in methods if m in SUBSPACE_METHODS]
-    if needs_subspace and subspace is None:
-        raise ValueError(f"methods {needs_subspace} need an adaptation subspace; build one with "
-                         "szo.adapt.subspace.build_adaptation_subspace or drop them")
-    if corruptions is None:
-        from szo.data import CORRUPTIONS
 
-        corruptions = list(CORRUPTIONS)
-    corruptions = list(corruptions)
-    if not corruptions:
-        raise ValueError("no corruption given")
-    per_corruption = isinstance(subspace, Mapping)
-    if per_corruption:
-        missing = [c for c in corruptions if c not in subspace]
+    batch_size: int
+    out_dir: str | os.PathLike
+    severity: int = 5
+    lr_reset: float = 1.0
+    lr_continual: float = 0.1
+    data_dir: str | os.PathLike | None = None
+    seed: int = 0
+    corruptions: Sequence[str] | None = None
+    mu: float = 1.0
+    momentum: float = 0.9
+    q: int = 10
+    predict: str = "before"
+    tent_optimizer: str = "adam"
+    tent_lr: float = 1e-3
+    tent_momentum: float = 0.9
+    device: str | torch.device = "cpu"
+    max_batches: int | None = None
+    dataset_kwargs: Mapping[str, Any] | None = None
+    get_data: Callable[[str], Dataset] | None = None
+    download: bool = False
+    progress: bool = True
+    plot: bool = True
+    write: bool = True
+    info: Mapping[str, Any] | None = None
+
+    def check(self) -> None:
+        check_choice("predict", self.predict, PREDICT)
+        check_choice("Tent optimizer", self.tent_optimizer, TENT_OPTIMIZERS)
+        b, m = self.batch_size, self.max_batches
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batch_size must be a positive int, got {b!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_batches must be a positive int or None, got {m!r}")
+
+    def lr_of(self, method: str, setting: str) -> float | None:
+        """The learning rate ``method`` adapts with in ``setting`` (None: it takes none)."""
+        option = adapter_class(method).lr_option
+        if option == "tent_lr":
+            return self.tent_lr
+        return (self.lr_reset if setting == "reset" else self.lr_continual) if option == "lr" else None
+
+
+class _TTARun:
+    """One :func:`run_tta` call: the checked inputs, the data, one adapter per (setting, method)."""
+
+    def __init__(self, source: nn.Module, subspace: Any, dataset_name: str, methods: list[str], settings: list[str],
+                 o: TTAOptions):
+        if not isinstance(source, nn.Module):
+            raise ValueError(f"source_model must be a torch.nn.Module, got {type(source).__name__}")
+        self.source, self.subspace, self.dataset_name, self.o = source, subspace, dataset_name, o
+        self.methods, self.settings = methods, settings
+        self.corruptions = list(o.corruptions if o.corruptions is not None else CORRUPTIONS)
+        if not self.corruptions:
+            raise ValueError("no corruption given")
+        self.per_corruption = isinstance(subspace, Mapping)
+        self.k = self._check_subspace()
+        self.get_data = o.get_data or self._dataset
+        self._datasets: dict[str, Dataset] = {}
+
+    def _check_subspace(self) -> int | None:
+        """The subspace dimension k; the subspace (or one per corruption) checked against the methods."""
+        sub, needs = self.subspace, [m for m in self.methods if m in SUBSPACE_METHODS]
+        if needs and sub is None:
+            raise ValueError(f"methods {needs} need an adaptation subspace; build one with "
+                             "szo.adapt.subspace.build_adaptation_subspace or drop them")
+        if sub is None:
+            return None
+        if not self.per_corruption:
+            return int(sub.basis.shape[1])
+        missing = [c for c in self.corruptions if c not in sub]
         if missing:
-            raise ValueError(f"the subspace mapping has no subspace for corruption(s) {missing}; "
-                             f"it has {sorted(subspace)}")
-        if needs_subspace and "continual" in settings:
+            raise ValueError(f"the subspace mapping has no subspace for corruption(s) {missing}; it has {sorted(sub)}")
+        if needs and "continual" in self.settings:
             raise ValueError("one subspace per corruption is for the reset setting only (the continual setting "
                              "adapts one model across all corruptions); pass setting 'reset' or a single subspace")
-        ks = sorted({int(subspace[c].basis.shape[1]) for c in corruptions})
+        ks = sorted({int(sub[c].basis.shape[1]) for c in self.corruptions})
         if len(ks) > 1:
             raise ValueError(f"the per-corruption subspaces have different k {ks}; they must share one k")
-    if get_data is None:
-        from szo.data import get_dataset
+        return ks[0]
 
-        kw = dict(dataset_kwargs or {})
+    def _dataset(self, c: str) -> Dataset:
+        o = self.o
+        return get_dataset(self.dataset_name, "test", data_dir=o.data_dir, download=o.download, corruption=c,
+                           severity=o.severity, **dict(o.dataset_kwargs or {}))
 
-        def get_data(c: str) -> Dataset:
-            return get_dataset(dataset_name, "test", data_dir=data_dir, download=download, corruption=c,
-                               severity=severity, **kw)
+    def data(self, c: str) -> Dataset:
+        if c not in self._datasets:
+            self._datasets[c] = self.get_data(c)
+        return self._datasets[c]
 
-    from szo.data import make_loader
+    def subspace_for(self, c: str) -> Any:
+        return self.subspace[c] if self.per_corruption else self.subspace
 
-    if not isinstance(source_model, nn.Module):
-        raise ValueError(f"source_model must be a torch.nn.Module, got {type(source_model).__name__}")
-    source = source_model
-    source_state = {k: v.detach().clone() for k, v in source.state_dict().items()}
-    if subspace is None:
-        k = None
-    elif per_corruption:
-        k = int(subspace[corruptions[0]].basis.shape[1])
-    else:
-        k = int(subspace.basis.shape[1])
+    # ------------------------------------------------------------------ the runs
+    def run(self) -> dict[str, Any]:
+        source_state = {k: v.detach().clone() for k, v in self.source.state_dict().items()}
+        results: dict[str, dict[str, Any]] = {s: {} for s in self.settings}
+        for setting in self.settings:
+            for method in self.methods:
+                if method in SETTING_FREE_METHODS and setting != self.settings[0]:
+                    shared = dict(results[self.settings[0]][method])
+                    shared["shared_with"] = self.settings[0]
+                    results[setting][method] = shared
+                    continue
+                results[setting][method] = self._run_method(setting, method)
+        # the source model is untouched: guard against an accidental in-place change
+        for name, v in self.source.state_dict().items():
+            if not torch.equal(v, source_state[name]):
+                raise RuntimeError(f"the source model changed during adaptation ({name}); this is a bug")
+        return self._results(results)
 
-    def subspace_for(c: str) -> Any:
-        return subspace[c] if per_corruption else subspace
+    def _adapter(self, method: str, model: nn.Module, setting: str, c: str, gen: torch.Generator) -> Any:
+        o = self.o
+        return build_adapter(method, model, subspace=self.subspace_for(c), lr=o.lr_of(method, setting) or None,
+                             momentum=o.momentum, mu=o.mu, q=o.q, predict=o.predict, tent_optimizer=o.tent_optimizer,
+                             tent_lr=o.tent_lr, tent_momentum=o.tent_momentum, generator=gen)
 
-    datasets: dict[str, Dataset] = {}
+    def _run_method(self, setting: str, method: str) -> dict[str, Any]:
+        o = self.o
+        model = copy.deepcopy(self.source).to(o.device)  # one private copy per (setting, method) run
+        gen = torch.Generator().manual_seed(int(o.seed) + 1)  # RGE directions
+        adapter = self._adapter(method, model, setting, self.corruptions[0], gen)
+        own_subspace = self.per_corruption and method in SUBSPACE_METHODS
+        done = {"fp": 0, "bp": 0, "batches": 0}  # counts of the adapters of earlier corruptions
+        per_c: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        seconds: dict[str, float] = {}  # adaptation and prediction, data loading excluded
+        for ci, c in enumerate(self.corruptions):
+            self.data(c)  # loaded (generated, for digits-c / mnist5k-c) outside the timing
+            tc = time.perf_counter()
+            if setting == "reset" and ci > 0:
+                adapter.reset()
+                if own_subspace:  # the source model again, now adapted in c's own subspace
+                    for key, v in adapter.counts().items():
+                        done[key] += v
+                    adapter = self._adapter(method, model, setting, c, gen)
+            per_c[c], counts[c] = self._evaluate(adapter, c, f"{setting}/{method}/{c}")
+            seconds[c] = time.perf_counter() - tc
+        for key, v in adapter.counts().items():
+            done[key] += v
+        return self._record(setting, method, per_c, counts, seconds, done)
 
-    def data(c: str) -> Dataset:
-        if c not in datasets:
-            datasets[c] = get_data(c)
-        return datasets[c]
+    def _evaluate(self, adapter: Any, c: str, desc: str) -> tuple[float, int]:
+        """Adapt on corruption ``c``'s test set in batches, predicting as it goes: (accuracy, samples)."""
+        o = self.o
+        loader = make_loader(  # time-major batches for event-frame sequences
+            self.data(c), o.batch_size, shuffle=True,
+            generator=torch.Generator().manual_seed(int(o.seed) * 1000003 + zlib.crc32(c.encode())))
+        correct = seen = 0
+        total = len(loader) if o.max_batches is None else min(len(loader), o.max_batches)
+        bar = tqdm(total=total, desc=desc, leave=False, disable=not o.progress, dynamic_ncols=True)
+        for b, (x, y) in enumerate(loader):
+            if o.max_batches is not None and b >= o.max_batches:
+                break
+            x, y = x.to(o.device), y.to(o.device)
+            out = adapter(x)
+            correct += int((out.mean(0).argmax(1) == y).sum())
+            seen += int(y.shape[0])
+            bar.update(1)
+            bar.set_postfix(acc=f"{correct / seen:.3f}", refresh=False)
+        bar.close()
+        if seen == 0:
+            raise ValueError(f"corruption {c!r} of {self.dataset_name!r} yielded no test samples")
+        return correct / seen, seen
 
-    results: dict[str, dict[str, Any]] = {s: {} for s in settings}
-    for setting in settings:
-        lr = lr_reset if setting == "reset" else lr_continual
-        for method in methods:
-            if method in SETTING_FREE_METHODS and setting != settings[0]:
-                shared = dict(results[settings[0]][method])
-                shared["shared_with"] = settings[0]
-                results[setting][method] = shared
-                continue
-            model = copy.deepcopy(source).to(device)  # one private copy per (setting, method) run
-            gen = torch.Generator().manual_seed(int(seed) + 1)  # RGE directions
+    def _record(self, setting: str, method: str, per_c: dict[str, float], counts: dict[str, int],
+                seconds: dict[str, float], done: dict[str, int]) -> dict[str, Any]:
+        o = self.o
+        elapsed = sum(seconds.values())
+        fpb, bpb = _per_batch(method, o.predict, self.k, o.q)
+        if done["fp"] != fpb * done["batches"] or done["bp"] != bpb * done["batches"]:
+            raise RuntimeError(f"{method}: counted {done['fp']} FP / {done['bp']} BP "
+                               f"over {done['batches']} batches, expected {fpb} / {bpb} per batch")
+        row = {"per_corruption": per_c, "average": sum(per_c.values()) / len(per_c), "samples": counts,
+               "fp": done["fp"], "bp": done["bp"], "batches": done["batches"], "fp_per_batch": fpb,
+               "bp_per_batch": bpb, "lr": o.lr_of(method, setting), "time_s": elapsed,
+               "time_per_corruption_s": seconds}
+        if o.progress:
+            tqdm.write(f"[tta] {setting:9s} {method:12s} avg acc {100 * row['average']:6.2f}%"
+                       f"  #FP {done['fp']} #BP {done['bp']}  ({elapsed:.1f}s)")
+        return row
 
-            def make_adapter(c: str) -> Any:
-                return build_adapter(method, model, subspace=subspace_for(c), lr=lr, momentum=momentum, mu=mu,
-                                     q=q, predict=predict, tent_optimizer=tent_optimizer, tent_lr=tent_lr,
-                                     tent_momentum=tent_momentum, generator=gen)
+    def _results(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        o = self.o
+        return {
+            "dataset": self.dataset_name, "model": _model_name(self.source), "severity": o.severity,
+            "corruptions": self.corruptions, "methods": self.methods, "settings": self.settings, "results": results,
+            "config": {
+                "batch_size": o.batch_size, "lr_reset": o.lr_reset, "lr_continual": o.lr_continual, "mu": o.mu,
+                "momentum": o.momentum, "q": o.q, "k": self.k, "predict": o.predict, "tent_optimizer": o.tent_optimizer,
+                "tent_lr": o.tent_lr, "tent_momentum": o.tent_momentum, "seed": o.seed, "max_batches": o.max_batches,
+                "subspace_per_corruption": self.per_corruption,
+                **dict(o.info or {}),
+            },
+        }
 
-            adapter = make_adapter(corruptions[0])
-            own_subspace = per_corruption and method in SUBSPACE_METHODS
-            done = {"fp": 0, "bp": 0, "batches": 0}  # counts of the adapters of earlier corruptions
-            per_c: dict[str, float] = {}
-            counts: dict[str, int] = {}
-            seconds: dict[str, float] = {}  # adaptation and prediction, data loading excluded
-            for ci, c in enumerate(corruptions):
-                data(c)  # loaded (generated, for digits-c / mnist5k-c) outside the timing
-                tc = time.perf_counter()
-                if setting == "reset" and ci > 0:
-                    adapter.reset()
-                    if own_subspace:  # the source model again, now adapted in c's own subspace
-                        for key, v in adapter.counts().items():
-                            done[key] += v
-                        adapter = make_adapter(c)
-                loader = make_loader(  # time-major batches for event-frame sequences
-                    data(c), batch_size, shuffle=True,
-                    generator=torch.Generator().manual_seed(int(seed) * 1000003 + zlib.crc32(c.encode())))
-                correct = seen = 0
-                total = len(loader) if max_batches is None else min(len(loader), max_batches)
-                bar = tqdm(total=total, desc=f"{setting}/{method}/{c}", leave=False, disable=not progress,
-                           dynamic_ncols=True)
-                for b, (x, y) in enumerate(loader):
-                    if max_batches is not None and b >= max_batches:
-                        break
-                    x, y = x.to(device), y.to(device)
-                    out = adapter(x)
-                    correct += int((out.mean(0).argmax(1) == y).sum())
-                    seen += int(y.shape[0])
-                    bar.update(1)
-                    bar.set_postfix(acc=f"{correct / seen:.3f}", refresh=False)
-                bar.close()
-                if seen == 0:
-                    raise ValueError(f"corruption {c!r} of {dataset_name!r} yielded no test samples")
-                per_c[c] = correct / seen
-                counts[c] = seen
-                seconds[c] = time.perf_counter() - tc
-            elapsed = sum(seconds.values())
-            fpb, bpb = _per_batch(method, predict, k, q)
-            for key, v in adapter.counts().items():
-                done[key] += v
-            results[setting][method] = {
-                "per_corruption": per_c,
-                "average": sum(per_c.values()) / len(per_c),
-                "samples": counts,
-                "fp": done["fp"],
-                "bp": done["bp"],
-                "batches": done["batches"],
-                "fp_per_batch": fpb,
-                "bp_per_batch": bpb,
-                "lr": {"tent_lr": tent_lr, "lr": lr, None: None}[adapter_class(method).lr_option],
-                "time_s": elapsed,
-                "time_per_corruption_s": seconds,
-            }
-            if done["fp"] != fpb * done["batches"] or done["bp"] != bpb * done["batches"]:
-                raise RuntimeError(f"{method}: counted {done['fp']} FP / {done['bp']} BP "
-                                   f"over {done['batches']} batches, expected {fpb} / {bpb} per batch")
-            if progress:
-                tqdm.write(f"[tta] {setting:9s} {method:12s} avg acc {100 * results[setting][method]['average']:6.2f}%"
-                           f"  #FP {done['fp']} #BP {done['bp']}  ({elapsed:.1f}s)")
-            del adapter, model
-    # the source model is untouched: guard against an accidental in-place change
-    for name, v in source.state_dict().items():
-        if not torch.equal(v, source_state[name]):
-            raise RuntimeError(f"the source model changed during adaptation ({name}); this is a bug")
 
-    out = {
-        "dataset": dataset_name,
-        "model": _model_name(source),
-        "severity": severity,
-        "corruptions": corruptions,
-        "methods": methods,
-        "settings": settings,
-        "results": results,
-        "config": {
-            "batch_size": batch_size, "lr_reset": lr_reset, "lr_continual": lr_continual, "mu": mu,
-            "momentum": momentum, "q": q, "k": k, "predict": predict, "tent_optimizer": tent_optimizer,
-            "tent_lr": tent_lr, "tent_momentum": tent_momentum, "seed": seed, "max_batches": max_batches,
-            "subspace_per_corruption": per_corruption,
-            **dict(info or {}),
-        },
-    }
-    if write:
-        write_tables(out, Path(out_dir), plot=plot)
+def run_tta(source_model: nn.Module, subspace: Any, dataset_name: str, methods: str | Sequence[str],
+            settings: str | Sequence[str], **options: Any) -> dict[str, Any]:
+    """Adapt and evaluate every (method, setting) on ``dataset_name`` at ``severity``.
+
+    ``source_model`` is never modified (every run adapts its own copy). ``subspace``: the
+    adaptation subspace (``subspace_store.Subspace``) for bp-subspace / szo-*; None if no
+    subspace method runs; or ``{corruption: Subspace}`` (one per evaluated corruption, all of
+    the same k; e.g. leave-one-corruption-out): then every corruption is adapted in its own
+    subspace, reset setting only. ``methods`` / ``settings``: names, ``"all"`` / ``"both"``,
+    comma lists or lists. Keywords: the fields of :class:`TTAOptions` (``batch_size`` and
+    ``out_dir`` required). Returns the results dict.
+    """
+    o = TTAOptions(**options)
+    o.check()
+    out = _TTARun(source_model, subspace, dataset_name, resolve_methods(methods), resolve_settings(settings), o).run()
+    if o.write:
+        write_tables(out, Path(o.out_dir), plot=o.plot)
     return out

@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from szo.io import atomic_write_json, atomic_write_text
-
-from szo.methods import NO_ADAPTATION
-from szo.methods import method_label
+from szo.methods import NO_ADAPTATION, method_label
 
 from .methods import USES_BP
 from .subspace import LABEL_LEAK

@@ -9,6 +9,7 @@ imagecorruptions), so importing ``szo.data`` costs only torch.
 """
 from __future__ import annotations
 
+from szo.data.corrupted import CORRUPTIONS, SEVERITIES
 from szo.data.registry import (
     SPLITS,
     DataNotFoundError,
@@ -20,7 +21,6 @@ from szo.data.registry import (
     make_loader,
     names,
 )
-from szo.data.corrupted import CORRUPTIONS, SEVERITIES
 
 __all__ = [
     "CORRUPTIONS",

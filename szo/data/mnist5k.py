@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from szo.data.digits import (ImageTensorDataset, RandomShift, check_limit, pick_split, pixel_stats,
-                             stratified_split)
+from szo.data.digits import ImageTensorDataset, RandomShift, check_limit, pick_split, pixel_stats, stratified_split
 
 __all__ = ["NUM_CLASSES", "IMAGE_SIZE", "TEST_SIZE", "load_split", "train_stats", "get_dataset"]
 

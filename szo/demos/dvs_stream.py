@@ -261,8 +261,8 @@ def _load_recipe_run(directory: Path) -> SourceModel:
     """A ``szo recipe synthetic-gesture`` run directory (config.yaml + model.safetensors + store entry),
     its model rebuilt by ``szo.pipeline.load_run_model``."""
     import yaml
-    from subspace_store import SubspaceStore
 
+    from subspace_store import SubspaceStore
     from szo.data.synthetic_events import SyntheticGesture
     from szo.runs import load_run_model
 

@@ -4,7 +4,6 @@
 ``szo.export.simulators`` runs an exported graph in snnTorch. Needs the ``deploy`` extra
 (``nir``, ``nirtorch``, ``snntorch``, ``neurobench``). See docs/deploy.md.
 """
-from szo.export.nir_exchange import (DEFAULT_DT, FORMAT, NIRNetwork, from_nir, read_nir, to_nir,
-                                     write_nir)
+from szo.export.nir_exchange import DEFAULT_DT, FORMAT, NIRNetwork, from_nir, read_nir, to_nir, write_nir
 
 __all__ = ["DEFAULT_DT", "FORMAT", "NIRNetwork", "from_nir", "read_nir", "to_nir", "write_nir"]

@@ -28,7 +28,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-
 from torch import nn
 
 from szo.functional.zo import rge_coefficients, sample_gaussian

@@ -25,13 +25,27 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from szo.functional.xorshift import XorShift32
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
-from szo.functional.xorshift import XorShift32
 from szo.methods import register_builder
 from szo.train.trainer import evaluate_sums
-from szo.zo import (Field, ForwardOnlyBase, HostSpace, LoopEvaluator, Plan, ProbeGuard, StateCodec, cge_plan,
-                    check_hparams, integer_heavy_ball, one_point_plan, quantized_zo_update, rademacher_rows, rge_plan)
+from szo.zo import (
+    Field,
+    ForwardOnlyBase,
+    HostSpace,
+    LoopEvaluator,
+    Plan,
+    ProbeGuard,
+    StateCodec,
+    cge_plan,
+    check_hparams,
+    integer_heavy_ball,
+    one_point_plan,
+    quantized_zo_update,
+    rademacher_rows,
+    rge_plan,
+)
 
 __all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "OnChipSZO", "quantized_zo_update", "basis_error", "dequantize_basis", "evaluate_fixed",
            "learner_state_bits", "quantize_basis", "quantized_subspace"]

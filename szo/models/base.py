@@ -19,7 +19,6 @@ from szo.layout import layout_fingerprint, param_layout
 from szo.models.compiled import check_compile, compiled_forward_seq
 from szo.models.streaming import BatchNorm2d, check_bn_time, check_stream_bn, check_time_chunk, chunked_forward
 
-
 MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
 
 

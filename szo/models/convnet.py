@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 from spikingjelly.activation_based import layer
-from torch import nn
 
 from szo.models.base import SpikingModel, _positive_int
 from szo.models.neurons import make_neuron
-from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
+from szo.models.streaming import BatchNorm2d
 
 
 class SpikeConvNet(SpikingModel):

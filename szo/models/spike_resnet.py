@@ -14,8 +14,8 @@ from torch import nn
 
 from szo.models.base import SpikingModel, _positive_int
 from szo.models.neurons import make_neuron
-from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
+from szo.models.streaming import BatchNorm2d
 
 
 def conv_bn(in_ch: int, out_ch: int, kernel_size: int, stride: int = 1) -> nn.Sequential:

@@ -8,9 +8,9 @@ from torch import nn
 
 from szo.models.base import SpikingModel, _positive_int
 from szo.models.neurons import make_neuron
-from szo.models.streaming import BatchNorm2d
 from szo.models.registry import register_model
 from szo.models.spike_resnet import kaiming_init_convs
+from szo.models.streaming import BatchNorm2d
 
 VGG11_CFG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 

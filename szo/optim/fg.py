@@ -35,8 +35,17 @@ import torch
 from torch import nn
 
 from szo.methods import register_builder
-from szo.zo import (Field, ForwardOnlyBase, JVPEvaluator, ParamSpace, StateCodec, check_hparams, gaussian_rows,
-                    heavy_ball_, jvp_closure)
+from szo.zo import (
+    Field,
+    ForwardOnlyBase,
+    JVPEvaluator,
+    ParamSpace,
+    StateCodec,
+    check_hparams,
+    gaussian_rows,
+    heavy_ball_,
+    jvp_closure,
+)
 
 from ..asyncfgd import split_stages, stage_tangent
 from ..functional import zo as F

@@ -40,8 +40,19 @@ import torch
 from torch import nn
 
 from szo.methods import register_builder
-from szo.zo import (Field, ForwardOnlyBase, LoopEvaluator, NodeSpace, ParamSpace, ProbeGuard, StateCodec,
-                    check_hparams, coord_one_point_plan, heavy_ball_, one_point_plan)
+from szo.zo import (
+    Field,
+    ForwardOnlyBase,
+    LoopEvaluator,
+    NodeSpace,
+    ParamSpace,
+    ProbeGuard,
+    StateCodec,
+    check_hparams,
+    coord_one_point_plan,
+    heavy_ball_,
+    one_point_plan,
+)
 
 from .zo import COUNTERS
 

@@ -34,9 +34,24 @@ from szo.distributed import DistributedEvaluator
 from szo.engine import ENGINES, BatchedProbeEvaluator
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
-from szo.zo import (CodecOptimizer, Field, ForwardOnlyBase, LoopEvaluator, Plan, ProbeGuard, StateCodec,
-                    SubspaceSpace, cge_plan, check_hparams, gaussian_rows, heavy_ball_, move_to_start, one_point_plan,
-                    resolve_model, rge_plan)
+from szo.zo import (
+    CodecOptimizer,
+    Field,
+    ForwardOnlyBase,
+    LoopEvaluator,
+    Plan,
+    ProbeGuard,
+    StateCodec,
+    SubspaceSpace,
+    cge_plan,
+    check_hparams,
+    gaussian_rows,
+    heavy_ball_,
+    move_to_start,
+    one_point_plan,
+    resolve_model,
+    rge_plan,
+)
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 

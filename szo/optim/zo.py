@@ -18,8 +18,22 @@ import torch
 from torch import nn
 
 from szo.methods import register_builder
-from szo.zo import (Coordinates, Field, ForwardOnlyBase, LoopEvaluator, ParamSpace, Plan, ProbeGuard, StateCodec,
-                    cge_plan, check_hparams, gaussian_rows, heavy_ball_, resolve_model, rge_plan)
+from szo.zo import (
+    Coordinates,
+    Field,
+    ForwardOnlyBase,
+    LoopEvaluator,
+    ParamSpace,
+    Plan,
+    ProbeGuard,
+    StateCodec,
+    cge_plan,
+    check_hparams,
+    gaussian_rows,
+    heavy_ball_,
+    resolve_model,
+    rge_plan,
+)
 
 __all__ = ["FullSpaceZO", "COUNTERS"]
 

@@ -9,8 +9,18 @@ from szo.train.checkpoint import (
     read_checkpoint_bytes,
     save_checkpoint,
 )
-from szo.train.trainer import (DIVERGE_FACTOR, FitOptions, RunState, StepStrategy, Trainer, TrainingDiverged, evaluate,
-                               evaluate_sums, fit, summarize)
+from szo.train.trainer import (
+    DIVERGE_FACTOR,
+    FitOptions,
+    RunState,
+    StepStrategy,
+    Trainer,
+    TrainingDiverged,
+    evaluate,
+    evaluate_sums,
+    fit,
+    summarize,
+)
 
 __all__ = [
     "Callback", "MetricsLogger", "ResultFields", "TrajectoryCallback", "read_metrics",

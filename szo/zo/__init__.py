@@ -21,11 +21,20 @@ from .base import CodecOptimizer, ForwardOnlyBase
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
 from .evaluate import EvaluatorBase, JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
 from .guard import ProbeGuard, check_hparams, resolve_model
-from .plans import (ESTIMATORS, Coordinates, Plan, cge_plan, coord_one_point_plan, gaussian_rows, one_point_plan,
-                    rademacher_rows, rge_plan)
+from .plans import (
+                    ESTIMATORS,
+                    Coordinates,
+                    Plan,
+                    cge_plan,
+                    coord_one_point_plan,
+                    gaussian_rows,
+                    one_point_plan,
+                    rademacher_rows,
+                    rge_plan,
+)
 from .protocol import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, HasSubspace, StepInfo, is_forward_only
 from .space import START_POINTS, HostSpace, NodeSpace, ParamSpace, Space, SubspaceSpace, move_to_start
-from .update import (Field, StateCodec, heavy_ball_, integer_heavy_ball, quantized_zo_update, sign_descent_)
+from .update import Field, StateCodec, heavy_ball_, integer_heavy_ball, quantized_zo_update, sign_descent_
 
 __all__ = [
     "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "ForwardOnlyOptimizer",

@@ -13,10 +13,9 @@ TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "setting=reset
 
 @pytest.fixture(scope="module")
 def tta_run(tmp_path_factory):
+    from szo.adapt import subspace, tables
     from szo.config import load_recipe
     from szo.pipeline import run_recipe
-
-    from szo.adapt import subspace, tables
 
     root = tmp_path_factory.mktemp("tta")
     cfg = load_recipe("digits-c-tta", TINY + ["method=bn,szo-cge", f"subspace.root={root / 'store'}", "loss.lamb=0.2",
@@ -95,7 +94,6 @@ def test_tta_results_written_once_with_the_timings(tta_run):
 
 def test_adaptation_subspace_from_both_trajectories(tta_run):
     from subspace_store import SubspaceStore
-
     from szo.runs import load_run_model
 
     root, _ = tta_run

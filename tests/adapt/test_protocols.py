@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from szo.adapt import run_tta
-from szo.config import validate
 from szo.adapt.subspace import LABEL_LEAK, finetune_dataset
+from szo.config import validate
 from szo.data import CORRUPTIONS
 
 from .test_methods import random_subspace, tiny_model
@@ -173,7 +173,6 @@ def loco_run(tmp_path_factory):
 
 def test_loco_recipe_builds_one_subspace_per_corruption_reset_only(loco_run, capsys):
     from subspace_store import SubspaceStore
-
     from szo.runs import load_run_model
 
     out = loco_run / "out"
@@ -197,7 +196,6 @@ def test_loco_recipe_builds_one_subspace_per_corruption_reset_only(loco_run, cap
 
 def test_paper_recipe_flags_the_label_leak_everywhere(loco_run, capsys):
     from subspace_store import SubspaceStore
-
     from szo.config import load_recipe
     from szo.pipeline import run_recipe
     from szo.runs import load_run_model

@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from szo.adapt import METHODS, resolve_methods, resolve_settings, run_tta
-from szo.config import validate
 from szo.adapt.tables import corruption_table, summary_table
+from szo.config import validate
 
 from .test_methods import random_subspace, state, tiny_model
 

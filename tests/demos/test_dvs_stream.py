@@ -32,7 +32,7 @@ def test_source_model_cached_and_reloaded(source):
 
 def test_end_to_end_synthetic_writes_png_and_json(source, tmp_path):
     out = tmp_path / "run"
-    s = ds.run_demo(out, model_dir=str(source.directory), n_gestures=4, shift={"noise_rate_hz": 20.0},
+    ds.run_demo(out, model_dir=str(source.directory), n_gestures=4, shift={"noise_rate_hz": 20.0},
                     stream=ds.StreamSettings(window_ms=20, adapt="szo-cge", lr=0.05, mu=0.5),
                     print_every=0, log=lambda m: None)
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,6 +139,7 @@ def test_model_dir_can_be_a_recipe_run(source, tmp_path):
     import shutil
 
     import yaml
+
     from subspace_store import SubspaceStore
 
     run = tmp_path / "recipe-run"

@@ -1,6 +1,5 @@
 """``szo export`` / ``szo import`` on a run directory."""
 import pytest
-import torch
 from safetensors.torch import save_file
 
 pytest.importorskip("nir")

@@ -10,7 +10,6 @@ from spikingjelly.activation_based import functional, neuron  # noqa: E402
 from szo.export import from_nir, to_nir  # noqa: E402
 from szo.export.simulators import run_snntorch, snntorch_from_nir  # noqa: E402
 from szo.models import create, make_neuron  # noqa: E402
-
 from tests.export.test_nir_exchange import _randomize_bn, _spike_rates  # noqa: E402
 
 

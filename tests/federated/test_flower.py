@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a Flower server and client processes
+
 pytest.importorskip("flwr")
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from szo.functional.diagnostics import (cosine, draw_estimates, estimate_statistics,
-                                        rge_variance_closed_form)
+from szo.functional.diagnostics import cosine, draw_estimates, estimate_statistics, rge_variance_closed_form
 
 D, K = 30, 5
 

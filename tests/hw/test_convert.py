@@ -162,7 +162,6 @@ def test_residual_resnet20_converts_and_runs_exactly():
 def test_szo_optimizer_runs_on_fixed_backend():
     pytest.importorskip("subspace_store")
     from subspace_store import Subspace
-
     from szo.optim import SZO
 
     m = _active_convnet()
@@ -184,7 +183,6 @@ def test_szo_optimizer_runs_on_fixed_backend():
 def test_quantized_basis_error_and_on_chip_szo():
     pytest.importorskip("subspace_store")
     from subspace_store import Subspace
-
     from szo.hw.train import OnChipSZO, basis_error, evaluate_fixed, quantize_basis, quantized_subspace
 
     m = _active_convnet()
@@ -224,7 +222,6 @@ def test_quantized_basis_error_and_on_chip_szo():
 
 def test_on_chip_szo_is_an_optimizer_whose_state_resumes_exactly():
     from subspace_store import Subspace
-
     from szo.hw.train import OnChipSZO
 
     m = _active_convnet()
@@ -351,7 +348,6 @@ def test_saturation_counter_sums_device_tensors_lazily():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_chip_szo_and_evaluate_fixed_with_a_cuda_model():
     from subspace_store import Subspace
-
     from szo.hw.train import OnChipSZO, evaluate_fixed
 
     m = _active_convnet()

@@ -63,7 +63,9 @@ def test_on_chip_eq8_step_equals_eq6_then_eq8_by_hand():
     g_step = XorShift32(XorShift32(seed).next())
     Z = torch.stack([g_step.rademacher(k) for _ in range(q)])
     s = 2.0 ** -frac
-    loss = lambda c: float((((P.double() @ (c.double() * s)).float() - target) ** 2).sum())  # as the model: float32
+    def loss(c):  # as the model: float32
+        return float((((P.double() @ (c.double() * s)).float() - target) ** 2).sum())
+
     l0 = loss(torch.zeros(k))
     g = sum((loss(z.double()) - l0) / 1.0 * z.double() for z in Z) / q  # eq. 6, mu = 1 LSB
     step = torch.round(q / (q + k - 1) * 0.3 / s ** 2 * g)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from szo.losses import tet_loss  # noqa: E402
 from szo.models import create  # noqa: E402
 from szo.train import fit  # noqa: E402
-from tests.optim.golden_cases import CASES, GOLDEN, K, SEED, STEPS, build, loaders, model_and_subspace  # noqa: E402
+from tests.optim.golden_cases import CASES, GOLDEN, SEED, STEPS, K, build, loaders, model_and_subspace  # noqa: E402
 
 
 def run(case: str, run_dir: Path, epochs: int) -> torch.nn.Module:

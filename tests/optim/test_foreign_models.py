@@ -22,8 +22,8 @@ from subspace_store import SubspaceStore, build_subspace
 from szo.engine import batch_closure
 from szo.functional import zo as F
 from szo.optim import SZO
-from szo.zo.guard import ProbeGuard
 from szo.trajectory import TrajectoryRecorder
+from szo.zo.guard import ProbeGuard
 
 T, N, K, MU, LR = 2, 2, 2, 0.5, 0.5
 

@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subspace_store import (SubspaceStore, bn_and_head_names, build_subspace, coordinate_subspace,
-                            project_point, random_subspace)
+from subspace_store import (
+    SubspaceStore,
+    bn_and_head_names,
+    build_subspace,
+    coordinate_subspace,
+    project_point,
+    random_subspace,
+)
 from szo.layout import param_layout
 from szo.models import create
 from szo.trajectory import TrajectoryRecorder

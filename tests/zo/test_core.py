@@ -8,8 +8,21 @@ import torch
 from torch import nn
 
 from szo.functional.zo import NonFiniteLossError
-from szo.zo import (Coordinates, Field, LoopEvaluator, NodeSpace, ParamSpace, ProbeGuard, StateCodec, SubspaceSpace,
-                    cge_plan, coord_one_point_plan, heavy_ball_, one_point_plan, rge_plan)
+from szo.zo import (
+    Coordinates,
+    Field,
+    LoopEvaluator,
+    NodeSpace,
+    ParamSpace,
+    ProbeGuard,
+    StateCodec,
+    SubspaceSpace,
+    cge_plan,
+    coord_one_point_plan,
+    heavy_ball_,
+    one_point_plan,
+    rge_plan,
+)
 
 
 def _net():
