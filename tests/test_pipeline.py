@@ -209,12 +209,12 @@ def test_compiled_recipe_equals_eager(bp_run):
 
 
 def test_compile_with_hook_synchronised_bn_is_refused_before_a_multi_process_run():
-    from szo.pipeline import _check_distributed
+    from szo.stages import check_distributed
 
     cfg = load_recipe("digits-scratch", ["compile=true", "method=szo-cge"])
     with pytest.raises(ValueError, match="compile with distributed.mode 'data' and distributed.sync_bn"):
-        _check_distributed(cfg)
-    _check_distributed(load_recipe("digits-scratch", ["compile=true", "method=szo-cge", "distributed.sync_bn=false"]))
+        check_distributed(cfg)
+    check_distributed(load_recipe("digits-scratch", ["compile=true", "method=szo-cge", "distributed.sync_bn=false"]))
 
 
 def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
@@ -286,3 +286,33 @@ def test_seed004_methods_run_through_the_recipes(bp_run):
                    root / "np")
     # clean forward + q probes of the one layer + the BN forward (bn_update=recompute), per step
     assert s["fp"] == 2 * (1 + 2 * 1 + 1) and s["bp"] == 0 and s["label"] == "NP-ZO(q=2)"
+
+
+def test_tensorboard_sink_holds_the_metrics_jsonl_values(bp_run):
+    """log.tensorboard=true: TensorBoard event files next to metrics.jsonl, same numbers (read back
+    with TensorBoard's own event reader); a resumed run purges what the interrupted one wrote after
+    its checkpoint."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from szo.train import read_metrics
+
+    root, sets, _ = bp_run
+    cfg = load_recipe("digits-scratch", sets + ["train.epochs=2", "train.max_steps_per_epoch=3", "log.tensorboard=true"])
+    run_recipe(cfg, root / "tb")
+    rows = read_metrics(root / "tb" / "metrics.jsonl")
+    acc = EventAccumulator(str(root / "tb" / "tensorboard"))
+    acc.Reload()
+    for key in ("train_loss", "test_acc", "fp", "lr"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [r["epoch"] for r in rows], key
+        assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6), key  # float32 in events
+    assert "train_acc" in acc.Tags()["scalars"] and "epoch" not in acc.Tags()["scalars"]
+
+
+def test_evaluate_stage_is_the_runs_own_test_accuracy(bp_run):
+    from szo.stages import evaluate_stage
+
+    root, _, summary = bp_run
+    got = evaluate_stage(root / "bp")
+    assert got["samples"] == 360 and got["test_acc"] == pytest.approx(summary["final_test_acc"])

@@ -9,7 +9,7 @@ data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo
 1. the source model: ``tta.source_run`` (a ``szo recipe`` run directory: ``config.yaml`` +
    ``model.safetensors`` or ``checkpoints/last.pt``, and a trajectory; read by
    ``szo.pipeline.load_run_model``) or, with ``tta.train_source: true``, the BPTT stage run here
-   (``szo.pipeline.run_bptt_stage`` into ``OUT/source``, no store subspace);
+   (``szo.stages.bptt_stage`` into ``OUT/source``, no store subspace);
 2. the adaptation subspace (``szo.adapt.subspace``): a store entry ``subspace.name`` if given,
    else a given fine-tuning trajectory (``tta.finetune.trajectory``) + PCA, else the
    ``tta.protocol`` (``szo.adapt.subspace.PROTOCOLS``): labelled BP fine-tuning on the
@@ -33,6 +33,8 @@ from typing import Any, Mapping
 import torch
 
 from szo.config import RecipeConfig, resolve
+from szo.runs import load_run_model
+from szo.stages import bptt_stage
 
 from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS
 from .subspace import LABEL_LEAK
@@ -42,15 +44,12 @@ __all__ = ["run_recipe", "register", "main", "train_source", "load_source"]
 
 # --------------------------------------------------------------------------- source model
 def train_source(cfg: Mapping[str, Any], run_dir: Path, device: str) -> tuple[torch.nn.Module, Path]:
-    """BPTT-train the source model on the clean ``data`` set: ``szo.pipeline.run_bptt_stage``
+    """BPTT-train the source model on the clean ``data`` set: ``szo.stages.bptt_stage``
     (the ``kind: bp`` stage: ``data``, ``loss``, ``bptt``, ``trajectory`` and ``seed`` sections,
     model init under ``fork_rng``; writes ``run_dir/model.safetensors``) without building a
     store subspace (``build=False``: the adaptation subspace is built from its trajectory
     here, nothing is written to a subspace store). Returns the model and its trajectory."""
-    from szo.pipeline import run_bptt_stage
-    from szo.runs import load_run_model
-
-    run_bptt_stage(cfg, run_dir, device=device, build=False)
+    bptt_stage(cfg, run_dir, device=device, build=False)
     model, _ = load_run_model(run_dir, device)
     return model, Path(run_dir) / "trajectory"
 
@@ -59,7 +58,6 @@ def load_source(run_dir: str | os.PathLike, dataset_name: str, device: str = "cp
     """The model of a ``szo recipe`` run directory (``szo.pipeline.load_run_model``), checked
     against the corrupted data set's number of classes."""
     from szo.data import dataset_info
-    from szo.runs import load_run_model
 
     model, _ = load_run_model(run_dir, device)
     n = dataset_info(dataset_name).num_classes

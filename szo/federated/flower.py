@@ -42,6 +42,7 @@ import torch
 
 from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve
 from szo.federated import baffle as B
+from szo.stages import bptt_stage
 from szo.zo import bn_layers, heavy_ball_
 
 __all__ = ["FederatedConfig", "run_federated", "SPACES"]  # FederatedConfig: the schema's (szo.config)
@@ -272,14 +273,13 @@ def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Feder
     from szo.config import write_config
     from szo.data import make_loader
     from szo.io import atomic_write_json
-    from szo.pipeline import run_bptt_stage
     from szo.runs import subspace_store_for
 
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
-        run_bptt_stage(cfg, run_dir / "bptt")  # the subspace the clients download once
+        bptt_stage(cfg, run_dir / "bptt")  # the subspace the clients download once
     write_config(cfg, run_dir / "config.yaml")
     atomic_write_json(run_dir / "federated.json", fc.to_dict())
     train = _dataset(cfg, "train")

@@ -27,6 +27,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from szo.zo import trainable_layers
+
 __all__ = ["LayerDims", "layer_dims", "training_memory", "TABLE3_ROWS"]
 
 TABLE3_ROWS: tuple[str, ...] = ("inference", "weight_perturbation", "weight_perturbation_efficient",
@@ -46,8 +48,6 @@ class LayerDims:
 def layer_dims(model: nn.Module, example: torch.Tensor, layers: Sequence[str] | None = None) -> list[LayerDims]:
     """``d_w`` and ``d_a`` of each linear / convolution layer, from one forward of ``example`` (one sample
     or a batch: ``d_a`` is per sample; SNN outputs ``[T, N, ...]`` count all T steps)."""
-    from szo.optim.layerwise import trainable_layers
-
     found = trainable_layers(model, layers)
     shapes: dict[str, torch.Size] = {}
     hooks = [m.register_forward_hook(lambda mod, args, out, n=n: shapes.__setitem__(n, out.shape))

@@ -52,6 +52,7 @@ from szo.zo import (
     coord_one_point_plan,
     heavy_ball_,
     one_point_plan,
+    trainable_layers,
 )
 
 from .zo import COUNTERS
@@ -59,21 +60,6 @@ from .zo import COUNTERS
 __all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
 
 PERTURBATIONS: tuple[str, ...] = ("node", "weight", "adaptive")
-_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:
-    """The linear / convolution layers of ``model`` by module name (``names``: a subset, in model order)."""
-    found = {n: m for n, m in model.named_modules() if isinstance(m, _LAYER_TYPES)}
-    if not found:
-        raise ValueError("the model has no nn.Linear / nn.Conv layer to perturb")
-    if names is None:
-        return found
-    names = list(names)
-    unknown = [n for n in names if n not in found]
-    if unknown or not names:
-        raise ValueError(f"unknown layer name(s) {unknown or names!r}; valid: {', '.join(found)}")
-    return {n: m for n, m in found.items() if n in names}
 
 
 class LayerwiseZO(ForwardOnlyBase):

@@ -13,7 +13,12 @@ from typing import Any, Callable, Iterable
 
 from szo.io import atomic_write_text
 
-__all__ = ["Callback", "MetricsLogger", "ResultFields", "TrajectoryCallback", "read_metrics"]
+try:  # the TensorBoard sink is optional (extra "log"): without tensorboard it says how to get it
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError:  # pragma: no cover - exercised where tensorboard is missing
+    SummaryWriter = None
+
+__all__ = ["Callback", "MetricsLogger", "ResultFields", "TensorBoardSink", "TrajectoryCallback", "read_metrics"]
 
 
 class Callback:
@@ -67,6 +72,36 @@ class MetricsLogger(Callback):
 
     def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
         self.append(metrics)
+
+
+class TensorBoardSink(Callback):
+    """Every metrics.jsonl record as TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``,
+    SpikingJelly's tutorials log the same way), one point per epoch at ``global_step = epoch``. A
+    resumed run purges what an interrupted run wrote after its checkpoint (``purge_step``), so the
+    curves and metrics.jsonl agree."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        if SummaryWriter is None:
+            raise ValueError("log.tensorboard needs TensorBoard: pip install 'szo[log]' (tensorboard)")
+        self.log_dir = Path(log_dir)
+        self.writer: Any = None
+
+    def on_train_start(self, *, epoch: int, step: int, resumed: bool) -> None:
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=epoch + 1 if resumed else None)
+
+    def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
+        self.write(epoch, metrics)
+
+    def write(self, global_step: int, metrics: dict[str, Any]) -> None:
+        """The numeric values of one record as scalars at ``global_step``."""
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "round"):
+                self.writer.add_scalar(key, value, global_step)
+        self.writer.flush()
+
+    def on_train_end(self, summary: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -33,7 +33,17 @@ from .plans import (
                     rge_plan,
 )
 from .protocol import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, HasSubspace, StepInfo, is_forward_only
-from .space import START_POINTS, HostSpace, NodeSpace, ParamSpace, Space, SubspaceSpace, move_to_start
+from .space import (
+                    LAYER_TYPES,
+                    START_POINTS,
+                    HostSpace,
+                    NodeSpace,
+                    ParamSpace,
+                    Space,
+                    SubspaceSpace,
+                    move_to_start,
+                    trainable_layers,
+)
 from .update import Field, StateCodec, heavy_ball_, integer_heavy_ball, quantized_zo_update, sign_descent_
 
 __all__ = [
@@ -42,5 +52,5 @@ __all__ = [
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
-    "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_",
+    "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_", "trainable_layers", "LAYER_TYPES",
 ]

@@ -30,7 +30,7 @@ from torch import nn
 from .plans import Coordinates, Plan
 
 __all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "START_POINTS",
-           "move_to_start"]
+           "move_to_start", "trainable_layers", "LAYER_TYPES"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
 
@@ -331,6 +331,23 @@ class HostMover:
 
     def restore(self) -> None:
         self.space.load(self.space.c)
+
+
+LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """The linear / convolution layers of ``model`` by module name (``names``: a subset, in model order)."""
+    found = {n: m for n, m in model.named_modules() if isinstance(m, LAYER_TYPES)}
+    if not found:
+        raise ValueError("the model has no nn.Linear / nn.Conv layer to perturb")
+    if names is None:
+        return found
+    names = list(names)
+    unknown = [n for n in names if n not in found]
+    if unknown or not names:
+        raise ValueError(f"unknown layer name(s) {unknown or names!r}; valid: {', '.join(found)}")
+    return {n: m for n, m in found.items() if n in names}
 
 
 @torch.no_grad()

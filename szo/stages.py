@@ -1,0 +1,372 @@
+"""The stages of a run as public functions: what ``szo.pipeline``, the adaptation, federated and
+study commands compose. Each takes a resolved config (``szo.config.RecipeConfig``) and a run
+directory, and keeps the run-directory contract (docs/runs.md): the lock, the resume check,
+``config.yaml``, checksummed checkpoints, ``results.json`` with a status, the metric sinks.
+
+* :func:`bptt_stage` -- BPTT with the trajectory recorder, the final model as safetensors, then
+  (``build``) the subspace in the store (:func:`subspace_build_stage`);
+* :func:`subspace_build_stage` -- the store entry ``cfg.subspace`` from a BPTT run's trajectory;
+* :func:`subspace_stage` -- train ``cfg.method`` in the stored subspace (scratch or continual;
+  float or fixed-point backend), :func:`subspace_model` prepares the model it trains;
+* :func:`evaluate_stage` -- a run directory's model on the recipe's test set;
+* adaptation and export: ``szo.adapt.cli.run_recipe`` and ``szo.commands.export`` build on these.
+
+Model initialisation draws from torch's global RNG inside ``torch.random.fork_rng`` seeded
+with ``cfg.seed`` (``szo.runs.build_model``); everything else (data order, RGE directions) uses
+the run's own ``torch.Generator``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from subspace_store import Subspace, build_subspace
+from szo import distributed as D
+from szo.config import write_config
+from szo.hw import to_fixed
+from szo.hw.convert import FixedPointNetwork
+from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
+from szo.io import atomic_save_safetensors
+from szo.methods import get_method, list_methods, method_label
+from szo.models.tt import tt_parametrize
+from szo.optim import HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
+from szo.rundir import check_resume_config, run_lock
+from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
+from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
+from szo.train.callbacks import ResultFields, TensorBoardSink
+from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
+
+__all__ = ["bptt_stage", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
+           "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
+           "metric_sinks"]
+
+
+def device_for(cfg: Mapping[str, Any], device: str | None = None) -> str:
+    """``device`` or the recipe's; one line when CUDA is asked for and not there."""
+    dev = device or cfg["device"]
+    if str(dev).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {dev!r} requested but CUDA is not available here; valid: cpu")
+    return str(dev)
+
+
+def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+    """The recipe's ``compile`` setting on the model (every stage, so BPTT and SZO timings stay comparable)."""
+    c = cfg["compile"]
+    if c is not False:
+        model.set_compile(True, backend="inductor" if c is True else c)
+
+
+def _scheduler(opt: torch.optim.Optimizer, stage: Mapping[str, Any]):
+    if stage["scheduler"] == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=stage["epochs"])
+    return None
+
+
+def metric_sinks(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> list[Callback]:
+    """The metric sinks a run adds to metrics.jsonl: TensorBoard event files with ``log.tensorboard``."""
+    return [TensorBoardSink(Path(run_dir) / "tensorboard")] if cfg["log"]["tensorboard"] else []
+
+
+@contextlib.contextmanager
+def run_dir_guard(run_dir: str | os.PathLike, cfg: Mapping[str, Any], *, resume: bool,
+                  stage: str | None = None) -> Iterator[None]:
+    """Hold ``run_dir``'s lock for the block (rank 0 of a multi-process run; re-entrant) and,
+    when resuming a directory that holds a checkpoint, refuse a config that changes what
+    ``stage`` trains. Decided on rank 0; every rank raises the same one-line error."""
+    with contextlib.ExitStack() as stack:
+        def decide() -> None:
+            stack.enter_context(run_lock(run_dir))
+            if resume and stage is not None and checkpoint_path(run_dir).exists():
+                check_resume_config(run_dir, cfg, stage)
+
+        D.main_decides(decide)
+        yield
+
+
+def check_store_entry(cfg: Mapping[str, Any]) -> None:
+    """A store entry directory without its manifest (an interrupted or foreign write) blocks
+    the name: say so before any compute, with the way out."""
+    store = subspace_store_for(cfg)
+    name = cfg["subspace"]["name"]
+    if name is not None and store.path(name).exists() and not store.exists(name):
+        raise ValueError(f"subspace store entry {name!r} in {store.root} is incomplete (no manifest.json: an "
+                         f"interrupted or foreign write); remove it (szo subspace rm {name} --root {store.root}) "
+                         f"or pass --set subspace.name=OTHER")
+
+
+def _check_trajectory_size(cfg: Mapping[str, Any], steps_per_epoch: int) -> None:
+    """``subspace.k`` against the samples the BPTT stage will record (k <= N - 1), before it runs."""
+    st, tr, sp = cfg["bptt"], cfg["trajectory"], cfg["subspace"]
+    spe = min(steps_per_epoch, st["max_steps_per_epoch"] or steps_per_epoch)
+    n = planned_samples(st["epochs"], spe, every=tr["every"], record_initial=tr["record_initial"], window=sp["window"])
+    if sp["k"] > n - 1:
+        win = f", subspace.window={sp['window']}" if sp["window"] is not None else ""
+        raise ValueError(f"subspace.k={sp['k']} needs at least k+1 = {sp['k'] + 1} trajectory samples, but the BPTT "
+                         f"stage will record N = {n} (bptt.epochs={st['epochs']} x {spe} steps, trajectory.every="
+                         f"{tr['every']}, record_initial={str(tr['record_initial']).lower()}{win}); choose "
+                         f"subspace.k <= {max(n - 1, 1)} or record more samples (smaller trajectory.every, "
+                         "more bptt.epochs)")
+
+
+def _info(cfg: Mapping[str, Any], method: str, mode: str) -> dict[str, Any]:
+    """What results.json says of the run besides its numbers."""
+    q = cfg["szo"]["q"] if get_method(method).q_labeled else None
+    label = method_label(method, q, cfg["model"]["activation"])
+    return {"recipe": cfg["name"], "label": label, "method": method, "mode": mode, "dataset": cfg["data"]["name"],
+            "model": cfg["model"]["name"], "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
+            "name": f"{cfg['name']} {label}"}
+
+
+# ----------------------------------------------------------------------------- BPTT + subspace build
+def subspace_build_stage(cfg: Mapping[str, Any], bptt_dir: str | os.PathLike, *, overwrite: bool = False,
+                         progress: bool = True) -> Subspace:
+    """Build ``cfg.subspace`` from the trajectory in ``bptt_dir`` and save it in the store."""
+    bptt_dir = Path(bptt_dir).resolve()
+    s = cfg["subspace"]
+    sub = build_subspace(bptt_dir / "trajectory", s["k"], window=s["window"], reference=s["reference"],
+                         progress=progress)
+    sub.provenance["source_model"] = str(bptt_dir / "model.safetensors")
+    sub.provenance["source_run"] = str(bptt_dir)
+    subspace_store_for(cfg).save(s["name"], sub, overwrite=overwrite)
+    return sub
+
+
+def bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
+               build: bool = True) -> dict[str, Any]:
+    """BPTT with the trajectory recorder, final model as safetensors, then (``build``) the subspace.
+
+    Before any training: the run directory's lock, the resume config check, the store entry
+    (not taken, not incomplete), ``subspace.k`` against the planned number of trajectory
+    samples, and on resume every recorded sample's sha256."""
+    with run_dir_guard(run_dir, cfg, resume=resume, stage="bptt"):
+        return _bptt(cfg, Path(run_dir), device=device, resume=resume, build=build)
+
+
+def _bptt(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, build: bool) -> dict[str, Any]:
+    store = subspace_store_for(cfg)
+    name = cfg["subspace"]["name"]
+    if build and name is not None and store.exists(name) and not resume:
+        raise ValueError(f"subspace {name!r} already exists in {store.root}; remove it "
+                         f"(szo subspace rm {name}) or pass --set subspace.name=OTHER")
+    if build:
+        check_store_entry(cfg)
+    g = torch.Generator().manual_seed(int(cfg["seed"]))
+    train, test = loaders_for(cfg, g)
+    if build and name is not None and not store.exists(name):
+        _check_trajectory_size(cfg, len(train))
+    if resume and (run_dir / "trajectory" / "manifest.json").is_file():
+        Trajectory(run_dir / "trajectory", verify=True)  # a damaged sample stops the run now, not after it
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.yaml")
+    model = build_model(cfg).to(device)
+    _set_compile(model, cfg)
+    st = cfg["bptt"]
+    opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
+    rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
+                             every=cfg["trajectory"]["every"], record_initial=cfg["trajectory"]["record_initial"])
+    summary = fit(model, train, test, opt, epochs=st["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, st),
+                  device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(rec), *metric_sinks(cfg, run_dir)],
+                  generator=g, resume=resume, eval_every=st["eval_every"], progress=cfg["progress"],
+                  max_steps_per_epoch=st["max_steps_per_epoch"], checkpoint_every_steps=st["checkpoint_every_steps"],
+                  info=_info(cfg, "bp", "bptt"))
+    atomic_save_safetensors(run_dir / "model.safetensors", model.state_dict(),
+                            {"model": cfg["model"]["name"], "fingerprint": model.fingerprint()})
+    if build and name is not None and not store.exists(name):
+        subspace_build_stage(cfg, run_dir, progress=cfg["progress"])
+    return summary
+
+
+# ----------------------------------------------------------------------------- the subspace stage
+def _source_state(cfg: Mapping[str, Any], sub: Subspace) -> dict[str, torch.Tensor]:
+    """The pretrained model (parameters + BN buffers) the subspace was built from."""
+    src = sub.provenance.get("source_model")
+    if not src or not Path(src).is_file():
+        need = "continual training" if cfg["mode"] == "continual" else "bn_stats 'deployed'"
+        raise ValueError(f"{need} needs the pretrained model: subspace {cfg['subspace']['name']!r} "
+                         f"has provenance source_model={src!r}, which is not a file")
+    return load_file(src)
+
+
+@torch.no_grad()
+def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN).
+
+    ``fixed_test_acc`` is the configured ``hw.arithmetic`` / ``hw.reset``; ``arithmetics`` has
+    both arithmetics with each LIF's own reset and with the standard Loihi LIF's hard reset.
+    """
+    hw = cfg["hw"]
+    _, acc_float = evaluate(model, test_loader, loss_for(cfg))
+    runs = {}
+    for arithmetic in ("szo", "loihi"):
+        for reset in (None, "zero"):
+            net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=arithmetic, reset=reset)
+            runs[f"{arithmetic}, reset={reset or 'own'}"] = {
+                "test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
+    chosen = runs[f"{hw['arithmetic']}, reset={hw['reset'] or 'own'}"]
+    if hw["reset"] == "subtract":  # not among the four above
+        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset="subtract")
+        chosen = {"test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
+    return {"float_test_acc": acc_float, "fixed_test_acc": chosen["test_acc"], "saturations": chosen["overflows"],
+            "arithmetic": hw["arithmetic"], "reset": hw["reset"], "arithmetics": runs}
+
+
+def parallel_for(cfg: Mapping[str, Any]) -> Any:
+    """``szo.distributed.Parallel`` for this rank when the process group spans > 1 process, else None."""
+    if not D.get_info().enabled:
+        if D.env_world_size() > 1:
+            raise ValueError(f"launched by torchrun (WORLD_SIZE={D.env_world_size()}) but torch.distributed is not "
+                             "initialised; run `szo recipe` (the CLI sets it up) or wrap the call in "
+                             "szo.distributed.launch()")
+        return None
+    check_distributed(cfg)
+    dc = cfg["distributed"]
+    return D.Parallel(mode=dc["mode"], sync_bn=dc["sync_bn"])
+
+
+def check_distributed(cfg: Mapping[str, Any]) -> None:
+    """Everything a multi-process run does not support, checked before any work starts."""
+    if cfg["distributed"]["mode"] not in get_method(cfg["method"]).parallel:
+        raise ValueError(f"method {cfg['method']!r} does not run on several processes; multi-process (torchrun) "
+                         f"runs support: {', '.join(list_methods(parallel=cfg['distributed']['mode']))} "
+                         "(or run it in one process)")
+    sz = cfg["szo"]
+    for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
+                      (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
+                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'"),
+                      # a compiled graph does not see forward hooks added after it was traced, and
+                      # synchronised BN all-reduces the batch statistics from such hooks
+                      (cfg["compile"] is not False and cfg["distributed"]["mode"] == "data"
+                       and cfg["distributed"]["sync_bn"],
+                       "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
+                       "distributed.sync_bn=false or distributed.mode=perturbation")):
+        if bad:
+            raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
+
+
+def optimizer_options(cfg: Mapping[str, Any]) -> OptimizerOptions:
+    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets (``train`` /
+    ``szo`` / ``tt`` / ``hw`` sections), for the subspace stage and for tools that build the same
+    optimizer outside a run (``bench/methods.py``)."""
+    tr, sz, tt, hw = cfg["train"], cfg["szo"], cfg["tt"], cfg["hw"]
+    integer = None
+    if hw["learner"] == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
+        integer = IntegerLearnerOptions(basis_bits=hw["basis_bits"] or 16, coord_bits=hw["coord_bits"],
+                                        coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
+                                        seed=int(cfg["seed"]) % 0xFFFFFFFF + 1)
+    return OptimizerOptions(
+        lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
+        coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
+        layers=None if sz["layers"] is None else tuple(sz["layers"]), stages=sz["stages"],
+        tt=TTOptions(**{k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step")}),
+        integer=integer)
+
+
+@dataclass
+class SubspaceModel:
+    """What the subspace stage trains: the model (``model``) and the network its probes run
+    (``net``: the model itself, or its fixed-point twin), the subspace (quantised for a
+    fixed-point float learner), and what results.json records about the preparation."""
+
+    model: torch.nn.Module
+    net: torch.nn.Module
+    subspace: Subspace
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def subspace_model(cfg: Mapping[str, Any], test_loader: Any = None) -> SubspaceModel:
+    """The model at the subspace's reference point: a continual run loads the pretrained model,
+    ``bn_stats: deployed`` its BN buffers; ``backend: fixed`` converts it (after comparing the
+    pretrained model's float and fixed-point accuracy on ``test_loader``) and quantises the basis
+    at ``hw.basis_bits``; ``tt-zo`` turns its large weights into TT cores."""
+    model = build_model(cfg)
+    sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
+    extra: dict[str, Any] = {"backend": cfg["backend"], "bn_stats": cfg["bn_stats"]}
+    if cfg["mode"] == "continual" or cfg["bn_stats"] == "deployed":
+        state = _source_state(cfg, sub)
+        if cfg["mode"] == "continual":
+            model.load_state_dict(state)
+        else:  # scratch with deployed statistics: only the BN buffers of the pretrained model
+            names = {n for n, _ in model.named_parameters()}
+            model.load_state_dict({n: t for n, t in state.items() if n not in names}, strict=False)
+        if cfg["backend"] == "fixed":
+            model.load_state_dict(state)
+            extra["conversion"] = _conversion_check(model, test_loader, cfg)
+    model.load_flat_params(sub.reference)
+    net, hw = model, cfg["hw"]
+    if cfg["backend"] == "fixed":
+        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset=hw["reset"])
+        extra["hw"] = dict(hw)
+        if hw["basis_bits"] is not None:
+            if hw["learner"] == "float":
+                sub = quantized_subspace(sub, hw["basis_bits"])  # records its error in the provenance
+                extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
+            else:  # the integer learner quantises the basis itself
+                extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
+    if get_method(cfg["method"]).family == "tensor-train-zo":  # TT-SVD of the start point
+        tt = cfg["tt"]
+        extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
+    return SubspaceModel(model, net, sub, extra)
+
+
+def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
+                   callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual),
+    holding the run directory's lock (a resume first checks the config against its config.yaml);
+    on every rank of a multi-process run (only rank 0 writes ``run_dir``). ``callbacks``: extra
+    ``szo.train.Callback`` objects for the training loop.
+
+    ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
+    parameters); ``hw.learner: integer`` trains with the integer on-chip learner
+    (``szo.hw.train.OnChipSZO``, built by ``build_optimizer`` like every method).
+    """
+    par = parallel_for(cfg)
+    with run_dir_guard(run_dir, cfg, resume=resume, stage="subspace"):
+        run_dir = Path(run_dir)
+        if par is None or par.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_config(cfg, run_dir / "config.yaml")
+        g = torch.Generator().manual_seed(int(cfg["seed"]))
+        train, test = loaders_for(cfg, g, par)
+        sm = subspace_model(cfg, test)
+        sm.net.to(device)
+        _set_compile(sm.model, cfg)
+        tr, sz = cfg["train"], cfg["szo"]
+        sm.model.set_streaming(sz["time_chunk"], sz["stream_bn"])  # probes and evaluation, if asked for
+        run = RunOptions(generator=g, distributed=par.mode if par is not None else None,
+                         sync_bn=par.sync_bn if par is not None else True, start="current")  # at sub.reference already
+        opt = build_optimizer(cfg["method"], sm.net, subspace=sm.subspace, options=optimizer_options(cfg), run=run)
+        info = _info(cfg, cfg["method"], cfg["mode"])
+        info.update(subspace=cfg["subspace"]["name"], k=sm.subspace.k, **sm.extra)
+        late = ResultFields(lambda: _late_results(sm.net, opt, sm.extra))
+        return fit(sm.net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
+                   device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
+                   progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
+                   checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
+                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks])
+
+
+def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """What is known only after training: every clamp of the integer forwards (backend fixed) and
+    when a tensor-train run left signRGE for CGE (``HybridZO.hybrid_state``)."""
+    out: dict[str, Any] = {}
+    if isinstance(net, FixedPointNetwork):
+        out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
+    if isinstance(opt, HybridZO):
+        out["tt"] = dict(extra.get("tt", {}), switched_at_step=opt.hybrid_state["switched_at"])
+    return out
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate_stage(run_dir: str | os.PathLike, *, device: str = "cpu") -> dict[str, Any]:
+    """The model a run directory holds, evaluated on its recipe's test set: ``{"test_loss",
+    "test_acc", "samples"}`` (eval-mode BN, the recipe's loss)."""
+    model, cfg = load_run_model(run_dir, device)
+    _, test = loaders_for(cfg, torch.Generator().manual_seed(int(cfg["seed"])))
+    loss, acc = evaluate(model, test, loss_for(cfg), device)
+    return {"test_loss": loss, "test_acc": acc, "samples": len(test.dataset)}
