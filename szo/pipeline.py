@@ -44,6 +44,7 @@ from szo import distributed as D
 from szo.adapt.cli import run_recipe as run_tta_recipe
 from szo.config import load_recipe
 from szo.report import collect_runs, render, write_report
+from szo.rundir import run_lock
 from szo.runs import build_model, load_run_model, subspace_store_for
 from szo.stages import (
     bptt_stage,
@@ -117,6 +118,12 @@ def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "
     then the Table 1/3-style report. Re-running continues: finished runs are kept, interrupted
     ones resume from their checkpoints. Returns {run name: summary}."""
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with run_lock(out):  # the demo's directory; every stage in it holds its own
+        return _demo_digits(out, device, full_space, progress)
+
+
+def _demo_digits(out: Path, device: str, full_space: bool, progress: bool) -> dict[str, Any]:
     base = [f"subspace.root={(out / 'subspaces').resolve()}", f"progress={str(progress).lower()}", f"device={device}"]
     t0 = time.perf_counter()
     summaries: dict[str, Any] = {}

@@ -25,6 +25,9 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
+from szo.config import apply_overrides, resolve
+from szo.distributed import main_decides
+
 __all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunLockedError", "ResumeMismatchError", "run_lock",
            "check_resume_config", "config_differences", "saved_config_path", "resumed_config"]
 
@@ -34,12 +37,16 @@ LOCK_NAME = ".lock"
 HARMLESS_KEYS = (
     "description", "progress", "device", "data.data_dir", "data.download", "data.num_workers",
     "data.test_batch_size", "bptt.eval_every", "train.eval_every", "bptt.checkpoint_every_steps",
-    "train.checkpoint_every_steps", "subspace.root", "distributed.timeout_s",
+    "train.checkpoint_every_steps", "subspace.root", "distributed.timeout_s", "log.tensorboard",
+    "federated.eval_every", "federated.round_timeout_s",
 )
 # Sections a stage does not use (a difference there does not change what that stage trains).
+_ELSEWHERE = ("tta", "federated", "setting")  # sections of the other kinds of run
 _STAGE_IGNORES = {
-    "bptt": ("kind", "name", "mode", "method", "train", "szo", "backend", "bn_stats", "hw", "distributed"),
-    "subspace": ("bptt", "trajectory"),
+    "bptt": ("kind", "name", "mode", "method", "train", "szo", "backend", "bn_stats", "hw", "distributed",
+             *_ELSEWHERE),
+    "subspace": ("bptt", "trajectory", *_ELSEWHERE),
+    "federated": ("mode", "method", "train", "szo", "backend", "bn_stats", "hw", "distributed", "tta", "setting"),
 }
 
 
@@ -161,7 +168,7 @@ def _same(a: Any, b: Any) -> bool:
 def config_differences(saved: Mapping[str, Any], new: Mapping[str, Any], stage: str | None = None
                        ) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, new value)`` for every key that differs and matters for ``stage``
-    (``"bptt"``, ``"subspace"`` or None: every section), harmless keys left out."""
+    (``"bptt"``, ``"subspace"``, ``"federated"`` or None: every section), harmless keys left out."""
     ignore = _STAGE_IGNORES.get(stage or "", ())
     a, b = _flat(saved), _flat(new)
     out = []
@@ -213,16 +220,13 @@ def resumed_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], overrides
     directory's own config.yaml with the ``--set`` overrides on top (``cfg``, the recipe's
     config, when the directory holds no run yet). Under torchrun rank 0 reads the file and
     every rank gets its text. The stages then refuse overrides that change what was trained."""
-    from szo.config import apply_overrides, resolve
-    from szo.distributed import main_decides
-
     def read() -> bytes | None:
         p = saved_config_path(run_dir)
         return None if p is None else p.read_bytes()
 
     text = main_decides(read)
     if text is None:
-        return dict(cfg)
+        return cfg
     try:
         saved = yaml.safe_load(text.decode("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:

@@ -32,9 +32,9 @@ from typing import Any, Mapping
 
 import torch
 
-from szo.config import RecipeConfig, resolve
+from szo.config import RecipeConfig, resolve, write_config
 from szo.runs import load_run_model
-from szo.stages import bptt_stage
+from szo.stages import bptt_stage, run_dir_guard
 
 from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS
 from .subspace import LABEL_LEAK
@@ -113,6 +113,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
     cfg = cfg if isinstance(cfg, RecipeConfig) else resolve(cfg)
     t, out = cfg["tta"], Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, out / "config.yaml")
     seed = int(cfg.get("seed", 0))
     progress = bool(cfg.get("progress", True))
     timings: dict[str, float] = {}
@@ -163,6 +164,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         res["protocol"] = protocol
     if notes:
         res["notes"] = notes
+    res["status"] = "completed"
     write_tables(res, out)  # tta_results.json (with the timings), tables, tta_accuracy.png
     return res
 
@@ -200,23 +202,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def flags_config(args: argparse.Namespace) -> RecipeConfig:
+    """``szo adapt``'s flags as the ``kind: tta`` recipe config they stand for (config.yaml of the run)."""
+    return resolve({
+        "name": "adapt", "kind": "tta", "method": args.method, "setting": args.setting, "seed": args.seed,
+        "device": args.device, "progress": True, "subspace": {"name": args.subspace, "root": args.subspace_root},
+        "szo": {"mu": args.mu, "q": args.q},
+        "tta": {"data": args.data, "data_dir": args.data_dir, "severity": args.severity, "batch_size": args.batch_size,
+                "lr_reset": args.lr_reset, "lr_continual": args.lr_continual, "predict": args.predict,
+                "tent_optimizer": args.tent_optimizer, "tent_lr": args.tent_lr, "max_batches": args.max_batches,
+                "source_run": args.source}})
+
+
 def main(args: argparse.Namespace) -> int:
-    """``szo adapt`` entry point."""
-    from .runner import resolve_methods, run_tta
+    """``szo adapt`` entry point: the ``kind: tta`` recipe its flags describe, in ``--out`` under
+    the run contract (the directory's lock, config.yaml, a status in tta_results.json)."""
+    from .runner import resolve_methods
 
-    source = load_source(args.source, args.data, args.device)
-    sub = None
-    if any(m in SUBSPACE_METHODS for m in resolve_methods(args.method)):
-        if args.subspace is None:
-            raise ValueError(f"methods {' / '.join(SUBSPACE_METHODS)} need --subspace NAME "
-                             "(build it with the *-tta recipe or szo.adapt.subspace.build_adaptation_subspace)")
-        from subspace_store import SubspaceStore
-
-        sub = SubspaceStore(args.subspace_root).load(args.subspace, model=source)
-    res = run_tta(source, sub, args.data, args.method, args.setting, severity=args.severity,
-                  batch_size=args.batch_size, lr_reset=args.lr_reset, lr_continual=args.lr_continual,
-                  data_dir=args.data_dir, seed=args.seed, out_dir=args.out, mu=args.mu, q=args.q,
-                  predict=args.predict, tent_optimizer=args.tent_optimizer, tent_lr=args.tent_lr,
-                  device=args.device, max_batches=args.max_batches)
+    cfg = flags_config(args)
+    if any(m in SUBSPACE_METHODS for m in resolve_methods(args.method)) and args.subspace is None:
+        raise ValueError(f"methods {' / '.join(SUBSPACE_METHODS)} need --subspace NAME "
+                         "(build it with the *-tta recipe or szo.adapt.subspace.build_adaptation_subspace)")
+    with run_dir_guard(args.out, cfg, resume=False):
+        res = run_recipe(cfg, args.out, device=args.device)
     print((Path(args.out) / "tta_summary.md").read_text())
     return 0 if res else 1

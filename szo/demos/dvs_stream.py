@@ -37,6 +37,7 @@ from torch import nn
 
 from szo.io import atomic_save_safetensors, atomic_write_json
 from szo.methods import NO_ADAPTATION, TTA_METHODS, get_method, method_label
+from szo.rundir import run_lock
 
 __all__ = [
     "ADAPT_METHODS",
@@ -55,6 +56,7 @@ __all__ = [
     "replay",
     "plot_timeline",
     "run_demo",
+    "StreamInput",
 ]
 
 #: the on-line adaptation methods (forward-only SZO in the source subspace), then no adaptation
@@ -618,19 +620,39 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
 DEFAULT_SHIFT = {"noise_rate_hz": 5.0}
 
 
-def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_file: str | None = None,
-             model_dir: str | None = None, stream: StreamSettings = StreamSettings(),
-             source_settings: SourceSettings = SourceSettings(), n_gestures: int = 30,
-             shift: dict[str, Any] | None = None, sensor_size: tuple[int, int, int] | None = None,
-             compare: bool = True, print_every: int = 20, threads: int | None = 1,
-             progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """The whole demo; writes ``summary.json`` and ``timeline.png`` under ``out_dir``.
+@dataclass(frozen=True)
+class StreamInput:
+    """Where the demo's events and model come from: ``source`` ``"synthetic"`` (``n_gestures``
+    random gestures, a domain ``shift`` half way) or a ``.npy`` event file (``labels_file``,
+    ``sensor_size``); ``model_dir``: an earlier source model (default: train one)."""
 
-    ``source``: ``"synthetic"`` (a random gesture stream with a domain shift ``shift`` half way)
-    or a ``.npy`` event file. With ``compare`` and an adapting method, the same stream is also
+    source: str = "synthetic"
+    labels_file: str | None = None
+    model_dir: str | None = None
+    n_gestures: int = 30
+    shift: dict[str, Any] | None = None
+    sensor_size: tuple[int, int, int] | None = None
+
+
+def run_demo(out_dir: str | os.PathLike, *, stream: StreamSettings = StreamSettings(),
+             source_settings: SourceSettings = SourceSettings(), compare: bool = True, print_every: int = 20,
+             threads: int | None = 1, progress: bool = True, log: Callable[[str], None] = print,
+             **inputs: Any) -> dict:
+    """The whole demo; writes ``summary.json`` and ``timeline.png`` under ``out_dir`` (holding the
+    directory's lock; ``summary.json`` says ``"status": "completed"``). ``inputs``: the fields of
+    :class:`StreamInput`. With ``compare`` and an adapting method, the same stream is also
     replayed without adaptation, from the same source weights.
     """
-    out_dir = Path(out_dir)
+    with run_lock(out_dir):
+        return _run_demo(Path(out_dir), StreamInput(**inputs), stream, source_settings, compare, print_every,
+                         threads, progress, log)
+
+
+def _run_demo(out_dir: Path, inp: StreamInput, stream: StreamSettings, source_settings: SourceSettings,
+              compare: bool, print_every: int, threads: int | None, progress: bool,
+              log: Callable[[str], None]) -> dict:
+    source, labels_file, model_dir, n_gestures = inp.source, inp.labels_file, inp.model_dir, inp.n_gestures
+    shift, sensor_size = inp.shift, inp.sensor_size
     out_dir.mkdir(parents=True, exist_ok=True)
     t_wall = time.perf_counter()
     src = load_source_model(model_dir) if model_dir else train_source_model(
@@ -679,7 +701,7 @@ def run_demo(out_dir: str | os.PathLike, *, source: str = "synthetic", labels_fi
         "stream": asdict(stream), "shift": shift, "shift_at_s": None if shift_at is None else shift_at / 1e6,
         "n_events": int(len(events)), "validation": report,
         "runs": {k: v["summary"] for k, v in runs.items()},
-        "wall_seconds": None,
+        "wall_seconds": None, "status": "completed",
     }
     plot_timeline(out_dir / "timeline.png", runs, shift_at_s=summary["shift_at_s"],
                   n_classes=int(src.model.num_classes), class_names=_class_names())

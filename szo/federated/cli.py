@@ -10,6 +10,7 @@ import argparse
 
 from szo.config import FederatedConfig, load_recipe
 from szo.federated.flower import SPACES, run_federated
+from szo.rundir import resumed_config
 
 __all__ = ["register"]
 
@@ -40,16 +41,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="upload without zero-sum masks (federated.secure=false)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override (repeatable)")
     p.add_argument("--out", default=None, help="run directory (default runs/federated-RECIPE)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out after its last completed round (its own config.yaml, --set on top)")
     p.set_defaults(func=_run)
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
     flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "secure") if (v := getattr(args, k)) is not None]
-    cfg = load_recipe(args.name, (args.set or []) + flags)
-    fc = cfg.federated
+    sets = (args.set or []) + flags
+    cfg = load_recipe(args.name, sets)
     out = args.out or f"runs/federated-{cfg['name']}"
-    s = run_federated(cfg, out)
+    if args.resume:  # the run's own config.yaml (+ --set); the stage refuses what changes the run
+        cfg = resumed_config(out, cfg, sets)
+    fc = cfg.federated
+    s = run_federated(cfg, out, resume=args.resume, callbacks=args.callbacks)
     print(f"federated {cfg['name']} [BAFFLE, {fc.clients} clients, K={fc.K}, {fc.space}] done in {out}: "
           f"max test acc {100 * s['best_test_acc']:.2f}%, #FP {s['fp']}, #BP 0, "
           f"{s['bytes_down_per_round']:.0f} B down / {s['bytes_up_per_round']:.0f} B up per round, "

@@ -33,17 +33,37 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve
+from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve, write_config
+from szo.data import get_dataset, make_loader
 from szo.federated import baffle as B
-from szo.stages import bptt_stage
+from szo.io import atomic_write_json
+from szo.runs import build_model, loss_for, subspace_store_for
+from szo.stages import bptt_stage, metric_sinks, run_dir_guard
+from szo.train import (
+    Callback,
+    MetricsLogger,
+    checkpoint_from_bytes,
+    checkpoint_path,
+    evaluate,
+    read_checkpoint_bytes,
+    save_checkpoint,
+)
 from szo.zo import bn_layers, heavy_ball_
+
+try:  # optional (extra "federated"): run_federated says how to install it
+    import flwr as fl
+    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.common.serde import fit_ins_to_proto, fit_res_to_proto
+except ImportError:  # pragma: no cover - exercised where flwr is missing
+    fl = None
 
 __all__ = ["FederatedConfig", "run_federated", "SPACES"]  # FederatedConfig: the schema's (szo.config)
 
@@ -55,8 +75,6 @@ class _Task:
     """What server and clients both build from the recipe: model, loss, subspace (basis, reference)."""
 
     def __init__(self, cfg: Mapping[str, Any], space: str) -> None:
-        from szo.runs import build_model, loss_for, subspace_store_for
-
         self.model = build_model(cfg)
         sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=self.model)
         self.reference = sub.reference.detach().to(torch.float64)
@@ -87,8 +105,6 @@ class _Task:
 
 
 def _dataset(cfg: Mapping[str, Any], split: str):
-    from szo.data import get_dataset
-
     d = cfg["data"]
     return get_dataset(d["name"], split, augment=False if d["augment"] is not None else None,
                        data_dir=d["data_dir"], download=d["download"], **d["kwargs"])
@@ -103,8 +119,6 @@ def _targets(ds) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- client
 def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices: np.ndarray, secret: bytes):
-    import flwr as fl
-
     task = _Task(cfg, fc.space)
     ds = _dataset(cfg, "train")
     xs = torch.stack([ds[int(i)][0] for i in indices])
@@ -136,10 +150,22 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
     return BaffleClient()
 
 
-def _client_main(spec: Mapping[str, Any]) -> None:
-    """One client process: ``python -m szo.federated.flower`` reads its spec (JSON) from stdin."""
-    import flwr as fl
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """A daemon thread that ends this process once its parent (the server) is no longer its parent."""
+    parent = os.getppid()
 
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="szo-server-watch").start()
+
+
+def _client_main(spec: Mapping[str, Any]) -> None:
+    """One client process: ``python -m szo.federated.flower`` reads its spec (JSON) from stdin.
+    It exits when its server process is gone (killed, crashed) instead of retrying for minutes."""
+    _exit_with_parent()
     torch.set_num_threads(1)  # many client processes share the cores
     fc = FederatedConfig(**spec["federated"])
     client = _make_client(spec["cfg"], fc, int(spec["cid"]), np.asarray(spec["indices"], dtype=np.int64),
@@ -148,80 +174,125 @@ def _client_main(spec: Mapping[str, Any]) -> None:
                            max_retries=30, max_wait_time=120.0)
 
 
-if __name__ == "__main__":
-    import sys
-
-    _client_main(json.loads(sys.stdin.read()))
-
-
 # ----------------------------------------------------------------------------- server
-def _make_strategy(cfg: Mapping[str, Any], fc: FederatedConfig, task: _Task, n_total: int, run_dir: Path,
-                   test_loader):
-    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.common.serde import fit_ins_to_proto, fit_res_to_proto
-    from flwr.server.strategy import Strategy
+@dataclasses.dataclass
+class ServerState:
+    """What the server keeps between rounds (its checkpoint): coordinates ``c``, heavy-ball
+    velocity ``v``, BN running statistics, the metrics history, bytes and forwards so far."""
 
-    from szo.train import evaluate
+    c: np.ndarray
+    v: np.ndarray
+    bn: np.ndarray
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    bytes_down: list[int] = dataclasses.field(default_factory=list)
+    bytes_up: list[int] = dataclasses.field(default_factory=list)
+    fp: int = 0
+    wall_time_s: float = 0.0
 
-    seeds = np.random.default_rng(int(cfg["seed"])).integers(1, 2 ** 31 - 1, size=fc.rounds + 1)
+    @property
+    def rounds_done(self) -> int:
+        return len(self.history)
 
-    class BaffleStrategy(Strategy):
-        def __init__(self) -> None:
-            self.c = np.zeros(task.dim, dtype=np.float64) if task.basis is not None \
-                else task.reference.numpy().copy()
-            self.v = np.zeros_like(self.c)
-            self.bn = task.bn_stats().astype(np.float64)
-            self.history: list[dict[str, Any]] = []
-            self.bytes_down: list[int] = []
-            self.bytes_up: list[int] = []
-            self.t0 = time.perf_counter()
-            self.fp = 0
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {"c": torch.from_numpy(self.c.copy()), "v": torch.from_numpy(self.v.copy()),
+                "bn": torch.from_numpy(self.bn.copy()), "history": self.history, "bytes_down": self.bytes_down,
+                "bytes_up": self.bytes_up, "fp": self.fp, "wall_time_s": self.wall_time_s}
 
-        def _params(self):
-            return ndarrays_to_parameters([self.c.astype(np.float32)])
+    @classmethod
+    def from_checkpoint(cls, st: Mapping[str, Any]) -> "ServerState":
+        return cls(c=st["c"].numpy().copy(), v=st["v"].numpy().copy(), bn=st["bn"].numpy().copy(),
+                   history=list(st["history"]), bytes_down=list(st["bytes_down"]), bytes_up=list(st["bytes_up"]),
+                   fp=int(st["fp"]), wall_time_s=float(st["wall_time_s"]))
 
+
+class BaffleServer:
+    """The server's side of BAFFLE, whatever carries the messages: the round's config, the
+    aggregation and heavy-ball step, evaluation, and after every round the run contract's
+    bookkeeping (checkpoint with its sha256 record, metrics.jsonl and the other sinks, callbacks)."""
+
+    def __init__(self, cfg: RecipeConfig, task: _Task, n_total: int, run_dir: Path, test_loader: Any,
+                 state: ServerState | None, sinks: list[Callback], callbacks: Sequence[Callback]):
+        self.cfg, self.fc, self.task, self.n_total, self.run_dir = cfg, cfg.federated, task, n_total, run_dir
+        self.test_loader = test_loader
+        self.seeds = np.random.default_rng(int(cfg["seed"])).integers(1, 2 ** 31 - 1, size=self.fc.rounds + 1)
+        self.state = state if state is not None else ServerState(
+            c=np.zeros(task.dim, dtype=np.float64) if task.basis is not None else task.reference.numpy().copy(),
+            v=np.zeros(task.dim, dtype=np.float64), bn=task.bn_stats().astype(np.float64))
+        self.logger = MetricsLogger(run_dir / "metrics.jsonl")
+        self.logger.reset(self.state.history)
+        self.sinks, self.callbacks = sinks, list(callbacks)
+        self.ckpt_sha: str | None = None
+        self.t0 = time.perf_counter()
+
+    def round_config(self, rnd: int) -> dict[str, Any]:
+        """What every client gets with the coordinates in round ``rnd`` (1-based, absolute)."""
+        return {"round": rnd, "seed": int(self.seeds[rnd]), "n_total": self.n_total}
+
+    def step(self, rnd: int, uploads: Sequence[tuple[list[np.ndarray], int]], bytes_down: int, bytes_up: int) -> None:
+        """Round ``rnd``: aggregate the clients' ``(arrays, n_examples)`` uploads and step."""
+        fc, st, task = self.fc, self.state, self.task
+        st.bytes_down.append(bytes_down)
+        st.bytes_up.append(bytes_up)
+        delta = torch.from_numpy(B.aggregate([a[0] for a, _ in uploads]))
+        z = B.round_directions(int(self.seeds[rnd]), fc.K, task.dim)
+        grad = B.stein_coordinates(delta, z, fc.sigma).numpy()
+        lr = fc.lr * 0.5 * (1 + math.cos(math.pi * (rnd - 1) / fc.rounds))  # cosine, as the recipes
+        heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
+        st.c = st.c + st.v
+        if st.bn.size:
+            mean = sum(n / self.n_total * a[1].astype(np.float64) for a, n in uploads)
+            st.bn = (1 - fc.bn_momentum) * st.bn + fc.bn_momentum * mean
+        st.fp += 2 * fc.K * fc.clients
+        wall = st.wall_time_s + time.perf_counter() - self.t0
+        row = {"round": rnd, "lr": lr, "bytes_down": bytes_down, "bytes_up": bytes_up, "fp": st.fp, "wall_time_s": wall}
+        if rnd % fc.eval_every == 0 or rnd == fc.rounds:
+            row["test_loss"], row["test_acc"] = self.evaluate()
+        st.history.append(row)
+        self._after_round(rnd, row, wall)
+
+    def _after_round(self, rnd: int, row: dict[str, Any], wall: float) -> None:
+        self.logger.append(row)
+        for sink in self.sinks:
+            sink.write(rnd, row)
+        ckpt = {**self.state.to_checkpoint(), "wall_time_s": wall}
+        self.ckpt_sha = save_checkpoint(checkpoint_path(self.run_dir), ckpt, previous_sha256=self.ckpt_sha)
+        for cb in self.callbacks:
+            cb.on_step_end(rnd, rnd, float(row.get("test_loss", float("nan"))))
+
+    def evaluate(self) -> tuple[float, float]:
+        self.task.model.load_flat_params(self.task.theta(self.state.c).float())
+        self.task.set_bn_stats(self.state.bn.astype(np.float32))
+        return evaluate(self.task.model, self.test_loader, self.task.loss_fn)
+
+    def params(self) -> np.ndarray:
+        return self.state.c.astype(np.float32)
+
+
+def _make_strategy(server: BaffleServer, fl: Any) -> Any:
+    """A Flower (legacy API) ``Strategy`` around ``server``: every client every round; Flower's
+    round numbers count from 1 in this process, so they are offset by the rounds done before."""
+    fc, offset = server.fc, server.state.rounds_done
+
+    class BaffleStrategy(fl.server.strategy.Strategy):
         def initialize_parameters(self, client_manager):
-            return self._params()
+            return ndarrays_to_parameters([server.params()])
 
         def configure_fit(self, server_round, parameters, client_manager):
             if not client_manager.wait_for(fc.clients, timeout=int(fc.round_timeout_s)):
                 raise RuntimeError(f"only {client_manager.num_available()} of {fc.clients} clients connected")
             proxies = client_manager.sample(num_clients=fc.clients, min_num_clients=fc.clients)
-            ins = FitIns(self._params(), {"round": server_round, "seed": int(seeds[server_round]),
-                                          "n_total": n_total})
-            self.bytes_down.append(fit_ins_to_proto(ins).ByteSize() * len(proxies))
+            ins = FitIns(ndarrays_to_parameters([server.params()]), server.round_config(offset + server_round))
+            self.bytes_down = fit_ins_to_proto(ins).ByteSize() * len(proxies)
             return [(p, ins) for p in proxies]
 
         def aggregate_fit(self, server_round, results, failures):
             if failures or len(results) != fc.clients:
-                raise RuntimeError(f"round {server_round}: {len(results)} of {fc.clients} clients answered "
+                raise RuntimeError(f"round {offset + server_round}: {len(results)} of {fc.clients} clients answered "
                                    f"({len(failures)} failures); the secure-aggregation masks only cancel when all do")
-            self.bytes_up.append(sum(fit_res_to_proto(r).ByteSize() for _, r in results))
-            arrays = [parameters_to_ndarrays(r.parameters) for _, r in results]
-            delta = torch.from_numpy(B.aggregate([a[0] for a in arrays]))
-            z = B.round_directions(int(seeds[server_round]), fc.K, task.dim)
-            grad = B.stein_coordinates(delta, z, fc.sigma).numpy()
-            lr = fc.lr * 0.5 * (1 + math.cos(math.pi * (server_round - 1) / fc.rounds))  # cosine, as the recipes
-            heavy_ball_(torch.from_numpy(self.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
-            self.c = self.c + self.v
-            if self.bn.size:
-                weights = [r.num_examples / n_total for _, r in results]
-                mean = sum(w * a[1].astype(np.float64) for w, a in zip(weights, arrays))
-                self.bn = (1 - fc.bn_momentum) * self.bn + fc.bn_momentum * mean
-            self.fp += 2 * fc.K * fc.clients
-            row = {"round": server_round, "lr": lr, "bytes_down": self.bytes_down[-1], "bytes_up": self.bytes_up[-1],
-                   "fp": self.fp, "wall_time_s": time.perf_counter() - self.t0}
-            if server_round % fc.eval_every == 0 or server_round == fc.rounds:
-                row["test_loss"], row["test_acc"] = self._evaluate()
-            self.history.append(row)
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            return self._params(), {}
-
-        def _evaluate(self) -> tuple[float, float]:
-            task.model.load_flat_params(task.theta(self.c).float())
-            task.set_bn_stats(self.bn.astype(np.float32))
-            return evaluate(task.model, test_loader, task.loss_fn)
+            up = sum(fit_res_to_proto(r).ByteSize() for _, r in results)
+            uploads = [(parameters_to_ndarrays(r.parameters), r.num_examples) for _, r in results]
+            server.step(offset + server_round, uploads, self.bytes_down, up)
+            return ndarrays_to_parameters([server.params()]), {}
 
         def configure_evaluate(self, server_round, parameters, client_manager):
             return []
@@ -241,45 +312,57 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig | None = None
-                  ) -> dict[str, Any]:
+def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig | None = None, *,
+                  resume: bool = False, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Run BAFFLE for ``fc.rounds`` rounds with ``fc.clients`` client processes; write ``out_dir``
-    (config.yaml, federated.json, metrics.jsonl, results.json); return the summary. ``fc``
-    defaults to the recipe's ``federated`` section; given, it replaces that section (config.yaml
-    records what ran).
+    (config.yaml, federated.json, metrics.jsonl, checkpoints/last.pt, results.json); return the
+    summary. ``fc`` defaults to the recipe's ``federated`` section; given, it replaces that
+    section (config.yaml records what ran).
+
+    The run contract of every szo run (docs/runs.md): the directory's lock; a directory that
+    holds a checkpoint is refused unless ``resume``, which continues after the last completed
+    round (bit-exactly: the server state is checkpointed every round, every client's round is a
+    function of the round's seed) and refuses a config that changes what is trained;
+    results.json says ``"status": "completed"``. ``callbacks``: ``on_step_end(round, round,
+    test loss)`` after every round's checkpoint.
 
     The server's own work (evaluation) runs with one torch thread while the clients share the
     cores; the caller's thread count is restored afterwards."""
     cfg = cfg if isinstance(cfg, RecipeConfig) else resolve(cfg)
     if fc is not None:
         cfg = dataclasses.replace(cfg, federated=fc)
+    if cfg.kind != "subspace":
+        raise ValueError(f"szo federated trains in a stored subspace: use a 'kind: subspace' recipe "
+                         f"(e.g. digits-scratch); {cfg.name!r} is kind {cfg.kind!r}")
+    if fl is None:
+        raise ValueError("szo federated runs on Flower: pip install 'szo[federated]' (flwr)")
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_federated(cfg, out_dir, cfg.federated)
+        with run_dir_guard(out_dir, cfg, resume=resume, stage="federated"):
+            return _run_federated(cfg, Path(out_dir), resume, callbacks)
     finally:
         torch.set_num_threads(prev)
 
 
-def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig) -> dict[str, Any]:
-    if cfg.get("kind") != "subspace":
-        raise ValueError(f"szo federated trains in a stored subspace: use a 'kind: subspace' recipe "
-                         f"(e.g. digits-scratch); {cfg.get('name')!r} is kind {cfg.get('kind')!r}")
-    try:
-        import flwr as fl
-    except ModuleNotFoundError as e:
-        raise ValueError("szo federated runs on Flower: pip install 'szo[federated]' (flwr)") from e
+def _start_state(run_dir: Path, resume: bool) -> ServerState | None:
+    """The checkpointed server state to continue from, or None for a fresh start."""
+    path = checkpoint_path(run_dir)
+    if not path.exists():
+        return None
+    if not resume:
+        raise ValueError(f"{run_dir} already holds a checkpoint ({path}); pass --resume to continue it "
+                         "or use another --out")
+    blob, _ = read_checkpoint_bytes(path)
+    return ServerState.from_checkpoint(checkpoint_from_bytes(blob, path))
 
-    from szo.config import write_config
-    from szo.data import make_loader
-    from szo.io import atomic_write_json
-    from szo.runs import subspace_store_for
 
-    run_dir = Path(out_dir)
+def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Sequence[Callback]) -> dict[str, Any]:
+    fc = cfg.federated
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
-        bptt_stage(cfg, run_dir / "bptt")  # the subspace the clients download once
+        bptt_stage(cfg, run_dir / "bptt", resume=resume)  # the subspace the clients download once
+    state = _start_state(run_dir, resume)
     write_config(cfg, run_dir / "config.yaml")
     atomic_write_json(run_dir / "federated.json", fc.to_dict())
     train = _dataset(cfg, "train")
@@ -287,22 +370,41 @@ def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Feder
     n_total = int(sum(len(s) for s in splits))
     task = _Task(cfg, fc.space)
     test_loader = make_loader(_dataset(cfg, "test"), cfg["data"]["test_batch_size"], shuffle=False)
-    strategy = _make_strategy(cfg, fc, task, n_total, run_dir, test_loader)
+    sinks = metric_sinks(cfg, run_dir)
+    for sink in sinks:
+        sink.on_train_start(epoch=state.rounds_done if state else 0, step=0, resumed=state is not None)
+    server = BaffleServer(cfg, task, n_total, run_dir, test_loader, state, sinks, callbacks)
+    if state is not None:
+        print(f"resuming {run_dir} after round {state.rounds_done} of {fc.rounds}", flush=True)
+    if server.state.rounds_done < fc.rounds:
+        _serve(server, splits, fc.rounds - server.state.rounds_done)
+    for sink in sinks:
+        sink.on_train_end({})
+    if server.state.rounds_done != fc.rounds:
+        raise RuntimeError(f"the federation stopped after {server.state.rounds_done} of {fc.rounds} rounds; "
+                           "see the Flower log above")
+    summary = _summary(cfg, server, splits)
+    atomic_write_json(run_dir / "results.json", summary)
+    return summary
+
+
+def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> None:
+    """Start the client processes and Flower's server for ``rounds`` rounds on loopback."""
+    fc = server.fc
     secret = secrets.token_bytes(32)  # the clients' shared secret for the mask seeds; the server never sees it
     address = f"127.0.0.1:{_free_port()}"
-    t0 = time.perf_counter()
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         for c in range(fc.clients):  # one OS process per client, spec on stdin (the secret never hits the disk)
             p = subprocess.Popen([sys.executable, "-m", "szo.federated.flower"], stdin=subprocess.PIPE, env=env)
-            spec = {"cfg": cfg.to_dict(), "federated": fc.to_dict(), "cid": c, "indices": splits[c].tolist(),
+            spec = {"cfg": server.cfg.to_dict(), "federated": fc.to_dict(), "cid": c, "indices": splits[c].tolist(),
                     "secret": secret.hex(), "address": address}
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()
             procs.append(p)
-        fl.server.start_server(server_address=address, strategy=strategy,
-                               config=fl.server.ServerConfig(num_rounds=fc.rounds, round_timeout=fc.round_timeout_s))
+        fl.server.start_server(server_address=address, strategy=_make_strategy(server, fl),
+                               config=fl.server.ServerConfig(num_rounds=rounds, round_timeout=fc.round_timeout_s))
     finally:
         for p in procs:
             try:
@@ -310,23 +412,26 @@ def _run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Feder
             except subprocess.TimeoutExpired:
                 p.terminate()
                 p.wait(timeout=10)
-    wall = time.perf_counter() - t0
-    if len(strategy.history) != fc.rounds:
-        raise RuntimeError(f"the federation stopped after {len(strategy.history)} of {fc.rounds} rounds; "
-                           "see the Flower log above")
-    accs = [r["test_acc"] for r in strategy.history if "test_acc" in r]
+
+
+def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarray]) -> dict[str, Any]:
+    fc, st, task = cfg.federated, server.state, server.task
+    accs = [r["test_acc"] for r in st.history if "test_acc" in r]
     setup_bytes = 4 * (task.reference.numel() + (task.basis.numel() if task.basis is not None else 0))
-    summary = {
+    return {
         "method": "baffle", "recipe": cfg["name"], "space": fc.space, "clients": fc.clients, "rounds": fc.rounds,
         "K": fc.K, "d": int(task.reference.numel()), "dim": task.dim, "secure": fc.secure, "alpha": fc.alpha,
         "client_sizes": [len(s) for s in splits],
-        "best_test_acc": max(accs), "final_test_acc": accs[-1], "fp": strategy.fp, "bp": 0,
+        "best_test_acc": max(accs), "final_test_acc": accs[-1], "fp": st.fp, "bp": 0,
         "fp_per_round": 2 * fc.K * fc.clients,
-        "bytes_down_per_round": float(np.mean(strategy.bytes_down)),
-        "bytes_up_per_round": float(np.mean(strategy.bytes_up)),
-        "bytes_up_per_client_round": float(np.mean(strategy.bytes_up)) / fc.clients,
+        "bytes_down_per_round": float(np.mean(st.bytes_down)),
+        "bytes_up_per_round": float(np.mean(st.bytes_up)),
+        "bytes_up_per_client_round": float(np.mean(st.bytes_up)) / fc.clients,
         "bytes_setup_per_client": int(setup_bytes),
-        "wall_time_min": wall / 60,
+        "wall_time_min": st.history[-1]["wall_time_s"] / 60,
+        "status": "completed",
     }
-    atomic_write_json(run_dir / "results.json", summary)
-    return summary
+
+
+if __name__ == "__main__":
+    _client_main(json.loads(sys.stdin.read()))

@@ -22,7 +22,11 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from szo.config import load_recipe
+from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import get_method, method_label
+from szo.pipeline import run_recipe
+from szo.rundir import check_resume_config, run_lock
 
 __all__ = ["study_q", "q_rows", "render_q", "plot_q"]
 
@@ -40,9 +44,6 @@ def _check_qs(qs: Sequence[int]) -> list[int]:
 
 def _run_or_reuse(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """The run's results.json summary: reused if completed with this config, else trained."""
-    from szo.pipeline import run_recipe
-    from szo.rundir import check_resume_config
-
     res = run_dir / "results.json"
     if res.is_file():
         check_resume_config(run_dir, cfg)  # a different configuration: one clear line
@@ -127,12 +128,15 @@ def study_q(recipe: str, qs: Sequence[int], *, overrides: Sequence[str] = (), rg
     ``overrides`` apply to every run, ``rge_overrides`` to the SZO-RGE runs only (e.g. an RGE
     perturbation scale ``szo.mu=0.3``: a Gaussian direction in k dimensions has length ~sqrt(k),
     so RGE probes sqrt(k) times farther than CGE at the same mu)."""
-    from szo.config import load_recipe
-    from szo.io import atomic_write_json, atomic_write_text
-
     qs = _check_qs(qs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with run_lock(out):  # the study's directory; every run in it holds its own
+        return _study_q(recipe, qs, list(overrides), list(rge_overrides), out, cge, plot)
+
+
+def _study_q(recipe: str, qs: list[int], overrides: list[str], rge_overrides: list[str], out: Path, cge: bool,
+             plot: bool) -> dict[str, Any]:
     plan: list[tuple[str, list[str]]] = [(f"szo-rge-q{q}", list(rge_overrides) + ["method=szo-rge", f"szo.q={q}"])
                                          for q in qs]
     if cge:

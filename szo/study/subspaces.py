@@ -24,6 +24,12 @@ from typing import Any, Sequence
 
 import torch
 
+from szo.config import load_recipe
+from szo.io import atomic_write_json
+from szo.pipeline import run_recipe
+from szo.rundir import run_lock
+from szo.runs import load_run_model, subspace_store_for
+
 __all__ = ["subspace_variants", "projection_rows", "study_subspaces"]
 
 
@@ -90,11 +96,6 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
                     train_overrides: Sequence[str] = (), out: str | os.PathLike | None = None) -> dict[str, Any]:
     """Build, store and measure the variants; optionally train ``train`` (a scratch recipe) in each.
     Writes ``subspaces.json`` to ``out`` (default ``BP_RUN/study-subspaces``)."""
-    from szo.config import load_recipe
-    from szo.io import atomic_write_json
-    from szo.pipeline import run_recipe
-    from szo.runs import load_run_model, subspace_store_for
-
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be a non-empty store name prefix, got {prefix!r}")
     model, cfg = load_run_model(bp_run)  # once, for every step below
@@ -109,8 +110,16 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
         r["store_name"] = names[r["variant"]]
     out = Path(out or Path(bp_run) / "study-subspaces")
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"bp_run": str(Path(bp_run).resolve()), "k": k, "store": str(store.root),
-                              "projection": rows, "training": []}
+    with run_lock(out):  # the study's directory; every training run in it holds its own
+        result: dict[str, Any] = {"bp_run": str(Path(bp_run).resolve()), "k": k, "store": str(store.root),
+                                  "projection": rows, "training": []}
+        _train_variants(train, train_overrides, names, store, out, result)
+        atomic_write_json(out / "subspaces.json", result)
+    return result
+
+
+def _train_variants(train: str | None, train_overrides: Sequence[str], names: dict[str, str], store: Any, out: Path,
+                    result: dict[str, Any]) -> None:
     if train:
         for v, name in names.items():
             tcfg = load_recipe(train, list(train_overrides) + [f"subspace.name={name}",
@@ -118,5 +127,3 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
             s = run_recipe(tcfg, out / v)
             result["training"].append({"variant": v, "run_dir": str(out / v), "best_test_acc": s.get("best_test_acc"),
                                        "converged_epoch": s.get("converged_epoch")})
-    atomic_write_json(out / "subspaces.json", result)
-    return result

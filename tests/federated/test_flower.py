@@ -31,3 +31,39 @@ def test_two_clients_two_rounds_over_loopback(tmp_path):
     assert 0 < s["bytes_down_per_round"] < 2 * 600 and 0 < s["bytes_up_per_client_round"] < 600
     assert s["bytes_up_per_client_round"] < 4 * s["d"]  # far below uploading a gradient
     assert json.loads((tmp_path / "run" / "results.json").read_text())["rounds"] == 2
+
+
+def test_killed_federation_resumes_bit_exactly(tmp_path):
+    """szo federated ... --out D, the server SIGKILLed right after round 2 (tests/fault_launcher.py),
+    then --resume: the same coordinates, BN statistics and metrics as the uninterrupted 3 rounds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from szo.cli import main
+    from szo.config import load_recipe
+    from szo.federated.flower import run_federated
+
+    root = Path(__file__).resolve().parents[2]
+    sets = ["progress=false", "model.kwargs={width: 4}", "bptt.epochs=1", "subspace.k=2",
+            f"subspace.root={tmp_path / 'store'}", "federated.clients=2", "federated.rounds=3", "federated.K=2",
+            "federated.batch_size=16", "federated.eval_every=1"]
+    ref = run_federated(load_recipe("digits-scratch", sets), tmp_path / "ref")
+    args = ["federated", "digits-scratch", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "run")]
+    p = subprocess.run([sys.executable, "-m", "tests.fault_launcher", "0:2", *args], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == -9, p.stderr  # killed right after round 2's checkpoint
+    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert len(ck["history"]) == 2
+    assert main(args) == 2  # a directory with a checkpoint is not silently restarted
+    assert main(args + ["--resume"]) == 0
+    got = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    want = torch.load(tmp_path / "ref" / "checkpoints" / "last.pt", weights_only=True)
+    assert torch.equal(got["c"], want["c"]) and torch.equal(got["bn"], want["bn"]) and torch.equal(got["v"], want["v"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    refs = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["test_acc"], r["fp"]) for r in rows] == [(r["round"], r["test_acc"], r["fp"]) for r in refs]
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["status"] == "completed" and res["final_test_acc"] == ref["final_test_acc"]
