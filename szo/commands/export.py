@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from szo.export.nir_exchange import DEFAULT_DT, to_nir, write_nir
-    from szo.hw.report import _input_batch, load_target
+    from szo.hw.report import input_batch, load_target
 
     stream_meta = _stream_metadata(Path(args.target))
     if stream_meta is not None:  # a dvs-stream source model: keep its frame length for the demo
@@ -56,7 +56,7 @@ def run_export(args: argparse.Namespace) -> int:
         shape = (int(p), int(h), int(w))
     else:
         model, label, cfg = load_target(args.target)
-        shape = tuple(_input_batch(model, "random", 1, args.input_size, 0, cfg)[0].shape[-3:])
+        shape = tuple(input_batch(model, "random", 1, args.input_size, 0, cfg)[0].shape[-3:])
     model.eval()
     if args.fixed:
         from szo.hw.convert import to_fixed

@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from szo.data.digits import _check_seed, check_limit
+from szo.data.digits import check_limit, check_seed
 from szo.data.registry import DataNotFoundError, default_data_dir
 from szo.io import atomic_write_bytes
 
@@ -420,7 +420,7 @@ def corrupted_images(
     corruption, severity = _check_corruption(corruption), _check_severity(severity)
     clean = _base_module(b)
     x01, y = clean.load_split(split, split_seed)
-    seed = _check_seed(seed)
+    seed = check_seed(seed)
     limit = check_limit(limit)
     n = len(y) if limit is None else min(len(y), limit)
     idx = _check_indices(indices, n)
@@ -460,7 +460,7 @@ def _to_model_input(gray32: np.ndarray, upscale: int, upscale_mode: str, split_s
     """digits-c: the 32x32 canvas -> ``[n, 1, 8*upscale, 8*upscale]``, clean digits train statistics."""
     from szo.data import digits
 
-    upscale = digits._check_upscale(upscale, upscale_mode)
+    upscale = digits.check_upscale(upscale, upscale_mode)
     size = digits.IMAGE_SIZE[0] * upscale
     x = torch.from_numpy(gray32).unsqueeze(1).to(torch.float32).div_(255.0)
     if size < _CORRUPT_SIZE:

@@ -105,7 +105,7 @@ def stratified_split(x: np.ndarray, y: np.ndarray, seed: int,
     return x_tr, y_tr, x_te, y_te
 
 
-def _check_seed(seed: Any) -> int:
+def check_seed(seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     return int(seed)
@@ -130,7 +130,7 @@ def pick_split(split_arrays: Callable[[int], tuple], split: str, seed: int) -> t
     """``split``'s ``(x, y)`` from a cached ``split_arrays(seed) -> (x_tr, y_tr, x_te, y_te)``."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be one of ['train', 'test'], got {split!r}")
-    x_tr, y_tr, x_te, y_te = split_arrays(_check_seed(seed))
+    x_tr, y_tr, x_te, y_te = split_arrays(check_seed(seed))
     return (x_tr, y_tr) if split == "train" else (x_te, y_te)
 
 
@@ -144,7 +144,7 @@ def train_stats(seed: int = 0) -> tuple[float, float]:
     return pixel_stats(load_split("train", seed)[0])
 
 
-def _check_upscale(upscale: Any, mode: Any) -> int:
+def check_upscale(upscale: Any, mode: Any) -> int:
     if isinstance(upscale, bool) or not isinstance(upscale, (int, np.integer)) or int(upscale) < 1:
         raise ValueError(f"upscale must be an int >= 1, got {upscale!r}")
     if mode not in UPSCALE_MODES:
@@ -154,7 +154,7 @@ def _check_upscale(upscale: Any, mode: Any) -> int:
 
 def upscale_images(x: torch.Tensor, factor: int, mode: str = "nearest") -> torch.Tensor:
     """Resize ``[N, C, H, W]`` (or ``[C, H, W]``) by an integer ``factor`` with ``interpolate``."""
-    factor = _check_upscale(factor, mode)
+    factor = check_upscale(factor, mode)
     if factor == 1:
         return x
     batched = x.ndim == 4
@@ -203,7 +203,7 @@ def get_dataset(
     """
     if kw:
         raise ValueError(f"unknown option(s) {sorted(kw)} for digits; valid: ['upscale', 'upscale_mode', 'seed']")
-    upscale = _check_upscale(upscale, upscale_mode)
+    upscale = check_upscale(upscale, upscale_mode)
     if augment and split != "train":
         raise ValueError(f"augment=True is valid for the train split only, got split={split!r}")
     x01, y = load_split(split, seed)

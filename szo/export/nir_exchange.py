@@ -519,7 +519,7 @@ def _uniform(node_name: str, field: str, value: Any) -> float:
     return float(u[0])
 
 
-def _meta_str(meta: dict[str, Any], key: str, default: str) -> str:
+def meta_str(meta: dict[str, Any], key: str, default: str) -> str:
     v = meta.get(key, default)
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -616,7 +616,7 @@ class _NodeMap:
         else:
             raise ValueError(f"NIR node {name!r}: LIF field 'r' must be tau/dt = {tau:g} (input not decayed, the "
                              f"paper's LIF) or 1 (decayed input), got {r:g}")
-        reset = _meta_str(meta, "reset", "value")
+        reset = meta_str(meta, "reset", "value")
         if reset not in _RESETS:
             raise ValueError(f"NIR node {name!r}: metadata 'reset' must be one of {list(_RESETS)}, got {reset!r}")
         v_leak, v_reset = _uniform(name, "v_leak", n.v_leak), _uniform(name, "v_reset", n.v_reset)
@@ -672,7 +672,7 @@ class NIRNetwork(SpikingModel):
         T = int(meta.get("T", 0)) if T is None else T
         if T < 1:
             raise ValueError("NIR graph has no 'T' metadata: pass T= (time steps for static inputs)")
-        super().__init__(num_classes=num_classes, T=T, model_name=_meta_str(meta, "model_name", "nir"))
+        super().__init__(num_classes=num_classes, T=T, model_name=meta_str(meta, "model_name", "nir"))
         self.dt = dt
         self.nir_metadata = meta
         self.graph_module = nirtorch.nir_to_torch(graph, supported)

@@ -40,13 +40,13 @@ def snntorch_from_nir(graph: Any, *, patch_late_reset: bool = False) -> torch.nn
     import snntorch as snn
     from snntorch.import_nir import import_from_nir
 
-    from szo.export.nir_exchange import _meta_str
+    from szo.export.nir_exchange import meta_str
 
     with contextlib.redirect_stdout(io.StringIO()):  # the importer prints progress lines
         net = import_from_nir(graph)
     for name, node in graph.nodes.items():
         meta = getattr(node, "metadata", None) or {}
-        if type(node).__name__ != "LIF" or _meta_str(meta, "reset", "value") != "subtract":
+        if type(node).__name__ != "LIF" or meta_str(meta, "reset", "value") != "subtract":
             continue
         key = name.replace(".", "_")
         old = getattr(net, key)

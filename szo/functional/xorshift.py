@@ -15,7 +15,7 @@ MASK32: int = 0xFFFFFFFF
 SHIFT_A, SHIFT_B, SHIFT_C = 13, 17, 5
 
 
-def _check_seed(seed: int) -> int:
+def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
         raise ValueError(f"XORShift32 seed must be an int in [1, 2**32 - 1], got {seed!r}")
     if seed == 0:
@@ -28,7 +28,7 @@ class XorShift32:
     """A 32-bit XORShift generator; ``next()`` returns the new state (an int in [1, 2**32 - 1])."""
 
     def __init__(self, seed: int) -> None:
-        self.state = _check_seed(seed)
+        self.state = check_seed(seed)
 
     def next(self) -> int:
         s = self.state

@@ -211,8 +211,8 @@ class FixedPointNetwork(SpikingModel):
         self._mods: dict[str, nn.Module] = dict(self.named_modules())  # path -> module, looked up every forward
         modules = self._mods
         users: dict[fx.Node, list[fx.Node]] = {n: list(n.users) for n in graph.nodes}
-        self._fused: dict[str, str] = {}  # synapse path -> BN path folded into it
-        self._neurons: dict[str, FixedCubaLIF] = {}  # LIF path -> its integer neuron (tau, threshold, reset fixed)
+        self.fused: dict[str, str] = {}  # synapse path -> BN path folded into it
+        self.neurons: dict[str, FixedCubaLIF] = {}  # LIF path -> its integer neuron (tau, threshold, reset fixed)
         # synapse path -> factor folded into its weights (1/k^2 of the sum pools before it); None
         # while unknown (an AdaptiveAvgPool2d window depends on the input size: set by the forward)
         self._synapse_mult: dict[str, float | None] = {}
@@ -234,7 +234,7 @@ class FixedPointNetwork(SpikingModel):
                         raise _unsupported(path, tname, "BatchNorm must directly follow a Conv2d/Linear to be folded")
                     if not m.track_running_stats or m.running_var is None:
                         raise _unsupported(path, tname, "BatchNorm without running statistics cannot be folded")
-                    self._fused[src.target] = path
+                    self.fused[src.target] = path
                 if isinstance(m, sj_neuron.LIFNode):
                     if m.decay_input:
                         raise _unsupported(path, tname, "decay_input=True is not a CUBA neuron; use decay_input=False")
@@ -243,7 +243,7 @@ class FixedPointNetwork(SpikingModel):
                     reset = self.reset_override or ("subtract" if m.v_reset is None else "zero")
                     neuron_cls = LoihiCubaLIF if self.arithmetic == "loihi" else FixedCubaLIF
                     try:
-                        self._neurons[path] = neuron_cls(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
+                        self.neurons[path] = neuron_cls(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
                                                          self.precision, self.counter, path)
                     except ValueError as exc:
                         raise _unsupported(path, tname, f"{self.arithmetic} arithmetic: {exc}") from None
@@ -286,7 +286,7 @@ class FixedPointNetwork(SpikingModel):
         is folded into the float weights before quantising, so it changes ``e`` and ``w_int``.
         """
         P = self.precision
-        bn = self._mods[self._fused[path]] if path in self._fused else None
+        bn = self._mods[self.fused[path]] if path in self.fused else None
         w, b = _fold_bn(m.weight, m.bias, bn)
         w_int, e, n_w = quantize_weight(w * mult if mult != 1.0 else w, P)
         bias_int, n_b = None, 0
@@ -364,7 +364,7 @@ class FixedPointNetwork(SpikingModel):
         if isinstance(m, sj_neuron.LIFNode):
             if x.kind != "current":
                 raise _unsupported(path, _type_name(m), "a neuron needs a synaptic current input (Conv2d/Linear before it)")
-            n = self._neurons[path]
+            n = self.neurons[path]
             spikes, _, _ = n.run(x.data, bias=x.bias)  # "loihi": the synapse's bias enters the voltage (Lava)
             if self.record:
                 self.last_record[path] = spikes
@@ -472,7 +472,7 @@ class FixedPointNetwork(SpikingModel):
             else:
                 synops = int(ev.sum()) * m.out_features
             self.last_stats[path] = {
-                "type": type(m).__name__.lower(), "bn_folded": self._fused.get(path), "weights": int(w_int.numel()),
+                "type": type(m).__name__.lower(), "bn_folded": self.fused.get(path), "weights": int(w_int.numel()),
                 "out_channels": int(w_int.shape[0]), "fan_in": fan_in, "weight_exp": e, "events": int(ev.sum()),
                 "synops": synops, "bound": bound, "kernel_dtype": str(dt), "T": int(T), "N": int(N),
                 "has_bias": bias_int is not None,

@@ -85,7 +85,7 @@ def load_target(target: str | SpikingModel) -> tuple[SpikingModel, str, dict[str
     raise ValueError(f"{target!r} is neither a registered model ({names()}) nor a run directory")
 
 
-def _input_batch(model: SpikingModel, data: str, batch: int, input_size: int | None, seed: int,
+def input_batch(model: SpikingModel, data: str, batch: int, input_size: int | None, seed: int,
                  cfg: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x, labels)``: ``x`` is ``[N, C, H, W]`` (static) or ``[T, N, C, H, W]`` (event frames);
     labels are None for random input."""
@@ -130,7 +130,7 @@ def loihi2_features(net: FixedPointNetwork) -> list[dict[str, Any]]:
         if layers:
             out.append({"feature": feature, "layers": layers, "standard_loihi2_lif": runs, "note": note})
 
-    neurons = net._neurons
+    neurons = net.neurons
     add("soft reset (v -= threshold)", [p for p, n in neurons.items() if n.reset == "subtract"], False,
         "a standard Lava/Loihi 2 LIF resets v to 0 on a spike (PyLifModelBitAcc.reset_voltage); reset by "
         "subtraction needs a custom neuron program. Convert with reset='zero' (--reset zero, hw.reset=zero) "
@@ -152,7 +152,7 @@ def loihi2_features(net: FixedPointNetwork) -> list[dict[str, Any]]:
     add("sum pooling into a synapse", of_type(nn.AvgPool2d, nn.AdaptiveAvgPool2d), False,
         "pooled spike counts are graded values, not LIF spikes: fold the pool into the next synapse (a larger "
         "strided kernel, weights / k^2) or relay the counts through graded-spike neurons")
-    add("BatchNorm", sorted(net._fused.values()), True,
+    add("BatchNorm", sorted(net.fused.values()), True,
         "folded into the weights and bias with the running statistics, shared by all time steps; per-time-step "
         "(or batch) statistics would need time-varying weights/bias, which a static synapse and LIF bias cannot "
         "hold (the converter folds shared statistics only)")
@@ -205,7 +205,7 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
     a, b = runs["szo"], runs["loihi"]
     for path, ra in a.last_record.items():
         rb = b.last_record[path]
-        spikes = path in a._neurons
+        spikes = path in a.neurons
         row = {"layer": path, "quantity": "spikes" if spikes else "synaptic current",
                "differ_fraction": float((ra != rb).double().mean()), "elements": int(ra.numel())}
         if not spikes:
@@ -215,7 +215,7 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
             row["rounding_only_max_abs_diff"] = float((ra - same).abs().max()) / (1 << 12) if ra.numel() else 0.0
         out["layers"].append(row)
     hard = runs["loihi, reset=zero"]  # what the standard LIF's hard reset changes (same arithmetic)
-    for p, n in b._neurons.items():
+    for p, n in b.neurons.items():
         if n.reset != "zero":
             own, zero = b.last_record[p], hard.last_record[p]
             out["reset_layers"].append({"layer": p, "differ_fraction": float((own != zero).double().mean()),
@@ -249,7 +249,7 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     else:
         net = to_fixed(model, precision=precision, arithmetic=arithmetic, reset=reset)
     P = net.precision
-    x, labels = _input_batch(model, data, batch, input_size, seed, cfg)
+    x, labels = input_batch(model, data, batch, input_size, seed, cfg)
     T, N = (x.shape[0], x.shape[1]) if x.dim() == 5 else (model.T, x.shape[0])
     net.reset_counters()
     collecting, net.collect_stats = net.collect_stats, True  # events / synops / spikes of this forward

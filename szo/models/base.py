@@ -42,7 +42,7 @@ def to_channels_last(x: torch.Tensor, repeat: int | None = None) -> torch.Tensor
     return x.flatten(0, 1).contiguous(memory_format=torch.channels_last).unflatten(0, x.shape[:2])
 
 
-def _positive_int(name: str, value: object) -> int:
+def positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -57,8 +57,8 @@ class SpikingModel(nn.Module):
 
     def __init__(self, *, num_classes: int, T: int, model_name: str) -> None:
         super().__init__()
-        self.num_classes = _positive_int("num_classes", num_classes)
-        self.T = _positive_int("T", T)
+        self.num_classes = positive_int("num_classes", num_classes)
+        self.T = positive_int("T", T)
         self.model_name = model_name
         self._persist_depth = 0
         self.time_chunk: int | None = None  # chunked (streaming) forward; see set_streaming

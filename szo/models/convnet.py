@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from spikingjelly.activation_based import layer
 
-from szo.models.base import SpikingModel, _positive_int
+from szo.models.base import SpikingModel, positive_int
 from szo.models.neurons import make_neuron
 from szo.models.registry import register_model
 from szo.models.streaming import BatchNorm2d
@@ -21,8 +21,8 @@ class SpikeConvNet(SpikingModel):
     def __init__(self, *, num_classes: int, T: int, in_channels: int, width: int,
                  activation: str, model_name: str) -> None:
         super().__init__(num_classes=num_classes, T=T, model_name=model_name)
-        _positive_int("in_channels", in_channels)
-        _positive_int("width", width)
+        positive_int("in_channels", in_channels)
+        positive_int("width", width)
         self.conv1 = layer.Conv2d(in_channels, width, 3, padding=1, bias=False, step_mode="m")
         self.bn1 = BatchNorm2d(width, step_mode="m")
         self.sn1 = make_neuron(activation)

@@ -12,7 +12,7 @@ import torch
 from spikingjelly.activation_based import layer
 from torch import nn
 
-from szo.models.base import SpikingModel, _positive_int
+from szo.models.base import SpikingModel, positive_int
 from szo.models.neurons import make_neuron
 from szo.models.registry import register_model
 from szo.models.streaming import BatchNorm2d
@@ -101,7 +101,7 @@ class SpikeResNet(SpikingModel):
         self.cpu_channels_last = block is BasicBlock  # Bottleneck (ResNet50): channels-last not faster on CPU
         if len(layers) != len(widths) or not layers:
             raise ValueError(f"layers {layers} and widths {widths} must be non-empty and equal length")
-        in_channels = _positive_int("in_channels", in_channels)
+        in_channels = positive_int("in_channels", in_channels)
         if stem in ("cifar", "mnist"):
             self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3, 1 if stem == "cifar" else 2),
                                       make_neuron(activation))

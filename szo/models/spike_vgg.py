@@ -6,7 +6,7 @@ import torch
 from spikingjelly.activation_based import layer
 from torch import nn
 
-from szo.models.base import SpikingModel, _positive_int
+from szo.models.base import SpikingModel, positive_int
 from szo.models.neurons import make_neuron
 from szo.models.registry import register_model
 from szo.models.spike_resnet import kaiming_init_convs
@@ -28,7 +28,7 @@ class SpikeVGG(SpikingModel):
     def __init__(self, cfg: tuple[int | str, ...], *, num_classes: int, T: int,
                  in_channels: int, activation: str, model_name: str) -> None:
         super().__init__(num_classes=num_classes, T=T, model_name=model_name)
-        in_ch = _positive_int("in_channels", in_channels)
+        in_ch = positive_int("in_channels", in_channels)
         feats: list[nn.Module] = []
         for v in cfg:
             if v == "M":

@@ -36,6 +36,7 @@ from torch import nn
 
 from szo.methods import register_builder
 from szo.zo import (
+    GENERATOR_COUNTERS,
     Field,
     ForwardOnlyBase,
     JVPEvaluator,
@@ -50,8 +51,7 @@ from szo.zo import (
 from ..asyncfgd import split_stages, stage_tangent
 from ..functional import zo as F
 from ..models.forward_mode import jvp_neurons
-from .subspace import _COORDS, _COUNTERS, SubspaceOptimizer, _check_k
-from .zo import COUNTERS
+from .subspace import COORDS, SubspaceOptimizer, check_k
 
 __all__ = ["ForwardGradient", "SubspaceForwardGradient", "AsyncFGD", "jvp_closure"]
 
@@ -78,7 +78,7 @@ class ForwardGradient(ForwardOnlyBase):
     ``loss = opt.step(lambda: loss_fn(model(x), y))``.
     """
 
-    codecs = (StateCodec("fg", COUNTERS),)  # state_dict()["fg"]: generator, forward count
+    codecs = (StateCodec("fg", GENERATOR_COUNTERS),)  # state_dict()["fg"]: generator, forward count
 
     def __init__(self, params: Iterable[torch.Tensor], *, model: nn.Module, lr: float = 1e-3,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
@@ -117,7 +117,7 @@ class ForwardGradient(ForwardOnlyBase):
 class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
     """Forward gradient in the trajectory subspace: tangents ``P z``, ``z ~ N(0, I_k)``; SZO's eq. (6) on c."""
 
-    codecs = (StateCodec("subspace", _COORDS + _COUNTERS, check=_check_k),)
+    codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS, check=check_k),)
 
     def __init__(self, params: Iterable[torch.Tensor], subspace, *, model: nn.Module, lr: float = 1.0,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
@@ -165,7 +165,7 @@ class AsyncFGD(ForwardOnlyBase):
     """
 
     # state_dict()["asyncfgd"]: forward count, step index, stale versions
-    codecs = (StateCodec("asyncfgd", COUNTERS + (Field("steps", "int", default=0), Field("seed", "int"),
+    codecs = (StateCodec("asyncfgd", GENERATOR_COUNTERS + (Field("steps", "int", default=0), Field("seed", "int"),
                                                  Field("stages", "int", "K", record_only=True),
                                                  Field("history", "versions")),
                          check=lambda opt, sec: opt.check_stages(sec)),)

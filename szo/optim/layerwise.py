@@ -41,6 +41,7 @@ from torch import nn
 
 from szo.methods import register_builder
 from szo.zo import (
+    GENERATOR_COUNTERS,
     Field,
     ForwardOnlyBase,
     LoopEvaluator,
@@ -54,8 +55,6 @@ from szo.zo import (
     one_point_plan,
     trainable_layers,
 )
-
-from .zo import COUNTERS
 
 __all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
 
@@ -72,7 +71,7 @@ class LayerwiseZO(ForwardOnlyBase):
     """
 
     # state_dict()["layerwise"]: generator, forward count, per-layer modes
-    codecs = (StateCodec("layerwise", COUNTERS + (Field("modes", "plain"),)),)
+    codecs = (StateCodec("layerwise", GENERATOR_COUNTERS + (Field("modes", "plain"),)),)
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,

@@ -35,6 +35,7 @@ from szo.engine import ENGINES, BatchedProbeEvaluator
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
 from szo.zo import (
+    GENERATOR_COUNTERS,
     CodecOptimizer,
     Field,
     ForwardOnlyBase,
@@ -81,7 +82,7 @@ def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None =
         raise ValueError(f"subspace dimension d = {basis.shape[0]} does not match the parameters' d = {d}")
 
 
-def _check_k(opt, section: dict) -> None:
+def check_k(opt, section: dict) -> None:
     c = section.get("c")
     if c is None or section.get("delta") is None:
         raise ValueError("optimizer state of a subspace optimizer needs its coordinates c and momentum delta")
@@ -89,16 +90,15 @@ def _check_k(opt, section: dict) -> None:
         raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {opt.k}")
 
 
-_COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
+COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
            Field("step", "int", "subspace_state.step"))
-_COUNTERS = (Field("generator_state", "generator", "generator"), Field("forward_passes", "int", default=0))
 
 
 class SubspaceOptimizer(CodecOptimizer):
     """Shared machinery: the subspace space (basis views per parameter), coordinate state, the eq. (6) update."""
 
     forward_only = False
-    codecs = (StateCodec("subspace", _COORDS, check=_check_k),)
+    codecs = (StateCodec("subspace", COORDS, check=check_k),)
 
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
                  start: str | None = None):
@@ -193,8 +193,8 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
-    codecs = (StateCodec("subspace", _COORDS + _COUNTERS + (Field("bytes_communicated", "int", default=0),),
-                          check=_check_k),)
+    codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS + (Field("bytes_communicated", "int", default=0),),
+                          check=check_k),)
 
     def __init__(
         self,

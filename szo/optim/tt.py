@@ -32,9 +32,9 @@ from torch import nn
 
 from szo.methods import register_builder
 from szo.models.tt import tt_layers
-from szo.zo import Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
+from szo.zo import GENERATOR_COUNTERS, Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
 
-from .zo import COUNTERS, FullSpaceZO
+from .zo import FullSpaceZO
 
 __all__ = ["HybridZO", "PHASES"]
 
@@ -49,7 +49,7 @@ def _check_phase(opt, section: dict) -> None:
 class HybridZO(FullSpaceZO):
     """ZO-signRGE until the loss plateaus (or ``switch_step``), then ZO-CGE with momentum."""
 
-    codecs = (StateCodec("zo", COUNTERS),
+    codecs = (StateCodec("zo", GENERATOR_COUNTERS),
               StateCodec("hybrid", (Field("phase", "plain"), Field("steps", "int", "hybrid_state.steps"),
                                     Field("window_losses", "plain", "hybrid_state.window_losses"),
                                     Field("previous_mean", "plain", "hybrid_state.previous_mean"),

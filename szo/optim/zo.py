@@ -19,8 +19,8 @@ from torch import nn
 
 from szo.methods import register_builder
 from szo.zo import (
+    GENERATOR_COUNTERS,
     Coordinates,
-    Field,
     ForwardOnlyBase,
     LoopEvaluator,
     ParamSpace,
@@ -35,9 +35,8 @@ from szo.zo import (
     rge_plan,
 )
 
-__all__ = ["FullSpaceZO", "COUNTERS"]
+__all__ = ["FullSpaceZO"]
 
-COUNTERS = (Field("generator_state", "generator", "generator"), Field("forward_passes", "int", default=0))
 """The checkpointed counters of a forward-only optimizer: its direction generator (a resumed run
 draws the same directions) and its forward count."""
 
@@ -51,7 +50,7 @@ class FullSpaceZO(ForwardOnlyBase):
     evaluator, and heavy ball on a ``[d]`` velocity (``self.state[first parameter]["velocity"]``).
     """
 
-    codecs = (StateCodec("zo", COUNTERS),)
+    codecs = (StateCodec("zo", GENERATOR_COUNTERS),)
 
     def __init__(
         self,

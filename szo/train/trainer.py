@@ -73,7 +73,7 @@ class TrainingDiverged(ValueError):
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -153,10 +153,10 @@ class FitOptions:
         """One ValueError for a bad setting, before anything runs."""
         if self.bn_stats not in ("batch", "deployed"):
             raise ValueError(f"unknown bn_stats {self.bn_stats!r}; valid: batch, deployed")
-        _positive_int("epochs", self.epochs)
-        _positive_int("eval_every", self.eval_every)
-        _positive_int("max_steps_per_epoch", self.max_steps_per_epoch, allow_none=True)
-        _positive_int("checkpoint_every_steps", self.checkpoint_every_steps, allow_none=True)
+        positive_int("epochs", self.epochs)
+        positive_int("eval_every", self.eval_every)
+        positive_int("max_steps_per_epoch", self.max_steps_per_epoch, allow_none=True)
+        positive_int("checkpoint_every_steps", self.checkpoint_every_steps, allow_none=True)
         if not isinstance(self.generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator, got {type(self.generator).__name__}")
         if not isinstance(train_loader, DataLoader):

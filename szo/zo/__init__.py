@@ -44,10 +44,18 @@ from .space import (
                     move_to_start,
                     trainable_layers,
 )
-from .update import Field, StateCodec, heavy_ball_, integer_heavy_ball, quantized_zo_update, sign_descent_
+from .update import (
+                    GENERATOR_COUNTERS,
+                    Field,
+                    StateCodec,
+                    heavy_ball_,
+                    integer_heavy_ball,
+                    quantized_zo_update,
+                    sign_descent_,
+)
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "ForwardOnlyOptimizer",
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
     "HasSubspace", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",

@@ -20,7 +20,7 @@ import torch
 
 from ..functional.integer import SaturationCounter, right_shift_to_zero, saturate
 
-__all__ = ["heavy_ball_", "sign_descent_", "integer_heavy_ball", "quantized_zo_update", "Field", "StateCodec"]
+__all__ = ["heavy_ball_", "sign_descent_", "integer_heavy_ball", "quantized_zo_update", "Field", "StateCodec", "GENERATOR_COUNTERS"]
 
 
 def heavy_ball_(velocity: torch.Tensor, grad: torch.Tensor, *, lr: float, momentum: float) -> torch.Tensor:
@@ -118,6 +118,10 @@ class Field:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown state kind {self.kind!r}; valid: {', '.join(_KINDS)}")
+
+
+#: the probe generator and the forward count: the counters every seeded forward-only optimizer saves
+GENERATOR_COUNTERS = (Field("generator_state", "generator", "generator"), Field("forward_passes", "int", default=0))
 
 
 def _get(obj: Any, path: str) -> Any:

@@ -145,7 +145,7 @@ def _lava_chain(net, x_int: np.ndarray, frac: int, reset_zero: bool = True):
     for i in range(N):  # Lava processes are one sample at a time
         d1 = LavaDense(2 * w1, e1 - frac + 6 - 1, num_message_bits=16)
         mant, exp = _bias_parts(b1)
-        lif = LavaLIF(w1.shape[0], bias_mant=mant, bias_exp=exp, **net._neurons["sn1"].lava_params())
+        lif = LavaLIF(w1.shape[0], bias_mant=mant, bias_exp=exp, **net.neurons["sn1"].lava_params())
         d2 = LavaDense(2 * w2, e2 + 6 - 1)
         for t in range(T + 2):  # LoihiProtocol order: Dense1 -> LIF -> Dense2 within one step
             x_t = x_int[t, i].reshape(-1) if t < T else np.zeros(x_int[0, i].size, np.int64)
@@ -218,14 +218,14 @@ def test_reset_override_and_bad_arithmetic():
         to_fixed(m, arithmetic="lava")
     with pytest.raises(ValueError, match="unknown reset 'hard'"):
         to_fixed(m, reset="hard")
-    assert to_fixed(m, arithmetic="loihi", reset="subtract")._neurons["sn1"].reset == "subtract"
+    assert to_fixed(m, arithmetic="loihi", reset="subtract").neurons["sn1"].reset == "subtract"
     m.sn1.v_reset = None
-    assert to_fixed(m, arithmetic="loihi")._neurons["sn1"].reset == "subtract"
-    assert to_fixed(m, arithmetic="loihi", reset="zero")._neurons["sn1"].reset == "zero"
+    assert to_fixed(m, arithmetic="loihi").neurons["sn1"].reset == "subtract"
+    assert to_fixed(m, arithmetic="loihi", reset="zero").neurons["sn1"].reset == "zero"
     m.sn1.tau = 1.0  # dv = 4096: Lava's 12-bit dv cannot hold a full leak
     with pytest.raises(ValueError, match="sn1.*loihi arithmetic.*tau > 1"):
         to_fixed(m, arithmetic="loihi")
-    assert to_fixed(m, arithmetic="szo")._neurons["sn1"].voltage_decay_int == 4096
+    assert to_fixed(m, arithmetic="szo").neurons["sn1"].voltage_decay_int == 4096
 
 
 def _conv_as_dense(w_int: torch.Tensor, conv: torch.nn.Conv2d, in_shape: tuple[int, int, int]) -> np.ndarray:
@@ -263,7 +263,7 @@ def test_loihi_convnet_bit_exact_with_lava_dense_chain():
 
     def lif(path: str, bias_int: torch.Tensor, hw: int) -> LavaLIF:
         mant, exp = _bias_parts(bias_int.repeat_interleave(hw))
-        return LavaLIF(mant.size, bias_mant=mant, bias_exp=exp, **net._neurons[path].lava_params())
+        return LavaLIF(mant.size, bias_mant=mant, bias_exp=exp, **net.neurons[path].lava_params())
 
     d1 = LavaDense(2 * _conv_as_dense(q["conv1"]["w_int"], m.conv1, (1, 8, 8)), q["conv1"]["exp"] - 1,
                    num_message_bits=16)

@@ -61,10 +61,10 @@ def test_bad_target_is_clear(tmp_path):
 
 def test_digits_batch_is_standardised_like_training():
     from szo.data import get_dataset
-    from szo.hw.report import _input_batch
+    from szo.hw.report import input_batch
     from szo.models import create
 
-    x, y = _input_batch(create("spike_convnet"), "digits", 16, None, 0, None)
+    x, y = input_batch(create("spike_convnet"), "digits", 16, None, 0, None)
     assert y is not None and y.shape == (16,)
     test = get_dataset("digits", "test")
     pool = torch.stack([test[i][0] for i in range(len(test))])
