@@ -194,63 +194,10 @@ def build_subspace(
         progress: show tqdm bars.
         verify: check every sample file's sha256 against its manifest first.
     """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"k must be an int, got {k!r}")
-    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype}")
-    if not (isinstance(reference, torch.Tensor) or reference in ("first", "last")):
-        raise ValueError(f"reference must be 'first', 'last' or a [d] tensor, got {reference!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-
+    _check_build_args(k, dtype, reference, chunk_size)
     tmp: tempfile.TemporaryDirectory | None = None
-    layout = fingerprint = model = None
-    provenance: dict[str, Any] = {}
     try:
-        items = trajectories
-        if _is_path_like(items):
-            items = [items]
-        if isinstance(items, (torch.Tensor, np.ndarray)):
-            if items.ndim != 2:
-                raise ValueError(f"a tensor input must be [N, d] (one sample per row), got shape {tuple(items.shape)}")
-            items = list(items)
-        if isinstance(items, (list, tuple)) and items and all(_is_path_like(x) for x in items):
-            trajs, sel = _trajectories(items, window)
-            samples = [(t, i) for t in sel for i in range(len(t))]
-            source: Any = _FileSource([t.path(i) for t, i in samples], sel[0].d, samples)
-            layout, fingerprint, model = sel[0].layout, sel[0].fingerprint, sel[0].model
-            provenance = {
-                "trajectories": [str(Path(t.directory).resolve()) for t in trajs],
-                "epochs": [int(s["epoch"]) for t in sel for s in t.samples],
-                "steps": [int(s["step"]) for t in sel for s in t.samples],
-                "samples_per_trajectory": [len(t) for t in sel],
-                "window": None if window is None else list(parse_epoch_window(window) or ()),
-            }
-        else:
-            if window is not None:
-                raise ValueError("window selects epochs of trajectory directories; it cannot apply to raw vectors")
-            if isinstance(items, (list, tuple)):
-                if any(_is_path_like(x) for x in items):
-                    raise ValueError("pass either trajectory directories or vectors, not a mix of both")
-                vecs = [_as_vector(v, i) for i, v in enumerate(items)]
-                if not vecs:
-                    raise ValueError("no samples given")
-                d0 = vecs[0].numel()
-                for i, v in enumerate(vecs):
-                    if v.numel() != d0:
-                        raise ValueError(f"all samples must have the same length; sample #0 has {d0}, sample #{i} has {v.numel()}")
-                source = _MemorySource(vecs)
-            elif isinstance(items, Iterable):
-                tmp = tempfile.TemporaryDirectory(prefix="szo-spool-")
-                files, d0 = _spool(items, Path(tmp.name), progress)
-                source = _FileSource(files, d0)
-            else:
-                raise ValueError(
-                    "trajectories must be a trajectory directory, a Trajectory, a list of those, "
-                    f"or an iterable of 1-D vectors; got {type(items).__name__}"
-                )
-            provenance = {"trajectories": [], "epochs": None, "steps": None, "window": None}
-
+        source, meta, tmp = _open_source(trajectories, window, progress)
         n, d = source.n, source.d
         if n < 2:
             raise ValueError(f"need at least 2 samples for a centered PCA, got N = {n}")
@@ -267,62 +214,12 @@ def build_subspace(
         else:
             ref = source.read_full(0 if reference == "first" else n - 1)
             ref_kind = reference
-
-        c = chunk_size or max(1024, DEFAULT_CHUNK_BYTES // (8 * n))
-        c = min(c, d)
-        buf64 = torch.empty(n, c, dtype=torch.float64)
-        buf_np = buf64.numpy()
+        c = min(chunk_size or max(1024, DEFAULT_CHUNK_BYTES // (8 * n)), d)
         bounds = [(a, min(a + c, d)) for a in range(0, d, c)]
-
-        # pass 1: Gram of shifted samples + mean
-        gram = torch.zeros(n, n, dtype=torch.float64)
-        mean = torch.empty(d, dtype=torch.float64)
-        for a, b in tqdm(bounds, desc="subspace pass 1/2 (Gram)", disable=not progress):
-            source.read_chunk(a, b, buf_np)
-            x = buf64[:, : b - a]
-            shift = x[0].clone()
-            x.sub_(shift)
-            gram.addmm_(x, x.t())
-            mean[a:b] = shift + x.mean(0)
-        r = gram.mean(0)
-        gram = gram - r[None, :] - r[:, None] + r.mean()
-        gram = 0.5 * (gram + gram.t())
-        total = float(torch.diagonal(gram).sum())
-        ev_np, evec_np = np.linalg.eigh(gram.numpy())  # LAPACK dsyevd, ascending
-        evals = torch.from_numpy(np.ascontiguousarray(ev_np[::-1]))
-        evecs = torch.from_numpy(np.ascontiguousarray(evec_np[:, ::-1]))
-        tol = max(float(evals[0]), 0.0) * n * torch.finfo(torch.float64).eps * 10
-        rank = int((evals > tol).sum())
-        if rank < k or total <= 0:
-            raise ValueError(
-                f"the {n} samples span only {rank} directions of nonzero variance; choose k <= {rank} "
-                "(are the samples duplicates of each other?)"
-            )
-        lam = evals[:k]
-        w = evecs[:, :k] / lam.sqrt()[None, :]  # N x k
-
-        # pass 2: P = Theta W, chunk by chunk
-        basis = torch.empty(d, k, dtype=dtype)
-        best = torch.zeros(k, dtype=torch.float64)
-        sign = torch.ones(k, dtype=torch.float64)
-        for a, b in tqdm(bounds, desc="subspace pass 2/2 (basis)", disable=not progress):
-            source.read_chunk(a, b, buf_np)
-            x = buf64[:, : b - a]
-            x.sub_(mean[a:b])
-            pc = x.t() @ w  # (b-a) x k
-            mx, idx = pc.abs().max(0)
-            upd = mx > best  # strict: the first maximal entry wins ties
-            best = torch.where(upd, mx, best)
-            sign = torch.where(upd, torch.sign(pc.gather(0, idx[None, :])[0]), sign)
-            basis[a:b] = pc.to(dtype)
-        del buf64, buf_np
-        sign[sign == 0] = 1.0
-        if bool((sign < 0).any()):
-            s_row = sign.to(dtype)
-            for a, b in bounds:  # contiguous row blocks: one pass over P, no d x k temporary
-                basis[a:b].mul_(s_row)
-
-        eigenvalues = lam / (n - 1)
+        gram, mean = _gram_pass(source, bounds, progress)
+        lam, w, total = _top_k(gram, k)
+        basis = _basis_pass(source, bounds, mean, w, dtype, progress)
+        provenance = dict(meta["provenance"])
         provenance.update({
             "N": n,
             "k": k,
@@ -335,13 +232,144 @@ def build_subspace(
             basis=basis,
             mean=mean.to(torch.float32),
             reference=ref,
-            eigenvalues=eigenvalues,
+            eigenvalues=lam / (n - 1),
             explained_variance_ratio=lam / total,
-            layout=layout,
-            fingerprint=fingerprint,
-            model=model,
+            layout=meta["layout"],
+            fingerprint=meta["fingerprint"],
+            model=meta["model"],
             provenance=provenance,
         )
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+def _check_build_args(k: Any, dtype: torch.dtype, reference: Any, chunk_size: Any) -> None:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k must be an int, got {k!r}")
+    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype}")
+    if not (isinstance(reference, torch.Tensor) or reference in ("first", "last")):
+        raise ValueError(f"reference must be 'first', 'last' or a [d] tensor, got {reference!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def _open_source(trajectories: Any, window: Any, progress: bool):
+    """The samples as a chunk-readable source, their metadata (layout, fingerprint, model,
+    provenance) and the spool directory to clean up (a generator input), or ``None``."""
+    items = trajectories
+    if _is_path_like(items):
+        items = [items]
+    if isinstance(items, (torch.Tensor, np.ndarray)):
+        if items.ndim != 2:
+            raise ValueError(f"a tensor input must be [N, d] (one sample per row), got shape {tuple(items.shape)}")
+        items = list(items)
+    if isinstance(items, (list, tuple)) and items and all(_is_path_like(x) for x in items):
+        trajs, sel = _trajectories(items, window)
+        samples = [(t, i) for t in sel for i in range(len(t))]
+        source: Any = _FileSource([t.path(i) for t, i in samples], sel[0].d, samples)
+        provenance = {
+            "trajectories": [str(Path(t.directory).resolve()) for t in trajs],
+            "epochs": [int(s["epoch"]) for t in sel for s in t.samples],
+            "steps": [int(s["step"]) for t in sel for s in t.samples],
+            "samples_per_trajectory": [len(t) for t in sel],
+            "window": None if window is None else list(parse_epoch_window(window) or ()),
+        }
+        meta = dict(layout=sel[0].layout, fingerprint=sel[0].fingerprint, model=sel[0].model, provenance=provenance)
+        return source, meta, None
+    if window is not None:
+        raise ValueError("window selects epochs of trajectory directories; it cannot apply to raw vectors")
+    meta = dict(layout=None, fingerprint=None, model=None,
+                provenance={"trajectories": [], "epochs": None, "steps": None, "window": None})
+    if isinstance(items, (list, tuple)):
+        if any(_is_path_like(x) for x in items):
+            raise ValueError("pass either trajectory directories or vectors, not a mix of both")
+        vecs = [_as_vector(v, i) for i, v in enumerate(items)]
+        if not vecs:
+            raise ValueError("no samples given")
+        d0 = vecs[0].numel()
+        for i, v in enumerate(vecs):
+            if v.numel() != d0:
+                raise ValueError(f"all samples must have the same length; sample #0 has {d0}, sample #{i} has {v.numel()}")
+        return _MemorySource(vecs), meta, None
+    if isinstance(items, Iterable):
+        tmp = tempfile.TemporaryDirectory(prefix="szo-spool-")
+        try:
+            files, d0 = _spool(items, Path(tmp.name), progress)
+        except BaseException:
+            tmp.cleanup()
+            raise
+        return _FileSource(files, d0), meta, tmp
+    raise ValueError(
+        "trajectories must be a trajectory directory, a Trajectory, a list of those, "
+        f"or an iterable of 1-D vectors; got {type(items).__name__}"
+    )
+
+
+def _gram_pass(source: Any, bounds: list[tuple[int, int]], progress: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: the doubly-centred N x N Gram matrix of the samples and their mean, chunk by chunk
+    (each chunk shifted by its first sample first, which keeps float64 cancellation small)."""
+    n, d = source.n, source.d
+    buf64 = torch.empty(n, max(b - a for a, b in bounds), dtype=torch.float64)
+    buf_np = buf64.numpy()
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    mean = torch.empty(d, dtype=torch.float64)
+    for a, b in tqdm(bounds, desc="subspace pass 1/2 (Gram)", disable=not progress):
+        source.read_chunk(a, b, buf_np)
+        x = buf64[:, : b - a]
+        shift = x[0].clone()
+        x.sub_(shift)
+        gram.addmm_(x, x.t())
+        mean[a:b] = shift + x.mean(0)
+    r = gram.mean(0)
+    gram = gram - r[None, :] - r[:, None] + r.mean()
+    return 0.5 * (gram + gram.t()), mean
+
+
+def _top_k(gram: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The top-k eigenvalues of the centred Gram, the N x k sample weights ``W`` with
+    ``P = (Theta - mean) W`` orthonormal, and the total variance (times N - 1)."""
+    n = gram.shape[0]
+    total = float(torch.diagonal(gram).sum())
+    ev_np, evec_np = np.linalg.eigh(gram.numpy())  # LAPACK dsyevd, ascending
+    evals = torch.from_numpy(np.ascontiguousarray(ev_np[::-1]))
+    evecs = torch.from_numpy(np.ascontiguousarray(evec_np[:, ::-1]))
+    tol = max(float(evals[0]), 0.0) * n * torch.finfo(torch.float64).eps * 10
+    rank = int((evals > tol).sum())
+    if rank < k or total <= 0:
+        raise ValueError(
+            f"the {n} samples span only {rank} directions of nonzero variance; choose k <= {rank} "
+            "(are the samples duplicates of each other?)"
+        )
+    lam = evals[:k]
+    return lam, evecs[:, :k] / lam.sqrt()[None, :], total
+
+
+def _basis_pass(source: Any, bounds: list[tuple[int, int]], mean: torch.Tensor, w: torch.Tensor,
+                dtype: torch.dtype, progress: bool) -> torch.Tensor:
+    """Pass 2: ``P = (Theta - mean) W`` chunk by chunk, each column's sign fixed so that its
+    largest-magnitude entry (the first, on ties) is positive."""
+    n, d, k = source.n, source.d, w.shape[1]
+    buf64 = torch.empty(n, max(b - a for a, b in bounds), dtype=torch.float64)
+    buf_np = buf64.numpy()
+    basis = torch.empty(d, k, dtype=dtype)
+    best = torch.zeros(k, dtype=torch.float64)
+    sign = torch.ones(k, dtype=torch.float64)
+    for a, b in tqdm(bounds, desc="subspace pass 2/2 (basis)", disable=not progress):
+        source.read_chunk(a, b, buf_np)
+        x = buf64[:, : b - a]
+        x.sub_(mean[a:b])
+        pc = x.t() @ w  # (b-a) x k
+        mx, idx = pc.abs().max(0)
+        upd = mx > best  # strict: the first maximal entry wins ties
+        best = torch.where(upd, mx, best)
+        sign = torch.where(upd, torch.sign(pc.gather(0, idx[None, :])[0]), sign)
+        basis[a:b] = pc.to(dtype)
+    del buf64, buf_np
+    sign[sign == 0] = 1.0
+    if bool((sign < 0).any()):
+        s_row = sign.to(dtype)
+        for a, b in bounds:  # contiguous row blocks: one pass over P, no d x k temporary
+            basis[a:b].mul_(s_row)
+    return basis

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from szo import plots
+
 __all__ = ["plot_explained_variance"]
 
 
@@ -11,18 +13,17 @@ def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *,
     """Write a PNG of the explained-variance ratio of each component and their cumulative sum."""
     import numpy as np
 
-    from szo.plots import integer_ticks, legend_below, pyplot, save_figure
 
     r = np.asarray([float(x) for x in ratios], dtype=float)
     if r.ndim != 1 or r.size == 0:
         raise ValueError("ratios must be a non-empty sequence of numbers")
     idx = np.arange(1, r.size + 1)
-    plt = pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     try:
         ax.bar(idx, 100 * r, color="#4c72b0", label="per component")
         ax.set_xlabel("principal component")
-        integer_ticks(ax.xaxis)
+        plots.integer_ticks(ax.xaxis)
         ax.set_ylabel("explained variance (%)")
         ax2 = ax.twinx()
         ax2.plot(idx, 100 * np.cumsum(r), color="#dd8452", marker="o", markersize=3, label="cumulative")
@@ -32,8 +33,8 @@ def plot_explained_variance(ratios: Sequence[float], path: str | os.PathLike, *,
         h2, l2 = ax2.get_legend_handles_labels()
         if title:
             ax.set_title(title)
-        legend_below(fig, h1 + h2, l1 + l2, ncol=2)  # under the axes: the bars and the line fill them
+        plots.legend_below(fig, h1 + h2, l1 + l2, ncol=2)  # under the axes: the bars and the line fill them
     except BaseException:
         plt.close(fig)
         raise
-    save_figure(fig, path, dpi=120, layout=False)  # PNG in memory, close, atomic write
+    plots.save_figure(fig, path, dpi=120, layout=False)  # PNG in memory, close, atomic write

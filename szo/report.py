@@ -25,6 +25,8 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from szo.io import atomic_write_json, atomic_write_text
+from szo.plots import plot_runs
+from szo.train.callbacks import read_metrics
 
 __all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "render", "write_report", "IGNORED_KEYS"]
 
@@ -40,8 +42,6 @@ _RESULT_SETTINGS = ("recipe", "method", "mode", "q", "k", "subspace", "backend",
 
 def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     """Load results.json + metrics.jsonl of every run under ``paths`` (sorted by path)."""
-    from szo.train.callbacks import read_metrics
-
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():
@@ -264,8 +264,6 @@ def _render(t1: Table, t3: Table, notes: Sequence[str] = ()) -> str:
 
 def write_report(runs: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> dict[str, Path]:
     """report.md, report.json and accuracy.png in ``out_dir``."""
-    from szo.plots import plot_runs
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t1, t3 = table1(runs), table3(runs)  # computed once for both files

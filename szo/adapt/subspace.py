@@ -37,7 +37,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from subspace_store import build_subspace
 from szo.config import TTA_PROTOCOLS
+from szo.data import CORRUPTIONS, dataset_info, get_dataset, make_loader
+from szo.data.corrupted import GENERATED, split_length
+from szo.losses import get_loss
+from szo.train import TrajectoryCallback, fit
+from szo.trajectory import Trajectory, TrajectoryRecorder
 
 from .methods import check_choice
 
@@ -68,8 +74,6 @@ def source_tail(trajectory_dir: str | os.PathLike, n_source: int):
     (Trajectories are selected by epoch; with one sample per epoch this is exactly the last
     ``n_source``; with several per epoch, whole epochs are kept.)
     """
-    from szo.trajectory import Trajectory
-
     if isinstance(n_source, bool) or not isinstance(n_source, int) or n_source < 1:
         raise ValueError(f"n_source must be a positive int, got {n_source!r}")
     traj = Trajectory(trajectory_dir)
@@ -92,8 +96,6 @@ def _split_with_positions(dataset_name: str, split: str, corruption: str, severi
     sets (digits-c, mnist5k-c) corrupt only those images (``indices``); others are subset after loading."""
     from torch.utils.data import Subset
 
-    from szo.data import get_dataset
-    from szo.data.corrupted import GENERATED
 
     if dataset_name in GENERATED and positions is not None:
         return get_dataset(dataset_name, split, data_dir=data_dir, corruption=corruption, severity=severity,
@@ -104,7 +106,6 @@ def _split_with_positions(dataset_name: str, split: str, corruption: str, severi
 
 def _split_size(dataset_name: str, split: str, corruption: str, severity: int, data_dir: Any,
                 kw: Mapping[str, Any]) -> int:
-    from szo.data.corrupted import GENERATED, split_length
 
     if dataset_name in GENERATED:  # without corrupting the whole split
         return split_length(GENERATED[dataset_name], split, split_seed=kw.get("split_seed", 0), limit=kw.get("limit"))
@@ -139,7 +140,6 @@ def finetune_dataset(
     """
     from torch.utils.data import ConcatDataset, Subset
 
-    from szo.data import CORRUPTIONS, dataset_info
 
     check_choice("protocol", protocol, PROTOCOLS)
     images = _check_images(images)
@@ -209,11 +209,6 @@ def finetune_on_dataset(
     optimizer steps, initial weights excluded) into ``run_dir/trajectory`` and returns that
     directory. The source model is not modified.
     """
-    from szo.data import make_loader
-    from szo.losses import get_loss
-    from szo.train import TrajectoryCallback, fit
-    from szo.trajectory import TrajectoryRecorder
-
     for key, v in (("epochs", epochs), ("samples", samples), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{key} must be a positive int, got {v!r}")
@@ -254,8 +249,6 @@ def build_adaptation_subspace(
     provenance (e.g. the fine-tuning corruption and severity).
     Returns a ``subspace_store.Subspace``.
     """
-    from subspace_store import build_subspace
-
     src = source_tail(source_trajectory, n_source)
     reference = source_model.flat_params().cpu()
     sub = build_subspace([src, adapt_trajectory], k, reference=reference, progress=progress)
@@ -302,8 +295,6 @@ def protocol_subspaces(
     batch_size). The description (``tta_results.json`` ``"protocol"``) names the split, the
     corruptions and image counts, and carries ``label_leak`` / ``warning`` for ``paper``.
     """
-    from szo.data import CORRUPTIONS
-
     check_choice("protocol", protocol, PROTOCOLS)
     corruptions = list(corruptions)
     if not corruptions:

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from szo import plots
 from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import NO_ADAPTATION, method_label
 
@@ -103,19 +104,17 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
     the others as side-by-side markers, legend with the averages beside the panel) and, under
     it, each adapting method's accuracy minus BN's, where differences of a point or two that
     overlap in the accuracy panel stay readable."""
-    from szo.plots import MARKERS, pyplot, save_figure
-
     corruptions = list(results["corruptions"])
     settings = list(results["results"])
     q = results.get("config", {}).get("q")
     methods = list(dict.fromkeys(m for st in settings for m in results["results"][st]))
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
-    markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
+    markers = {m: plots.MARKERS[i % len(plots.MARKERS)] for i, m in enumerate(methods)}
     points = [m for m in methods if m != NO_ADAPTATION]
     dx = {m: (j - (len(points) - 1) / 2) * min(0.13, 0.8 / max(len(points), 1)) for j, m in enumerate(points)}
     diff_ref = "bn" if "bn" in methods else None
     ratios = [3, 2] if diff_ref else [3]
-    fig = pyplot().figure(figsize=(13, len(settings) * (sum(ratios) * 1.3 + 1.0)), layout="constrained")
+    fig = plots.pyplot().figure(figsize=(13, len(settings) * (sum(ratios) * 1.3 + 1.0)), layout="constrained")
     subs = fig.subfigures(len(settings), 1, squeeze=False)[:, 0]
     xs = list(range(len(corruptions)))
     names = [SHORT_NAMES.get(c, c) for c in corruptions]
@@ -154,7 +153,7 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
             ax2.grid(axis="y", alpha=0.3)
         ax.grid(axis="y", alpha=0.3)
     path = Path(path)
-    save_figure(fig, path, dpi=110, layout=False)  # constrained layout
+    plots.save_figure(fig, path, dpi=110, layout=False)  # constrained layout
     return path
 
 

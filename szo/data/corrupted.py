@@ -69,7 +69,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from szo.data.digits import check_limit, check_seed
+import szo.data.digits as digits
+import szo.data.mnist5k as mnist5k
+import szo.data.vision as vision
+from szo.data.digits import ImageTensorDataset, check_limit, check_seed
 from szo.data.registry import DataNotFoundError, default_data_dir
 from szo.io import atomic_write_bytes
 
@@ -175,7 +178,6 @@ class CifarCorrupted(Dataset):
 
 def _get_cifar_c(name: str, split: str, data_dir: str | os.PathLike | None, download: bool,
                  augment: bool | None, corruption: Any, severity: Any) -> CifarCorrupted:
-    from szo.data import vision
 
     _check_test_only(name, split, augment)
     corruption, severity = _check_corruption(corruption), _check_severity(severity)
@@ -222,8 +224,6 @@ def get_imagenet_c(split: str, *, data_dir: str | os.PathLike | None = None, dow
 
     Default ``data_dir``: ``$SZO_DATA_DIR/ImageNet-C`` (or ``./data/ImageNet-C``).
     """
-    from szo.data import vision
-
     if kw:
         raise ValueError(f"unknown option(s) {sorted(kw)} for imagenet-c; valid: ['corruption', 'severity']")
     _check_test_only("imagenet-c", split, augment)
@@ -458,8 +458,6 @@ def mnist5k_c_images(corruption: str, severity: int, **kw: Any) -> tuple[np.ndar
 
 def _to_model_input(gray32: np.ndarray, upscale: int, upscale_mode: str, split_seed: int) -> torch.Tensor:
     """digits-c: the 32x32 canvas -> ``[n, 1, 8*upscale, 8*upscale]``, clean digits train statistics."""
-    from szo.data import digits
-
     upscale = digits.check_upscale(upscale, upscale_mode)
     size = digits.IMAGE_SIZE[0] * upscale
     x = torch.from_numpy(gray32).unsqueeze(1).to(torch.float32).div_(255.0)
@@ -474,8 +472,6 @@ def _to_model_input(gray32: np.ndarray, upscale: int, upscale_mode: str, split_s
 
 def _crop_to_model_input(gray32: np.ndarray, split_seed: int) -> torch.Tensor:
     """mnist5k-c: centre crop of the 32x32 canvas -> ``[n, 1, 28, 28]``, clean mnist5k train statistics."""
-    from szo.data import mnist5k
-
     h, w = mnist5k.IMAGE_SIZE
     top, left = (_CORRUPT_SIZE - h) // 2, (_CORRUPT_SIZE - w) // 2
     x = torch.from_numpy(np.ascontiguousarray(gray32[:, top:top + h, left:left + w]))
@@ -507,8 +503,6 @@ def get_digits_c(
     building a corruption subspace, as the paper does with Gaussian noise). ``data_dir`` and
     ``download`` are ignored (generated locally). ``limit``: the first ``limit`` images of the split.
     """
-    from szo.data.digits import ImageTensorDataset
-
     if kw:
         raise ValueError(f"unknown option(s) {sorted(kw)} for digits-c; valid: "
                          f"{_GENERATED_OPTIONS + ['upscale', 'upscale_mode']}")
@@ -527,8 +521,6 @@ def get_mnist5k_c(
     """mnist5k-c: items ``(x float32 [1, 28, 28], y int)`` for one corruption/severity of the
     mnist5k ``split`` (``split_seed`` = mnist5k's split seed). ``data_dir`` and ``download`` are
     ignored (generated locally). ``limit``: the first ``limit`` images of the split."""
-    from szo.data.digits import ImageTensorDataset
-
     if kw:
         raise ValueError(f"unknown option(s) {sorted(kw)} for mnist5k-c; valid: {_GENERATED_OPTIONS}")
     _check_generated_split("mnist5k-c", split, augment)

@@ -35,9 +35,23 @@ import torch
 from spikingjelly.activation_based.base import MemoryModule
 from torch import nn
 
+from subspace_store import SubspaceStore, build_subspace
+from szo import plots
+from szo.data import make_loader
+from szo.data import synthetic_events as se
+from szo.data.dvs import validate_events
+from szo.data.synthetic_events import CLASSES, SyntheticGesture, segment_labels_at
+from szo.export import from_nir
 from szo.io import atomic_save_safetensors, atomic_write_json
+from szo.losses import entropy_loss, tet_loss
 from szo.methods import NO_ADAPTATION, TTA_METHODS, get_method, method_label
+from szo.models import create
+from szo.optim import build_optimizer
 from szo.rundir import run_lock
+from szo.runs import load_run_model
+from szo.train import fit
+from szo.train.callbacks import TrajectoryCallback
+from szo.trajectory import TrajectoryRecorder
 
 __all__ = [
     "ADAPT_METHODS",
@@ -176,8 +190,6 @@ def load_event_file(path: str | os.PathLike, sensor_size: tuple[int, int, int],
     ``start_us``, ``end_us``, ``label`` (one row per labeled segment, as
     ``synthetic_events.stream`` returns). Returns ``(events, segments or None, report dict)``.
     """
-    from szo.data.dvs import validate_events
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"event file {path} does not exist (expected a .npy structured array x, y, t, p)")
@@ -207,8 +219,6 @@ def synthetic_stream(n_gestures: int, *, seed: int, segment_us: int, sensor_size
                      shift: dict[str, Any] | None, shift_fraction: float = 0.5) -> tuple[np.ndarray, np.ndarray, int | None]:
     """Random gestures back to back, the settings in ``shift`` applied from ``shift_fraction`` of
     the stream on. Returns ``(events, segments, shift_at_us or None)``."""
-    from szo.data import synthetic_events as se
-
     if isinstance(n_gestures, bool) or not isinstance(n_gestures, int) or n_gestures < 1:
         raise ValueError(f"n_gestures must be a positive int, got {n_gestures!r}")
     rng = np.random.default_rng([int(seed), 7])
@@ -248,7 +258,6 @@ def _build_and_load(meta: dict, directory: Path) -> Any:
     """The model ``source.json`` describes, with ``model.safetensors`` (strict: names and shapes)."""
     from safetensors.torch import load_file
 
-    from szo.models import create
 
     model = create(meta["model"], **meta["model_kwargs"])
     try:
@@ -264,9 +273,6 @@ def _load_recipe_run(directory: Path) -> SourceModel:
     its model rebuilt by ``szo.pipeline.load_run_model``."""
     import yaml
 
-    from subspace_store import SubspaceStore
-    from szo.data.synthetic_events import SyntheticGesture
-    from szo.runs import load_run_model
 
     raw = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8")) or {}
     data = raw.get("data") or {}
@@ -294,8 +300,6 @@ def _load_recipe_run(directory: Path) -> SourceModel:
 def _load_nir(path: Path) -> SourceModel:
     """A model exported with ``szo export`` (``szo.export.from_nir``): runs as is; it has no
     subspace (BN folded, its own parameter layout), so the stream runs without adaptation."""
-    from szo.export import from_nir
-
     model = from_nir(path).eval()
     meta = dict(model.nir_metadata)
     if "bin_us" not in meta or "sensor_size" not in meta:
@@ -311,8 +315,6 @@ def load_source_model(directory: str | os.PathLike) -> SourceModel:
     """Read a source-model directory written by ``train_source_model``, a ``szo recipe
     synthetic-gesture`` run directory (its subspace from the recipe's store), or a ``.nir``
     file written by ``szo export`` from either (no subspace: ``adapt="none"`` only)."""
-    from subspace_store import SubspaceStore
-
     directory = Path(directory)
     if directory.suffix == ".nir" and directory.is_file():
         return _load_nir(directory)
@@ -337,15 +339,6 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
 
     Reuses ``directory`` when it already holds a model trained with the same settings.
     """
-    from subspace_store import SubspaceStore, build_subspace
-    from szo.data import make_loader
-    from szo.data.synthetic_events import SyntheticGesture
-    from szo.losses import tet_loss
-    from szo.models import create
-    from szo.train import fit
-    from szo.train.callbacks import TrajectoryCallback
-    from szo.trajectory import TrajectoryRecorder
-
     directory = Path(directory)
     meta_path = directory / "source.json"
     if meta_path.is_file():
@@ -430,9 +423,6 @@ class OnlineClassifier:
     """
 
     def __init__(self, model: Any, subspace: Any, settings: StreamSettings) -> None:
-        from szo.losses import entropy_loss, tet_loss
-        from szo.optim import build_optimizer
-
         self.model = model
         self.settings = settings
         self.opt = None
@@ -491,8 +481,6 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
            t_start: int | None = None, t_end: int | None = None, shift_at: int | None = None,
            print_every: int = 0, name: str = "", log: Callable[[str], None] = print) -> dict:
     """Feed the stream window by window; returns per-window records and the summary numbers."""
-    from szo.data.synthetic_events import segment_labels_at
-
     if window_us % bin_us:
         raise ValueError(f"window ({window_us / 1000:g} ms) must be a multiple of the model's frame length "
                          f"({bin_us / 1000:g} ms)")
@@ -562,8 +550,6 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
 
 
 def _class_names() -> tuple[str, ...]:
-    from szo.data.synthetic_events import CLASSES
-
     return CLASSES
 
 
@@ -579,10 +565,8 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
     """PNG: true label and predictions per window (top, classes by name when ``class_names``
     has one per class), running and sliding accuracy (bottom); the legends sit right of the
     panels, never over the data."""
-    from szo.plots import MARKERS, pyplot, save_figure
-
     names = list(class_names) if class_names is not None and len(class_names) == n_classes else None
-    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(12, 6.5), sharex=True)
+    fig, (ax1, ax2) = plots.pyplot().subplots(2, 1, figsize=(12, 6.5), sharex=True)
     smooth = max(1, min(smooth, len(next(iter(runs.values()))["windows"])))
     first = next(iter(runs.values()))["windows"]
     t = np.array([r["t_ms"] for r in first]) / 1000
@@ -590,7 +574,7 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
     ax1.step(t, np.where(lab >= 0, lab, np.nan), where="post", color="k", lw=2, label="true class")
     for j, (name, run) in enumerate(runs.items()):
         pred = np.array([r["pred"] for r in run["windows"]])
-        ax1.scatter(t, pred + 0.15 * (j - 0.5), s=10, marker=MARKERS[j % len(MARKERS)],
+        ax1.scatter(t, pred + 0.15 * (j - 0.5), s=10, marker=plots.MARKERS[j % len(plots.MARKERS)],
                     label=f"predicted ({_run_name(name)})")
         ok = (pred == lab).astype(float)
         valid = lab >= 0
@@ -613,7 +597,7 @@ def plot_timeline(path: str | os.PathLike, runs: dict[str, dict], *, shift_at_s:
     ax2.set_xlabel("stream time (s)")
     ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="per window", title_fontsize=8)
     ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="accuracy", title_fontsize=8)
-    save_figure(fig, path, dpi=110)
+    plots.save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- demo

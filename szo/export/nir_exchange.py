@@ -54,6 +54,8 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from szo.hw.convert import FixedPointNetwork
+from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
 from szo.io import atomic_write_bytes
 from szo.models.base import SpikingModel
 from szo.models.neurons import LIFNode, make_neuron
@@ -351,8 +353,6 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
     does not hold: the rounding of the input to ``ACT_SHIFT`` fractional bits, the toward-zero
     rounding of the integer leak and of right shifts, saturation, and the strict ``v > th``.
     """
-    from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
-
     with torch.no_grad():
         net(torch.zeros(1, *shape))  # fixes the pooling factors that quantized_layers() reports
     functional.reset_net(net)
@@ -434,7 +434,6 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     quant: dict[str, dict[str, Any]] = {}
     extra: dict[str, Any] = {}
     source = model
-    from szo.hw.convert import FixedPointNetwork
 
     if isinstance(model, FixedPointNetwork):
         gm, quant, extra = _fixed_deploy_module(model, shape)

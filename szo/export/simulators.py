@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from szo.export.nir_exchange import meta_str
+
 __all__ = ["SnnTorchRun", "run_snntorch", "snntorch_from_nir", "spike_agreement"]
 
 
@@ -40,7 +42,6 @@ def snntorch_from_nir(graph: Any, *, patch_late_reset: bool = False) -> torch.nn
     import snntorch as snn
     from snntorch.import_nir import import_from_nir
 
-    from szo.export.nir_exchange import meta_str
 
     with contextlib.redirect_stdout(io.StringIO()):  # the importer prints progress lines
         net = import_from_nir(graph)

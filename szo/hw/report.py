@@ -23,11 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from szo.data import collate_time_major, dataset_info, get_dataset
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import ARITHMETICS, Precision, check_arithmetic
+from szo.hw.neurobench import NOTES, neurobench_metrics, szo_counterparts
 from szo.hw.train import learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
+from szo.runs import load_run_model
 
 __all__ = ["ChipModel", "LOIHI2", "compare_arithmetics", "hw_report", "load_target", "loihi2_features",
            "to_markdown", "write_report"]
@@ -72,7 +75,6 @@ def load_target(target: str | SpikingModel) -> tuple[SpikingModel, str, dict[str
         return target, target.model_name, None
     p = Path(str(target))
     if p.is_dir():
-        from szo.runs import load_run_model
 
         try:
             model, cfg = load_run_model(p)
@@ -97,7 +99,6 @@ def input_batch(model: SpikingModel, data: str, batch: int, input_size: int | No
         first = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
         c = first.in_channels if first is not None else 1
         if input_size is None and dcfg is not None:
-            from szo.data import dataset_info
 
             size = dataset_info(dcfg["name"]).image_size  # the run's data set (default loader options)
         else:
@@ -107,7 +108,6 @@ def input_batch(model: SpikingModel, data: str, batch: int, input_size: int | No
         raise ValueError("--data test measures on the run's own test set: give a run directory, not a model name")
     if data == "digits" and dcfg is not None and dcfg["name"] != "digits":
         raise ValueError(f"the run was trained on {dcfg['name']!r}, not digits; use --data test (its test set) or random")
-    from szo.data import collate_time_major, get_dataset
 
     if dcfg is None:
         ds = get_dataset("digits", "test")  # standardised as in training
@@ -326,7 +326,6 @@ def _neurobench_section(model: SpikingModel, net: FixedPointNetwork, x: torch.Te
     if isinstance(model, FixedPointNetwork):
         return {"skipped": "the target is a fixed-point network; NeuroBench hooks need the float model's layers"}
     try:
-        from szo.hw.neurobench import neurobench_metrics, szo_counterparts
         nb = neurobench_metrics(model, x)
     except ModuleNotFoundError as exc:
         return {"skipped": str(exc)}
@@ -415,7 +414,6 @@ def _arithmetics_markdown(rep: dict[str, Any]) -> list[str]:
 def _neurobench_markdown(sec: dict[str, Any]) -> list[str]:
     if "skipped" in sec:
         return ["## NeuroBench", "", f"- skipped: {sec['skipped']}", ""]
-    from szo.hw.neurobench import NOTES
 
     nb, own = sec["neurobench"], sec["szo"]
     lines = ["## NeuroBench metrics", "",

@@ -25,7 +25,11 @@ from typing import Any, Sequence
 
 import torch
 
+from szo import plots
+from szo.data import get_dataset, make_loader
 from szo.functional.diagnostics import draw_estimates, estimate_statistics, rge_variance_closed_form
+from szo.io import atomic_write_json
+from szo.runs import build_model, load_run_model, loss_for, subspace_store_for
 from szo.zo import ProbeGuard
 
 __all__ = ["diagnose_model", "diagnose_run", "run_batch", "plot_diagnose", "render"]
@@ -113,8 +117,6 @@ def diagnose_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, los
 
 def run_batch(cfg: dict[str, Any], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``batch`` images of the run's train set (no augmentation) as one batch."""
-    from szo.data import get_dataset, make_loader
-
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     d = cfg["data"]
@@ -127,9 +129,6 @@ def diagnose_run(run_dir: str | os.PathLike, *, subspace: str | None = None, mus
                  qs: Sequence[int] = (1, 10), repeats: int = 20, batch: int = 64, twin: bool = True,
                  max_full_cge: int = 2000, seed: int = 0, out: str | os.PathLike | None = None) -> dict[str, Any]:
     """Diagnose a run directory's model (SNN and, with ``twin``, its ReLU twin); writes JSON."""
-    from szo.io import atomic_write_json
-    from szo.runs import build_model, load_run_model, loss_for, subspace_store_for
-
     model, cfg = load_run_model(run_dir)
     x, y = run_batch(cfg, batch)
     loss_fn = loss_for(cfg)
@@ -157,13 +156,11 @@ def diagnose_run(run_dir: str | os.PathLike, *, subspace: str | None = None, mus
 def plot_diagnose(result: dict[str, Any], path: str | os.PathLike) -> None:
     """Cosine to the BPTT gradient (left) and variance (right, log) against mu, one line per
     (model, space, estimator, q)."""
-    from szo.plots import legend_below, pyplot, save_figure
-
     series: dict[str, list[tuple[float, float, float]]] = {}
     for r in result["rows"]:
         key = f"{r['model']} {r['space']} {r['estimator'].upper()}" + (f" q={r['q']}" if r["q"] else "")
         series.setdefault(key, []).append((r["mu"], r["cosine"], r["variance"]))
-    plt = pyplot()
+    plt = plots.pyplot()
     # one legend under both panels (it covered the cosine curves inside the panel)
     fig, (ax_c, ax_v) = plt.subplots(1, 2, figsize=(11, 4 + 0.25 * -(-len(series) // 3)))
     for key, pts in series.items():
@@ -175,8 +172,8 @@ def plot_diagnose(result: dict[str, Any], path: str | os.PathLike) -> None:
     ax_c.set(xscale="log", xlabel="mu", ylabel="mean cos(g_hat, g_BPTT)", title="cosine to the BPTT gradient")
     ax_v.set(xscale="log", yscale="log", xlabel="mu", ylabel="trace Cov(g_hat)", title="variance (RGE)")
     handles, labels = ax_c.get_legend_handles_labels()
-    legend_below(fig, handles, labels, ncol=3)
-    save_figure(fig, path, layout=False)
+    plots.legend_below(fig, handles, labels, ncol=3)
+    plots.save_figure(fig, path, layout=False)
 
 
 def render(result: dict[str, Any]) -> str:

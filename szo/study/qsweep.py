@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from szo import plots
 from szo.config import load_recipe
 from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import get_method, method_label
@@ -88,9 +89,7 @@ def render_q(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot_q(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
     """Accuracy vs q and training time vs q (SZO-RGE points, SZO-CGE horizontal line)."""
-    from szo.plots import pyplot, save_figure
-
-    plt = pyplot()
+    plt = plots.pyplot()
     rge = sorted((r for r in rows if r["q"] is not None), key=lambda r: r["q"])
     cge = [r for r in rows if r["q"] is None]  # the coordinate estimator: no q
     fig, axes = plt.subplots(1, 2, figsize=(8.6, 3.4))
@@ -117,7 +116,7 @@ def plot_q(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str =
     axes[0].legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title, fontsize=10)
-    save_figure(fig, path)
+    plots.save_figure(fig, path)
     return Path(path)
 
 

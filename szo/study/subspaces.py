@@ -24,11 +24,13 @@ from typing import Any, Sequence
 
 import torch
 
+from subspace_store import bn_and_head_names, build_subspace, coordinate_subspace, project_point, random_subspace
 from szo.config import load_recipe
 from szo.io import atomic_write_json
 from szo.pipeline import run_recipe
 from szo.rundir import run_lock
-from szo.runs import load_run_model, subspace_store_for
+from szo.runs import load_run_model, loaders_for, loss_for, subspace_store_for
+from szo.train.trainer import evaluate
 
 __all__ = ["subspace_variants", "projection_rows", "study_subspaces"]
 
@@ -38,9 +40,6 @@ def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequen
                       bn_head: bool = True, progress: bool = False, model=None) -> dict[str, Any]:
     """``{variant: Subspace}`` for the BPTT run ``bp_run`` (see the module doc); ``model``: the
     run's model if the caller has it loaded already (``load_run_model``)."""
-    from subspace_store import bn_and_head_names, build_subspace, coordinate_subspace, random_subspace
-    from szo.runs import load_run_model
-
     traj = Path(bp_run) / "trajectory"
     if not traj.is_dir():
         raise ValueError(f"{bp_run} has no trajectory/ directory: pass the run directory of a kind: bp recipe")
@@ -68,10 +67,6 @@ def subspace_variants(bp_run: str | os.PathLike, k: int, *, first_epochs: Sequen
 def projection_rows(bp_run: str | os.PathLike, variants: dict[str, Any], loaded=None) -> list[dict[str, Any]]:
     """For every variant: k, distance of the projected BP solution to theta_BP and its test accuracy;
     ``loaded``: ``load_run_model(bp_run)`` if the caller has it already."""
-    from subspace_store import project_point
-    from szo.runs import load_run_model, loaders_for, loss_for
-    from szo.train.trainer import evaluate
-
     model, cfg = loaded if loaded is not None else load_run_model(bp_run)
     theta_bp = model.flat_params().detach().clone()
     _, test = loaders_for(cfg, torch.Generator().manual_seed(0))
