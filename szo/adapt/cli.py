@@ -91,14 +91,8 @@ def _adaptation_subspaces(cfg: Mapping[str, Any], source: torch.nn.Module, src_t
                                                        progress=progress, provenance={"adapt_protocol": protocol})
         store.save("adapt", sub, overwrite=True)
         return sub, declared
-    from szo.data import CORRUPTIONS
-
-    finetune = {key: ft[key] for key in ("epochs", "samples", "lr", "momentum", "weight_decay", "batch_size")}
-    subs, info = adapt_subspace.protocol_subspaces(
-        source, src_traj, t["data"], protocol, run_dir=out, corruptions=t["corruptions"] or list(CORRUPTIONS),
-        corruption=ft["corruption"], severity=ft["severity"], images=ft["images"], k=k, n_source=t["n_source"],
-        finetune=finetune, loss=loss_for(cfg), data_dir=t["data_dir"], dataset_kwargs=t["kwargs"], seed=seed,
-        device=device, progress=progress)
+    subs, info = adapt_subspace.protocol_subspaces(source, src_traj, t, run_dir=out, k=k, loss=loss_for(cfg),
+                                                   seed=seed, device=device, progress=progress)
     if isinstance(subs, Mapping):
         for c, s in subs.items():
             store.save(f"adapt-loco-{c}", s, overwrite=True)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from subspace_store import build_subspace
-from szo.config import TTA_PROTOCOLS
+from szo.config import TTA_PROTOCOLS, FinetuneConfig, TTAConfig
 from szo.data import CORRUPTIONS, dataset_info, get_dataset, make_loader
 from szo.data.corrupted import GENERATED, split_length
 from szo.losses import get_loss
@@ -189,12 +189,7 @@ def finetune_on_dataset(
     dataset: Dataset,
     *,
     run_dir: str | os.PathLike,
-    epochs: int = 10,
-    samples: int = 20,
-    lr: float = 0.01,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    batch_size: int = 64,
+    settings: FinetuneConfig | Mapping[str, Any] | None = None,
     loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "tet",
     seed: int = 0,
     device: str | torch.device = "cpu",
@@ -203,12 +198,16 @@ def finetune_on_dataset(
 ) -> Path:
     """Supervised BP fine-tuning of a copy of ``source_model`` on the labelled ``dataset``.
 
-    ``loss``: a ``szo.losses`` name (its default options) or a loss ``fn(out, y)``, e.g. a
-    recipe's ``szo.pipeline.loss_for(cfg)`` (TET with the recipe's lamb / phi).
-    Records at least ``samples`` weight vectors (every ``epochs * steps_per_epoch // samples``
+    ``settings``: a :class:`szo.config.FinetuneConfig` (or a mapping of its fields; default
+    epochs 10, samples 20, SGD lr 0.01, momentum 0.9, weight decay 0, batch size 64): the
+    recipe's ``tta.finetune`` section. ``loss``: a ``szo.losses`` name (its default options) or a
+    loss ``fn(out, y)``, e.g. a recipe's ``szo.runs.loss_for(cfg)`` (TET with the recipe's lamb / phi).
+    Records ``settings.samples`` weight vectors (every ``epochs * steps_per_epoch // samples``
     optimizer steps, initial weights excluded) into ``run_dir/trajectory`` and returns that
     directory. The source model is not modified.
     """
+    ft = settings if isinstance(settings, FinetuneConfig) else FinetuneConfig(**dict(settings or {}))
+    epochs, samples, batch_size = ft.epochs, ft.samples, ft.batch_size
     for key, v in (("epochs", epochs), ("samples", samples), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{key} must be a positive int, got {v!r}")
@@ -222,7 +221,7 @@ def finetune_on_dataset(
     run_dir = Path(run_dir)
     traj_dir = run_dir / "trajectory"
     recorder = TrajectoryRecorder(traj_dir, model, every=total // samples, record_initial=False)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = torch.optim.SGD(model.parameters(), lr=ft.lr, momentum=ft.momentum, weight_decay=ft.weight_decay)
     loss_fn = get_loss(loss) if isinstance(loss, str) else loss
     fit(model, loader, None, opt, epochs=epochs, loss_fn=loss_fn, device=device, run_dir=run_dir,
         callbacks=[TrajectoryCallback(recorder)], generator=gen, progress=progress, plot=False,
@@ -267,49 +266,41 @@ def build_adaptation_subspace(
 def protocol_subspaces(
     source_model: nn.Module,
     source_trajectory: str | os.PathLike,
-    dataset_name: str,
-    protocol: str,
+    tta: TTAConfig,
     *,
     run_dir: str | os.PathLike,
-    corruptions: Sequence[str],
-    corruption: str = "gaussian_noise",
-    severity: int = 5,
-    images: int | None = None,
     k: int = 20,
-    n_source: int = 20,
-    finetune: Mapping[str, Any] | None = None,
     loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "tet",
-    data_dir: str | os.PathLike | None = None,
-    dataset_kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
-    """The adaptation subspace(s) of ``protocol`` and the protocol's description.
+    """The adaptation subspace(s) of the recipe section ``tta`` (a :class:`szo.config.TTAConfig`:
+    ``tta.protocol``, ``tta.data`` with its ``data_dir`` / ``kwargs``, ``tta.corruptions`` (null:
+    all 15), ``tta.n_source`` and ``tta.finetune``) and the protocol's description.
 
-    ``paper`` / ``train``: one fine-tuning on ``corruption`` (:func:`finetune_dataset`) into
-    ``run_dir/finetune``, one subspace. ``loco``: for every evaluated corruption ``c`` in
-    ``corruptions`` a fine-tuning on the mix of the other 14 into ``run_dir/finetune/loco-<c>``
-    and a ``{c: subspace}`` mapping (for ``run_tta``'s reset setting). ``finetune``: keyword
-    arguments of :func:`finetune_on_dataset` (epochs, samples, lr, momentum, weight_decay,
-    batch_size). The description (``tta_results.json`` ``"protocol"``) names the split, the
+    ``paper`` / ``train``: one fine-tuning on ``tta.finetune.corruption`` (:func:`finetune_dataset`)
+    into ``run_dir/finetune``, one subspace. ``loco``: for every evaluated corruption ``c`` a
+    fine-tuning on the mix of the other 14 into ``run_dir/finetune/loco-<c>`` and a ``{c: subspace}``
+    mapping (for ``run_tta``'s reset setting). The fine-tuning itself is :func:`finetune_on_dataset`
+    with ``tta.finetune``. The description (``tta_results.json`` ``"protocol"``) names the split, the
     corruptions and image counts, and carries ``label_leak`` / ``warning`` for ``paper``.
     """
+    protocol, dataset_name, ft = tta.protocol, tta.data, tta.finetune
+    severity, corruptions = ft.severity, list(tta.corruptions or CORRUPTIONS)
     check_choice("protocol", protocol, PROTOCOLS)
-    corruptions = list(corruptions)
     if not corruptions:
         raise ValueError("no evaluated corruption given")
-    ft = dict(finetune or {})
     run_dir = Path(run_dir)
 
     seconds: dict[str, float] = {}
 
     def one(held: str, where: Path) -> tuple[Any, dict[str, Any]]:
         t0 = time.perf_counter()
-        ds, desc = finetune_dataset(dataset_name, protocol, held, severity, images=images, data_dir=data_dir,
-                                    dataset_kwargs=dataset_kwargs)
-        traj = finetune_on_dataset(source_model, ds, run_dir=where, loss=loss, seed=seed, device=device,
-                                   progress=progress, name=f"finetune-{dataset_name}-{protocol}-{held}", **ft)
+        ds, desc = finetune_dataset(dataset_name, protocol, held, severity, images=ft.images, data_dir=tta.data_dir,
+                                    dataset_kwargs=tta.kwargs)
+        traj = finetune_on_dataset(source_model, ds, run_dir=where, settings=ft, loss=loss, seed=seed, device=device,
+                                   progress=progress, name=f"finetune-{dataset_name}-{protocol}-{held}")
         prov = {"adapt_protocol": protocol, "adapt_split": desc["finetune_split"], "adapt_severity": severity,
                 "adapt_images": desc["finetune_images"], "adapt_corruptions": sorted(desc["finetune_corruptions"])}
         if protocol == "loco":
@@ -318,7 +309,7 @@ def protocol_subspaces(
             prov["adapt_corruption"] = held
         if desc["label_leak"]:
             prov["warning"] = LABEL_LEAK
-        sub = build_adaptation_subspace(source_model, source_trajectory, traj, k=k, n_source=n_source,
+        sub = build_adaptation_subspace(source_model, source_trajectory, traj, k=k, n_source=tta.n_source,
                                         progress=progress, provenance=prov)
         seconds[held] = time.perf_counter() - t0
         return sub, desc
@@ -335,6 +326,7 @@ def protocol_subspaces(
                                 f"other {len(CORRUPTIONS) - 1} corruptions (severity {severity}); reset setting only",
                     subspace_s=seconds)
         return subs, info
+    corruption = ft.corruption
     sub, desc = one(corruption, run_dir / "finetune")
     info.update(images=desc["finetune_images"], corruption=corruption,
                 description=f"BP fine-tuning (labelled) on the corrupted {desc['finetune_split']} split of "

@@ -490,43 +490,45 @@ def _check_generated_split(name: str, split: str, augment: bool | None) -> None:
 _GENERATED_OPTIONS = ["corruption", "severity", "seed", "split_seed", "cache_dir", "indices", "limit", "cache"]
 
 
+def _generated_images(name: str, base: str, split: str, augment: bool | None, options: dict[str, Any],
+                      extra: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The gray images and labels of a generated ``*-c`` set from its getter's ``options``
+    (:data:`_GENERATED_OPTIONS`: corruption, default gaussian_noise; severity, default 5; and
+    :func:`corrupted_images`' keywords)."""
+    unknown = sorted(set(options) - set(_GENERATED_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {name}; valid: {_GENERATED_OPTIONS + list(extra)}")
+    _check_generated_split(name, split, augment)
+    opts = {"corruption": "gaussian_noise", "severity": 5, **options}
+    return corrupted_images(base, opts.pop("corruption"), opts.pop("severity"), split=split, **opts)
+
+
 def get_digits_c(
     split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
-    augment: bool | None = None, corruption: str = "gaussian_noise", severity: int = 5, seed: int = 0,
-    split_seed: int = 0, upscale: int = 1, upscale_mode: str = "nearest",
-    cache_dir: str | os.PathLike | None = None, indices: Sequence[int] | None = None, limit: int | None = None,
-    cache: bool = True, **kw: Any,
+    augment: bool | None = None, upscale: int = 1, upscale_mode: str = "nearest", **options: Any,
 ) -> Dataset:
     """digits-c: items ``(x float32 [1, 8*upscale, 8*upscale], y int)`` for one corruption/severity.
 
-    ``split="test"`` is the corrupted test set; ``split="train"`` corrupts the train split (for
-    building a corruption subspace, as the paper does with Gaussian noise). ``data_dir`` and
-    ``download`` are ignored (generated locally). ``limit``: the first ``limit`` images of the split.
+    ``options``: ``corruption`` (default gaussian_noise), ``severity`` (default 5), ``seed``,
+    ``split_seed``, ``cache_dir``, ``indices``, ``limit`` (the first ``limit`` images of the split),
+    ``cache`` (:func:`corrupted_images`). ``split="test"`` is the corrupted test set;
+    ``split="train"`` corrupts the train split (for building a corruption subspace, as the paper
+    does with Gaussian noise). ``data_dir`` and ``download`` are ignored (generated locally).
     """
-    if kw:
-        raise ValueError(f"unknown option(s) {sorted(kw)} for digits-c; valid: "
-                         f"{_GENERATED_OPTIONS + ['upscale', 'upscale_mode']}")
-    _check_generated_split("digits-c", split, augment)
-    gray, y = corrupted_images("digits", corruption, severity, split=split, seed=seed, split_seed=split_seed,
-                               cache_dir=cache_dir, indices=indices, limit=limit, cache=cache)
-    return ImageTensorDataset(_to_model_input(gray, upscale, upscale_mode, split_seed), torch.from_numpy(y.copy()))
+    gray, y = _generated_images("digits-c", "digits", split, augment, options, extra=("upscale", "upscale_mode"))
+    return ImageTensorDataset(_to_model_input(gray, upscale, upscale_mode, options.get("split_seed", 0)),
+                              torch.from_numpy(y.copy()))
 
 
 def get_mnist5k_c(
     split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
-    augment: bool | None = None, corruption: str = "gaussian_noise", severity: int = 5, seed: int = 0,
-    split_seed: int = 0, cache_dir: str | os.PathLike | None = None, indices: Sequence[int] | None = None,
-    limit: int | None = None, cache: bool = True, **kw: Any,
+    augment: bool | None = None, **options: Any,
 ) -> Dataset:
     """mnist5k-c: items ``(x float32 [1, 28, 28], y int)`` for one corruption/severity of the
-    mnist5k ``split`` (``split_seed`` = mnist5k's split seed). ``data_dir`` and ``download`` are
-    ignored (generated locally). ``limit``: the first ``limit`` images of the split."""
-    if kw:
-        raise ValueError(f"unknown option(s) {sorted(kw)} for mnist5k-c; valid: {_GENERATED_OPTIONS}")
-    _check_generated_split("mnist5k-c", split, augment)
-    gray, y = corrupted_images("mnist5k", corruption, severity, split=split, seed=seed, split_seed=split_seed,
-                               cache_dir=cache_dir, indices=indices, limit=limit, cache=cache)
-    return ImageTensorDataset(_crop_to_model_input(gray, split_seed), torch.from_numpy(y.copy()))
+    mnist5k ``split``; ``options`` as :func:`get_digits_c`'s (``split_seed`` = mnist5k's split
+    seed). ``data_dir`` and ``download`` are ignored (generated locally)."""
+    gray, y = _generated_images("mnist5k-c", "mnist5k", split, augment, options)
+    return ImageTensorDataset(_crop_to_model_input(gray, options.get("split_seed", 0)), torch.from_numpy(y.copy()))
 
 
 def generate_corrupted(

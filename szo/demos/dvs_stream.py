@@ -68,6 +68,7 @@ __all__ = [
     "load_source_model",
     "OnlineClassifier",
     "replay",
+    "EventStream",
     "plot_timeline",
     "run_demo",
     "StreamInput",
@@ -476,11 +477,29 @@ class OnlineClassifier:
         return loss
 
 
-def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineClassifier, *,
-           window_us: int, bin_us: int, sensor_size: tuple[int, int, int], downsample: int = 1,
-           t_start: int | None = None, t_end: int | None = None, shift_at: int | None = None,
-           print_every: int = 0, name: str = "", log: Callable[[str], None] = print) -> dict:
+@dataclass(frozen=True)
+class EventStream:
+    """A recorded event stream cut into windows: ``events`` (structured ``x, y, t, p``),
+    ``segments`` (labelled time ranges, or ``None``), the window and the model's frame length
+    in microseconds, the sensor and its integer ``downsample`` onto the model's input, the time
+    range (default: the events' / segments') and ``shift_at`` (when a domain shift begins)."""
+
+    events: np.ndarray
+    segments: np.ndarray | None
+    window_us: int
+    bin_us: int
+    sensor_size: tuple[int, int, int]
+    downsample: int = 1
+    t_start: int | None = None
+    t_end: int | None = None
+    shift_at: int | None = None
+
+
+def replay(stream: EventStream, classifier: OnlineClassifier, *, print_every: int = 0, name: str = "",
+           log: Callable[[str], None] = print) -> dict:
     """Feed the stream window by window; returns per-window records and the summary numbers."""
+    events, segments, window_us, bin_us = stream.events, stream.segments, stream.window_us, stream.bin_us
+    t_start, t_end, shift_at = stream.t_start, stream.t_end, stream.shift_at
     if window_us % bin_us:
         raise ValueError(f"window ({window_us / 1000:g} ms) must be a multiple of the model's frame length "
                          f"({bin_us / 1000:g} ms)")
@@ -503,7 +522,7 @@ def replay(events: np.ndarray, segments: np.ndarray | None, classifier: OnlineCl
     compute = 0.0
     with model.persistent_state():
         for i, (ws, lab) in enumerate(zip(starts, labels)):
-            frames = window_frames(events, int(ws), int(ws) + window_us, bins, sensor_size, downsample)
+            frames = window_frames(events, int(ws), int(ws) + window_us, bins, stream.sensor_size, stream.downsample)
             tic = time.perf_counter()
             before = snapshot_state(model) if classifier.opt is not None else None
             pred, _ = classifier.classify(frames)
@@ -676,8 +695,8 @@ def _run_demo(out_dir: Path, inp: StreamInput, stream: StreamSettings, source_se
     if threads is not None:  # one window is a tiny tensor: thread hand-off costs more than it saves
         torch.set_num_threads(int(threads))
     try:
-        runs = _replay_all(methods, src, stream, events, segments, window_us, sensor, downsample, shift_at,
-                           print_every, log)
+        recorded = EventStream(events, segments, window_us, src.bin_us, sensor, downsample, shift_at=shift_at)
+        runs = _replay_all(methods, src, stream, recorded, print_every, log)
     finally:
         torch.set_num_threads(prev_threads)
     summary = {
@@ -696,17 +715,15 @@ def _run_demo(out_dir: Path, inp: StreamInput, stream: StreamSettings, source_se
     return summary
 
 
-def _replay_all(methods: list[str], src: SourceModel, stream: StreamSettings, events: np.ndarray,
-                segments: np.ndarray | None, window_us: int, sensor: tuple[int, int, int], downsample: int,
-                shift_at: int | None, print_every: int, log: Callable[[str], None]) -> dict[str, dict]:
+def _replay_all(methods: list[str], src: SourceModel, stream: StreamSettings, recorded: EventStream,
+                print_every: int, log: Callable[[str], None]) -> dict[str, dict]:
     """Replay the same stream once per method, each from fresh source weights."""
     runs: dict[str, dict] = {}
     for method in methods:
         settings = StreamSettings(**{**asdict(stream), "adapt": method})
         clf = OnlineClassifier(src.fresh_model(), src.subspace, settings)
         name = method + ("+labels" if settings.use_labels and method != NO_ADAPTATION else "")
-        runs[name] = replay(events, segments, clf, window_us=window_us, bin_us=src.bin_us, sensor_size=sensor,
-                            downsample=downsample, shift_at=shift_at, print_every=print_every, name=name, log=log)
+        runs[name] = replay(recorded, clf, print_every=print_every, name=name, log=log)
         s = runs[name]["summary"]
         log(f"[{name}] accuracy {_fmt(s['accuracy'])} (before shift {_fmt(s['accuracy_before_shift'])}, "
             f"after shift {_fmt(s['accuracy_after_shift'])}); real-time factor {s['real_time_factor']} "

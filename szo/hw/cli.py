@@ -9,6 +9,7 @@ from pathlib import Path
 from szo.hw.fixed import ARITHMETICS, Precision
 from szo.hw.neuron import RESETS
 from szo.hw.report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
+from szo.optim.options import IntegerLearnerOptions
 
 __all__ = ["register", "run_hw_report", "main"]
 
@@ -49,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_hw_report(args: argparse.Namespace) -> int:
     chip = replace(LOIHI2, core_memory_kb=args.core_kb, cores=args.cores, energy_per_synop_pj=args.energy_pj)
-    rep = hw_report(args.target, data=args.data, batch=args.batch, k=args.k, basis_bits=args.basis_bits,
-                    coord_bits=args.coord_bits, ref_bits=args.ref_bits, input_size=args.input_size,
+    learner = IntegerLearnerOptions(basis_bits=args.basis_bits, coord_bits=args.coord_bits, ref_bits=args.ref_bits)
+    rep = hw_report(args.target, data=args.data, batch=args.batch, k=args.k, learner=learner, input_size=args.input_size,
                     precision=Precision(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
                     arithmetic=args.arithmetic, reset=args.reset, neurobench=not args.no_neurobench)
     if args.out is None:

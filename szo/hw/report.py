@@ -30,6 +30,7 @@ from szo.hw.neurobench import NOTES, neurobench_metrics, szo_counterparts
 from szo.hw.train import learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
+from szo.optim.options import IntegerLearnerOptions
 from szo.runs import load_run_model
 
 __all__ = ["ChipModel", "LOIHI2", "compare_arithmetics", "hw_report", "load_target", "loihi2_features",
@@ -225,7 +226,7 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
 
 @torch.no_grad()
 def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 16, k: int = 40,
-              basis_bits: int = 8, coord_bits: int = 32, ref_bits: int = 16, input_size: int | None = None,
+              learner: IntegerLearnerOptions = IntegerLearnerOptions(), input_size: int | None = None,
               precision: Precision | None = None, chip: ChipModel = LOIHI2, seed: int = 0,
               arithmetic: str = "szo", reset: str | None = None, neurobench: bool = True) -> dict[str, Any]:
     """Measure one batch through the fixed-point network (``arithmetic``, ``reset``: see
@@ -234,7 +235,8 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
 
     ``neurobench``: also compute NeuroBench's metrics (``szo.hw.neurobench``) of the float model
     on the same batch, next to szo's counterparts (skipped, with the reason, if ``neurobench``
-    is not installed or the target is already a fixed-point network)."""
+    is not installed or the target is already a fixed-point network). ``learner``: the widths of
+    the on-chip SZO learner's state (basis, coordinates, theta_ref) whose memory is tabulated."""
     for n, v in (("batch", batch), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{n} must be a positive int, got {v!r}")
@@ -257,27 +259,11 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         net(x)
     finally:
         net.collect_stats = collecting
-    stats = net.last_stats
-    rows = []
-    for name, s in stats.items():
-        w = int(s.get("weights", 0))
-        row = {
-            "layer": name, "type": s["type"],
-            "weights": w,
-            "weight_bytes": math.ceil(w * P.weight_bits / 8) + (1 if w else 0),  # + per-layer exponent byte
-            "bias_bytes": math.ceil(s.get("out_channels", 0) * (P.bias_mant_bits + 3) / 8) if s.get("has_bias") else 0,
-            "neurons": int(s.get("neurons", 0)),
-            "neuron_state_bytes": math.ceil(int(s.get("neurons", 0)) * 2 * P.state_bits / 8),  # current + voltage
-            "events_per_sample": s.get("events", 0) / N,
-            "synops_per_sample": s.get("synops", 0) / N,
-            "spikes_per_neuron_per_step": (s["spikes"] / (s["neurons"] * s["T"] * s["N"])) if s["type"] == "neuron" else None,
-        }
-        row["bytes"] = row["weight_bytes"] + row["bias_bytes"] + row["neuron_state_bytes"]
-        row["cores"] = math.ceil(row["bytes"] / (chip.core_memory_kb * 1024)) if row["bytes"] else 0
-        rows.append(row)
+    rows = _layer_rows(net.last_stats, P, chip, N)
     d = net.num_params()
-    bits = learner_state_bits(d, k, basis_bits=basis_bits, coord_bits=coord_bits, ref_bits=ref_bits)
-    learner = {f"{item}_bytes": math.ceil(b / 8) for item, b in bits.items()}
+    bits = learner_state_bits(d, k, basis_bits=learner.basis_bits, coord_bits=learner.coord_bits,
+                              ref_bits=learner.ref_bits)
+    learner_bytes = {f"{item}_bytes": math.ceil(b / 8) for item, b in bits.items()}
     synops_fwd = sum(r["synops_per_sample"] for r in rows)
     neuron_updates_fwd = sum(r["neurons"] for r in rows) * T
     forwards_per_step = 2 * k
@@ -286,7 +272,7 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "bias_bytes": sum(r["bias_bytes"] for r in rows),
         "neuron_state_bytes": sum(r["neuron_state_bytes"] for r in rows),
         "inference_bytes": sum(r["bytes"] for r in rows),
-        "learner_bytes": sum(learner.values()),
+        "learner_bytes": sum(learner_bytes.values()),
         "synops_per_forward": synops_fwd,
         "neuron_updates_per_forward": neuron_updates_fwd,
         "forwards_per_szo_step": forwards_per_step,
@@ -310,14 +296,38 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "target": label, "model": model.model_name, "d": d, "k": k, "T": T, "batch": N, "data": data,
         "arithmetic": net.arithmetic, "reset": net.reset_override,
         "input_shape": list(x.shape[-3:]), "precision": P.as_dict(),
-        "learner_precision": {"basis_bits": basis_bits, "coord_bits": coord_bits, "ref_bits": ref_bits},
-        "chip": asdict(chip), "layers": rows, "learner": learner, "totals": totals, "fit": fit,
+        "learner_precision": {"basis_bits": learner.basis_bits, "coord_bits": learner.coord_bits,
+                              "ref_bits": learner.ref_bits},
+        "chip": asdict(chip), "layers": rows, "learner": learner_bytes, "totals": totals, "fit": fit,
         "saturations": net.saturation_counts(),
         "arithmetics": compare, "loihi2_features": loihi2_features(net),
     }
     if neurobench:
         rep["neurobench"] = _neurobench_section(model, net, x, rep)
     return rep
+
+
+def _layer_rows(stats: dict[str, dict[str, Any]], P: Precision, chip: ChipModel, N: int) -> list[dict[str, Any]]:
+    """Per layer of a measured forward (``FixedPointNetwork.last_stats``): memory at the
+    network's precision, events / synops per sample, spike rate and the cores it needs."""
+    rows = []
+    for name, s in stats.items():
+        w = int(s.get("weights", 0))
+        row = {
+            "layer": name, "type": s["type"],
+            "weights": w,
+            "weight_bytes": math.ceil(w * P.weight_bits / 8) + (1 if w else 0),  # + per-layer exponent byte
+            "bias_bytes": math.ceil(s.get("out_channels", 0) * (P.bias_mant_bits + 3) / 8) if s.get("has_bias") else 0,
+            "neurons": int(s.get("neurons", 0)),
+            "neuron_state_bytes": math.ceil(int(s.get("neurons", 0)) * 2 * P.state_bits / 8),  # current + voltage
+            "events_per_sample": s.get("events", 0) / N,
+            "synops_per_sample": s.get("synops", 0) / N,
+            "spikes_per_neuron_per_step": (s["spikes"] / (s["neurons"] * s["T"] * s["N"])) if s["type"] == "neuron" else None,
+        }
+        row["bytes"] = row["weight_bytes"] + row["bias_bytes"] + row["neuron_state_bytes"]
+        row["cores"] = math.ceil(row["bytes"] / (chip.core_memory_kb * 1024)) if row["bytes"] else 0
+        rows.append(row)
+    return rows
 
 
 def _neurobench_section(model: SpikingModel, net: FixedPointNetwork, x: torch.Tensor,

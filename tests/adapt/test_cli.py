@@ -77,7 +77,7 @@ def test_finetuning_uses_the_recipe_loss(tta_run):
     _, res = tta_run
     (kw,) = res["_finetune_losses"]
     loss = kw["loss"]
-    assert kw["weight_decay"] == 0.001  # tta.finetune.weight_decay reaches the fine-tuning
+    assert kw["settings"].weight_decay == 0.001  # tta.finetune.weight_decay reaches the fine-tuning
     out, y = torch.randn(2, 5, 10, generator=torch.Generator().manual_seed(0)), torch.arange(5)
     torch.testing.assert_close(loss(out, y), tet_loss(out, y, lamb=0.2, phi=1.0))  # loss.lamb, not TET's default
     assert not torch.allclose(loss(out, y), tet_loss(out, y))
