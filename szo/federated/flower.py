@@ -194,12 +194,16 @@ class ServerState:
         return len(self.history)
 
     def to_checkpoint(self) -> dict[str, Any]:
-        return {"c": torch.from_numpy(self.c.copy()), "v": torch.from_numpy(self.v.copy()),
+        return {"kind": "federated", "c": torch.from_numpy(self.c.copy()), "v": torch.from_numpy(self.v.copy()),
                 "bn": torch.from_numpy(self.bn.copy()), "history": self.history, "bytes_down": self.bytes_down,
                 "bytes_up": self.bytes_up, "fp": self.fp, "wall_time_s": self.wall_time_s}
 
     @classmethod
-    def from_checkpoint(cls, st: Mapping[str, Any]) -> "ServerState":
+    def from_checkpoint(cls, st: Mapping[str, Any], path: Any = "checkpoint") -> "ServerState":
+        if st.get("kind") != "federated":
+            what = f"a '{st['method']}' training run" if isinstance(st.get("method"), str) else "something else"
+            raise ValueError(f"{path} is the checkpoint of {what}, not of a szo federated run: "
+                             "choose another --out for the federation")
         return cls(c=st["c"].numpy().copy(), v=st["v"].numpy().copy(), bn=st["bn"].numpy().copy(),
                    history=list(st["history"]), bytes_down=list(st["bytes_down"]), bytes_up=list(st["bytes_up"]),
                    fp=int(st["fp"]), wall_time_s=float(st["wall_time_s"]))
@@ -354,15 +358,15 @@ def _start_state(run_dir: Path, resume: bool) -> ServerState | None:
         raise ValueError(f"{run_dir} already holds a checkpoint ({path}); pass --resume to continue it "
                          "or use another --out")
     blob, _ = read_checkpoint_bytes(path)
-    return ServerState.from_checkpoint(checkpoint_from_bytes(blob, path))
+    return ServerState.from_checkpoint(checkpoint_from_bytes(blob, path), path)
 
 
 def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Sequence[Callback]) -> dict[str, Any]:
     fc = cfg.federated
     run_dir.mkdir(parents=True, exist_ok=True)
+    state = _start_state(run_dir, resume)  # a refused directory costs no compute
     if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
         bptt_stage(cfg, run_dir / "bptt", resume=resume)  # the subspace the clients download once
-    state = _start_state(run_dir, resume)
     write_config(cfg, run_dir / "config.yaml")
     atomic_write_json(run_dir / "federated.json", fc.to_dict())
     train = _dataset(cfg, "train")

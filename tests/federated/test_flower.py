@@ -67,3 +67,29 @@ def test_killed_federation_resumes_bit_exactly(tmp_path):
     assert [(r["round"], r["test_acc"], r["fp"]) for r in rows] == [(r["round"], r["test_acc"], r["fp"]) for r in refs]
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["status"] == "completed" and res["final_test_acc"] == ref["final_test_acc"]
+
+
+def test_federation_refuses_a_recipe_run_directory(tmp_path, capsys):
+    """szo federated --out D on a directory holding another run's checkpoint: one line, before any
+    compute, with or without --resume; the directory's files are left as they were."""
+    import torch
+
+    from szo.cli import main
+    from szo.train.checkpoint import checkpoint_path, save_checkpoint
+
+    run = tmp_path / "recipe-run"
+    save_checkpoint(checkpoint_path(run), {"method": "szo-cge", "model": {"w": torch.zeros(2)}})
+    (run / "results.json").write_text('{"status": "completed"}')
+    def files():  # .lock: the run contract's lock file, empty when nobody holds it
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+
+    before = files()
+    args = ["federated", "digits-scratch", "--set", f"subspace.root={tmp_path / 'store'}", "--out", str(run)]
+    assert main(args) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "a 'szo-cge' training run, not of a szo federated run" in err[-1]
+    assert "Traceback" not in "".join(err)
+    assert files() == before
+    assert not (tmp_path / "store").exists()  # no BPTT stage ran
