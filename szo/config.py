@@ -90,7 +90,8 @@ def _free() -> dict[str, Any]:
 
 
 def _opt(default: Any = None, **meta: Any) -> Any:
-    """A field with validation metadata (``min``, ``max``, ``gt``, ``choices``, ``free``)."""
+    """A field with validation metadata (``min``, ``max``, ``gt``, ``choices``, ``check``: a
+    zero-argument callable giving a validator that raises ValueError, ``free``)."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -143,9 +144,6 @@ class Section(Mapping):
         return dataclasses.replace(self, **changes)
 
 
-def _models() -> list[str]:
-    return szo_models.names()
-
 
 def _datasets() -> list[str]:
     return szo_data.names()
@@ -158,7 +156,7 @@ class ModelConfig(Section):
     # time step normalised with its own statistics, T updates per forward); see docs/bn.md.
     # memory_format: activations' layout, auto (channels-last on CPU for the models measured faster
     # so) | channels_last | contiguous; see SpikingModel.set_memory_format, docs/performance.md
-    name: str | None = _opt(None, choices=_models)  # required: see _check_required
+    name: str | None = _opt(None, check=lambda: szo_models.check_name)  # required: see _check_required
     T: int | None = _opt(None, min=1)
     activation: str = _opt("lif", choices=lambda: ACTIVATIONS)
     bn_time: str = _opt("shared", choices=lambda: BN_TIMES)
@@ -195,6 +193,7 @@ class StageConfig(Section):
     momentum: float = _opt(0.9, min=0.0, below=1.0)
     weight_decay: float = _opt(0.0, min=0.0)
     scheduler: Scheduler = "cosine"
+    t_max: int | None = _opt(None, min=1)  # cosine period in epochs; null = epochs (set it to stop early on a longer schedule)
     eval_every: int = _opt(1, min=1)
     max_steps_per_epoch: int | None = _opt(None, min=1)
     checkpoint_every_steps: int | None = _opt(None, min=1)
@@ -548,6 +547,11 @@ def _check_value(key: str, v: Any, hint: Any, meta: Mapping[str, Any]) -> Any:
         valid = list(meta["choices"]())
         if v not in valid:
             raise ValueError(f"invalid {key} {v!r}; valid: {', '.join(map(str, valid))}")
+    if "check" in meta:  # a validator of its own: raises ValueError naming what is valid
+        try:
+            meta["check"]()(v)
+        except ValueError as e:
+            raise ValueError(f"invalid {key}: {e}") from None
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         _check_range(key, v, meta)
     return v

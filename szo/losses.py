@@ -2,6 +2,8 @@
 
 * ``tet_loss``: TET (Deng et al., 2022), the paper's supervised loss (Sec. 6: lambda=0.05, phi=1).
 * ``mean_output_ce``: cross entropy of the time-averaged output (the usual SNN loss).
+* ``rate_mse``: MSE between the time-averaged output (a firing rate for spiking outputs) and the
+  one-hot label: the loss of SpikingJelly's Fashion-MNIST tutorial (``F.mse_loss(out_fr, one_hot)``).
 * ``entropy_loss``: Tent's entropy (Wang et al., 2020) of the time-averaged output (unsupervised).
 * ``accuracy``: top-1 accuracy of the time-averaged output.
 
@@ -15,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tet_loss", "mean_output_ce", "mean_ce", "entropy_loss", "accuracy", "get_loss", "LOSSES"]
+__all__ = ["tet_loss", "mean_output_ce", "mean_ce", "rate_mse", "entropy_loss", "accuracy", "get_loss", "LOSSES"]
 
 
 def _check_out(out: torch.Tensor) -> None:
@@ -48,6 +50,13 @@ def mean_output_ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 mean_ce = mean_output_ce  # name used in docs/architecture.md
 
 
+def rate_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``MSE(out.mean(0), one_hot(y))``, averaged over batch and classes (SpikingJelly's tutorial loss)."""
+    _check_out(out)
+    rate = out.mean(0)
+    return F.mse_loss(rate, F.one_hot(y, rate.shape[1]).to(rate.dtype))
+
+
 def entropy_loss(out: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over the batch of the softmax entropy of the time-averaged output (``y`` unused)."""
     _check_out(out)
@@ -65,12 +74,13 @@ def accuracy(out: torch.Tensor, y: torch.Tensor) -> float:
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "tet": tet_loss,
     "ce": mean_output_ce,
+    "rate-mse": rate_mse,
     "entropy": entropy_loss,
 }
 
 
 def get_loss(name: str, **kw: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss ``fn(out, y)`` called ``name`` (tet | ce | entropy); ``kw`` only for tet (lamb, phi)."""
+    """The loss ``fn(out, y)`` called ``name`` (tet | ce | rate-mse | entropy); ``kw`` only for tet (lamb, phi)."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES)}")
     if kw and name != "tet":

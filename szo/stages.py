@@ -64,7 +64,7 @@ def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
 
 def _scheduler(opt: torch.optim.Optimizer, stage: Mapping[str, Any]):
     if stage["scheduler"] == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=stage["epochs"])
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=stage["t_max"] or stage["epochs"])
     return None
 
 

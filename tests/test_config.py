@@ -72,7 +72,7 @@ def test_unknown_key_lists_valid_keys_one_line():
 
 @pytest.mark.parametrize("override,match", [
     ("method=sgd", "valid: bp, bp-subspace, szo-cge"),
-    ("loss.name=mse", "valid: tet, ce, entropy"),
+    ("loss.name=mse", "valid: tet, ce, rate-mse, entropy"),
     ("device=tpu", "valid: cpu, cuda"),
     ("data.name=mnist", "valid: .*digits"),
     ("model.name=resnet", "valid: .*spike_convnet"),

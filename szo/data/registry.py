@@ -72,6 +72,7 @@ def _register(info: DatasetInfo, target: str, kind: str = "static") -> None:
 
 _register(DatasetInfo("digits", 10, 1, (8, 8), False, 4), "szo.data.digits:get_dataset")
 _register(DatasetInfo("mnist5k", 10, 1, (28, 28), False, 4), "szo.data.mnist5k:get_dataset")
+_register(DatasetInfo("fmnist", 10, 1, (28, 28), False, 4), "szo.data.fmnist:get_dataset")
 _register(DatasetInfo("cifar10", 10, 3, (32, 32), False, 4), "szo.data.vision:get_cifar10")
 _register(DatasetInfo("cifar100", 100, 3, (32, 32), False, 4), "szo.data.vision:get_cifar100")
 _register(DatasetInfo("imagenet", 1000, 3, (224, 224), False, 4), "szo.data.vision:get_imagenet")

@@ -6,6 +6,7 @@ import inspect
 from typing import Any, Callable, TypeVar
 
 from szo.models.base import SpikingModel
+from szo.models.foreign import FOREIGN_PREFIX, create_foreign, resolve
 
 F = TypeVar("F", bound=Callable[..., SpikingModel])
 
@@ -26,6 +27,18 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def check_name(name: Any) -> str:
+    """``name`` if it is a registered model or a ``spikingjelly:<module>.<Class>`` network that
+    resolves (``szo.models.foreign``); one ValueError naming the valid ones otherwise."""
+    if isinstance(name, str) and name.startswith(FOREIGN_PREFIX):
+        resolve(name)
+        return name
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(names())}, or a SpikingJelly network as "
+                         f"{FOREIGN_PREFIX}<module>.<Class> (e.g. {FOREIGN_PREFIX}conv_fashion_mnist.CSNN)")
+    return name
+
+
 def create(
     name: str,
     *,
@@ -34,7 +47,13 @@ def create(
     activation: str = "lif",
     **kw: Any,
 ) -> SpikingModel:
-    """Build a registered model; ``None`` for ``num_classes`` / ``T`` means the model's default."""
+    """Build a registered model; ``None`` for ``num_classes`` / ``T`` means the model's default.
+    ``spikingjelly:<module>.<Class>``: that SpikingJelly network, unchanged, as a
+    ``szo.models.foreign.ForeignModel`` (``num_classes`` and ``T`` required)."""
+    if isinstance(name, str) and name.startswith(FOREIGN_PREFIX):
+        if num_classes is None or T is None:
+            raise ValueError(f"model {name!r} is a foreign network: pass num_classes and T")
+        return create_foreign(name, num_classes=num_classes, T=T, activation=activation, **kw)
     try:
         factory = _REGISTRY[name]
     except (KeyError, TypeError):
