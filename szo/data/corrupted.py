@@ -70,7 +70,6 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import szo.data.digits as digits
-import szo.data.mnist5k as mnist5k
 import szo.data.vision as vision
 from szo.data.digits import ImageTensorDataset, check_limit, check_seed
 from szo.data.registry import DataNotFoundError, default_data_dir
@@ -90,6 +89,7 @@ __all__ = [
     "get_imagenet_c",
     "get_digits_c",
     "get_mnist5k_c",
+    "get_fmnist_c",
     "corrupted_images",
     "corrupt_images",
     "digits_c_images",
@@ -110,6 +110,7 @@ CORRUPTIONS: tuple[str, ...] = (
 SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
 DIGITS_C_VERSION = "digits-c-v1"
 MNIST5K_C_VERSION = "mnist5k-c-v1"
+FMNIST_C_VERSION = "fmnist-c-v1"
 _CORRUPT_SIZE = 32  # imagecorruptions needs >= 32x32
 
 _CIFAR_C = {
@@ -253,12 +254,14 @@ class CorruptedBase:
     version: str
     canvas: str
     split_in_seed: bool
+    standardize: bool = True  # model input standardised with the clean train split's statistics (fmnist: [0, 1] as is)
 
 
 #: the clean data sets that have a generated corrupted version, by clean name
 BASES: dict[str, CorruptedBase] = {
     "digits": CorruptedBase("digits", "szo.data.digits", DIGITS_C_VERSION, "upscale", False),
     "mnist5k": CorruptedBase("mnist5k", "szo.data.mnist5k", MNIST5K_C_VERSION, "pad", True),
+    "fmnist": CorruptedBase("fmnist", "szo.data.fmnist", FMNIST_C_VERSION, "pad", True, standardize=False),
 }
 #: registry name of the corrupted set -> clean base name
 GENERATED: dict[str, str] = {f"{b}-c": b for b in BASES}
@@ -470,13 +473,16 @@ def _to_model_input(gray32: np.ndarray, upscale: int, upscale_mode: str, split_s
     return (x - mean) / std
 
 
-def _crop_to_model_input(gray32: np.ndarray, split_seed: int) -> torch.Tensor:
-    """mnist5k-c: centre crop of the 32x32 canvas -> ``[n, 1, 28, 28]``, clean mnist5k train statistics."""
-    h, w = mnist5k.IMAGE_SIZE
+def _crop_to_model_input(gray32: np.ndarray, split_seed: int, base: str = "mnist5k") -> torch.Tensor:
+    """mnist5k-c / fmnist-c: centre crop of the 32x32 canvas -> ``[n, 1, 28, 28]`` in [0, 1], then
+    (mnist5k) the clean train split's statistics, as the clean data set's loader does."""
+    h, w = 28, 28
     top, left = (_CORRUPT_SIZE - h) // 2, (_CORRUPT_SIZE - w) // 2
     x = torch.from_numpy(np.ascontiguousarray(gray32[:, top:top + h, left:left + w]))
     x = x.unsqueeze(1).to(torch.float32).div_(255.0)
-    mean, std = mnist5k.train_stats(split_seed)
+    if not _base(base).standardize:
+        return x
+    mean, std = _base_module(_base(base)).train_stats(split_seed)
     return (x - mean) / std
 
 
@@ -529,6 +535,21 @@ def get_mnist5k_c(
     seed). ``data_dir`` and ``download`` are ignored (generated locally)."""
     gray, y = _generated_images("mnist5k-c", "mnist5k", split, augment, options)
     return ImageTensorDataset(_crop_to_model_input(gray, options.get("split_seed", 0)), torch.from_numpy(y.copy()))
+
+
+def get_fmnist_c(
+    split: str, *, data_dir: str | os.PathLike | None = None, download: bool = False,
+    augment: bool | None = None, **options: Any,
+) -> Dataset:
+    """fmnist-c: items ``(x float32 [1, 28, 28] in [0, 1], y int)``: one corruption/severity of the
+    Fashion-MNIST ``split`` (60,000 train / 10,000 test), made as mnist5k-c is (zero-padded to the
+    32x32 canvas, corrupted, centre-cropped back) and left unstandardised like ``fmnist``.
+    ``options`` as :func:`get_digits_c`'s (``split_seed`` must be 0: one official split). The clean
+    images are found where ``fmnist`` finds them by default (``$SZO_DATA_DIR`` or ``./data``, else
+    the Debian package); ``data_dir`` / ``download`` are not used."""
+    gray, y = _generated_images("fmnist-c", "fmnist", split, augment, options)
+    return ImageTensorDataset(_crop_to_model_input(gray, options.get("split_seed", 0), "fmnist"),
+                              torch.from_numpy(y.copy()))
 
 
 def generate_corrupted(

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -31,7 +32,7 @@ from szo.data.digits import ImageTensorDataset, check_limit
 from szo.data.registry import DataNotFoundError, default_data_dir
 from szo.io import atomic_write_bytes
 
-__all__ = ["DEBIAN_DIR", "FILES", "NUM_CLASSES", "IMAGE_SIZE", "find_root", "load_split", "get_dataset"]
+__all__ = ["DEBIAN_DIR", "FILES", "NUM_CLASSES", "IMAGE_SIZE", "find_root", "load_tensors", "load_split", "get_dataset"]
 
 NUM_CLASSES = 10
 IMAGE_SIZE = (28, 28)
@@ -94,8 +95,8 @@ def find_root(data_dir: str | os.PathLike | None = None, download: bool = False)
                             f"missing: {', '.join(missing)}), or the Debian package's {DEBIAN_DIR}; {HOW}")
 
 
-def load_split(split: str, data_dir: str | os.PathLike | None = None,
-               download: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def load_tensors(split: str, data_dir: str | os.PathLike | None = None,
+                 download: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``split``'s images uint8 ``[n, 28, 28]`` and labels int64 ``[n]``, in the files' order."""
     from torchvision.datasets import FashionMNIST
 
@@ -108,6 +109,17 @@ def load_split(split: str, data_dir: str | os.PathLike | None = None,
         raise DataNotFoundError(f"Fashion-MNIST in {root / 'FashionMNIST' / 'raw'} is not readable IDX data "
                                 f"({e}); {HOW}") from None
     return ds.data, ds.targets.to(torch.int64)
+
+
+def load_split(split: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``split`` as float32 ``[n, 28, 28]`` in ``[0, 1]`` and int64 labels, from where :func:`find_root`
+    finds it by default (``$SZO_DATA_DIR`` or ``./data``, else the Debian package): the interface
+    ``szo.data.corrupted`` builds ``fmnist-c`` from. ``seed`` must be 0: Fashion-MNIST has one
+    official train / test split."""
+    if seed != 0:
+        raise ValueError(f"Fashion-MNIST has one official split: split_seed must be 0, got {seed!r}")
+    x, y = load_tensors(split)
+    return x.numpy().astype(np.float32) / 255.0, y.numpy()
 
 
 def get_dataset(
@@ -128,7 +140,7 @@ def get_dataset(
         raise ValueError("fmnist has no augmentation (SpikingJelly's tutorial trains without): set data.augment "
                          "to null or false")
     limit = check_limit(limit)
-    x, y = load_split(split, data_dir, download)
+    x, y = load_tensors(split, data_dir, download)
     if limit is not None:
         x, y = x[:limit], y[:limit]
     return ImageTensorDataset(x.unsqueeze(1).float().div(255), y)

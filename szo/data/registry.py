@@ -78,6 +78,7 @@ _register(DatasetInfo("cifar100", 100, 3, (32, 32), False, 4), "szo.data.vision:
 _register(DatasetInfo("imagenet", 1000, 3, (224, 224), False, 4), "szo.data.vision:get_imagenet")
 _register(DatasetInfo("digits-c", 10, 1, (8, 8), False, 4), "szo.data.corrupted:get_digits_c")
 _register(DatasetInfo("mnist5k-c", 10, 1, (28, 28), False, 4), "szo.data.corrupted:get_mnist5k_c")
+_register(DatasetInfo("fmnist-c", 10, 1, (28, 28), False, 4), "szo.data.corrupted:get_fmnist_c")
 _register(DatasetInfo("cifar10-c", 10, 3, (32, 32), False, 4, ("test",)), "szo.data.corrupted:get_cifar10_c")
 _register(DatasetInfo("cifar100-c", 100, 3, (32, 32), False, 4, ("test",)), "szo.data.corrupted:get_cifar100_c")
 _register(DatasetInfo("imagenet-c", 1000, 3, (224, 224), False, 4, ("test",)), "szo.data.corrupted:get_imagenet_c")

@@ -97,3 +97,18 @@ def test_recipe_without_data_fails_in_one_line_before_work(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "Fashion-MNIST not found" in err[0] and "apt-get install" in err[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fmnist_c_is_mnist5k_c_geometry_unstandardised_and_deterministic(tmp_path, monkeypatch):
+    """fmnist-c from tiny official-format files: the clean image padded, corrupted, cropped back, in [0, 1]."""
+    data = write_fmnist(tmp_path / "d" / "FashionMNIST" / "raw", n_test=5)
+    monkeypatch.setenv("SZO_DATA_DIR", str(tmp_path / "d"))
+    kw = dict(corruption="gaussian_noise", severity=3, cache_dir=tmp_path / "cache-c")
+    a = get_dataset("fmnist-c", "test", **kw)
+    assert a.images.shape == (5, 1, 28, 28) and a.targets.tolist() == data["t10k"][1].tolist()
+    assert 0.0 <= float(a.images.min()) and float(a.images.max()) <= 1.0  # not standardised, like fmnist
+    clean = get_dataset("fmnist", "test").images
+    assert 0.02 < float((a.images - clean).abs().mean()) < 0.5  # visibly corrupted, still the images
+    torch.testing.assert_close(get_dataset("fmnist-c", "test", **kw).images, a.images, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one official split"):
+        get_dataset("fmnist-c", "test", split_seed=1, cache_dir=tmp_path / "cache-c")

@@ -13,7 +13,7 @@ from szo.data import corrupted, mnist5k
 def test_registered_with_both_splits():
     info = D.dataset_info("mnist5k-c")
     assert (info.num_classes, info.in_channels, info.image_size, info.splits) == (10, 1, (28, 28), ("train", "test"))
-    assert corrupted.GENERATED == {"digits-c": "digits", "mnist5k-c": "mnist5k"}
+    assert corrupted.GENERATED == {"digits-c": "digits", "mnist5k-c": "mnist5k", "fmnist-c": "fmnist"}
 
 
 def test_pad_and_crop_are_exact_inverses_on_clean_images():
