@@ -1,4 +1,5 @@
-"""``szo diagnose RUN_DIR``, ``szo study subspaces BP_RUN`` and ``szo study q RECIPE`` (registered through szo.cli._REGISTRARS)."""
+"""``szo diagnose RUN_DIR``, ``szo study subspaces BP_RUN``, ``szo study q RECIPE`` and ``szo study shift BP_RUN``
+(entry points of group ``szo.commands``)."""
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,36 @@ def _cmd_study_q(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(s: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in s.split(",") if v.strip())
+
+
+def _lrs(values: list[str] | None) -> dict[str, float]:
+    out = {}
+    for v in values or []:
+        method, sep, lr = v.partition("=")
+        try:
+            out[method] = float(lr)
+        except ValueError:
+            raise ValueError(f"--lr takes METHOD=VALUE, got {v!r}") from None
+        if not sep:
+            raise ValueError(f"--lr takes METHOD=VALUE, got {v!r}")
+    return out
+
+
+def _cmd_study_shift(args: argparse.Namespace) -> int:
+    from szo.study.shift import ShiftSettings, render_shift, study_shift
+
+    st = ShiftSettings(data=args.data, corruption=args.corruption, severity=args.severity, samples=tuple(args.samples),
+                       methods=args.methods, batch=args.batch, eval_images=args.eval_images, k=args.k,
+                       window=args.window, lr=_lrs(args.lr), mu=args.mu, q=args.q, seed=args.seed)
+    res = study_shift(args.bp_run, st, out=args.out)
+    print(render_shift(res))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from szo.study import diagnose, qsweep, subspaces
+    from szo.study import diagnose, qsweep, shift, subspaces
 
     p = subparsers.add_parser("diagnose", help="ZO estimate variance / cosine to the BPTT gradient on a run's model",
                               description=diagnose.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,3 +131,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sq.add_argument("--no-cge", action="store_true", help="skip the SZO-CGE reference run")
     sq.add_argument("--out", required=True, help="output directory: one run directory per q + q.json/q.md/q.png")
     sq.set_defaults(func=_cmd_study_q)
+
+    sh = ssub.add_parser("shift", help="few-shot adaptation of a deployed model to a shifted input distribution",
+                         description=shift.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = shift.ShiftSettings()
+    sh.add_argument("bp_run", metavar="BP_RUN", help="run directory of a kind: bp recipe (the deployed model)")
+    sh.add_argument("--data", default=d.data, help=f"the shifted data set (default {d.data})")
+    sh.add_argument("--corruption", default=d.corruption, help=f"default {d.corruption}")
+    sh.add_argument("--severity", type=int, default=d.severity, help=f"default {d.severity}")
+    sh.add_argument("--samples", type=_ints, default=list(d.samples), help="comma-separated N (default 100,200,500)")
+    sh.add_argument("--methods", type=_names, default=d.methods, help=f"default {','.join(d.methods)}")
+    sh.add_argument("--batch", type=int, default=d.batch, help=f"stream batch size (default {d.batch})")
+    sh.add_argument("--eval-images", type=int, default=None, help="score on the first n shifted test images (default all)")
+    sh.add_argument("--k", type=int, default=d.k, help=f"subspace dimension (default {d.k})")
+    sh.add_argument("--window", default=None, help="trajectory epoch window START-END (default: second half)")
+    sh.add_argument("--lr", action="append", metavar="METHOD=LR", help="a method's learning rate (repeatable)")
+    sh.add_argument("--mu", type=float, default=d.mu, help=f"SZO perturbation scale (default {d.mu})")
+    sh.add_argument("--q", type=int, default=d.q, help=f"SZO-RGE directions (default {d.q})")
+    sh.add_argument("--seed", type=int, default=d.seed)
+    sh.add_argument("--out", help="output directory (default BP_RUN/study-shift)")
+    sh.set_defaults(func=_cmd_study_shift)

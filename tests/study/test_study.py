@@ -150,3 +150,54 @@ def test_study_q_rejects_bad_q_and_bp_recipes(tmp_path):
         study_q("digits-scratch", [0, 2], out=tmp_path)
     with pytest.raises(ValueError, match="kind 'bp'"):
         study_q("digits-bp", [1], out=tmp_path)
+
+
+def test_study_shift_cells_protocol_and_outputs(runs, capsys, monkeypatch, tmp_path):
+    """szo study shift on the tiny digits run with digits-c: every (N, method) cell, adaptation data
+    drawn from the shifted train split only, BN adaptation changes statistics not weights, a
+    finished cell is not rerun, and one line for bad settings."""
+    import szo.study.shift as shift
+    from szo.data import corrupted
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    seen = []
+    real = shift.get_dataset
+
+    def spy(name, split, **kw):
+        seen.append((name, split))
+        return real(name, split, **kw)
+
+    monkeypatch.setattr(shift, "get_dataset", spy)
+    out = runs / "shift"
+    args = ["study", "shift", str(runs / "bp"), "--data", "digits-c", "--samples", "8,16", "--batch", "8",
+            "--eval-images", "40", "--k", "2", "--window", "1-2", "--methods", "none,bn,bp,szo-cge,szo-rge",
+            "--q", "2", "--lr", "szo-cge=0.2", "--out", str(out)]
+    assert main(args) == 0
+    res = json.loads((out / "shift.json").read_text())
+    assert sorted(seen) == [("digits-c", "test"), ("digits-c", "train")]  # adapt on train, score on test
+    rows = {(r["method"], r["n"]): r for r in res["rows"]}
+    assert len(rows) == 10 and res["eval_images"] == 40 and res["subspace"]["k"] == 2
+    assert rows[("none", 8)]["test_acc"] == rows[("none", 16)]["test_acc"] and rows[("none", 8)]["fp"] == 0
+    assert rows[("szo-cge", 16)]["fp"] == 2 * (2 * 2 + 1) and rows[("szo-cge", 16)]["bp"] == 0  # 2 batches, 2k+1
+    assert rows[("szo-rge", 8)]["fp"] == 2 * 2 + 1 and rows[("bp", 16)]["bp"] == 2
+    assert res["settings"]["lr"]["szo-cge"] == 0.2 and res["settings"]["lr"]["bp"] == shift.DEFAULT_LR["bp"]
+    assert (out / "shift.png").read_bytes()[:4] == b"\x89PNG" and "| SZO-CGE |" in (out / "shift.md").read_text()
+    # bn: the deployed weights, new statistics
+    model, cfg = load_run_model(runs / "bp")
+    w = model.flat_params()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    stats = [b.running_mean.clone() for b in bns]
+    pool = corrupted.get_digits_c("train", limit=16, cache_dir=tmp_path / "c")
+    assert shift.bn_adapt(model, [(pool.images[:8], pool.targets[:8])]) == 1
+    assert torch.equal(model.flat_params(), w) and not all(torch.equal(a, b.running_mean) for a, b in zip(stats, bns))
+    assert all(b.momentum == 0.1 for b in bns) and not model.training
+    # a finished cell is read back, not rerun
+    calls = []
+    monkeypatch.setattr(shift, "fit", lambda *a, **k: calls.append(1))
+    assert main(args) == 0 and calls == []
+    capsys.readouterr()
+    assert main(["study", "shift", str(runs / "bp"), "--methods", "none,asyncfgd", "--out", str(tmp_path / "x")]) == 2
+    assert "neither trains in a subspace nor by backprop" in capsys.readouterr().err
+    assert main(["study", "shift", str(runs / "bp"), "--lr", "bp=0.1", "--methods", "none", "--out",
+                 str(tmp_path / "x")]) == 2
+    assert "lr given for method(s) ['bp']" in capsys.readouterr().err
