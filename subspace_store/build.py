@@ -51,6 +51,13 @@ class _FileSource:
     def n(self) -> int:
         return len(self.files)
 
+    def describe(self, i: int) -> str:
+        if self.samples is not None:
+            traj, j = self.samples[i]
+            s = traj.samples[j]
+            return f"sample file {self.files[i]} (epoch {s['epoch']}, step {s['step']})"
+        return f"sample #{i} ({self.files[i]})"
+
     def check(self, verify: bool, progress: bool) -> None:
         from safetensors import safe_open
 
@@ -98,6 +105,9 @@ class _MemorySource:
 
     def check(self, verify: bool, progress: bool) -> None:
         pass
+
+    def describe(self, i: int) -> str:
+        return f"sample #{i}"
 
     def read_chunk(self, a: int, b: int, out: np.ndarray) -> None:
         for i, v in enumerate(self.vectors):
@@ -318,6 +328,12 @@ def _gram_pass(source: Any, bounds: list[tuple[int, int]], progress: bool) -> tu
     for a, b in tqdm(bounds, desc="subspace pass 1/2 (Gram)", disable=not progress):
         source.read_chunk(a, b, buf_np)
         x = buf64[:, : b - a]
+        finite = torch.isfinite(x).all(dim=1)
+        if not bool(finite.all()):
+            i = int((~finite).nonzero()[0, 0])
+            raise ValueError(f"{source.describe(i)} holds non-finite values (NaN / inf): a subspace cannot be built "
+                             "through it; was the run diverging when it was recorded? Build from an epoch window "
+                             "without it (--window / subspace.window)")
         shift = x[0].clone()
         x.sub_(shift)
         gram.addmm_(x, x.t())

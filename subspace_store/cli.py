@@ -39,7 +39,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'name':<28} {'model':<20} {'k':>4} {'N':>5} {'d':>10} {'dtype':<9} {'expl.var':>8}  created")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:<28} CORRUPT: {r['error']}")
+            print(f"{r['name']:<28} NOT USABLE: {r['error']}")
             continue
         print(f"{r['name']:<28} {str(r['model']):<20} {r['k']:>4} {r['N']:>5} {r['d']:>10} {r['storage_dtype']:<9} "
               f"{100 * r['explained_variance']:>7.2f}%  {r['created']}")
@@ -62,9 +62,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"reference: {prov.get('reference')}")
     for n in sorted({c for c in (1, 5, 10, m["k"]) if c <= m["k"]}):
         print(f"explained variance, first {n:>3} components: {100 * sum(evr[:n]):.2f}%")
-    plot = Path(args.plot) if args.plot else store.path(args.name) / "explained_variance.png"
-    plot_explained_variance(evr, plot, title=f"{args.name} ({m['model']}, N={m['N']}, k={m['k']})")
-    print(f"plot: {plot}")
+    if args.plot:  # only on request, and never into the entry (a checksummed, possibly read-only directory)
+        plot = Path(args.plot)
+        if plot.resolve().is_relative_to(store.path(args.name).resolve()):
+            raise ValueError(f"--plot {plot} is inside the store entry; write it elsewhere")
+        plot_explained_variance(evr, plot, title=f"{args.name} ({m['model']}, N={m['N']}, k={m['k']})")
+        print(f"plot: {plot}")
     return 0
 
 
@@ -99,13 +102,13 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     root(ls)
     ls.set_defaults(func=_cmd_ls)
 
-    s = sub.add_parser("show", help="print a subspace's summary and write its explained-variance plot")
+    s = sub.add_parser("show", help="print a subspace's summary (and, with --plot, its explained-variance plot)")
     s.add_argument("name")
-    s.add_argument("--plot", default=None, metavar="PATH", help="PNG path (default ROOT/NAME/explained_variance.png)")
+    s.add_argument("--plot", default=None, metavar="PATH", help="write the explained-variance plot to this PNG")
     root(s)
     s.set_defaults(func=_cmd_show)
 
-    r = sub.add_parser("rm", help="delete a stored subspace")
+    r = sub.add_parser("rm", help="delete a stored subspace (also an incomplete or partially written one)")
     r.add_argument("name")
     root(r)
     r.set_defaults(func=_cmd_rm)

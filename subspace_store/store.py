@@ -5,10 +5,19 @@ place (``os.replace``); an overwrite renames the old entry away first, renames t
 in, then deletes the old one (and puts it back if the second rename fails). A crash leaves
 the old entry or none, never a mix. Loading checks every tensor's sha256, dtype and shape
 against the manifest, and (with ``model=``) the parameter layout against the model.
+
+One writer per entry: ``save`` and ``delete`` hold ``root/.NAME.lock`` (``flock``); a second
+writer of the same name gets one line (:class:`StoreBusyError`). A process killed inside a
+write leaves hidden ``.NAME.tmp-<pid>`` / ``.NAME.old-<pid>`` / ``.NAME.del-<pid>`` directories:
+:meth:`SubspaceStore.partial` lists them (``szo subspace ls`` shows them), the next writer of
+the name cleans them up (and puts a renamed-away old entry back if the new one never arrived),
+``szo subspace rm NAME`` removes them. Non-finite values are refused when saving and loading.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -16,7 +25,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -34,7 +43,7 @@ from .format import (
     validate_manifest,
 )
 
-__all__ = ["SubspaceStore", "SubspaceNotFoundError", "LayoutMismatchError", "default_root"]
+__all__ = ["SubspaceStore", "SubspaceNotFoundError", "LayoutMismatchError", "StoreBusyError", "default_root"]
 
 BASIS_FILE = "basis.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -42,6 +51,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 _ST_DTYPE_INV = {v: k for k, v in _ST_DTYPE.items()}
 _WRITE_CHUNK = 64 << 20
+_PARTIAL_RE = re.compile(r"^\.(?P<name>[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199})\.(?P<kind>tmp|old|del)-(?P<pid>\d+)$")
 
 
 class SubspaceNotFoundError(ValueError):
@@ -50,6 +60,18 @@ class SubspaceNotFoundError(ValueError):
 
 class LayoutMismatchError(ValueError):
     """The subspace was built for a model with another parameter layout."""
+
+
+class StoreBusyError(ValueError):
+    """Another process is writing (saving or deleting) the same entry."""
+
+
+def _finite_or_raise(tensors: dict[str, torch.Tensor], what: str, exc: type[Exception]) -> None:
+    for n, t in tensors.items():
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise exc(f"{what}: tensor {n!r} holds {bad} non-finite value(s) (NaN / inf); a subspace must be finite")
 
 
 def default_root() -> Path:
@@ -142,10 +164,67 @@ class SubspaceStore:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
                       and _NAME_RE.fullmatch(p.name) and not (p / MANIFEST_FILE).is_file())
 
+    def partial(self) -> list[dict[str, Any]]:
+        """Hidden directories a killed write left behind: ``{"name", "kind", "pid", "path"}`` (kind
+        ``tmp``: a new entry being written; ``old``: an entry renamed away during an overwrite;
+        ``del``: an entry being deleted)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in sorted(self.root.iterdir()):
+            m = _PARTIAL_RE.match(p.name)
+            if m and p.is_dir() and not _alive(int(m["pid"])):
+                out.append({"name": m["name"], "kind": m["kind"], "pid": int(m["pid"]), "path": str(p)})
+        return out
+
+    @contextlib.contextmanager
+    def _writer(self, name: str) -> Iterator[None]:
+        """Hold entry ``name``'s writer lock, after cleaning up what killed writers left of it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f".{name}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise StoreBusyError(f"cannot lock subspace {name!r} in {self.root}: {path} ({e.strerror})") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreBusyError(f"subspace {name!r} in {self.root} is being written by another process; "
+                                     "wait for it to finish, then try again") from None
+            self._recover(name)
+            yield
+        finally:
+            os.close(fd)
+
+    def _recover(self, name: str) -> None:
+        """Under the writer lock: put back an entry an interrupted overwrite renamed away (its
+        replacement never arrived), then remove every partial directory of ``name``."""
+        final = self.path(name)
+        mine = [p for p in self.partial() if p["name"] == name]
+        if not final.exists():
+            for p in mine:
+                if p["kind"] == "old" and (Path(p["path"]) / MANIFEST_FILE).is_file():
+                    os.replace(p["path"], final)
+                    break
+        for p in mine:
+            shutil.rmtree(p["path"], ignore_errors=True)
+
+    def digest(self, name: str) -> str:
+        """sha256 identifying the content of entry ``name`` (from its manifest's tensor records):
+        what a run pins to refuse a store entry rebuilt under the same name."""
+        tensors = self.info(name)["tensors"]
+        record = {n: tensors[n]["sha256"] for n in sorted(tensors)}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
     def summaries(self) -> list[dict]:
         """One dict per entry: name, model, k, N, d, storage_dtype, explained variance (sum), created;
         an unreadable or incomplete entry gives ``{"name", "error"}``."""
         out = []
+        for p in self.partial():
+            if not self.path(p["name"]).exists():
+                out.append({"name": p["name"], "error": f"partial write left by process {p['pid']} (killed while "
+                                                        f"writing; {p['path']}): szo subspace rm {p['name']} removes it"})
         for name in sorted(self.list() + self.incomplete()):
             if not self.exists(name):
                 out.append({"name": name, "error": f"incomplete entry: no {MANIFEST_FILE} (remove it with "
@@ -186,10 +265,16 @@ class SubspaceStore:
         sdt = _dtype_arg(storage_dtype, "storage_dtype")
         if not isinstance(subspace, Subspace):
             raise ValueError(f"subspace must be a subspace_store.Subspace, got {type(subspace).__name__}")
-        if final.exists() and not overwrite:
-            what = "already exists" if self.exists(name) else f"is taken by an incomplete entry (no {MANIFEST_FILE})"
-            raise ValueError(f"subspace {name!r} {what} in {self.root}; pass overwrite=True (CLI: --overwrite) "
-                             f"or remove it (szo subspace rm {name})")
+        _finite_or_raise({"basis": subspace.basis, "mean": subspace.mean, "reference": subspace.reference,
+                          "eigenvalues": subspace.eigenvalues}, f"subspace {name!r}", ValueError)
+        with self._writer(name):
+            if final.exists() and not overwrite:
+                what = "already exists" if self.exists(name) else f"is taken by an incomplete entry (no {MANIFEST_FILE})"
+                raise ValueError(f"subspace {name!r} {what} in {self.root}; pass overwrite=True (CLI: --overwrite) "
+                                 f"or remove it (szo subspace rm {name})")
+            return self._write(name, final, subspace, sdt)
+
+    def _write(self, name: str, final: Path, subspace: Subspace, sdt: torch.dtype) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{name}.tmp-{os.getpid()}"
         if tmp.exists():
@@ -281,6 +366,7 @@ class SubspaceStore:
                 raise SubspaceIntegrityError(f"{where}: tensor {n!r} does not match its sha256 (file tampered or corrupt)")
         if list(tensors["basis"].shape) != [man["d"], man["k"]]:
             raise SubspaceIntegrityError(f"{where}: basis shape {list(tensors['basis'].shape)} != [d, k] = [{man['d']}, {man['k']}]")
+        _finite_or_raise(tensors, str(where), SubspaceIntegrityError)
         basis = tensors.pop("basis")
         if basis.dtype != want:
             basis = basis.to(want)
@@ -298,10 +384,18 @@ class SubspaceStore:
 
     # ---- delete
     def delete(self, name: str) -> None:
-        """Remove entry ``name``, also an incomplete one (renamed away first, so it disappears atomically)."""
-        p = self.path(name)
-        if not p.is_dir():
-            p = self._require(name)
+        """Remove entry ``name``, also an incomplete one (renamed away first, so it disappears
+        atomically), and whatever killed writes left of it."""
+        had_partial = any(p["name"] == name for p in self.partial())
+        with self._writer(name):  # cleans the partial directories
+            p = self.path(name)
+            if not p.is_dir():
+                if had_partial:
+                    return
+                p = self._require(name)
+            self._remove(name, p)
+
+    def _remove(self, name: str, p: Path) -> None:
         gone = self.root / f".{name}.del-{os.getpid()}"
         if gone.exists():
             shutil.rmtree(gone)
@@ -313,6 +407,19 @@ class SubspaceStore:
 
     def __repr__(self) -> str:
         return f"SubspaceStore({str(self.root)!r})"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host): a partial directory of a live writer is not stale."""
+    if pid == os.getpid():
+        return False  # this process holds the writer lock while it looks: its own leftovers are stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_model_layout(manifest_or_subspace: Any, model: nn.Module, name: str = "subspace") -> None:

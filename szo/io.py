@@ -53,6 +53,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask (set and restored at once: there is no way to only read it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename).
 
@@ -62,6 +69,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would survive the rename: a shared store unreadable to others
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

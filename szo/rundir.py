@@ -107,7 +107,13 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
         finally:
             _held[key][1] -= 1
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a symbolic link: it would truncate whatever file it points at
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise RunLockedError(f"run directory {run_dir}: {LOCK_NAME} is a symbolic link (to {os.readlink(path)}); "
+                                 f"szo does not write through it: remove {path}") from None
+        raise RunLockedError(f"run directory {run_dir}: cannot open its lock file {path} ({e.strerror})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -136,3 +136,16 @@ def test_tampered_sample_detected(tmp_path):
     f.write_bytes(bytes(b))
     with pytest.raises(ValueError, match="sha256"):
         build_subspace(tmp_path / "a", 2, progress=False)
+
+
+def test_non_finite_sample_is_named_not_an_eigensolver_failure(tmp_path):
+    """A sample holding NaN whose hash record is valid (recorded from a diverging run) names itself."""
+    X = low_rank_samples(n=6, d=100)
+    X[4, 17] = float("nan")
+    write_trajectory(tmp_path / "a", X)  # the recorder hashes what it is given: the record is valid
+    with pytest.raises(ValueError, match=r"sample_000004\.safetensors \(epoch 4, step 4\) holds non-finite"):
+        build_subspace(tmp_path / "a", 2, progress=False)
+    Y = low_rank_samples(n=6, d=100)
+    Y[2, 0] = float("inf")
+    with pytest.raises(ValueError, match="sample #2 holds non-finite"):
+        build_subspace(list(Y), 2, progress=False)

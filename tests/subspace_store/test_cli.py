@@ -42,10 +42,12 @@ def test_build_ls_show_rm(tmp_path, capsys):
     assert main(["show", "mlp4", "--root", root]) == 0
     out = capsys.readouterr().out
     assert "k: 4" in out and "N: 10" in out and "first   1 components" in out and "first   4 components" in out
-    png = tmp_path / "store" / "mlp4" / "explained_variance.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    entry = sorted(p.name for p in (tmp_path / "store" / "mlp4").iterdir())
+    assert entry == ["basis.safetensors", "manifest.json"]  # show never writes into the (checksummed) entry
     assert main(["show", "mlp4", "--root", root, "--plot", str(tmp_path / "ev.png")]) == 0
-    assert (tmp_path / "ev.png").stat().st_size > 1000
+    assert (tmp_path / "ev.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["show", "mlp4", "--root", root, "--plot", str(tmp_path / "store" / "mlp4" / "ev.png")]) == 2
+    assert "inside the store entry" in capsys.readouterr().err
 
     assert main(["build", "--trajectory", str(tmp_path / "traj"), "--k", "4", "--name", "mlp4",
                  "--root", root, "--quiet"]) == 2
