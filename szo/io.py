@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,6 +25,10 @@ __all__ = [
     "atomic_write_text",
     "atomic_save_safetensors",
     "atomic_torch_save",
+    "save_weights",
+    "load_weights",
+    "weights_record_path",
+    "WeightsIntegrityError",
     "fsync_dir",
     "sha256_file",
     "temp_file_target",
@@ -114,6 +119,62 @@ def atomic_save_safetensors(
 
     data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=dict(metadata or {}))
     return atomic_write_bytes(path, canonical_safetensors(data))
+
+
+class WeightsIntegrityError(ValueError):
+    """A weights file that does not match its sha256 record, or that is not readable safetensors."""
+
+
+def weights_record_path(path: str | os.PathLike) -> Path:
+    """The sha256 record of a weights file: ``model.safetensors`` -> ``model.json``."""
+    return Path(path).with_suffix(".json")
+
+
+def save_weights(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                 metadata: Mapping[str, str] | None = None) -> str:
+    """:func:`atomic_save_safetensors` plus a sha256 record (``model.json`` beside ``model.safetensors``),
+    written first and keeping the replaced file's sha256 as ``previous``, so a kill between the
+    two writes leaves a file its record still vouches for. Returns the sha256."""
+    from safetensors.torch import save
+
+    path = Path(path)
+    data = canonical_safetensors(save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                                      metadata=dict(metadata or {})))
+    digest = hashlib.sha256(data).hexdigest()
+    prev = sha256_file(path) if path.is_file() else None
+    atomic_write_json(weights_record_path(path), {"format": "szo-weights-record", "file": path.name, "sha256": digest,
+                                                  "bytes": len(data), "previous": prev and {"sha256": prev}})
+    atomic_write_bytes(path, data)
+    return digest
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file written by :func:`save_weights`, after checking its sha256
+    record; one :class:`WeightsIntegrityError` line for a tampered, truncated or unreadable file.
+    A file without a record (older szo, or copied without it) is read with a note on stderr."""
+    from safetensors.torch import load
+
+    path = Path(path)
+    data = path.read_bytes()
+    rec_path = weights_record_path(path)
+    if rec_path.is_file():
+        try:
+            rec = json.loads(rec_path.read_text(encoding="utf-8"))
+            want = {rec["sha256"], *([rec["previous"]["sha256"]] if rec.get("previous") else [])}
+        except (ValueError, KeyError, TypeError):
+            raise WeightsIntegrityError(f"{rec_path} is not a weights record (corrupt); restore it or the run") from None
+        got = hashlib.sha256(data).hexdigest()
+        if got not in want:
+            raise WeightsIntegrityError(
+                f"{path} does not match the sha256 in {rec_path.name} ({len(data)} bytes, the record says "
+                f"{rec.get('bytes')}): tampered, truncated or corrupt; restore the file, or train the run again")
+    else:
+        print(f"note: {path} has no sha256 record {rec_path.name} (older szo, or copied without it): "
+              "its integrity is not checked", file=sys.stderr)
+    try:
+        return load(data)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on malformed files
+        raise WeightsIntegrityError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
 def atomic_torch_save(path: str | os.PathLike, obj: Any) -> str:

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Subset
 
 from subspace_store import SubspaceStore
 from szo import models
 from szo.config import load_recipe
 from szo.data import dataset_info, get_dataset, make_loader
+from szo.io import load_weights
 from szo.losses import get_loss
 from szo.methods import get_method
 from szo.models.tt import tt_parametrize
@@ -53,7 +53,7 @@ def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[tor
     cfg = load_recipe(run_dir / "config.yaml")
     model = build_model(cfg)
     if (run_dir / "model.safetensors").is_file():
-        state = load_file(run_dir / "model.safetensors")
+        state = load_weights(run_dir / "model.safetensors")
     else:
         state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
     if cfg.get("kind") == "subspace" and get_method(cfg["method"]).family == "tensor-train-zo":  # trained TT cores

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
-from safetensors.torch import load_file
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
@@ -32,7 +31,7 @@ from szo.config import write_config
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
-from szo.io import atomic_save_safetensors
+from szo.io import load_weights, save_weights
 from szo.methods import get_method, list_methods, method_label
 from szo.models.tt import tt_parametrize
 from szo.optim import HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
@@ -175,8 +174,8 @@ def _bptt(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, b
                   generator=g, resume=resume, eval_every=st["eval_every"], progress=cfg["progress"],
                   max_steps_per_epoch=st["max_steps_per_epoch"], checkpoint_every_steps=st["checkpoint_every_steps"],
                   info=_info(cfg, "bp", "bptt"))
-    atomic_save_safetensors(run_dir / "model.safetensors", model.state_dict(),
-                            {"model": cfg["model"]["name"], "fingerprint": model.fingerprint()})
+    save_weights(run_dir / "model.safetensors", model.state_dict(),
+                 {"model": cfg["model"]["name"], "fingerprint": model.fingerprint()})
     if build and name is not None and not store.exists(name):
         subspace_build_stage(cfg, run_dir, progress=cfg["progress"])
     return summary
@@ -190,7 +189,7 @@ def _source_state(cfg: Mapping[str, Any], sub: Subspace) -> dict[str, torch.Tens
         need = "continual training" if cfg["mode"] == "continual" else "bn_stats 'deployed'"
         raise ValueError(f"{need} needs the pretrained model: subspace {cfg['subspace']['name']!r} "
                          f"has provenance source_model={src!r}, which is not a file")
-    return load_file(src)
+    return load_weights(src)
 
 
 @torch.no_grad()

@@ -255,3 +255,18 @@ def test_constant_lr_run_extended_on_resume_equals_the_longer_run(store, tmp_pat
     assert a["step"] == b["step"] == 8 and all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
     assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.epochs=1"]) == 2
     assert "train.epochs is 2 in its config.yaml but 1 now" in _one_error_line(capsys)
+
+
+def test_lock_never_follows_a_symlink(tmp_path):
+    """RUN_DIR/.lock as a symlink to another file: refused in one line, the other file untouched."""
+    from szo.rundir import RunLockedError, run_lock
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(victim)
+    with pytest.raises(RunLockedError, match=r"\.lock is a symbolic link .*remove"):
+        with run_lock(run):
+            pass
+    assert victim.read_text() == "keep me"

@@ -42,7 +42,7 @@ from szo.data import synthetic_events as se
 from szo.data.dvs import validate_events
 from szo.data.synthetic_events import CLASSES, SyntheticGesture, segment_labels_at
 from szo.export import from_nir
-from szo.io import atomic_save_safetensors, atomic_write_json
+from szo.io import atomic_write_json, load_weights, save_weights
 from szo.losses import entropy_loss, tet_loss
 from szo.methods import NO_ADAPTATION, TTA_METHODS, get_method, method_label
 from szo.models import create
@@ -257,12 +257,9 @@ class SourceModel:
 
 def _build_and_load(meta: dict, directory: Path) -> Any:
     """The model ``source.json`` describes, with ``model.safetensors`` (strict: names and shapes)."""
-    from safetensors.torch import load_file
-
-
     model = create(meta["model"], **meta["model_kwargs"])
     try:
-        model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+        model.load_state_dict(load_weights(directory / "model.safetensors"), strict=True)
     except RuntimeError as e:
         raise ValueError(f"{directory / 'model.safetensors'} does not fit {meta['model']} "
                          f"{meta['model_kwargs']}: {e}") from None
@@ -376,8 +373,7 @@ def train_source_model(directory: str | os.PathLike, settings: SourceSettings = 
     subspace = build_subspace([directory / "trajectory"], s.k, reference="last", progress=False)
     SubspaceStore(directory / "subspaces").save(SUBSPACE_NAME, subspace, overwrite=True)
     model.eval()
-    atomic_save_safetensors(directory / "model.safetensors", model.state_dict(),
-                            {"model": s.model})
+    save_weights(directory / "model.safetensors", model.state_dict(), {"model": s.model})
     meta = {
         "format": SOURCE_FORMAT, "version": SOURCE_VERSION, "settings_key": settings.key(),
         "settings": asdict(settings), "model": s.model, "model_kwargs": model_kwargs,
