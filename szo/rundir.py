@@ -29,7 +29,8 @@ from szo.config import apply_overrides, resolve
 from szo.distributed import main_decides
 
 __all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunLockedError", "ResumeMismatchError", "run_lock",
-           "check_resume_config", "config_differences", "saved_config_path", "resumed_config"]
+           "check_resume_config", "config_differences", "saved_config_path", "resumed_config", "run_pins",
+           "check_pins"]
 
 LOCK_NAME = ".lock"
 
@@ -219,6 +220,36 @@ def check_resume_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], stag
     raise ResumeMismatchError(
         f"cannot resume {run_dir}: {key} is {old!r} in its config.yaml but {new!r} now{more}; {hint}resume "
         f"without changing it, or start a new run with another --out")
+
+
+def run_pins(cfg: Mapping[str, Any], subspace_digest: str | None = None) -> dict[str, Any]:
+    """What a run's checkpoints pin: the resolved config (plain dicts) and, for a run in a stored
+    subspace, the store entry's content digest (``SubspaceStore.digest``)."""
+    config = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    return {"config": config, "subspace_digest": subspace_digest}
+
+
+def check_pins(run_dir: str | os.PathLike, saved: Mapping[str, Any], cfg: Mapping[str, Any], stage: str,
+               subspace_digest: str | None = None) -> None:
+    """Refuse (one :class:`ResumeMismatchError` line) resuming a checkpoint whose pins differ from
+    now: a config that changes what ``stage`` trains (compared with the config the checkpoint
+    was written with, not with config.yaml, which anyone can edit or delete) or a store entry
+    rebuilt under the same name since."""
+    if isinstance(saved.get("config"), Mapping):
+        diffs = config_differences(saved["config"], cfg, stage)
+        if diffs:
+            key, old, new = diffs[0]
+            raise ResumeMismatchError(
+                f"cannot resume {run_dir}: its checkpoint was trained with {key} = {old!r}, the config now says "
+                f"{new!r} (config.yaml edited or removed, or --set); resume with the run's own settings, or start "
+                "a new run with another --out")
+    old = saved.get("subspace_digest")
+    if old is not None and subspace_digest is not None and old != subspace_digest:
+        name = (saved.get("config") or {}).get("subspace", {}).get("name")
+        raise ResumeMismatchError(
+            f"cannot resume {run_dir}: its checkpoint was trained in subspace {name!r} with digest {old[:12]}..., "
+            f"the store's entry of that name is now {subspace_digest[:12]}... (rebuilt since); restore that entry, "
+            "or start a new run with another --out")
 
 
 def resumed_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from szo.io import load_weights, save_weights
 from szo.methods import get_method, list_methods, method_label
 from szo.models.tt import tt_parametrize
 from szo.optim import HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
-from szo.rundir import check_resume_config, run_lock
+from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
@@ -173,7 +173,8 @@ def _bptt(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, b
                   device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(rec), *metric_sinks(cfg, run_dir)],
                   generator=g, resume=resume, eval_every=st["eval_every"], progress=cfg["progress"],
                   max_steps_per_epoch=st["max_steps_per_epoch"], checkpoint_every_steps=st["checkpoint_every_steps"],
-                  info=_info(cfg, "bp", "bptt"))
+                  info=_info(cfg, "bp", "bptt"), pins=run_pins(cfg),
+                  check_pins=lambda saved: check_pins(run_dir, saved, cfg, "bptt"))
     save_weights(run_dir / "model.safetensors", model.state_dict(),
                  {"model": cfg["model"]["name"], "fingerprint": model.fingerprint()})
     if build and name is not None and not store.exists(name):
@@ -343,11 +344,13 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
         info = _info(cfg, cfg["method"], cfg["mode"])
         info.update(subspace=cfg["subspace"]["name"], k=sm.subspace.k, **sm.extra)
         late = ResultFields(lambda: _late_results(sm.net, opt, sm.extra))
+        digest = subspace_store_for(cfg).digest(cfg["subspace"]["name"])
         return fit(sm.net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
                    device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
                    progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
                    checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
-                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks])
+                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks],
+                   pins=run_pins(cfg, digest), check_pins=lambda saved: check_pins(run_dir, saved, cfg, "subspace", digest))
 
 
 def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -270,3 +270,41 @@ def test_lock_never_follows_a_symlink(tmp_path):
         with run_lock(run):
             pass
     assert victim.read_text() == "keep me"
+
+
+def test_resume_is_checked_against_the_checkpoints_pins_not_the_editable_files(store, tmp_path, capsys):
+    """The checkpoint pins the resolved config and the subspace's digest: config.yaml edited by
+    hand (model.T 2 -> 3), config.yaml deleted then --resume --set szo.mu=0.5, or the store entry
+    rebuilt under the same name are each one line; the untouched run still resumes."""
+    import yaml
+
+    from subspace_store import SubspaceStore, build_subspace
+
+    root, _ = store
+    run = tmp_path / "run"
+    assert main(["recipe", "digits-scratch", "--out", str(run)] + _sets(store), callbacks=[_Interrupt(3)]) == 130
+    capsys.readouterr()
+    cfg_file = run / "config.yaml"
+    saved = cfg_file.read_text()
+    edited = yaml.safe_load(saved)
+    edited["model"]["T"] = 3
+    cfg_file.write_text(yaml.safe_dump(edited))
+    assert main(["recipe", "digits-scratch", "--out", str(run), "--resume"]) == 2
+    assert "its checkpoint was trained with model.T = 2, the config now says 3" in _one_error_line(capsys)
+    cfg_file.unlink()
+    assert main(["recipe", "digits-scratch", "--out", str(run), "--resume", "--set", "szo.mu=0.5"]
+                + _sets(store)) == 2
+    assert "trained with szo.mu = 1.0, the config now says 0.5" in _one_error_line(capsys)
+    cfg_file.write_text(saved)
+    # the same name, another subspace (k=6 again, through the last sample instead of the first)
+    st = SubspaceStore(root / "subspaces")
+    name = yaml.safe_load(saved)["subspace"]["name"]
+    original = st.load(name)
+    st.save(name, build_subspace(root / "bp" / "trajectory", 6, reference="last", progress=False), overwrite=True)
+    try:
+        assert main(["recipe", "digits-scratch", "--out", str(run), "--resume"]) == 2
+        line = _one_error_line(capsys)
+        assert f"trained in subspace '{name}' with digest" in line and "(rebuilt since)" in line
+    finally:
+        st.save(name, original, overwrite=True)
+    assert main(["recipe", "digits-scratch", "--out", str(run), "--resume"]) == 0

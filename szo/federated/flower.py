@@ -45,6 +45,7 @@ from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve,
 from szo.data import get_dataset, make_loader
 from szo.federated import baffle as B
 from szo.io import atomic_write_json
+from szo.rundir import check_pins, run_pins
 from szo.runs import build_model, loss_for, subspace_store_for
 from szo.stages import bptt_stage, metric_sinks, run_dir_guard
 from szo.train import (
@@ -76,7 +77,9 @@ class _Task:
 
     def __init__(self, cfg: Mapping[str, Any], space: str) -> None:
         self.model = build_model(cfg)
-        sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=self.model)
+        store = subspace_store_for(cfg)
+        sub = store.load(cfg["subspace"]["name"], model=self.model)
+        self.digest = store.digest(cfg["subspace"]["name"])
         self.reference = sub.reference.detach().to(torch.float64)
         self.basis = sub.basis.detach().to(torch.float64) if space == "subspace" else None
         self.dim = int(self.basis.shape[1]) if self.basis is not None else int(self.reference.numel())
@@ -258,7 +261,8 @@ class BaffleServer:
         self.logger.append(row)
         for sink in self.sinks:
             sink.write(rnd, row)
-        ckpt = {**self.state.to_checkpoint(), "wall_time_s": wall}
+        ckpt = {**self.state.to_checkpoint(), "wall_time_s": wall,
+                "pins": json.dumps(run_pins(self.cfg, self.task.digest), sort_keys=True)}
         self.ckpt_sha = save_checkpoint(checkpoint_path(self.run_dir), ckpt, previous_sha256=self.ckpt_sha)
         for cb in self.callbacks:
             cb.on_step_end(rnd, rnd, float(row.get("test_loss", float("nan"))))
@@ -349,8 +353,9 @@ def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Federa
         torch.set_num_threads(prev)
 
 
-def _start_state(run_dir: Path, resume: bool) -> ServerState | None:
-    """The checkpointed server state to continue from, or None for a fresh start."""
+def _start_state(run_dir: Path, resume: bool, cfg: RecipeConfig) -> ServerState | None:
+    """The checkpointed server state to continue from, or None for a fresh start; a checkpoint
+    whose pinned config (or subspace) differs from now is refused in one line."""
     path = checkpoint_path(run_dir)
     if not path.exists():
         return None
@@ -358,13 +363,19 @@ def _start_state(run_dir: Path, resume: bool) -> ServerState | None:
         raise ValueError(f"{run_dir} already holds a checkpoint ({path}); pass --resume to continue it "
                          "or use another --out")
     blob, _ = read_checkpoint_bytes(path)
-    return ServerState.from_checkpoint(checkpoint_from_bytes(blob, path), path)
+    st = checkpoint_from_bytes(blob, path)
+    state = ServerState.from_checkpoint(st, path)
+    if isinstance(st.get("pins"), str):
+        store = subspace_store_for(cfg)
+        name = cfg["subspace"]["name"]
+        check_pins(run_dir, json.loads(st["pins"]), cfg, "federated", store.digest(name) if store.exists(name) else None)
+    return state
 
 
 def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Sequence[Callback]) -> dict[str, Any]:
     fc = cfg.federated
     run_dir.mkdir(parents=True, exist_ok=True)
-    state = _start_state(run_dir, resume)  # a refused directory costs no compute
+    state = _start_state(run_dir, resume, cfg)  # a refused directory costs no compute
     if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
         bptt_stage(cfg, run_dir / "bptt", resume=resume)  # the subspace the clients download once
     write_config(cfg, run_dir / "config.yaml")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import sys
@@ -148,6 +149,8 @@ class FitOptions:
     bn_stats: str = "batch"
     parallel: Any = None
     diverge_factor: float | None = DIVERGE_FACTOR
+    pins: Mapping[str, Any] | None = None
+    check_pins: Callable[[Mapping[str, Any]], None] | None = None
 
     def check(self, train_loader: Any) -> None:
         """One ValueError for a bad setting, before anything runs."""
@@ -324,6 +327,8 @@ class Trainer:
             return False
         o = self.o
         _check_checkpoint_kind(st, self.ckpt_path, self.method, type(self.optimizer).__name__)
+        if o.check_pins is not None and isinstance(st.get("pins"), str):  # checkpoints before pins have none
+            o.check_pins(json.loads(st["pins"]))
         self.model.load_state_dict(st["model"])
         self.optimizer.load_state_dict(st["optimizer"])
         if o.scheduler is not None and st.get("scheduler") is not None:
@@ -492,6 +497,7 @@ class Trainer:
             "epoch": s.epoch, "step": s.step, "fp": s.fp, "bp": s.bp,
             "train_time_s": s.train_time, "wall_time_s": s.wall_time + (time.perf_counter() - self.t_wall0),
             "history": s.history, "in_epoch": in_epoch,
+            **({"pins": json.dumps(dict(o.pins), sort_keys=True)} if o.pins is not None else {}),
         }, previous_sha256=self.ckpt_sha)
 
     def _summary(self) -> dict[str, Any]:
@@ -542,7 +548,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     Keywords (:class:`FitOptions`): ``epochs``, ``loss_fn``, ``run_dir``, ``generator`` (required);
     ``scheduler``, ``device``, ``callbacks``, ``resume``, ``start_epoch``, ``eval_every``,
     ``progress``, ``max_steps_per_epoch``, ``checkpoint_every_steps``, ``info``, ``plot``,
-    ``bn_stats``, ``parallel``, ``diverge_factor``.
+    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``.
 
     Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
     results.json (the summary, with what the callbacks' ``results()`` add) and
@@ -552,7 +558,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     training (normalise with the running statistics, never update them: the BN of a chip that
     folds it into the weights); ``"batch"`` is ordinary train-mode BN. ``parallel``
     (``szo.distributed.Parallel``) runs this rank's part of a multi-process run (see the module
-    docstring); the test loader should then hold this rank's shard of the test set.
+    docstring); the test loader should then hold this rank's shard of the test set. ``pins``
+    (JSON-able: e.g. the resolved config and the subspace's digest) go into every checkpoint;
+    on resume ``check_pins(saved pins)`` may refuse, so a run continues only what it was
+    trained with, whatever happened to the files around it.
 
     Divergence (a non-finite loss or parameter, or a loss above ``diverge_factor`` times
     ``max(|first loss|, 1)``; ``None`` checks finiteness only) stops the run with one
