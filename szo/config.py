@@ -225,7 +225,7 @@ class SZOConfig(Section):
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.zo.bn and docs/bn.md
     mu: float = _opt(1.0, gt=0.0)
-    q: int = _opt(1, min=1)
+    q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1)
     stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES)

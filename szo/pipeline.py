@@ -51,6 +51,7 @@ from szo.stages import (
     check_store_entry,
     device_for,
     optimizer_options,
+    preflight,
     run_dir_guard,
     subspace_build_stage,
     subspace_stage,
@@ -74,6 +75,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
     dev = device_for(cfg, device)
     out = Path(out_dir)
     with run_dir_guard(out, cfg, resume=resume):
+        preflight(cfg)
         if D.env_world_size() > 1 or D.get_info().enabled:
             return _run_recipe_distributed(cfg, out, dev, resume, callbacks)
         return _run_recipe(cfg, out, dev, resume, callbacks)

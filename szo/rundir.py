@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import json
 import os
@@ -28,7 +29,7 @@ import yaml
 from szo.config import apply_overrides, resolve
 from szo.distributed import main_decides
 
-__all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunLockedError", "ResumeMismatchError", "run_lock",
+__all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunDirError", "RunLockedError", "ResumeMismatchError", "run_lock",
            "check_resume_config", "config_differences", "saved_config_path", "resumed_config", "run_pins",
            "check_pins"]
 
@@ -51,8 +52,12 @@ _STAGE_IGNORES = {
 }
 
 
-class RunLockedError(ValueError):
-    """Another live process holds the run directory."""
+class RunDirError(ValueError):
+    """The run directory cannot be used: not a directory, not creatable, not writable."""
+
+
+class RunLockedError(RunDirError):
+    """Another live process holds the run directory (or its lock file cannot be used)."""
 
 
 class ResumeMismatchError(ValueError):
@@ -98,7 +103,16 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
     a line on stderr.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunDirError(f"run directory {run_dir} (or a parent of it) exists and is not a directory; "
+                          "choose another --out") from None
+    except OSError as e:
+        why = (" (a name is longer than the file system allows, usually 255 bytes)"
+               if e.errno == errno.ENAMETOOLONG else "")
+        raise RunDirError(f"cannot create run directory {str(run_dir)[:200]}{'...' if len(str(run_dir)) > 200 else ''}: "
+                          f"{e.strerror}{why}; choose another --out") from None
     path = run_dir / LOCK_NAME
     key = str(path.resolve())
     if key in _held:  # this process holds it already (recipe -> stage)
@@ -114,7 +128,8 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
         if path.is_symlink():
             raise RunLockedError(f"run directory {run_dir}: {LOCK_NAME} is a symbolic link (to {os.readlink(path)}); "
                                  f"szo does not write through it: remove {path}") from None
-        raise RunLockedError(f"run directory {run_dir}: cannot open its lock file {path} ({e.strerror})") from None
+        raise RunDirError(f"run directory {run_dir} is not writable: cannot open its lock file {path} ({e.strerror}); "
+                          "a run (and --resume) writes its checkpoints there: copy it somewhere writable") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

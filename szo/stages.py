@@ -40,10 +40,11 @@ from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspac
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
+from szo.zo import trainable_layers
 
 __all__ = ["bptt_stage", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
-           "metric_sinks"]
+           "metric_sinks", "preflight"]
 
 
 def device_for(cfg: Mapping[str, Any], device: str | None = None) -> str:
@@ -86,6 +87,35 @@ def run_dir_guard(run_dir: str | os.PathLike, cfg: Mapping[str, Any], *, resume:
 
         D.main_decides(decide)
         yield
+
+
+def preflight(cfg: Mapping[str, Any]) -> None:
+    """What the config alone cannot tell, checked before the first forward of a run: the subspace
+    store root is a directory (or can become one), the model builds from ``model.kwargs`` (once,
+    on the CPU), and the subspace stage's method options fit that model and subspace
+    (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs)."""
+    if cfg["kind"] == "tta" and not cfg["tta"]["train_source"]:
+        return
+    root = subspace_store_for(cfg).root
+    for p in (root, *root.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"subspace.root {root}: {p} is a file, not a directory (the subspace store "
+                                 "is a directory of entries); choose another subspace.root")
+            break
+    model = build_model(cfg)
+    if cfg["kind"] != "subspace":
+        return
+    sz, spec = cfg["szo"], get_method(cfg["method"])
+    if sz["layers"] is not None:
+        trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
+    n = sz["coords_per_step"]
+    if n is not None and "coords_per_step" in spec.options:
+        d = model.num_params()
+        most = min(d, cfg["subspace"]["k"]) if spec.subspace else d
+        if n > most:
+            where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
+            raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
 
 
 def check_store_entry(cfg: Mapping[str, Any]) -> None:

@@ -308,3 +308,31 @@ def test_resume_is_checked_against_the_checkpoints_pins_not_the_editable_files(s
     finally:
         st.save(name, original, overwrite=True)
     assert main(["recipe", "digits-scratch", "--out", str(run), "--resume"]) == 0
+
+
+@pytest.mark.parametrize("case, sets, phrase", [
+    ("q", ["method=szo-rge", "szo.q=1000000000"], "'szo.q' must be <= 100000"),
+    ("layers", ["method=np-zo", "szo.layers=[nope]"], "unknown layer name(s) ['nope']; valid: conv1, conv2, fc"),
+    ("coords", ["method=zo-cge", "szo.coords_per_step=100000000"], "more coordinates than the model's d = "),
+    ("lr", ["train.lr=-1"], "'train.lr' must be >= 0.0"),
+    ("mu", ["szo.mu=nan"], "'szo.mu' must be a finite number"),
+    ("seed", ["seed=18446744073709551616"], "'seed' must be <= 9223372036854775807"),
+    ("kwargs", ["model.kwargs={wdth:2}"], "has no argument(s) 'wdth:2' (YAML reads {a:2}"),
+    ("root-file", ["subspace.root=FILE"], "is a file, not a directory"),
+    ("out-file", ["OUT=FILE"], "exists and is not a directory; choose another --out"),
+    ("out-long", ["OUT=LONG"], "File name too long"),
+])
+def test_bad_settings_refused_before_any_work(tmp_path, capsys, case, sets, phrase):
+    """Each bad setting of every stage is one line before the first forward: no BPTT, no store entry."""
+    (tmp_path / "afile").write_text("not a directory")
+    out = tmp_path / "run"
+    args = ["recipe", "digits-scratch", "--set", "progress=false", "--set", f"subspace.root={tmp_path / 'store'}",
+            "--set", "model.kwargs={width: 2}"]
+    for s in sets:
+        if s.startswith("OUT="):
+            out = tmp_path / "afile" if s == "OUT=FILE" else tmp_path / ("x" * 300)
+            continue
+        args += ["--set", s.replace("FILE", str(tmp_path / "afile"))]
+    assert main(args + ["--out", str(out)]) == 2
+    assert phrase in _one_error_line(capsys)
+    assert not (tmp_path / "store").exists() and not (tmp_path / "run" / "bptt" / "checkpoints").exists()

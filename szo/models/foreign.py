@@ -129,11 +129,9 @@ def create_foreign(name: str, *, num_classes: int, T: int, activation: str = "li
     args = dict(kw)
     if "T" in params:
         args["T"] = T
-    try:
-        inspect.signature(cls).bind(**args)
-    except TypeError:
-        valid = [p for p in params if p != "self"]
-        raise ValueError(f"model {name!r} got unexpected argument(s) {sorted(args)}; its constructor takes: "
-                         f"{valid}") from None
+    unknown = sorted(k for k in args if k not in params)
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise ValueError(f"model {name!r} has no argument(s) {', '.join(map(repr, unknown))}; its constructor takes: "
+                         f"{', '.join(p for p in params if p != 'self')}")
     model = ForeignModel(cls(**args), num_classes=num_classes, T=T, model_name=name, output=output)
     return model.set_bn_time(bn_time)

@@ -39,6 +39,19 @@ def check_name(name: Any) -> str:
     return name
 
 
+def check_arguments(name: str, factory: Callable[..., Any], kw: dict[str, Any]) -> None:
+    """One ValueError naming only the arguments ``factory`` does not take (and the ones it does)."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(k for k in kw if k not in params)
+    if unknown:
+        hint = (" (YAML reads {a:2} as the key 'a:2': write {a: 2}, with a space after the colon)"
+                if any(":" in k for k in unknown) else "")
+        valid = ", ".join(p for p in params if p != "self")
+        raise ValueError(f"model {name!r} has no argument(s) {', '.join(map(repr, unknown))}{hint}; valid: {valid}")
+
+
 def create(
     name: str,
     *,
@@ -63,13 +76,7 @@ def create(
     if T is not None:
         kw["T"] = T
     kw["activation"] = activation
-    try:
-        inspect.signature(factory).bind(**kw)
-    except TypeError:
-        valid = [p for p in inspect.signature(factory).parameters]
-        raise ValueError(
-            f"model {name!r} got unexpected argument(s) {sorted(kw)}; valid: {valid}"
-        ) from None
+    check_arguments(name, factory, kw)
     model = factory(**kw)
     if not isinstance(model, SpikingModel):
         raise TypeError(f"factory {name!r} returned {type(model).__name__}, not a SpikingModel")
