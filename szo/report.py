@@ -55,11 +55,13 @@ def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     runs = []
     diverged = []
     for d in dict.fromkeys(found):
-        res = json.loads((d / "results.json").read_text(encoding="utf-8"))
+        res = _read_results(d / "results.json")
         if res.get("status") == "diverged":  # szo.train.fit stopped it: no figure to report
             diverged.append(str(d))
             continue
         hist = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        if not all(isinstance(h, dict) for h in hist):
+            raise ValueError(f"{d / 'metrics.jsonl'} holds a line that is not a JSON object; it is not an szo metrics file")
         cfg = None
         if (d / "config.yaml").is_file():
             try:
@@ -73,6 +75,25 @@ def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     if not runs:
         raise ValueError(f"every run under {', '.join(map(str, paths))} diverged; nothing to report")
     return runs
+
+
+_NUMBERS = ("best_test_acc", "final_test_acc", "fp", "bp", "steps", "epochs", "train_time_min", "wall_time_min",
+            "converged_fp", "converged_bp", "converged_time_min", "d", "k", "q")
+
+
+def _read_results(path: Path) -> dict[str, Any]:
+    """A results.json checked for the shape the report reads: a JSON object whose figures are numbers."""
+    try:
+        res = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it is not an szo results file") from None
+    if not isinstance(res, dict):
+        raise ValueError(f"{path} is a JSON {type(res).__name__}, not an object; it is not an szo results file")
+    for key in _NUMBERS:
+        v = res.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{path}: {key!r} is {v!r}, not a number; it is not an szo results file")
+    return res
 
 
 def _group(r: dict[str, Any]) -> str:

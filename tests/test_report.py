@@ -134,3 +134,19 @@ def test_diverged_runs_are_left_out_with_a_warning(tmp_path, capsys):
     assert "left out 1 diverged run(s)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="diverged; nothing to report"):
         collect_runs([tmp_path / "bad"])
+
+
+@pytest.mark.parametrize("content, phrase", [
+    ("[1, 2]", "is a JSON list, not an object"),
+    ('"text"', "is a JSON str, not an object"),
+    ('{"best_test_acc": "high"}', "'best_test_acc' is 'high', not a number"),
+    ("{not json", "is not valid JSON"),
+])
+def test_results_json_of_the_wrong_shape_is_one_line(tmp_path, capsys, content, phrase):
+    from szo.cli import main
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "results.json").write_text(content)
+    assert main(["report", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0]

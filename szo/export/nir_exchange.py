@@ -661,6 +661,9 @@ class NIRNetwork(SpikingModel):
         for s, d in graph.edges:
             if s not in names or d not in names:
                 raise ValueError(f"NIR graph edge ({s!r}, {d!r}) names a node that is not in the graph")
+        _check_feed_forward(graph.edges)
+        for name, node in graph.nodes.items():
+            _check_node_values(name, node)
         if len(outputs) != 1:
             raise ValueError(f"NIR graph must have exactly one Output node, got {len(outputs)}")
         out_t = np.asarray(outputs[0].output_type.get("output", []) if outputs[0].output_type else []).reshape(-1)
@@ -668,9 +671,15 @@ class NIRNetwork(SpikingModel):
         if num_classes < 1:
             raise ValueError("NIR graph: cannot tell the number of classes (no 'num_classes' metadata and no Output "
                              "type)")
-        T = int(meta.get("T", 0)) if T is None else T
+        T = meta.get("T", 0) if T is None else T
+        try:
+            T = int(T)
+        except (TypeError, ValueError):
+            raise ValueError(f"NIR graph: T = {T!r} is not a number of time steps") from None
         if T < 1:
             raise ValueError("NIR graph has no 'T' metadata: pass T= (time steps for static inputs)")
+        if T > MAX_T:
+            raise ValueError(f"NIR graph: T = {T} time steps is out of range; szo runs 1 <= T <= {MAX_T}")
         super().__init__(num_classes=num_classes, T=T, model_name=meta_str(meta, "model_name", "nir"))
         self.dt = dt
         self.nir_metadata = meta
@@ -679,6 +688,58 @@ class NIRNetwork(SpikingModel):
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         out = self.graph_module(x_seq)
         return out[0] if isinstance(out, tuple) else out
+
+
+MAX_T = 10_000
+"""The most time steps an imported graph may ask for (metadata ``T`` or ``T=``)."""
+MAX_ELEMENTS = 1 << 30
+"""The most elements one node's array or input / output shape may have."""
+
+
+def _check_feed_forward(edges: Any) -> None:
+    """Refuse a recurrent edge or any cycle: szo's importer runs feed-forward graphs (nirtorch
+    would drop a back edge silently and run the rest as if it were feed-forward)."""
+    succ: dict[str, list[str]] = {}
+    indeg: dict[str, int] = {}
+    for s, d in edges:
+        if s == d:
+            raise ValueError(f"NIR graph has a recurrent edge {s!r} -> {s!r}; szo imports feed-forward graphs only "
+                             "(its models have no recurrent connections)")
+        succ.setdefault(s, []).append(d)
+        indeg[d] = indeg.get(d, 0) + 1
+        indeg.setdefault(s, 0)
+    ready = [n for n, k in indeg.items() if k == 0]
+    seen = 0
+    while ready:
+        n = ready.pop()
+        seen += 1
+        for m in succ.get(n, []):
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                ready.append(m)
+    if seen < len(indeg):
+        loop = sorted(n for n, k in indeg.items() if k > 0)
+        raise ValueError(f"NIR graph has a cycle through {', '.join(map(repr, loop[:6]))}; szo imports feed-forward "
+                         "graphs only (its models have no recurrent connections)")
+
+
+def _check_node_values(name: str, node: Any) -> None:
+    """Every array of a node finite and of a bounded size; shapes bounded."""
+    for attr, v in vars(node).items():
+        if attr in ("input_type", "output_type") and isinstance(v, dict):  # port name -> shape
+            for k, shape in v.items():
+                dims = np.asarray(shape, dtype=np.float64).reshape(-1)
+                if dims.size and (dims.min() < 0 or float(np.prod(dims)) > MAX_ELEMENTS):
+                    raise ValueError(f"NIR node {name!r}: {attr} {k!r} has shape {[int(x) for x in dims]}, out of "
+                                     f"range (at most {MAX_ELEMENTS} elements)")
+            continue
+        if isinstance(v, np.ndarray) and v.dtype.kind in "fc":
+            if v.size > MAX_ELEMENTS:
+                raise ValueError(f"NIR node {name!r}: {attr} has {v.size} elements, more than {MAX_ELEMENTS}")
+            bad = int((~np.isfinite(v)).sum())
+            if bad:
+                raise ValueError(f"NIR node {name!r}: {attr} holds {bad} non-finite value(s) (NaN / inf); "
+                                 "szo does not run such a graph")
 
 
 def from_nir(source: Any, *, T: int | None = None, dt: float | None = None) -> NIRNetwork:

@@ -216,3 +216,27 @@ def test_every_registered_model_round_trips(name):
         a, b = model.double()(x.double()), back.double()(x.double())
     # same spikes; only VGG's folded 7x7 classifier weight is rounded to float32 (~1e-7 relative)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_graphs_szo_cannot_run_faithfully_are_refused(tmp_path):
+    """A recurrent self-edge (nirtorch would drop it and run the rest feed-forward), a cycle,
+    T = 1e9 (an allocator error), all-NaN weights: each one line, also through a .nir file."""
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    g.edges.append(("sn1", "sn1"))
+    with pytest.raises(ValueError, match=r"recurrent edge 'sn1' -> 'sn1'; szo imports feed-forward graphs only"):
+        from_nir(g)
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    first, second = g.edges[1]
+    g.edges.append((second, first))
+    with pytest.raises(ValueError, match="has a cycle through"):
+        from_nir(g)
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    g.metadata["T"] = 1_000_000_000
+    write_nir(g, tmp_path / "bigT.nir")
+    with pytest.raises(ValueError, match=r"T = 1000000000 time steps is out of range; szo runs 1 <= T <= 10000"):
+        from_nir(tmp_path / "bigT.nir")
+    g = to_nir(create("spike_convnet"), (1, 8, 8))
+    conv = next(n for n, v in g.nodes.items() if hasattr(v, "weight"))
+    g.nodes[conv].weight = np.full_like(g.nodes[conv].weight, np.nan)
+    with pytest.raises(ValueError, match=rf"NIR node '{conv}': weight holds \d+ non-finite value"):
+        from_nir(g)
