@@ -336,6 +336,8 @@ class FederatedConfig(Section):
     eval_every: int = _opt(10, min=1)
     bn_momentum: float = _opt(0.1, gt=0.0, max=1.0)
     round_timeout_s: float = _opt(600.0, gt=0.0)
+    startup_timeout_s: float = _opt(120.0, gt=0.0)  # every client process connected within this, or one line
+    max_loss_difference: float = _opt(1.0e3, gt=0.0)  # |aggregated loss difference| beyond it: the round is refused
 
 
 @dataclass(frozen=True, eq=False)

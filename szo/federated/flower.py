@@ -36,21 +36,24 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve, write_config
 from szo.data import get_dataset, make_loader
+from szo.distributed import RankFailure
 from szo.federated import baffle as B
 from szo.io import atomic_write_json
 from szo.rundir import check_pins, run_pins
 from szo.runs import build_model, loss_for, subspace_store_for
 from szo.stages import bptt_stage, metric_sinks, run_dir_guard
 from szo.train import (
+    DIVERGE_FACTOR,
     Callback,
     MetricsLogger,
+    TrainingDiverged,
     checkpoint_from_bytes,
     checkpoint_path,
     evaluate,
@@ -148,7 +151,7 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
             if fc.secure:
                 with np.errstate(over="ignore"):
                     words = words + B.pairwise_masks(cid, list(range(fc.clients)), rnd, fc.K, secret)
-            return [words, task.bn_stats()], n_local, {}
+            return [words, task.bn_stats()], n_local, {"cid": cid}
 
     return BaffleClient()
 
@@ -235,27 +238,97 @@ class BaffleServer:
         """What every client gets with the coordinates in round ``rnd`` (1-based, absolute)."""
         return {"round": rnd, "seed": int(self.seeds[rnd]), "n_total": self.n_total}
 
-    def step(self, rnd: int, uploads: Sequence[tuple[list[np.ndarray], int]], bytes_down: int, bytes_up: int) -> None:
-        """Round ``rnd``: aggregate the clients' ``(arrays, n_examples)`` uploads and step."""
+    def step(self, rnd: int, uploads: Sequence[tuple[list[np.ndarray], int]], bytes_down: int, bytes_up: int,
+             senders: Sequence[Any] | None = None) -> None:
+        """Round ``rnd``: check, aggregate the clients' ``(arrays, n_examples)`` uploads and step.
+
+        Clients are not trusted. Each upload must be ``[K uint64 words, BN statistics]`` with a
+        plausible example count; a client's BN statistics are its own (not masked) and are dropped
+        when not finite, of the wrong size or with a negative variance (the mean is over the
+        others). The loss differences are masked, so only their aggregate can be checked: if it is
+        not finite or beyond ``federated.max_loss_difference`` (or an upload's words are
+        malformed, so the masks cannot cancel), the round makes no step. Both are logged in the
+        round's metrics (``dropped_bn``, ``refused``). A test loss that stops being finite or grows
+        ``DIVERGE_FACTOR`` times the first one ends the run with one :class:`TrainingDiverged` line."""
         fc, st, task = self.fc, self.state, self.task
+        senders = list(senders) if senders is not None else list(range(len(uploads)))
         st.bytes_down.append(bytes_down)
         st.bytes_up.append(bytes_up)
-        delta = torch.from_numpy(B.aggregate([a[0] for a, _ in uploads]))
-        z = B.round_directions(int(self.seeds[rnd]), fc.K, task.dim)
-        grad = B.stein_coordinates(delta, z, fc.sigma).numpy()
         lr = fc.lr * 0.5 * (1 + math.cos(math.pi * (rnd - 1) / fc.rounds))  # cosine, as the recipes
-        heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
-        st.c = st.c + st.v
-        if st.bn.size:
-            mean = sum(n / self.n_total * a[1].astype(np.float64) for a, n in uploads)
+        row: dict[str, Any] = {"round": rnd, "lr": lr, "bytes_down": bytes_down, "bytes_up": bytes_up}
+        words, bn_ok, why = self._check_uploads(uploads, senders)
+        grad = None
+        if why is None:
+            delta = B.aggregate(words)
+            if not np.all(np.isfinite(delta)) or float(np.abs(delta).max(initial=0.0)) > fc.max_loss_difference:
+                why = (f"aggregated loss differences out of range (max |dL| = {float(np.abs(delta).max()):.3g} > "
+                       f"federated.max_loss_difference = {fc.max_loss_difference:g}): a client sent bad values")
+            else:
+                z = B.round_directions(int(self.seeds[rnd]), fc.K, task.dim)
+                grad = B.stein_coordinates(torch.from_numpy(delta), z, fc.sigma).numpy()
+        if grad is not None:
+            heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
+            st.c = st.c + st.v
+        else:
+            row["refused"] = why
+            print(f"warning: round {rnd}: no step: {why}", file=sys.stderr, flush=True)
+        if st.bn.size and bn_ok:
+            n_ok = sum(uploads[i][1] for i in bn_ok)
+            mean = sum(uploads[i][1] / n_ok * uploads[i][0][1].astype(np.float64) for i in bn_ok)
             st.bn = (1 - fc.bn_momentum) * st.bn + fc.bn_momentum * mean
+        dropped = [senders[i] for i in range(len(uploads)) if i not in bn_ok]
+        if dropped and st.bn.size:
+            row["dropped_bn"] = dropped
+            print(f"warning: round {rnd}: BN statistics of client(s) {dropped} dropped (not finite, wrong size or "
+                  "negative variance)", file=sys.stderr, flush=True)
         st.fp += 2 * fc.K * fc.clients
         wall = st.wall_time_s + time.perf_counter() - self.t0
-        row = {"round": rnd, "lr": lr, "bytes_down": bytes_down, "bytes_up": bytes_up, "fp": st.fp, "wall_time_s": wall}
+        row.update(fp=st.fp, wall_time_s=wall)
         if rnd % fc.eval_every == 0 or rnd == fc.rounds:
             row["test_loss"], row["test_acc"] = self.evaluate()
         st.history.append(row)
         self._after_round(rnd, row, wall)
+        self._check_divergence(rnd, row)
+
+    def _check_uploads(self, uploads: Sequence[tuple[list[np.ndarray], int]], senders: Sequence[Any]
+                       ) -> tuple[list[np.ndarray], list[int], str | None]:
+        """The masked words of every upload, the indices whose BN statistics are usable, and why
+        the round cannot step (None: it can)."""
+        K, n_bn = self.fc.K, self.state.bn.size
+        words, bn_ok, why = [], [], None
+        for i, (arrays, n) in enumerate(uploads):
+            w = np.asarray(arrays[0]) if len(arrays) == 2 else None
+            if w is None or w.shape != (K,) or w.dtype != np.uint64 or isinstance(n, bool) or not 0 < int(n) <= self.n_total:
+                why = why or (f"client {senders[i]} sent a malformed upload (expected [{K} uint64 words, {n_bn} BN "
+                              f"statistics] for 1..{self.n_total} examples): the masks cannot cancel without it")
+                continue
+            words.append(w)
+            bn = np.asarray(arrays[1])
+            half = n_bn // 2
+            if (bn.shape == (n_bn,) and bn.dtype.kind == "f" and np.all(np.isfinite(bn))
+                    and np.all(self._bn_var(bn, half) >= 0)):
+                bn_ok.append(i)
+        return words, bn_ok, why
+
+    def _bn_var(self, flat: np.ndarray, half: int) -> np.ndarray:
+        """The running variances inside a flat ``[mean_1, var_1, mean_2, var_2, ...]`` BN vector."""
+        out, off = [], 0
+        for m in self.task.bn:
+            n = m.running_mean.numel()
+            out.append(flat[off + n:off + 2 * n])
+            off += 2 * n
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def _check_divergence(self, rnd: int, row: dict[str, Any]) -> None:
+        if "test_loss" not in row:
+            return
+        loss = float(row["test_loss"])
+        first = next(float(r["test_loss"]) for r in self.state.history if "test_loss" in r)
+        if not math.isfinite(loss) or loss > DIVERGE_FACTOR * max(abs(first), 1.0):
+            raise TrainingDiverged(
+                f"the federation diverged at round {rnd}: the test loss {loss:.4g} is "
+                f"{'not finite' if not math.isfinite(loss) else f'more than {DIVERGE_FACTOR:g} times the first ({first:.4g})'}"
+                "; lower federated.lr or federated.sigma, or look for a client sending bad values")
 
     def _after_round(self, rnd: int, row: dict[str, Any], wall: float) -> None:
         self.logger.append(row)
@@ -276,7 +349,7 @@ class BaffleServer:
         return self.state.c.astype(np.float32)
 
 
-def _make_strategy(server: BaffleServer, fl: Any) -> Any:
+def _make_strategy(server: BaffleServer, fl: Any, wait_for_clients: Callable[[Any], None]) -> Any:
     """A Flower (legacy API) ``Strategy`` around ``server``: every client every round; Flower's
     round numbers count from 1 in this process, so they are offset by the rounds done before."""
     fc, offset = server.fc, server.state.rounds_done
@@ -286,8 +359,7 @@ def _make_strategy(server: BaffleServer, fl: Any) -> Any:
             return ndarrays_to_parameters([server.params()])
 
         def configure_fit(self, server_round, parameters, client_manager):
-            if not client_manager.wait_for(fc.clients, timeout=int(fc.round_timeout_s)):
-                raise RuntimeError(f"only {client_manager.num_available()} of {fc.clients} clients connected")
+            wait_for_clients(client_manager)
             proxies = client_manager.sample(num_clients=fc.clients, min_num_clients=fc.clients)
             ins = FitIns(ndarrays_to_parameters([server.params()]), server.round_config(offset + server_round))
             self.bytes_down = fit_ins_to_proto(ins).ByteSize() * len(proxies)
@@ -299,7 +371,8 @@ def _make_strategy(server: BaffleServer, fl: Any) -> Any:
                                    f"({len(failures)} failures); the secure-aggregation masks only cancel when all do")
             up = sum(fit_res_to_proto(r).ByteSize() for _, r in results)
             uploads = [(parameters_to_ndarrays(r.parameters), r.num_examples) for _, r in results]
-            server.step(offset + server_round, uploads, self.bytes_down, up)
+            senders = [r.metrics.get("cid", p.cid) for p, r in results]
+            server.step(offset + server_round, uploads, self.bytes_down, up, senders)
             return ndarrays_to_parameters([server.params()]), {}
 
         def configure_evaluate(self, server_round, parameters, client_manager):
@@ -392,7 +465,12 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
     if state is not None:
         print(f"resuming {run_dir} after round {state.rounds_done} of {fc.rounds}", flush=True)
     if server.state.rounds_done < fc.rounds:
-        _serve(server, splits, fc.rounds - server.state.rounds_done)
+        try:
+            _serve(server, splits, fc.rounds - server.state.rounds_done)
+        except TrainingDiverged as e:
+            atomic_write_json(run_dir / "results.json", {**_summary(cfg, server, splits), "status": "diverged",
+                                                         "error": str(e)})
+            raise
     for sink in sinks:
         sink.on_train_end({})
     if server.state.rounds_done != fc.rounds:
@@ -418,8 +496,14 @@ def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> N
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()
             procs.append(p)
-        fl.server.start_server(server_address=address, strategy=_make_strategy(server, fl),
+        strategy = _make_strategy(server, fl, lambda cm: _wait_for_clients(cm, procs, fc.startup_timeout_s))
+        fl.server.start_server(server_address=address, strategy=strategy,
                                config=fl.server.ServerConfig(num_rounds=rounds, round_timeout=fc.round_timeout_s))
+    except BaseException:
+        for p in procs:  # the server stops: its clients have nothing left to wait for
+            if p.poll() is None:
+                p.terminate()
+        raise
     finally:
         for p in procs:
             try:
@@ -427,6 +511,29 @@ def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> N
             except subprocess.TimeoutExpired:
                 p.terminate()
                 p.wait(timeout=10)
+
+
+class FederationError(RankFailure):
+    """A federation that cannot go on (a client process gone, clients not connecting in time):
+    one line and exit status 3, like a lost torchrun peer (rerun with --resume)."""
+
+
+def _wait_for_clients(client_manager: Any, procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    """Every client connected, or one line within ``timeout_s`` -- at once when a client process
+    has exited (it will never connect; Flower alone would wait out the round timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while client_manager.num_available() < len(procs):
+        for c, p in enumerate(procs):
+            if p.poll() is not None:
+                for q in procs:  # the others would wait for a federation that will not happen
+                    if q.poll() is None:
+                        q.terminate()
+                raise FederationError(f"client {c} exited with status {p.returncode} before the round started (see its "
+                                      f"output above); the federation needs all {len(procs)} clients")
+        if time.monotonic() > deadline:
+            raise FederationError(f"only {client_manager.num_available()} of {len(procs)} clients connected within "
+                                  f"federated.startup_timeout_s = {timeout_s:g} s")
+        time.sleep(0.1)
 
 
 def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarray]) -> dict[str, Any]:

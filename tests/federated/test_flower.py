@@ -93,3 +93,111 @@ def test_federation_refuses_a_recipe_run_directory(tmp_path, capsys):
     assert "Traceback" not in "".join(err)
     assert files() == before
     assert not (tmp_path / "store").exists()  # no BPTT stage ran
+
+
+@pytest.fixture(scope="module")
+def tiny_fed(tmp_path_factory):
+    """A tiny digits recipe with its subspace stored (the BPTT stage), for server-side tests."""
+    from szo.config import load_recipe
+    from szo.stages import bptt_stage
+
+    root = tmp_path_factory.mktemp("fed")
+    sets = ["progress=false", "model.kwargs={width: 2}", "model.T=2", "bptt.epochs=1", "bptt.max_steps_per_epoch=4",
+            "trajectory.every=1", "subspace.k=2", f"subspace.root={root / 'store'}", "federated.clients=3",
+            "federated.rounds=3", "federated.K=2", "federated.eval_every=1", "data.test_batch_size=360"]
+    cfg = load_recipe("digits-scratch", sets)
+    bptt_stage(cfg, root / "bptt")
+    return root, cfg, sets
+
+
+def _server(tiny_fed, tmp_path):
+    from szo.data import make_loader
+    from szo.federated.flower import BaffleServer, _dataset, _Task
+
+    _, cfg, _ = tiny_fed
+    task = _Task(cfg, "subspace")
+    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    return BaffleServer(cfg, task, 300, tmp_path / "run", test, None, [], []), task
+
+
+def _upload(task, K=2, value=0.01, n=100):
+    import numpy as np
+
+    from szo.federated import baffle as B
+
+    return [B.encode(np.full(K, value)), task.bn_stats().copy()], n
+
+
+def test_server_checks_every_upload_and_drops_what_it_cannot_trust(tiny_fed, tmp_path, capsys):
+    """Clients are not trusted: NaN BN statistics are dropped (the others' mean is used), garbage
+    loss-difference words make the round step-less (only their masked sum is visible), a
+    malformed upload too; every case is in the round's metrics and on stderr."""
+    import numpy as np
+
+    server, task = _server(tiny_fed, tmp_path)
+    honest = [_upload(task) for _ in range(3)]
+    bad_bn = list(honest)
+    arrays, n = honest[1]
+    bad_bn[1] = ([arrays[0], np.full_like(arrays[1], np.nan)], n)
+    server.step(1, bad_bn, 10, 10, senders=[0, 1, 2])
+    row = server.state.history[-1]
+    assert row["dropped_bn"] == [1] and "refused" not in row and np.all(np.isfinite(server.state.bn))
+    assert not np.array_equal(server.state.c, np.zeros_like(server.state.c))  # the honest step was taken
+    c1 = server.state.c.copy()
+    rng = np.random.default_rng(0)
+    garbage = list(honest)
+    garbage[2] = ([rng.integers(0, 2 ** 63, size=2, dtype=np.uint64), arrays[1]], n)
+    server.step(2, garbage, 10, 10, senders=[0, 1, 2])
+    assert "aggregated loss differences out of range" in server.state.history[-1]["refused"]
+    np.testing.assert_array_equal(server.state.c, c1)  # no step at all this round
+    malformed = list(honest)
+    malformed[0] = ([np.zeros(5, dtype=np.uint64), arrays[1]], n)
+    server.step(3, malformed, 10, 10, senders=[0, 1, 2])
+    assert "client 0 sent a malformed upload" in server.state.history[-1]["refused"]
+    assert np.isfinite(server.state.history[-1]["test_loss"]) and np.all(np.isfinite(server.state.bn))
+    err = capsys.readouterr().err
+    assert "BN statistics of client(s) [1] dropped" in err and "round 2: no step" in err
+
+
+def test_server_stops_a_diverging_federation_in_one_line(tiny_fed, tmp_path, monkeypatch):
+    from szo.train import TrainingDiverged
+
+    server, task = _server(tiny_fed, tmp_path)
+    losses = iter([(2.3, 0.1), (float("nan"), 0.1)])
+    monkeypatch.setattr(server, "evaluate", lambda: next(losses))
+    server.step(1, [_upload(task) for _ in range(3)], 1, 1)
+    with pytest.raises(TrainingDiverged, match="the federation diverged at round 2: the test loss nan is not finite"):
+        server.step(2, [_upload(task) for _ in range(3)], 1, 1)
+
+
+def test_a_client_that_dies_at_start_up_is_one_line_in_seconds(tiny_fed, tmp_path, capsys, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    import szo.federated.flower as F
+    from szo.cli import main
+
+    _, _, sets = tiny_fed
+    real, calls = subprocess.Popen, []
+
+    def popen(cmd, **kw):  # the second client process exits at once
+        calls.append(cmd)
+        if len(calls) == 2:
+            cmd = [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(7)"]
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(F.subprocess, "Popen", popen)
+    t0 = time.monotonic()
+    rc = main(["federated", "digits-scratch", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "run")])
+    assert rc == 3 and time.monotonic() - t0 < 90
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: client 1 exited with status 7 before the round started (see its output above); " \
+                      "the federation needs all 3 clients"
+
+
+def test_non_finite_federated_settings_are_one_line(capsys):
+    from szo.cli import main
+
+    assert main(["federated", "digits-scratch", "--set", "federated.lr=inf"]) == 2
+    assert "'federated.lr' must be a finite number" in capsys.readouterr().err
