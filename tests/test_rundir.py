@@ -336,3 +336,27 @@ def test_bad_settings_refused_before_any_work(tmp_path, capsys, case, sets, phra
     assert main(args + ["--out", str(out)]) == 2
     assert phrase in _one_error_line(capsys)
     assert not (tmp_path / "store").exists() and not (tmp_path / "run" / "bptt" / "checkpoints").exists()
+
+
+def test_read_only_run_dir_is_one_line(tmp_path, monkeypatch):
+    """A run directory the process cannot write (a read-only mount, another user's files): one
+    line naming it, where a resume would have died with a traceback on its first write."""
+    import errno
+    import os
+
+    from szo import rundir
+    from szo.rundir import RunDirError, run_lock
+
+    (tmp_path / "run").mkdir()
+    real = os.open
+
+    def ro(path, flags, *a):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, flags, *a)
+
+    monkeypatch.setattr(rundir.os, "open", ro)
+    with pytest.raises(RunDirError, match=r"is not writable: cannot open its lock file .*Read-only file system.*"
+                                          r"copy it somewhere writable"):
+        with run_lock(tmp_path / "run"):
+            pass
