@@ -31,7 +31,7 @@ def test_unknown_key_one_line(capsys, tmp_path):
 
 def test_bad_choice_one_line(capsys, tmp_path):
     assert main(["recipe", "digits-scratch", "--set", "method=adam", "--out", str(tmp_path)]) == 2
-    assert "valid: bp, bp-subspace, szo-cge, szo-rge, szo-1pt, zo-cge, zo-rge" in _one_error_line(capsys)
+    assert "valid: bp, bp-subspace, szo-cge, szo-rge, szo-1pt, szo-cge-1pt, zo-cge, zo-rge" in _one_error_line(capsys)
 
 
 def test_missing_data_dir_clean_error_no_traceback(tmp_path):

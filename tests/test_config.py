@@ -127,7 +127,7 @@ def test_streaming_options():
     c = load_recipe("digits-scratch", ["szo.time_chunk=1", "szo.stream_bn=running", "method=zo-rge"])
     assert c["szo"]["time_chunk"] == 1 and c["szo"]["stream_bn"] == "running"
     with pytest.raises(ValueError, match="forward-only methods; method 'bp-subspace' backpropagates; "
-                                         "valid methods with szo.time_chunk: szo-cge, szo-rge, szo-1pt, zo-cge"):
+                                         "valid methods with szo.time_chunk: szo-cge, szo-rge, szo-1pt, szo-cge-1pt, zo-cge"):
         load_recipe("digits-scratch", ["szo.time_chunk=1", "method=bp-subspace"])
 
 

@@ -484,7 +484,9 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
 def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> None:
     """Start the client processes and Flower's server for ``rounds`` rounds on loopback."""
     fc = server.fc
-    secret = secrets.token_bytes(32)  # the clients' shared secret for the mask seeds; the server never sees it
+    # one secret for every pair seed, created here, in the server's process, and handed to every client:
+    # any client (or a reader of this process) can unmask any upload -- docs/federated.md says so
+    secret = secrets.token_bytes(32)
     address = f"127.0.0.1:{_free_port()}"
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

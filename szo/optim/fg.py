@@ -159,19 +159,31 @@ class AsyncFGD(ForwardOnlyBase):
     ``reference_async_fgd``); one process gives the staleness's effect on training, not the
     pipeline's speed-up (``bench/asyncfgd.py`` measures that). ``stages=1`` is vanilla FGD.
 
+    ``update="adam"`` is Algorithm 2 (AsyncFGD-Adam, the paper's experiments): "minimal changes
+    on Adam by substituting the gradient with the forward-gradient estimator", i.e. Adam
+    (beta1 0.9, beta2 0.999, eta 1e-8, bias-corrected) on ``g_k = (grad L . u) u_k``. The
+    algorithm as printed swaps the betas in the moment updates and omits the square and the root;
+    szo implements the Adam it says it is (docs/methods.md).
+
     State: the last ``K - 1 - k`` versions of stage ``k``'s parameters (checkpointed, so a resumed
-    run continues exactly). Tangents come from ``seed`` and the step index, not from a generator
+    run continues exactly), and Adam's two moments. Tangents come from ``seed`` and the step index, not from a generator
     stream; ``seed`` defaults to ``generator.initial_seed()`` (the run's seed under ``fit``).
     """
 
     # state_dict()["asyncfgd"]: forward count, step index, stale versions
     codecs = (StateCodec("asyncfgd", GENERATOR_COUNTERS + (Field("steps", "int", default=0), Field("seed", "int"),
                                                  Field("stages", "int", "K", record_only=True),
-                                                 Field("history", "versions")),
+                                                 Field("history", "versions"),
+                                                 Field("adam_m", "tensors"), Field("adam_v", "tensors")),
                          check=lambda opt, sec: opt.check_stages(sec)),)
 
     def __init__(self, model: nn.Module, *, stages: int = 2, lr: float = 1e-3, momentum: float = 0.0,
-                 seed: int | None = None, generator: torch.Generator | None = None):
+                 seed: int | None = None, generator: torch.Generator | None = None, update: str = "sgd",
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        if update not in ASYNCFGD_UPDATES:
+            raise ValueError(f"unknown AsyncFGD update {update!r}; valid: {', '.join(ASYNCFGD_UPDATES)}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0):
+            raise ValueError(f"need 0 <= beta1, beta2 < 1 and eps > 0, got betas={betas}, eps={eps}")
         if not isinstance(model, nn.Module):
             raise ValueError(f"AsyncFGD takes the model (its children are cut into stages), got {type(model).__name__}")
         if momentum:
@@ -201,6 +213,12 @@ class AsyncFGD(ForwardOnlyBase):
         self._stage_spaces = [ParamSpace(list(st.parameters())) for st in self.stages]
         # history[k]: versions max(0, i - lag_k) .. i - 1 of stage k's parameters, lag_k = K - 1 - k
         self.history: list[list[list[torch.Tensor]]] = [[] for _ in self.stages]
+        self.update, self.betas, self.eps = update, (float(betas[0]), float(betas[1])), float(eps)
+        if update == "adam":
+            self.adam_m: list[torch.Tensor] | None = [torch.zeros_like(p) for p in params]
+            self.adam_v: list[torch.Tensor] | None = [torch.zeros_like(p) for p in params]
+        else:
+            self.adam_m = self.adam_v = None
 
     @property
     def K(self) -> int:
@@ -245,10 +263,30 @@ class AsyncFGD(ForwardOnlyBase):
             if self._lag(k) > 0:
                 self.history[k].append(current[k] if current[k] is not None else sp.save())
                 del self.history[k][: -self._lag(k)]
-            for n, p in st.named_parameters():
-                p.add_(u[k][n], alpha=-lr * d)  # plain SGD along the stage's tangent (Algorithm 1)
+        if self.update == "adam":
+            self._adam_step(u, d, lr)
+        else:
+            for k, st in enumerate(self.stages):
+                for n, p in st.named_parameters():
+                    p.add_(u[k][n], alpha=-lr * d)  # plain SGD along the stage's tangent (Algorithm 1)
         self.steps += 1
         return self.finish_step(closure, losses, loss, 1)
+
+
+    def _adam_step(self, u: list[dict[str, torch.Tensor]], d: float, lr: float) -> None:
+        """Algorithm 2: Adam on the forward-gradient estimate ``g = d u`` of every parameter."""
+        b1, b2 = self.betas
+        t = self.steps + 1
+        for j, (p, (k, n)) in enumerate(zip(self.param_groups[0]["params"], self._where)):
+            g = u[k][n] * d
+            m, v = self.adam_m[j], self.adam_v[j]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v / (1 - b2 ** t)).sqrt_().add_(self.eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+
+
+ASYNCFGD_UPDATES = ("sgd", "adam")
 
 
 # ---------------------------------------------------------------------- registry builders
@@ -265,7 +303,7 @@ def build_fg_subspace(spec, model: nn.Module, subspace, o, run) -> SubspaceForwa
                                    generator=run.generator)
 
 
-@register_builder("asyncfgd")
+@register_builder("asyncfgd", "asyncfgd-adam")
 def build_asyncfgd(spec, model: nn.Module, subspace, o, run) -> AsyncFGD:
     return AsyncFGD(model, stages=2 if o.stages is None else o.stages, lr=o.lr, momentum=o.momentum,
-                    generator=run.generator)
+                    generator=run.generator, update=spec.variant or "sgd")

@@ -46,6 +46,7 @@ from szo.zo import (
     SubspaceSpace,
     cge_plan,
     check_hparams,
+    coord_one_point_plan,
     gaussian_rows,
     heavy_ball_,
     move_to_start,
@@ -56,7 +57,7 @@ from szo.zo import (
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
-ESTIMATORS = ("cge", "rge", "one-point")
+ESTIMATORS = ("cge", "rge", "one-point", "coord-one-point")
 DISTRIBUTED_MODES = (None,) + DISTRIBUTED_RUN_MODES
 
 
@@ -166,7 +167,10 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     * ``estimator="cge"``: 2k probes ``theta +/- mu v_i`` along the basis vectors.
     * ``estimator="rge"``: 2q probes ``theta +/- mu P z_j``, ``z_j ~ N(0, I_k)`` from ``generator``.
-    * ``estimator="one-point"``: q + 1 probes, one-sided differences (paper App. F).
+    * ``estimator="one-point"``: q + 1 probes, one-sided differences along ``P z_j`` (szo's
+      random-direction variant; method ``szo-1pt``).
+    * ``estimator="coord-one-point"``: k + 1 probes, the centre and ``theta + mu v_i``: the paper's
+      one-point CGE ablation (Table 13, "SZO-CGE (one-point)"; method ``szo-cge-1pt``).
 
     ``engine="batched"`` evaluates the probes of a step as perturbed copies folded into one
     forward per ``chunk`` of probes (``szo.engine``; equal to the loop to 1e-5) instead of one
@@ -272,25 +276,29 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     def forwards_per_step(self) -> int:
         """Forwards of the batch per step: the probes, plus one unperturbed BN forward
         (``bn_update="recompute"`` with BN in train mode)."""
-        probes = {"cge": 2 * self.k, "rge": 2 * self.q, "one-point": self.q + 1}[self.estimator]
+        probes = {"cge": 2 * self.k, "rge": 2 * self.q, "one-point": self.q + 1,
+                  "coord-one-point": self.k + 1}[self.estimator]
         return probes + int(self.recomputes)
 
     def plan(self) -> Plan:
         """This step's probes (draws the RGE / one-point directions from ``generator``).
 
         CGE: ``+mu v_i`` for all i, then ``-mu v_i``; RGE: ``+mu P z_j`` for all j, then
-        ``-mu P z_j``; one-point: the centre, then ``+mu P z_j``.
+        ``-mu P z_j``; one-point: the centre, then ``+mu P z_j``; coordinate one-point: the
+        centre, then ``+mu v_i`` for all i.
         """
         mu = self.param_groups[0]["mu"]
         if self.estimator == "cge":
             return cge_plan(self.k, mu)
+        if self.estimator == "coord-one-point":
+            return coord_one_point_plan(self.k, mu)
         z = gaussian_rows(self.q, self.k, self.generator)
         return rge_plan(z, mu) if self.estimator == "rge" else one_point_plan(z, mu)
 
     def probe_plan(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This step's probes as ``(U [m, k], z)`` (``theta + mu P U[j]``; ``z`` None for CGE)."""
         plan = self.plan()
-        return plan.dense(), None if self.estimator == "cge" else plan.directions
+        return plan.dense(), None if self.estimator in ("cge", "coord-one-point") else plan.directions
 
     @torch.no_grad()
     def evaluate(self, closure: Callable[[], torch.Tensor], plan: Plan) -> torch.Tensor:
@@ -306,7 +314,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         plan = self.plan()
         losses = self.evaluate(closure, plan)
         self.apply_update(plan.estimate(losses))
-        fallback = float(losses.mean()) if self.estimator != "one-point" else float(losses[0])
+        fallback = float(losses[0]) if self.estimator in ("one-point", "coord-one-point") else float(losses.mean())
         return self.finish_step(closure, losses, fallback, plan.m)
 
 
@@ -348,9 +356,9 @@ def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
     return BPSubspace(model, subspace, lr=o.lr, momentum=o.momentum, start=run.start)
 
 
-@register_builder("szo-cge", "szo-rge", "szo-1pt")
+@register_builder("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt")
 def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
-    """SZO with the method's estimator (``spec.variant``: cge, rge, one-point)."""
+    """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
                generator=run.generator, distributed=run.distributed, sync_bn=run.sync_bn,
                process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start)

@@ -96,6 +96,9 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
     "generator": (_generator_get, _generator_set),
     # an XORShift32 generator: its 32-bit state as a one-element int64 tensor
     "xorshift": (lambda g: torch.tensor([g.state], dtype=torch.int64), lambda g, v: _xorshift_set(g, int(v[0]))),
+    # a list of tensors (or None): e.g. AsyncFGD-Adam's moments, one per parameter
+    "tensors": (lambda ts: None if ts is None else [t.clone() for t in ts],
+                lambda old, v: None if v is None else [t.clone() for t in v]),
     # a list (per stage) of lists (per version) of tensors: AsyncFGD's stale parameter versions
     "versions": (lambda h: [[[t.clone() for t in v] for v in vs] for vs in h],
                  lambda old, h: [[[t.clone() for t in v] for v in vs] for vs in h]),
