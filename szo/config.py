@@ -257,7 +257,8 @@ class TTConfig(Section):
     # switch to CGE (plateau over `window` steps by less than `tol`, or at switch_step); the CGE
     # phase takes szo.mu / szo.coords_per_step / train.lr / train.momentum
     rank: int | list = 4
-    cores: int = _opt(2, min=1)
+    cores: int = _opt(4, min=1)  # seed 000: each weight folded into 4 cores, ranks [1, r, r, r, 1]
+    cge: Literal["one-sided", "central"] = "one-sided"  # seed 000 eq. (2): d + 1 forwards; central: 2d
     min_params: int = _opt(1024, min=1)
     sign_lr: float = _opt(1.0e-3, min=0.0)
     sign_q: int = _opt(10, min=1)

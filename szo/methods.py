@@ -202,7 +202,7 @@ for _spec in (
                defaults={"train.lr": 1.0e-3}),
     MethodSpec("fg-subspace", "FG-Subspace", "forward-gradient", "q (JVP passes)", subspace=True, jvp=True,
                q_labeled=True),
-    MethodSpec("tt-zo", "TT-ZO", "tensor-train-zo", "signRGE: q_s + 1 + 1; CGE: 2n + 1",
+    MethodSpec("tt-zo", "TT-ZO", "tensor-train-zo", "signRGE: q_s + 1 + 1; CGE: n + 1 + 1 (central: 2n + 1)",
                options=("coords_per_step",), defaults={"train.lr": 1.0e-3}, **_FO),
     MethodSpec("asyncfgd", "AsyncFGD", "forward-gradient", "1 (JVP pass)", jvp=True, momentum=False,
                options=("stages",), defaults={"train.lr": 1.0e-3}),

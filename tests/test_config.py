@@ -214,7 +214,7 @@ def test_asyncfgd_method_options():
             assert cfg["method"] == "asyncfgd" and cfg["szo"]["stages"] in (None, 2)
     with pytest.raises(ValueError, match="'asyncfgd' takes no momentum .* set train.momentum=0"):
         load_recipe("cifar10-scratch", ["method=asyncfgd"])
-    with pytest.raises(ValueError, match="'szo.stages' .* applies to method 'asyncfgd'; method 'fg'"):
+    with pytest.raises(ValueError, match="'szo.stages' .* applies to methods 'asyncfgd', 'asyncfgd-adam'; method 'fg'"):
         load_recipe("digits-scratch", ["method=fg", "szo.stages=2"])
     with pytest.raises(ValueError, match="'szo.stages' must be >= 1, got 0"):
         load_recipe("digits-scratch", ["method=asyncfgd", "szo.stages=0"])

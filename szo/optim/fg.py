@@ -174,7 +174,8 @@ class AsyncFGD(ForwardOnlyBase):
     codecs = (StateCodec("asyncfgd", GENERATOR_COUNTERS + (Field("steps", "int", default=0), Field("seed", "int"),
                                                  Field("stages", "int", "K", record_only=True),
                                                  Field("history", "versions"),
-                                                 Field("adam_m", "tensors"), Field("adam_v", "tensors")),
+                                                 Field("adam_m", "tensors", optional=True),
+                                                 Field("adam_v", "tensors", optional=True)),
                          check=lambda opt, sec: opt.check_stages(sec)),)
 
     def __init__(self, model: nn.Module, *, stages: int = 2, lr: float = 1e-3, momentum: float = 0.0,
@@ -187,8 +188,8 @@ class AsyncFGD(ForwardOnlyBase):
         if not isinstance(model, nn.Module):
             raise ValueError(f"AsyncFGD takes the model (its children are cut into stages), got {type(model).__name__}")
         if momentum:
-            raise ValueError(f"AsyncFGD is plain SGD (seed 001, Algorithm 1: the pipeline keeps no optimizer "
-                             f"state); got momentum={momentum}: use 0")
+            raise ValueError(f"AsyncFGD takes no momentum (Algorithm 1: plain SGD; Algorithm 2: Adam's own "
+                             f"moments); got momentum={momentum}: use 0")
         check_hparams(lr=lr)
         children = list(model.children())
         if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= len(children):

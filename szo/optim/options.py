@@ -26,6 +26,7 @@ class TTOptions:
     window: int = 20
     tol: float = 0.01
     switch_step: int | None = None
+    cge: Literal["one-sided", "central"] = "one-sided"
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ ZO in TT-factor space. Two phases over the same parameters:
    differences from ``L(theta)`` (``N + 1`` forwards), and only the sign of the estimate:
    ``theta <- theta - sign_lr * sign((1/N) sum_i (L(theta + mu xi_i) - L(theta)) / mu xi_i)``
    (paper: N = 10, mu = 0.1).
-2. **ZO-CGE fine-tuning with momentum** (``FullSpaceZO`` with ``estimator="cge"``: 2 forwards
-   per coordinate, ``coords_per_step`` coordinates per step, all by default; paper: mu = 0.01,
-   momentum 0.9).
+2. **ZO-CGE fine-tuning with momentum** (``FullSpaceZO``): the paper's CGE is eq. (2) with
+   N = d, one-sided differences from ``L(theta)`` -- ``d + 1`` forwards per step (``cge="one-sided"``,
+   the default); ``cge="central"`` is szo's earlier variant, 2 forwards per coordinate.
+   ``coords_per_step`` coordinates per step, all by default; paper: mu = 0.01, momentum 0.9.
 
 BN statistics in both phases as in ``FullSpaceZO`` / ``SZO`` (``bn_update``, ``szo.zo.bn``):
 every probe (the signRGE centre ``L(theta)`` included) starts from the step's statistics; under
@@ -39,6 +40,8 @@ from .zo import FullSpaceZO
 __all__ = ["HybridZO", "PHASES"]
 
 PHASES = ("sign-rge", "cge")
+CGE_KINDS = ("one-sided", "central")
+"""The CGE phase's differences: seed 000's eq. (2) (``d + 1`` forwards) or central (``2d``)."""
 
 
 def _check_phase(opt, section: dict) -> None:
@@ -72,7 +75,10 @@ class HybridZO(FullSpaceZO):
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
         bn_update: str = "recompute",
+        cge: str = "one-sided",
     ):
+        if cge not in CGE_KINDS:
+            raise ValueError(f"unknown CGE kind {cge!r}; valid: {', '.join(CGE_KINDS)}")
         if isinstance(sign_q, bool) or not isinstance(sign_q, int) or sign_q < 1:
             raise ValueError(f"sign_q must be an integer >= 1, got {sign_q!r}")
         if not sign_mu > 0:
@@ -86,7 +92,8 @@ class HybridZO(FullSpaceZO):
         if switch_step is not None and (isinstance(switch_step, bool) or not isinstance(switch_step, int)
                                         or switch_step < 0):
             raise ValueError(f"switch_step must be null or an integer >= 0, got {switch_step!r}")
-        super().__init__(params, estimator="cge", mu=mu, lr=lr, momentum=momentum,
+        super().__init__(params, estimator="coord-one-point" if cge == "one-sided" else "cge", mu=mu, lr=lr,
+                         momentum=momentum,
                          coords_per_step=coords_per_step, model=model, generator=generator, bn_update=bn_update)
         self.sign_lr, self.sign_q, self.sign_mu = float(sign_lr), sign_q, float(sign_mu)
         self.window, self.tol, self.switch_step = window, float(tol), switch_step
@@ -153,4 +160,5 @@ def build_tt_zo(spec, model: nn.Module, subspace, o, run) -> HybridZO:
     t = o.tt
     return HybridZO(list(model.parameters()), lr=o.lr, momentum=o.momentum, mu=o.mu, coords_per_step=o.coords_per_step,
                     model=model, generator=run.generator, bn_update=o.bn_update, sign_lr=t.sign_lr,
-                    sign_q=t.sign_q, sign_mu=t.sign_mu, window=t.window, tol=t.tol, switch_step=t.switch_step)
+                    sign_q=t.sign_q, sign_mu=t.sign_mu, window=t.window, tol=t.tol, switch_step=t.switch_step,
+                    cge=t.cge)

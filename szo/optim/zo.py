@@ -29,6 +29,7 @@ from szo.zo import (
     StateCodec,
     cge_plan,
     check_hparams,
+    coord_one_point_plan,
     gaussian_rows,
     heavy_ball_,
     resolve_model,
@@ -42,10 +43,11 @@ draws the same directions) and its forward count."""
 
 
 class FullSpaceZO(ForwardOnlyBase):
-    """Forward-only full-space ZO optimizer (``estimator="cge"`` or ``"rge"``).
+    """Forward-only full-space ZO optimizer (``estimator="cge"``, ``"coord-one-point"`` or ``"rge"``).
 
     A :class:`~szo.zo.ParamSpace` over all parameters, a CGE plan over ``coords_per_step`` random
-    coordinates (probes ``+i, -i`` interleaved) or an RGE plan over ``q`` Gaussian directions
+    coordinates (probes ``+i, -i`` interleaved; ``"coord-one-point"``: the centre, then ``+i`` --
+    one-sided differences, ``n + 1`` forwards) or an RGE plan over ``q`` Gaussian directions
     (drawn one ``[d]`` vector at a time, estimate accumulated direction by direction), the loop
     evaluator, and heavy ball on a ``[d]`` velocity (``self.state[first parameter]["velocity"]``).
     """
@@ -66,8 +68,8 @@ class FullSpaceZO(ForwardOnlyBase):
         generator: torch.Generator | None = None,
         bn_update: str = "recompute",
     ):
-        if estimator not in ("cge", "rge"):
-            raise ValueError(f"unknown estimator {estimator!r}; valid: cge, rge")
+        if estimator not in ("cge", "coord-one-point", "rge"):
+            raise ValueError(f"unknown estimator {estimator!r}; valid: cge, coord-one-point, rge")
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
@@ -88,14 +90,17 @@ class FullSpaceZO(ForwardOnlyBase):
         extra = int(self.recomputes)
         if self.estimator == "rge":
             return 2 * self.q + extra
-        return 2 * (self.coords_per_step or self.d) + extra
+        n = self.coords_per_step or self.d
+        return (n + 1 if self.estimator == "coord-one-point" else 2 * n) + extra
 
     def plan(self) -> Plan:
         """This step's probes (draws coordinates or directions from ``generator``)."""
         mu = self.param_groups[0]["mu"]
-        if self.estimator == "cge":
+        if self.estimator in ("cge", "coord-one-point"):
             n = self.coords_per_step or self.d
             idx = torch.randperm(self.d, generator=self.generator)[:n] if n < self.d else torch.arange(self.d)
+            if self.estimator == "coord-one-point":
+                return coord_one_point_plan(Coordinates(idx, self.d), mu)
             return cge_plan(Coordinates(idx, self.d), mu, interleaved=True)
         z = gaussian_rows(self.q, self.d, self.generator, dtype=self.space.dtype, one_at_a_time=True)
         return rge_plan(z.to(self.space.device), mu, interleaved=True, accumulate="sequential")
@@ -112,7 +117,8 @@ class FullSpaceZO(ForwardOnlyBase):
         vel = heavy_ball_(self.state[self.space.params[0]]["velocity"], grad, lr=group["lr"],
                           momentum=group["momentum"])
         self.space.add_(vel)
-        return self.finish_step(closure, losses, float(sum(losses.tolist()) / len(losses)), plan.m)
+        fallback = float(losses[0]) if self.estimator == "coord-one-point" else float(sum(losses.tolist()) / len(losses))
+        return self.finish_step(closure, losses, fallback, plan.m)
 
 
 @register_builder("zo-cge", "zo-rge")

@@ -196,8 +196,10 @@ def one_point_plan(z: torch.Tensor, mu: float, *, centre: bool = True) -> Plan:
     return Plan("one-point", z, ((-1,) if centre else ()) + tuple(range(q)), (1.0,) * (q + int(centre)), float(mu))
 
 
-def coord_one_point_plan(k: int, mu: float) -> Plan:
-    """The centre, then ``+mu e_i`` for each of the ``k`` coordinates: ``k + 1`` forwards (SZO's
-    one-point CGE, paper Table 13)."""
-    return Plan("coord-one-point", Coordinates(torch.arange(k), k), (-1,) + tuple(range(k)), (1.0,) * (k + 1),
-                float(mu))
+def coord_one_point_plan(coords: int | Coordinates, mu: float) -> Plan:
+    """The centre, then ``+mu e_i`` for each coordinate (``coords``: all ``k``, or a subset):
+    ``n + 1`` forwards (SZO's one-point CGE, paper Table 13; seed 000's CGE, eq. 2 with N = d)."""
+    if isinstance(coords, int):
+        coords = Coordinates(torch.arange(coords), coords)
+    n = len(coords.indices)
+    return Plan("coord-one-point", coords, (-1,) + tuple(range(n)), (1.0,) * (n + 1), float(mu))

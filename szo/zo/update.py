@@ -117,6 +117,7 @@ class Field:
     path: str | None = None
     default: Any = None
     record_only: bool = False
+    optional: bool = False  # a None value is not written (a state only some variants have)
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -159,7 +160,15 @@ class StateCodec:
         self.check = check
 
     def encode(self, opt: Any) -> dict[str, Any]:
-        return {f.key: _KINDS[f.kind][0](_get(opt, f.path or f.key)) for f in self.fields}
+        """The section; an ``optional`` field whose value is None is left out (the keys of an
+        optimizer that does not use it stay what they always were)."""
+        out = {}
+        for f in self.fields:
+            v = _get(opt, f.path or f.key)
+            if v is None and f.optional:
+                continue
+            out[f.key] = _KINDS[f.kind][0](v)
+        return out
 
     def decode(self, opt: Any, section: dict[str, Any]) -> None:
         if self.check is not None:

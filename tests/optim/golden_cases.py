@@ -42,7 +42,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "fg": ("fg", dict(lr=0.01, q=2)),
     "fg-subspace": ("fg-subspace", dict(lr=0.1, q=2)),
     "tt-zo": ("tt-zo", dict(lr=0.05, mu=0.01, coords_per_step=3,
-                             tt=dict(sign_lr=1e-3, sign_q=2, sign_mu=0.1, switch_step=3))),
+                             tt=dict(sign_lr=1e-3, sign_q=2, sign_mu=0.1, switch_step=3, cge="central"))),
     "asyncfgd": ("asyncfgd", dict(lr=0.01, momentum=0.0, stages=2)),
     "np-zo": ("np-zo", dict(lr=0.05, mu=0.01, q=2)),
     "wp-zo": ("wp-zo", dict(lr=0.05, mu=0.01, q=2)),

@@ -68,13 +68,16 @@ def make_opt(make: str, model: nn.Module, **kw):
         return FullSpaceZO(model, estimator="rge", q=2, mu=0.1, lr=0.1, **kw)
     if make == "hybrid":  # the signRGE phase (seed 000): centre + sign_q probes
         return HybridZO(model, sign_q=3, sign_mu=0.3, sign_lr=0.05, **kw)
-    if make == "hybrid-cge":  # the CGE phase from the first step
+    if make == "hybrid-cge":  # the CGE phase from the first step, central differences
+        return HybridZO(model, switch_step=0, coords_per_step=2, mu=0.1, lr=0.1, cge="central", **kw)
+    if make == "hybrid-cge1":  # the same, one-sided (seed 000's eq. 2, the default): the centre first
         return HybridZO(model, switch_step=0, coords_per_step=2, mu=0.1, lr=0.1, **kw)
     return LayerwiseZO(model, perturbation=make, q=2, mu=0.3, lr=0.1, **kw)  # node / weight (seed 004)
 
 
-# probes per step: SZO/ZO-RGE 2q, signRGE sign_q + 1, CGE 2 per coordinate, layer-wise 1 + q L (L = 2 here)
-PROBES = {"szo": 4, "zo": 4, "hybrid": 4, "hybrid-cge": 4, "node": 5, "weight": 5}
+# probes per step: SZO/ZO-RGE 2q, signRGE sign_q + 1, CGE 2 per coordinate (one-sided: 1 + 1 per
+# coordinate), layer-wise 1 + q L (L = 2 here)
+PROBES = {"szo": 4, "zo": 4, "hybrid": 4, "hybrid-cge": 4, "hybrid-cge1": 3, "node": 5, "weight": 5}
 
 
 @pytest.mark.parametrize("make", list(PROBES))

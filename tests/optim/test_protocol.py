@@ -37,7 +37,7 @@ def _build(name: str):
         return net, OnChipSZO(net, sub, lr=0.5, mu_lsb=1 << 11, **ONCHIP[name])
     if name == "tt-zo":
         tt_parametrize(model, 2, cores=2, min_params=100)
-    kw = dict(lr=0.01, momentum=0.0 if name == "asyncfgd" else 0.9, mu=0.01, q=2)
+    kw = dict(lr=0.01, momentum=0.0 if name.startswith("asyncfgd") else 0.9, mu=0.01, q=2)
     return model, build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(2), **kw)
 
 

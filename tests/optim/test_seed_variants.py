@@ -101,3 +101,28 @@ def test_asyncfgd_adam_checkpoint_resumes_exactly():
         b.step(lambda: torch.nn.functional.cross_entropy(twin(x), y))
     for p, q in zip(net.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_tt_zo_cge_phase_is_seed_000_eq_2_one_sided():
+    """Seed 000's CGE is eq. (2) with N = d and xi_i = e_i: g_i = (L(theta + mu e_i) - L(theta)) / mu,
+    d + 1 forwards; the first momentum step is theta - lr g. 'central' keeps szo's earlier 2d."""
+    from szo.optim import HybridZO
+
+    model, _, theta0, _, x, y = _setup(seed=1)
+    d, mu, lr = theta0.numel(), 0.01, 0.3
+    f0 = _loss_at(model, theta0.double(), x, y)
+    eye = torch.eye(d, dtype=torch.float64)
+    g = torch.tensor([(_loss_at(model, theta0.double() + mu * eye[i], x, y) - f0) / mu for i in range(d)])
+    opt = HybridZO(list(model.parameters()), model=model, lr=lr, mu=mu, momentum=0.9, switch_step=0)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    opt.step(closure)
+    assert opt.phase == "cge" and len(calls) == d + 1 == opt.forwards_per_step
+    theta1 = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    torch.testing.assert_close(theta1, theta0.double() - lr * g, rtol=1e-4, atol=1e-5)
+    central = HybridZO(list(model.parameters()), model=model, lr=lr, mu=mu, switch_step=0, cge="central")
+    assert central.forwards_per_step == 2 * d

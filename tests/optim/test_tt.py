@@ -48,13 +48,15 @@ def _at(model, theta, x):
 def test_switches_to_cge_at_switch_step_and_on_a_plateau():
     model = Tiny()
     x, y = data()
-    opt = HybridZO(model.parameters(), model=model, switch_step=2, coords_per_step=3, sign_q=2)
+    opt = HybridZO(model.parameters(), model=model, switch_step=2, coords_per_step=3, sign_q=2, cge="central")
     for _ in range(2):
         opt.step(_closure(model, x, y))
     assert opt.phase == "cge" and opt.hybrid_state["switched_at"] == 2 and opt.forwards_per_step == 6
     fp = opt.forward_passes
     opt.step(_closure(model, x, y))
-    assert opt.forward_passes - fp == 6  # CGE: 2 per coordinate
+    assert opt.forward_passes - fp == 6  # central CGE: 2 per coordinate
+    one_sided = HybridZO(model.parameters(), model=model, switch_step=0, coords_per_step=3)
+    assert one_sided.forwards_per_step == 3 + 1  # seed 000's eq. (2): the centre and one per coordinate
     # plateau: with sign_lr = 0 the loss never improves -> switch after the second window
     plateau = HybridZO(model.parameters(), model=model, sign_lr=0.0, window=3, tol=0.01)
     for i in range(6):
