@@ -234,6 +234,9 @@ class SZOConfig(Section):
     bn_update: str = _opt("recompute", choices=lambda: BN_UPDATES)
     layers: list | None = None  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
     stages: int | None = _opt(None, min=1)  # asyncfgd: pipeline stages K, null = 2
+    # np-zo / awp-zo: node perturbation weighs each sample's nodes by its own loss difference (seed 004
+    # Algorithm 1) or every node by the batch loss's (szo's earlier form)
+    node_losses: Literal["per-sample", "batch-mean"] = "per-sample"
 
 
 @dataclass(frozen=True, eq=False)
@@ -699,6 +702,9 @@ def _check_method_options(full: RecipeConfig) -> None:
         if sz[key] is not None and key not in spec.options:
             raise ValueError(f"'szo.{key}' ({what}) applies to {which_methods(options=key)}; method {method!r} "
                              f"takes none: leave szo.{key} null")
+    if sz.node_losses != "per-sample" and "node_losses" not in spec.options:
+        raise ValueError(f"'szo.node_losses' (node perturbation's loss differences) applies to "
+                         f"{which_methods(options='node_losses')}; method {method!r} perturbs no nodes: leave it per-sample")
     if sz.chunk is not None and sz.engine != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")

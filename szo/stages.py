@@ -293,6 +293,7 @@ def optimizer_options(cfg: Mapping[str, Any]) -> OptimizerOptions:
         lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
         coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
         layers=None if sz["layers"] is None else tuple(sz["layers"]), stages=sz["stages"],
+        node_losses=sz["node_losses"],
         tt=TTOptions(**{k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step", "cge")}),
         integer=integer)
 

@@ -47,7 +47,7 @@ def test_get_loss_names_and_errors():
     out, y = _batch()
     assert torch.allclose(get_loss("tet", lamb=0.1)(out, y), tet_loss(out, y, lamb=0.1))
     assert torch.allclose(get_loss("entropy")(out, y), entropy_loss(out))
-    with pytest.raises(ValueError, match="valid: tet, ce, entropy"):
+    with pytest.raises(ValueError, match="valid: tet, ce, rate-mse, entropy"):
         get_loss("mse")
     with pytest.raises(ValueError, match=r"\[T, N, C\]"):
         tet_loss(out[0], y)

@@ -480,14 +480,21 @@ class BatchedProbeEvaluator(EvaluatorBase):
                          update_bn=False, into=self.guard.bn if self.guard.probe_mean else None)
 
 
-def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                  reduction: str = "mean") -> Callable[[], torch.Tensor]:
     """``closure() = loss_fn(model(x), y)`` carrying ``closure.batch = (x, y, loss_fn)``, so that
     ``SZO.step`` can evaluate it with either engine (the loop calls it; the batched engine folds
     the probes over ``x``). The model's neuron state is reset (SpikingJelly ``reset_net``)
-    before each call, so the closure is right for a model whose ``forward`` does not reset."""
+    before each call, so the closure is right for a model whose ``forward`` does not reset.
+    ``reduction="none"``: one loss per sample (``loss_fn(out, y, reduction="none")``), what an
+    optimizer with ``loss_reduction == "none"`` (per-sample node perturbation) needs."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    kw = {} if reduction == "mean" else {"reduction": "none"}
+
     def closure() -> torch.Tensor:
         reset_net(model)
-        return loss_fn(model(x), y)
+        return loss_fn(model(x), y, **kw)
 
     closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]
     return closure

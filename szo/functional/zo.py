@@ -24,6 +24,7 @@ __all__ = [
     "rge_coefficients",
     "forward_difference_coefficients",
     "check_loss",
+    "check_sample_losses",
     "NonFiniteLossError",
     "cge",
     "rge",
@@ -57,6 +58,18 @@ def check_loss(value: "float | torch.Tensor", where: str = "closure") -> float:
     if not math.isfinite(value):
         raise NonFiniteLossError(f"{where} returned a non-finite loss ({value}); the parameters were restored")
     return value
+
+
+def check_sample_losses(value: "torch.Tensor", where: str = "closure") -> torch.Tensor:
+    """Per-sample losses ``[N]`` as float64, rejecting other shapes and non-finite values."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{where} must return one loss per sample (a 1-D tensor [N], e.g. loss_fn(out, y, "
+                         f"reduction='none')), got {shape}")
+    v = value.detach().to(torch.float64)
+    if not bool(torch.isfinite(v).all()):
+        raise NonFiniteLossError(f"{where} returned a non-finite per-sample loss; the parameters were restored")
+    return v
 
 
 def cge_coefficients(loss_plus: torch.Tensor, loss_minus: torch.Tensor, mu: float) -> torch.Tensor:

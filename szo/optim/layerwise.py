@@ -15,7 +15,9 @@ layers included) and ``Q = q`` probes per layer:
      ``g_z * a_i``), never a backward pass through the network;
    * **weight perturbation** (``"weight"``): ``W_i + mu xi``, ``g_W = 1/q sum (l_q - l0)/mu xi_q``;
    * ``"adaptive"``: node perturbation where the layer's node dimension (per sample, over T) is
-     smaller than its weight dimension, weight perturbation otherwise (Sec. 3.2.2);
+     smaller than its weight dimension, weight perturbation otherwise (Sec. 3.2.2); with
+     ``per_sample=False`` one loss difference drives the nodes of all N samples, so the node side
+     counts N times the per-sample nodes;
 
 3. all layers are updated together from the estimates at ``theta_t`` (a *global* update, as in
    Algorithm 1's recomputation of the activations), heavy ball in velocity form like
@@ -68,6 +70,14 @@ class LayerwiseZO(ForwardOnlyBase):
     :class:`~szo.zo.NodeSpace` (the layer's output) or a :class:`~szo.zo.ParamSpace` (its own
     weights), all run by the loop evaluator after the step's clean forward, then heavy ball per
     parameter tensor.
+
+    ``per_sample`` (default): node perturbation as seed 004's Algorithm 1 (lines 23 and 29) does it:
+    every sample's node perturbation ``xi_{q,n}`` is weighted by *its own* loss difference
+    ``l_{q,n} - l_n``, so each node estimate carries one sample's noise, not all N; the closure
+    then returns one loss per sample (``loss_reduction == "none"``; ``szo.train.fit`` asks the loss
+    for ``reduction="none"``), and weight perturbation uses their mean. The estimate is of the
+    batch-mean loss's gradient (Algorithm 1 sums over n; the 1/N is the mean's). ``per_sample=False``:
+    the batch-mean form szo had before (every node weighted by the batch loss's difference).
     """
 
     # state_dict()["layerwise"]: generator, forward count, per-layer modes
@@ -75,7 +85,7 @@ class LayerwiseZO(ForwardOnlyBase):
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
-                 generator: torch.Generator | None = None, bn_update: str = "recompute"):
+                 generator: torch.Generator | None = None, bn_update: str = "recompute", per_sample: bool = True):
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"unknown perturbation {perturbation!r}; valid: {', '.join(PERTURBATIONS)}")
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
@@ -87,6 +97,8 @@ class LayerwiseZO(ForwardOnlyBase):
         self.model = model
         self.perturbation = perturbation
         self.q = q
+        self.per_sample = bool(per_sample) and perturbation != "weight"
+        self.loss_reduction = "none" if self.per_sample else "mean"
         self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
         self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
@@ -103,7 +115,7 @@ class LayerwiseZO(ForwardOnlyBase):
         if name not in self.modes:
             if self.perturbation == "adaptive":
                 d_w = sum(p.numel() for p in m.parameters(recurse=False))
-                self.modes[name] = "node" if node_dim < d_w else "weight"
+                self.modes[name] = "node" if node_dim < d_w else "weight"  # node_dim: what one difference drives
             else:
                 self.modes[name] = self.perturbation
         return self.modes[name]
@@ -130,23 +142,30 @@ class LayerwiseZO(ForwardOnlyBase):
 
         grads: dict[nn.Parameter, torch.Tensor] = {}
         losses_all: list[float] = []
-        ev = self.evaluator
+        ev, ps = self.evaluator, self.per_sample
         with ev.session():
             handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
             try:
-                l0 = float(ev.run(closure, self.spaces[next(iter(self.layers))], coord_one_point_plan(0, mu),
-                                  label="clean forward")[0])
+                clean = ev.run(closure, self.spaces[next(iter(self.layers))], coord_one_point_plan(0, mu),
+                               label="clean forward", per_sample=ps)[0]  # l_n [N] (per sample) or l
+                l0 = float(clean.mean())
             finally:
                 for h in handles:
                     h.remove()
             for name, m in self.layers.items():
                 shape, batch = outputs[name]
-                node_dim = int(torch.Size(shape).numel()) // max(batch, 1)
+                # the nodes one loss difference weights: one sample's (per-sample losses), all N's (batch mean)
+                node_dim = int(torch.Size(shape).numel()) // (max(batch, 1) if ps else 1)
                 own = self.spaces[name]
                 if self._mode(name, m, node_dim) == "node":
                     plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
-                    losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe")
-                    g_z = plan.estimate(losses, centre=l0).view(shape)
+                    losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe",
+                                    per_sample=ps)
+                    if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
+                        g_z = _per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
+                        losses = losses.mean(1)
+                    else:
+                        g_z = plan.estimate(losses, centre=l0).view(shape)
                     with torch.enable_grad():  # eq. 10: this layer's VJP at its recorded input
                         z = m(inputs[name])
                         for p, g in zip(own.params, torch.autograd.grad(z, own.params, grad_outputs=g_z.to(z))):
@@ -154,17 +173,38 @@ class LayerwiseZO(ForwardOnlyBase):
                 else:
                     xi = self._noise(torch.Size([own.d]), own.dtype).to(own.device)
                     plan = one_point_plan(xi, mu, centre=False)
-                    losses = ev.run(closure, own, plan, label=f"layer {name}, weight probe")
+                    losses = ev.run(closure, own, plan, label=f"layer {name}, weight probe", per_sample=ps)
+                    if ps:
+                        losses = losses.mean(1)  # weight perturbation: the batch loss (Algorithm 1 line 10)
                     for p, g in zip(own.params, own.split(plan.estimate(losses, centre=l0))):
                         grads[p] = g
                 losses_all += losses.tolist()
         for p in group["params"]:
             p.add_(heavy_ball_(self.state[p]["velocity"], grads[p], lr=group["lr"], momentum=group["momentum"]))
-        return self.finish_step(closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
+        batch_closure = (lambda: closure().mean()) if ps else closure  # the BN forward reports the batch loss
+        return self.finish_step(batch_closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
+
+
+def _per_sample_node_estimate(xi: torch.Tensor, losses: torch.Tensor, clean: torch.Tensor, mu: float,
+                              shape: torch.Size) -> torch.Tensor:
+    """``(1/(Q N)) sum_q xi_{q,n} (l_{q,n} - l_n) / mu`` shaped like the layer output ``shape``
+    (``[T, N, ...]`` or ``[N, F]``): the gradient estimate of the batch-mean loss at the nodes.
+    ``xi [Q, numel]``, ``losses [Q, N]``, ``clean [N]``."""
+    q = xi.shape[0]
+    n_axis = 1 if len(shape) > 2 else 0  # the sample axis of the layer output
+    n = shape[n_axis]
+    if losses.shape[1] != n:
+        raise ValueError(f"the closure returned {losses.shape[1]} per-sample losses, the layer output has {n} samples")
+    coef = (losses - clean[None, :]) / mu  # [Q, N]
+    view = [q] + [1] * len(shape)
+    view[1 + n_axis] = n
+    g = (xi.view(q, *shape).to(torch.float64) * coef.view(view)).sum(0) / (q * n)
+    return g.to(xi.dtype)
 
 
 @register_builder("np-zo", "wp-zo", "awp-zo")
 def build_layerwise(spec, model: nn.Module, subspace, o, run) -> LayerwiseZO:
     """LayerwiseZO with the method's perturbation (``spec.variant``: node, weight, adaptive)."""
     return LayerwiseZO(model, perturbation=spec.variant, layers=None if o.layers is None else list(o.layers),
-                       mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q, generator=run.generator, bn_update=o.bn_update)
+                       mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q, generator=run.generator, bn_update=o.bn_update,
+                       per_sample=o.node_losses == "per-sample")

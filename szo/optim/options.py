@@ -55,6 +55,7 @@ class OptimizerOptions:
     bn_update: Literal["recompute", "probe-mean"] = "recompute"
     layers: tuple[str, ...] | None = None
     stages: int | None = None
+    node_losses: Literal["per-sample", "batch-mean"] = "per-sample"
     tt: TTOptions = TTOptions()
     integer: IntegerLearnerOptions | None = None  # set: train with the integer on-chip learner
 

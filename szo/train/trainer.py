@@ -194,6 +194,17 @@ class RunState:
                    history=list(st["history"]), mid=st.get("in_epoch"), first_loss=st.get("first_loss"))
 
 
+def _per_sample_loss(loss_fn: LossFn, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``loss_fn(out, y, reduction="none")``: one loss per sample, for an optimizer that asks for
+    them (``loss_reduction == "none"``); one line if the loss function cannot give them."""
+    try:
+        return loss_fn(out, y, reduction="none")
+    except TypeError:
+        raise ValueError("this optimizer needs one loss per sample (per-sample node perturbation, seed 004 "
+                         "Algorithm 1): the loss function must take reduction='none' (szo.losses do), or use the "
+                         "batch-mean form (LayerwiseZO(..., per_sample=False))") from None
+
+
 class StepStrategy:
     """How one optimizer step runs and is counted: the closure the optimizer gets, the forwards
     and backwards it cost, the loss before the update, which outputs give the train accuracy."""
@@ -213,12 +224,13 @@ class StepStrategy:
         """The step's closure; ``scale`` != 1: a shard's share of the batch loss (data-parallel)."""
         model, loss_fn, opt, outs = self.model, self.loss_fn, self.optimizer, self._outs
         outs.clear()
+        per_sample = self.forward_only and opt.loss_reduction == "none"
 
         def closure() -> torch.Tensor:
             if self.forward_only:
                 with torch.no_grad():
                     out = model(x)
-                    loss = loss_fn(out, y)
+                    loss = _per_sample_loss(loss_fn, out, y) if per_sample else loss_fn(out, y)
                     if scale != 1.0:  # unequal shards: the mean over ranks = the batch mean
                         loss = loss * scale
             else:

@@ -43,6 +43,7 @@ class ForwardOnlyBase(CodecOptimizer):
     """Base of the forward-only compositions (see the module docstring)."""
 
     forward_only = True
+    loss_reduction = "mean"  # the closure returns the batch loss (LayerwiseZO's per-sample form: "none")
 
     def _init_forward_only(self, evaluator, generator: torch.Generator | None = None) -> None:
         self.evaluator = evaluator

@@ -102,17 +102,27 @@ class LoopEvaluator(EvaluatorBase):
         return losses
 
     @torch.no_grad()
-    def run(self, closure: Closure, space: Space, plan: Plan, *, label: str = "probe") -> torch.Tensor:
-        """Loss of the closure at every probe of ``plan``; the space is back at its point afterwards."""
+    def run(self, closure: Closure, space: Space, plan: Plan, *, label: str = "probe",
+            per_sample: bool = False) -> torch.Tensor:
+        """Loss of the closure at every probe of ``plan`` (``[m]``; ``per_sample``: the closure
+        returns one loss per sample and the result is ``[m, N]``); the space is back at its point
+        afterwards."""
         guard, m = self.guard, plan.m
-        losses = torch.zeros(m, dtype=torch.float64)
+        losses: torch.Tensor | None = None if per_sample else torch.zeros(m, dtype=torch.float64)
         rows = self._rows(m)
         mover = space.mover(plan)
         try:
             with self._context(), guard.watch():
                 for j in rows:
                     mover.move(j)
-                    losses[j] = guard.probe(closure, f"closure ({label} {j + 1}/{m})")
+                    where = f"closure ({label} {j + 1}/{m})"
+                    if per_sample:
+                        v = guard.probe_samples(closure, where)
+                        if losses is None:
+                            losses = torch.zeros(m, v.numel(), dtype=torch.float64)
+                        losses[j] = v
+                    else:
+                        losses[j] = guard.probe(closure, where)
         finally:
             mover.restore()
         return self._reduce(losses, rows)

@@ -154,6 +154,16 @@ class ProbeGuard:
         return out
 
     @torch.no_grad()
+    def probe_samples(self, closure: Callable[[], torch.Tensor], where: str) -> torch.Tensor:
+        """:meth:`probe` for a closure that returns one loss per sample: the float64 ``[N]`` losses."""
+        self.bn.restore()
+        self.reset()
+        out = F.check_sample_losses(closure(), where)
+        if self.probe_mean:
+            self.bn.accumulate()
+        return out
+
+    @torch.no_grad()
     def end_probes(self) -> None:
         """After a step's last probe: ``probe-mean`` commits the mean over the probes,
         ``recompute`` leaves the statistics as the step found them (the BN forward comes later)."""

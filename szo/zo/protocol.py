@@ -54,10 +54,13 @@ class ForwardOnlyOptimizer(Protocol):
     * ``bytes_communicated``: bytes this rank put into collectives (0 in one process);
     * ``train_outputs``: the closure calls of a step show the trainer the outputs it computes the
       train accuracy from (False: the batched engine folds the probes without returning outputs,
-      and no unperturbed forward runs).
+      and no unperturbed forward runs);
+    * ``loss_reduction``: what the closure must return: ``"mean"`` (the batch loss, a scalar) or
+      ``"none"`` (one loss per sample, ``[N]``: per-sample node perturbation, seed 004 Algorithm 1).
     """
 
     forward_only: bool
+    loss_reduction: str
     forward_passes: int
     generator: torch.Generator
     distributed: str | None
@@ -86,7 +89,7 @@ class HasSubspace(Protocol):
     k: int
 
 
-PROTOCOL_MEMBERS: tuple[str, ...] = ("forward_only", "forward_passes", "generator", "distributed", "bytes_communicated",
+PROTOCOL_MEMBERS: tuple[str, ...] = ("forward_only", "loss_reduction", "forward_passes", "generator", "distributed", "bytes_communicated",
                                      "forwards_per_step", "last_step", "train_outputs", "step", "state_dict",
                                      "load_state_dict")
 

@@ -12,7 +12,16 @@ def _toy(seed=0):
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     x = torch.randn(8, 6, dtype=torch.float64)
     y = torch.randn(8, 3, dtype=torch.float64)
-    return model, (lambda: ((model(x) - y) ** 2).mean())
+    return model, lambda reduction="mean": _reduce(((model(x) - y) ** 2).mean(1), reduction)
+
+
+def _reduce(per_sample, reduction):
+    return per_sample if reduction == "none" else per_sample.mean()
+
+
+def _for(opt, loss):
+    """The closure ``szo.train.fit`` gives ``opt``: per-sample losses where it asks for them."""
+    return lambda: loss(opt.loss_reduction)
 
 
 def _estimate(perturbation, q, mu=1e-5):
@@ -25,7 +34,7 @@ def _estimate(perturbation, q, mu=1e-5):
     before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     opt = LayerwiseZO(model, perturbation=perturbation, mu=mu, lr=1.0, momentum=0.0, q=q,
                       generator=torch.Generator().manual_seed(1))
-    opt.step(closure)
+    opt.step(_for(opt, closure))
     est = before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return est, true, opt
 
@@ -47,7 +56,7 @@ def test_forward_count_and_sparse_layers():
     model, closure = _toy()
     first = model[0].weight.detach().clone()
     opt = LayerwiseZO(model, layers=["2"], q=3, generator=torch.Generator().manual_seed(0))
-    opt.step(closure)
+    opt.step(_for(opt, closure))
     assert opt.forward_passes == opt.forwards_per_step == 1 + 3
     assert torch.equal(model[0].weight, first)  # not in `layers`: untouched
     opt2 = LayerwiseZO(_toy()[0], q=2)
@@ -57,17 +66,28 @@ def test_forward_count_and_sparse_layers():
 def test_adaptive_picks_the_smaller_dimension():
     model, closure = _toy()
     opt = LayerwiseZO(model, perturbation="adaptive", q=1)
-    opt.step(closure)
+    opt.step(_for(opt, closure))
     # layer 0: 5 nodes per sample < 35 weights -> node; layer 2: 3 nodes < 18 weights -> node
     assert opt.modes == {"0": "node", "2": "node"}
     big_out = nn.Sequential(nn.Linear(2, 40)).double()
     opt = LayerwiseZO(big_out, perturbation="adaptive", q=1)
-    opt.step(lambda: big_out(torch.ones(4, 2, dtype=torch.float64)).pow(2).mean())
+    opt.step(lambda: big_out(torch.ones(4, 2, dtype=torch.float64)).pow(2).mean(1))
     assert opt.modes == {"0": "node"}  # 40 nodes < 120 weights
     tiny = nn.Sequential(nn.Linear(1, 3, bias=False)).double()
     opt = LayerwiseZO(tiny, perturbation="adaptive", q=1)
-    opt.step(lambda: tiny(torch.ones(4, 1, dtype=torch.float64)).pow(2).mean())
+    opt.step(lambda: tiny(torch.ones(4, 1, dtype=torch.float64)).pow(2).mean(1))
     assert opt.modes == {"0": "weight"}  # 3 weights <= 3 nodes
+
+
+def test_adaptive_compares_the_dimension_each_node_estimate_has():
+    """Per-sample node losses (Algorithm 1): one sample's nodes per loss difference, so the rule
+    compares the per-sample node count with the weights (Sec. 3.2.2). Batch-mean losses: one
+    difference is shared by the nodes of all N samples, so the node side counts N times as many."""
+    net = nn.Sequential(nn.Linear(2, 40)).double()
+    x = torch.ones(4, 2, dtype=torch.float64)
+    opt = LayerwiseZO(net, perturbation="adaptive", q=1, per_sample=False)
+    opt.step(lambda: net(x).pow(2).mean())
+    assert opt.modes == {"0": "weight"}  # 4 samples x 40 nodes = 160 > 120 weights
 
 
 def test_spiking_model_step_and_state_dict_round_trip():
@@ -76,7 +96,7 @@ def test_spiking_model_step_and_state_dict_round_trip():
     torch.manual_seed(0)
     model = create("spike_convnet", T=2, width=4)
     x, y = torch.rand(6, 1, 8, 8), torch.randint(0, 10, (6,))
-    closure = lambda: nn.functional.cross_entropy(model(x).mean(0), y)  # noqa: E731
+    closure = lambda: nn.functional.cross_entropy(model(x).mean(0), y, reduction="none")  # noqa: E731
     opt = build_optimizer("np-zo", model, lr=0.1, mu=0.01, q=2)
     before = model.flat_params().clone()
     opt.step(closure)
@@ -104,5 +124,6 @@ def test_bad_input():
 def test_weight_probes_keep_parameter_storage():
     model, closure = _toy()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    LayerwiseZO(model, perturbation="weight", q=2).step(closure)
+    opt = LayerwiseZO(model, perturbation="weight", q=2)
+    opt.step(_for(opt, closure))
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, not re-pointed

@@ -87,7 +87,7 @@ def test_recompute_stats_equal_an_unperturbed_forward_of_the_new_parameters(make
     x, y = batch()
     opt = make_opt(make, model)
     before = copy.deepcopy(model.state_dict())  # after the start point was set
-    loss = opt.step(lambda: nn.functional.cross_entropy(model(x), y))
+    loss = opt.step(lambda: nn.functional.cross_entropy(model(x), y, reduction=opt.loss_reduction))
     assert opt.forward_passes == opt.forwards_per_step == PROBES[make] + 1
     oracle = Net().train()
     oracle.load_state_dict(before)
@@ -118,7 +118,7 @@ def test_every_probe_starts_from_the_steps_bn_stats_and_the_step_updates_them_on
 
     def closure():
         seen.append((bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked)))
-        out = nn.functional.cross_entropy(model(x), y)
+        out = nn.functional.cross_entropy(model(x), y, reduction=opt.loss_reduction)
         after.append((bn.running_mean.clone(), bn.running_var.clone()))
         return out
 
@@ -148,7 +148,7 @@ def test_recompute_costs_nothing_without_train_mode_bn(make):
     for model in (Net(bn=False), Net().eval()):
         opt = SZO(model, sub_for(model), estimator="cge") if make == "szo-cge" else make_opt(make, model)
         calls = []
-        opt.step(lambda: calls.append(1) or nn.functional.cross_entropy(model(x), y))
+        opt.step(lambda: calls.append(1) or nn.functional.cross_entropy(model(x), y, reduction=opt.loss_reduction))
         assert len(calls) == opt.forward_passes == opt.forwards_per_step == PROBES.get(make, 6)
         assert not opt.last_outputs_unperturbed
 

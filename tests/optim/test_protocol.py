@@ -59,7 +59,7 @@ def test_every_forward_only_method_satisfies_the_protocol(name):
     assert opt.distributed is None and opt.bytes_communicated == 0
     x, y = _batch()
     calls = []
-    inner = batch_closure(model, tet_loss, x, y)
+    inner = batch_closure(model, tet_loss, x, y, reduction=opt.loss_reduction)
 
     def closure():
         calls.append(1)

@@ -2,6 +2,7 @@
 the implementation): SZO's one-point CGE (seed 003, Table 13)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -126,3 +127,63 @@ def test_tt_zo_cge_phase_is_seed_000_eq_2_one_sided():
     torch.testing.assert_close(theta1, theta0.double() - lr * g, rtol=1e-4, atol=1e-5)
     central = HybridZO(list(model.parameters()), model=model, lr=lr, mu=mu, switch_step=0, cge="central")
     assert central.forwards_per_step == 2 * d
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def test_node_perturbation_is_algorithm_1s_per_sample_estimate():
+    """Seed 004 Algorithm 1, node perturbation of layer 0 (lines 19-29) transcribed: xi_{q,n} per
+    sample, g_{z_n} = (1/Q) sum_q xi_{q,n} (l_{q,n} - l_n) / mu, dW = sum_n a_n^T g_{z_n} / N (the
+    batch mean's 1/N), then W <- W - lr dW (momentum 0)."""
+    from szo.optim import LayerwiseZO
+
+    model, N, Q, mu, lr = _mlp(), 16, 8, 0.05, 0.2
+    x, y = torch.randn(N, 10), torch.randint(0, 4, (N,))
+    W0, b0 = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    gen = torch.Generator().manual_seed(5)
+    xi = torch.stack([torch.randn(N, 32, generator=gen) for _ in range(Q)])  # the optimizer's draws, in order
+    with torch.no_grad():
+        z = x @ W0.T + b0
+        head = lambda h: torch.nn.functional.cross_entropy(model[2](model[1](h)), y, reduction="none")  # noqa: E731
+        l_n = head(z)
+        gz = sum(xi[q] * ((head(z + mu * xi[q]) - l_n) / mu)[:, None] for q in range(Q)) / Q
+    dW, db = (gz / N).T @ x, (gz / N).sum(0)
+    opt = LayerwiseZO(model, perturbation="node", layers=["0"], q=Q, mu=mu, lr=lr, momentum=0.0,
+                      generator=torch.Generator().manual_seed(5))
+    assert opt.loss_reduction == "none"
+    opt.step(lambda: torch.nn.functional.cross_entropy(model(x), y, reduction="none"))
+    torch.testing.assert_close(model[0].weight, W0 - lr * dW, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model[0].bias, b0 - lr * db, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match=r"must return one loss per sample \(a 1-D tensor \[N\]"):
+        opt.step(lambda: torch.nn.functional.cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("N", [32, 128])
+def test_per_sample_node_estimate_is_far_closer_to_the_gradient(N):
+    """The issue's measurement, repeated: cosine of the layer-0 weight estimate to the BP gradient at
+    q = 16, per-sample vs batch-mean node perturbation (mean over 10 draws). On this MLP (10-32-4,
+    tanh): 0.59 vs 0.11 at N = 32, 0.54 vs 0.04 at N = 128 (the per-node noise of 16 directions in
+    32 dimensions bounds the per-sample form; the batch-mean form adds every other sample's)."""
+    from szo.optim import LayerwiseZO
+
+    x, y = torch.randn(N, 10, generator=torch.Generator().manual_seed(1)), torch.arange(N) % 4
+    ref = _mlp()
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    g_bp = ref[0].weight.grad.reshape(-1)
+    cos = {}
+    for per_sample in (True, False):
+        vals = []
+        for s in range(10):
+            model = _mlp()
+            W0 = model[0].weight.detach().clone()
+            opt = LayerwiseZO(model, perturbation="node", layers=["0"], q=16, mu=1e-3, lr=1.0, momentum=0.0,
+                              generator=torch.Generator().manual_seed(s), per_sample=per_sample)
+            red = "none" if per_sample else "mean"
+            opt.step(lambda: torch.nn.functional.cross_entropy(model(x), y, reduction=red))
+            est = (W0 - model[0].weight.detach()).reshape(-1)
+            vals.append(float(torch.nn.functional.cosine_similarity(est, g_bp, dim=0)))
+        cos[per_sample] = sum(vals) / len(vals)
+    assert cos[True] > 0.45 and cos[False] < 0.2 and cos[True] > cos[False] + 0.3, cos

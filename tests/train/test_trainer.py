@@ -43,6 +43,7 @@ class RandomCoordZO(torch.optim.Optimizer):
     (szo.zo.ForwardOnlyOptimizer): central differences on m random coordinates."""
 
     forward_only = True
+    loss_reduction = "mean"  # the closure returns the batch loss
     distributed = None
     bytes_communicated = 0
     train_outputs = True
