@@ -45,10 +45,10 @@ HARMLESS_KEYS = (
 # Sections a stage does not use (a difference there does not change what that stage trains).
 _ELSEWHERE = ("tta", "federated", "setting")  # sections of the other kinds of run
 _STAGE_IGNORES = {
-    "bptt": ("kind", "name", "mode", "method", "train", "szo", "backend", "bn_stats", "hw", "distributed",
+    "bptt": ("kind", "name", "mode", "method", "train", "szo", "tt", "backend", "bn_stats", "hw", "distributed",
              *_ELSEWHERE),
     "subspace": ("bptt", "trajectory", *_ELSEWHERE),
-    "federated": ("mode", "method", "train", "szo", "backend", "bn_stats", "hw", "distributed", "tta", "setting"),
+    "federated": ("mode", "method", "train", "szo", "tt", "backend", "bn_stats", "hw", "distributed", "tta", "setting"),
 }
 
 

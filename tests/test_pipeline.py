@@ -249,16 +249,19 @@ def test_mnist5k_recipes_run_tiny(tmp_path):
     ("fg", ["szo.q=2", "train.lr=0.01"], 4 * 2),
     ("fg-subspace", ["szo.q=1", "train.lr=0.05"], 4 * 1),
     ("asyncfgd", ["szo.stages=3", "train.lr=0.01"], 4 * 1),  # one JVP pass per micro-batch
-    # 2 signRGE steps of sign_q + 1 = 4 forwards, then 2 CGE steps over 3 coordinates (6 probe
-    # forwards), each step + the unperturbed BN forward of bn_update=recompute
-    ("tt-zo", ["tt.min_params=100", "tt.rank=3", "tt.sign_q=3", "tt.switch_step=2", "szo.coords_per_step=3"],
-     2 * (4 + 1) + 2 * (6 + 1)),
+    # 2 signRGE steps of sign_q + 1 = 4 forwards, then 2 CGE steps over 3 coordinates, each step
+    # + the unperturbed BN forward of bn_update=recompute. The paper's default (4 cores, one-sided
+    # CGE: 3 probes + the base loss) and the 2-core central variant (6 probe forwards)
+    ("tt-zo", ["tt.min_params=100", "tt.rank=2", "tt.sign_q=3", "tt.switch_step=2", "szo.coords_per_step=3"],
+     2 * (4 + 1) + 2 * (3 + 1 + 1)),
+    ("tt-zo", ["tt.min_params=100", "tt.rank=3", "tt.cores=2", "tt.cge=central", "tt.sign_q=3",
+               "tt.switch_step=2", "szo.coords_per_step=3"], 2 * (4 + 1) + 2 * (6 + 1)),
 ])
 def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra, fp):
     root, sets, _ = bp_run
     cfg = load_recipe("digits-scratch", sets + ["train.epochs=1", "train.max_steps_per_epoch=4",
                                                 f"method={method}"] + extra)
-    s = run_recipe(cfg, root / method)
+    s = run_recipe(cfg, root / f"{method}-{len(extra)}")
     assert s["fp"] == fp and s["bp"] == 0 and s["method"] == method
     assert 0.0 <= s["final_test_acc"] <= 1.0
     if method == "tt-zo":
@@ -266,7 +269,7 @@ def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra
         assert s["tt"]["switched_at_step"] == 2
         from szo.runs import load_run_model
 
-        model, _ = load_run_model(root / method)  # rebuilt with the run's TT cores
+        model, _ = load_run_model(root / f"{method}-{len(extra)}")  # rebuilt with the run's TT cores
         assert sum(p.numel() for p in model.parameters()) == s["tt"]["d_tt"]
 
 
