@@ -17,24 +17,30 @@ Secure aggregation (Bonawitz et al. 2017, as BAFFLE adapts it): each pair of cli
 shares a seed, expands it to ``K`` uniform 64-bit integers ``r_ij``; client ``i`` adds
 ``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64). Every ``r_ij`` appears once with each sign,
 so the masks sum to exactly 0 mod 2**64 and each single upload is uniformly random to the server.
-Here the pair seeds are derived from a secret the launcher gives the clients (never the server)
-with SHA-256; a deployment derives them by Diffie-Hellman key agreement and handles dropped
-clients (secret-shared seeds), which this engine does not: every client must answer every round.
+The pair seed of clients ``i`` and ``j`` comes from Diffie-Hellman key agreement
+(:class:`MaskKeys`: X25519, HKDF-SHA256), as in Bonawitz et al.: each client draws its key pair in
+its own process and only public keys travel (relayed by the server), so a pair's seed is known to
+those two clients only -- not to the server, not to a third client. Dropped clients (secret-shared
+seeds, Shamir) are not handled: every client must answer every round.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from torch import nn
 
 from szo.functional.zo import rge_coefficients, sample_gaussian
 from szo.zo import HostSpace, LoopEvaluator, ProbeGuard, rge_plan
 
 __all__ = ["FRAC_BITS", "dirichlet_split", "round_directions", "loss_differences", "stein_coordinates",
-           "encode", "decode", "pairwise_masks", "aggregate"]
+           "encode", "decode", "pairwise_masks", "aggregate", "PUBLIC_KEY_BYTES", "MaskKeys", "agree_all"]
 
 FRAC_BITS: int = 32
 """Fixed-point fractional bits of an upload: resolution 2**-32 ~ 2.3e-10 of a weighted loss difference."""
@@ -130,20 +136,78 @@ def _pair_words(secret: bytes, rnd: int, i: int, j: int, K: int) -> np.ndarray:
                                                                           endpoint=False)
 
 
-def pairwise_masks(client: int, clients: Sequence[int], rnd: int, K: int, secret: bytes) -> np.ndarray:
-    """Client ``client``'s mask ``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64, ``uint64 [K]``).
+def pairwise_masks(client: int, clients: Sequence[int], rnd: int, K: int, pair_secrets: Mapping[int, bytes]
+                   ) -> np.ndarray:
+    """Client ``client``'s mask ``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64, ``uint64 [K]``),
+    ``r_ij`` expanded from the pair secret ``pair_secrets[j]`` it shares with client ``j``
+    (:attr:`MaskKeys.pair`) and the round.
 
     Over all ``clients`` the masks sum to exactly 0 mod 2**64 (uint64 arithmetic wraps)."""
     if client not in clients:
         raise ValueError(f"client {client} is not one of the round's clients {list(clients)}")
+    missing = [j for j in clients if j != client and j not in pair_secrets]
+    if missing:
+        raise ValueError(f"client {client} has no pair secret with client(s) {missing}: run the key agreement "
+                         "(MaskKeys.agree) with every client's public key first")
     mask = np.zeros(K, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in clients:
             if j > client:
-                mask += _pair_words(secret, rnd, client, j, K)
+                mask += _pair_words(pair_secrets[j], rnd, client, j, K)
             elif j < client:
-                mask -= _pair_words(secret, rnd, j, client, K)
+                mask -= _pair_words(pair_secrets[j], rnd, j, client, K)
     return mask
+
+
+PUBLIC_KEY_BYTES = 32
+"""An X25519 public key, raw."""
+
+
+class MaskKeys:
+    """One client's side of the masking-key agreement (Bonawitz et al. 2017, the pairwise masks).
+
+    The client draws an X25519 key pair in its own process; only the 32-byte :attr:`public` key
+    leaves it, relayed by the server to the other clients. The pair secret of clients ``i`` and
+    ``j`` is HKDF-SHA256 of X25519(sk_i, pk_j) = X25519(sk_j, pk_i), bound to the pair: the two
+    of them know it, nobody else does -- the server included. As in Bonawitz et al.'s
+    honest-but-curious model the server is trusted to relay the public keys unchanged (one that
+    substitutes keys can unmask; signed keys from a PKI would prevent that)."""
+
+    def __init__(self, client: int):
+        self.client = int(client)
+        self._sk = X25519PrivateKey.generate()
+        self.public: bytes = self._sk.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.pair: dict[int, bytes] = {}
+
+    def agree(self, publics: Mapping[int, bytes]) -> dict[int, bytes]:
+        """Derive the pair secret with every other client from ``{client id: public key}`` (its
+        own entry, if present, must be its own key); returns and keeps :attr:`pair`."""
+        pair = {}
+        for j, pk in publics.items():
+            j = int(j)
+            if not isinstance(pk, (bytes, bytearray)) or len(pk) != PUBLIC_KEY_BYTES:
+                got = f"{len(pk)} bytes" if isinstance(pk, (bytes, bytearray)) else type(pk).__name__
+                raise ValueError(f"client {j}'s public key must be {PUBLIC_KEY_BYTES} raw bytes (X25519), got {got}")
+            if j == self.client:
+                if bytes(pk) != self.public:
+                    raise ValueError(f"the key relayed as client {j}'s is not this client's own public key")
+                continue
+            shared = self._sk.exchange(X25519PublicKey.from_public_bytes(bytes(pk)))
+            lo, hi = sorted((self.client, j))
+            pair[j] = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                           info=b"szo-baffle-mask|%d|%d" % (lo, hi)).derive(shared)
+        self.pair = pair
+        return pair
+
+
+def agree_all(clients: Sequence[int]) -> list[MaskKeys]:
+    """Key agreement among ``clients`` in one process (tests, simulations): every client's keys,
+    each with its pair secrets."""
+    keys = [MaskKeys(c) for c in clients]
+    publics = {k.client: k.public for k in keys}
+    for k in keys:
+        k.agree(publics)
+    return keys
 
 
 def aggregate(uploads: Sequence[np.ndarray], frac_bits: int = FRAC_BITS) -> np.ndarray:

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import math
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -64,8 +63,8 @@ from szo.zo import bn_layers, heavy_ball_
 
 try:  # optional (extra "federated"): run_federated says how to install it
     import flwr as fl
-    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.common.serde import fit_ins_to_proto, fit_res_to_proto
+    from flwr.common import FitIns, GetPropertiesIns, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.common.serde import fit_ins_to_proto, fit_res_to_proto, get_properties_res_to_proto
 except ImportError:  # pragma: no cover - exercised where flwr is missing
     fl = None
 
@@ -124,16 +123,23 @@ def _targets(ds) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- client
-def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices: np.ndarray, secret: bytes):
+def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices: np.ndarray):
     task = _Task(cfg, fc.space)
+    keys = B.MaskKeys(cid) if fc.secure else None  # the private key never leaves this process
     ds = _dataset(cfg, "train")
     xs = torch.stack([ds[int(i)][0] for i in indices])
     ys = torch.tensor([int(ds[int(i)][1]) for i in indices])
     n_local = len(indices)
 
     class BaffleClient(fl.client.NumPyClient):
+        def get_properties(self, config):  # the key agreement's upload: who I am, my public key
+            return {"cid": cid, "public_key": keys.public if keys is not None else b""}
+
         def fit(self, parameters, config):
             rnd, seed = int(config["round"]), int(config["seed"])
+            publics = {int(k[len(KEY_PREFIX):]): v for k, v in config.items() if k.startswith(KEY_PREFIX)}
+            if keys is not None and publics:  # the first round after the clients started: agree
+                keys.agree(publics)
             g = torch.Generator().manual_seed(seed * 1009 + cid)  # this client's batch, reproducible
             pick = torch.randperm(n_local, generator=g)[: fc.batch_size]
             x, y = xs[pick], ys[pick]
@@ -150,7 +156,7 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
             words = B.encode(delta.numpy() * n_local / int(config["n_total"]))
             if fc.secure:
                 with np.errstate(over="ignore"):
-                    words = words + B.pairwise_masks(cid, list(range(fc.clients)), rnd, fc.K, secret)
+                    words = words + B.pairwise_masks(cid, list(range(fc.clients)), rnd, fc.K, keys.pair)
             return [words, task.bn_stats()], n_local, {"cid": cid}
 
     return BaffleClient()
@@ -174,8 +180,7 @@ def _client_main(spec: Mapping[str, Any]) -> None:
     _exit_with_parent()
     torch.set_num_threads(1)  # many client processes share the cores
     fc = FederatedConfig(**spec["federated"])
-    client = _make_client(spec["cfg"], fc, int(spec["cid"]), np.asarray(spec["indices"], dtype=np.int64),
-                          bytes.fromhex(spec["secret"]))
+    client = _make_client(spec["cfg"], fc, int(spec["cid"]), np.asarray(spec["indices"], dtype=np.int64))
     fl.client.start_client(server_address=spec["address"], client=client.to_client(), insecure=True,
                            max_retries=30, max_wait_time=120.0)
 
@@ -355,13 +360,21 @@ def _make_strategy(server: BaffleServer, fl: Any, wait_for_clients: Callable[[An
     fc, offset = server.fc, server.state.rounds_done
 
     class BaffleStrategy(fl.server.strategy.Strategy):
+        keys_sent = False
+
         def initialize_parameters(self, client_manager):
             return ndarrays_to_parameters([server.params()])
 
         def configure_fit(self, server_round, parameters, client_manager):
             wait_for_clients(client_manager)
             proxies = client_manager.sample(num_clients=fc.clients, min_num_clients=fc.clients)
-            ins = FitIns(ndarrays_to_parameters([server.params()]), server.round_config(offset + server_round))
+            config = server.round_config(offset + server_round)
+            self.key_bytes_up = 0
+            if fc.secure and not self.keys_sent:  # relay the clients' public keys once per start
+                publics, self.key_bytes_up = _collect_public_keys(proxies, fc, server_round)
+                config.update({f"{KEY_PREFIX}{c}": pk for c, pk in publics.items()})
+                self.keys_sent = True
+            ins = FitIns(ndarrays_to_parameters([server.params()]), config)
             self.bytes_down = fit_ins_to_proto(ins).ByteSize() * len(proxies)
             return [(p, ins) for p in proxies]
 
@@ -369,7 +382,7 @@ def _make_strategy(server: BaffleServer, fl: Any, wait_for_clients: Callable[[An
             if failures or len(results) != fc.clients:
                 raise RuntimeError(f"round {offset + server_round}: {len(results)} of {fc.clients} clients answered "
                                    f"({len(failures)} failures); the secure-aggregation masks only cancel when all do")
-            up = sum(fit_res_to_proto(r).ByteSize() for _, r in results)
+            up = sum(fit_res_to_proto(r).ByteSize() for _, r in results) + self.key_bytes_up
             uploads = [(parameters_to_ndarrays(r.parameters), r.num_examples) for _, r in results]
             senders = [r.metrics.get("cid", p.cid) for p, r in results]
             server.step(offset + server_round, uploads, self.bytes_down, up, senders)
@@ -385,6 +398,27 @@ def _make_strategy(server: BaffleServer, fl: Any, wait_for_clients: Callable[[An
             return None
 
     return BaffleStrategy()
+
+
+KEY_PREFIX = "pk_"
+"""Round-config keys ``pk_<client id>``: the clients' X25519 public keys, relayed in the first round."""
+
+
+def _collect_public_keys(proxies: Sequence[Any], fc: FederatedConfig, group_id: int) -> tuple[dict[int, bytes], int]:
+    """Every client's ``(id, public key)`` through Flower's ``get_properties``, checked: ids
+    ``0..clients-1`` once each, 32-byte keys. Also the bytes those answers took (upload)."""
+    answers = [p.get_properties(GetPropertiesIns(config={}), timeout=fc.round_timeout_s, group_id=group_id)
+               for p in proxies]
+    publics: dict[int, bytes] = {}
+    for a in answers:
+        cid, pk = a.properties.get("cid"), a.properties.get("public_key")
+        if (isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < fc.clients or cid in publics
+                or not isinstance(pk, bytes) or len(pk) != B.PUBLIC_KEY_BYTES):
+            raise FederationError(f"a client answered the key agreement with client id {cid!r} and a "
+                                  f"{len(pk) if isinstance(pk, bytes) else type(pk).__name__}-byte key; expected "
+                                  f"ids 0..{fc.clients - 1} once each and {B.PUBLIC_KEY_BYTES}-byte X25519 keys")
+        publics[cid] = pk
+    return publics, sum(get_properties_res_to_proto(a).ByteSize() for a in answers)
 
 
 def _free_port() -> int:
@@ -484,17 +518,14 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
 def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> None:
     """Start the client processes and Flower's server for ``rounds`` rounds on loopback."""
     fc = server.fc
-    # one secret for every pair seed, created here, in the server's process, and handed to every client:
-    # any client (or a reader of this process) can unmask any upload -- docs/federated.md says so
-    secret = secrets.token_bytes(32)
     address = f"127.0.0.1:{_free_port()}"
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     try:
-        for c in range(fc.clients):  # one OS process per client, spec on stdin (the secret never hits the disk)
+        for c in range(fc.clients):  # one OS process per client (its key pair is drawn there), spec on stdin
             p = subprocess.Popen([sys.executable, "-m", "szo.federated.flower"], stdin=subprocess.PIPE, env=env)
             spec = {"cfg": server.cfg.to_dict(), "federated": fc.to_dict(), "cid": c, "indices": splits[c].tolist(),
-                    "secret": secret.hex(), "address": address}
+                    "address": address}
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()
             procs.append(p)

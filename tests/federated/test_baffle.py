@@ -7,10 +7,15 @@ from torch import nn
 from szo.federated import baffle as B
 
 
+def _pairs(clients):
+    return {k.client: k.pair for k in B.agree_all(clients)}
+
+
 @pytest.mark.parametrize("n_clients", [1, 2, 5, 8])
 def test_masks_cancel_exactly(n_clients):
     clients = list(range(n_clients))
-    masks = [B.pairwise_masks(c, clients, rnd=3, K=7, secret=b"s") for c in clients]
+    pairs = _pairs(clients)
+    masks = [B.pairwise_masks(c, clients, rnd=3, K=7, pair_secrets=pairs[c]) for c in clients]
     total = np.zeros(7, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for m in masks:
@@ -18,8 +23,34 @@ def test_masks_cancel_exactly(n_clients):
     assert total.tolist() == [0] * 7  # exactly zero mod 2**64, not approximately
     if n_clients > 1:
         assert all(np.any(m != 0) for m in masks)  # every single upload is hidden
-        other = B.pairwise_masks(0, clients, rnd=4, K=7, secret=b"s")
+        other = B.pairwise_masks(0, clients, rnd=4, K=7, pair_secrets=pairs[0])
         assert not np.array_equal(other, masks[0])  # fresh masks every round
+
+
+def test_no_one_but_the_pair_knows_a_pair_secret():
+    """The defect the masks had (one secret every client held): client 1 could recompute client
+    2's mask and unmask its upload. With Diffie-Hellman pair secrets it cannot: client 1 shares a
+    secret with 2, but 2's mask also uses the secrets 2 shares with 0 and 3, and neither client 1
+    nor the server (which sees only public keys) can derive those."""
+    clients = [0, 1, 2, 3]
+    keys = B.agree_all(clients)
+    pub = {k.client: k.public for k in keys}
+    assert keys[1].pair[2] == keys[2].pair[1] and keys[2].pair[3] == keys[3].pair[2]  # agreed
+    assert len({keys[i].pair[j] for i in clients for j in clients if i < j}) == 6  # every pair its own
+    true = B.pairwise_masks(2, clients, 5, 4, keys[2].pair)
+    # what client 1 can compute for client 2: its own pair secret, plus secrets it would have to guess
+    for guess in (keys[1].pair[0], keys[1].pair[3], b"\0" * 32):
+        forged = {0: guess, 1: keys[1].pair[2], 3: guess}
+        assert not np.array_equal(B.pairwise_masks(2, clients, 5, 4, forged), true)
+    # a key pair made up under client 2's id (by the server, say) derives other secrets than the real one
+    impostor = B.MaskKeys(2)
+    assert impostor.agree(pub | {2: impostor.public}) != keys[2].pair
+    with pytest.raises(ValueError, match="no pair secret with client"):
+        B.pairwise_masks(2, clients, 5, 4, {0: keys[2].pair[0]})
+    with pytest.raises(ValueError, match="32 raw bytes"):
+        keys[0].agree({1: b"short"})
+    with pytest.raises(ValueError, match="not this client's own public key"):
+        keys[0].agree({0: keys[1].public})
 
 
 def test_encode_decode_and_masked_sum():
@@ -27,8 +58,9 @@ def test_encode_decode_and_masked_sum():
     assert np.array_equal(B.decode(B.encode(v)), np.round(v * 2.0 ** 32) / 2.0 ** 32)
     parts = [np.array([0.1, -0.2]), np.array([-0.3, 0.25]), np.array([1.0, 2.0])]
     clients = [0, 1, 2]
+    pairs = _pairs(clients)
     with np.errstate(over="ignore"):
-        uploads = [B.encode(p) + B.pairwise_masks(c, clients, 0, 2, b"k") for c, p in enumerate(parts)]
+        uploads = [B.encode(p) + B.pairwise_masks(c, clients, 0, 2, pairs[c]) for c, p in enumerate(parts)]
     unmasked = B.aggregate([B.encode(p) for p in parts])
     assert np.array_equal(B.aggregate(uploads), unmasked)  # bit-identical with and without masks
     np.testing.assert_allclose(unmasked, sum(parts), atol=3 * 2.0 ** -33)
@@ -51,6 +83,7 @@ def test_secure_aggregate_equals_centralised_estimate():
         return lambda: nn.functional.cross_entropy(model(x[idx]), y[idx])  # mean over the samples
 
     seed, K, sigma = 1234, 8, 1e-2
+    pairs = _pairs(list(range(len(splits))))
     for basis_or_none, dim in ((basis, 6), (None, d)):
         z = B.round_directions(seed, K, dim)  # what every client and the server regenerate
         uploads = []
@@ -59,7 +92,7 @@ def test_secure_aggregate_equals_centralised_estimate():
             assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), theta)  # restored
             with np.errstate(over="ignore"):
                 uploads.append(B.encode(delta.numpy() * len(idx) / len(y))
-                               + B.pairwise_masks(c, list(range(len(splits))), 0, K, b"secret"))
+                               + B.pairwise_masks(c, list(range(len(splits))), 0, K, pairs[c]))
         fed = B.stein_coordinates(torch.from_numpy(B.aggregate(uploads)), z, sigma)
         central = B.stein_coordinates(
             B.loss_differences(model, loss_on(np.arange(len(y))), theta, z, sigma, basis=basis_or_none), z, sigma)
