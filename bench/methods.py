@@ -47,6 +47,7 @@ ROWS: dict[str, dict] = {
     "szo-cge": {"label": "SZO-CGE", "method": "szo-cge"},
     "szo-rge": {"label": "SZO-RGE (q=1)", "method": "szo-rge"},
     "szo-cge-1pt": {"label": "SZO-CGE (one-point), the paper's Table 13 ablation", "method": "szo-cge-1pt"},
+    "szo-cge-1pt-mu0.1": {"label": "the same with mu = 0.1", "method": "szo-cge-1pt", "sets": ["szo.mu=0.1"]},
     "szo-1pt": {"label": "SZO one-point along q=1 random direction (szo's variant)", "method": "szo-1pt"},
     "zo-cge": {"label": "full-space ZO-CGE (20 coords / step)", "method": "zo-cge"},
     "fg": {"label": "forward gradient, full space (q=1)", "method": "fg"},
@@ -55,7 +56,9 @@ ROWS: dict[str, dict] = {
     "asyncfgd-k1": {"label": "the same with K = 1: vanilla FGD, plain SGD", "method": "asyncfgd",
                     "sets": ["szo.stages=1"]},
     "asyncfgd-adam": {"label": "AsyncFGD-Adam (Algorithm 2), K = 2", "method": "asyncfgd-adam"},
-    "tt-zo": {"label": "TT-ZO (rank 4, signRGE -> CGE)", "method": "tt-zo"},
+    "tt-zo": {"label": "TT-ZO (rank 4, 4 cores, signRGE -> one-sided CGE: the paper's)", "method": "tt-zo"},
+    "tt-zo-2c-central": {"label": "TT-ZO, 2 cores, central CGE (szo's earlier default)", "method": "tt-zo",
+                         "sets": ["tt.cores=2", "tt.cge=central"]},
     "np-zo": {"label": "node perturbation, layer-wise (q=4 per layer)", "method": "np-zo"},
     "wp-zo": {"label": "weight perturbation, layer-wise (q=4 per layer)", "method": "wp-zo"},
     "awp-zo": {"label": "adaptive weight / node perturbation (q=4)", "method": "awp-zo"},
@@ -107,9 +110,9 @@ def step_peak(name: str, root: Path) -> int | None:
     from szo.config import load_recipe
     from szo.data import get_dataset
     from szo.methods import QZO_METHODS
-    from szo.optim import build_optimizer
-    from szo.pipeline import optimizer_options
+    from szo.optim import RunOptions, build_optimizer
     from szo.runs import build_model, loss_for, subspace_store_for
+    from szo.stages import optimizer_options
 
     row = ROWS[name]
     if "federated" in row or row["method"] in QZO_METHODS:
@@ -124,8 +127,8 @@ def step_peak(name: str, root: Path) -> int | None:
         from szo.models.tt import tt_parametrize
 
         tt_parametrize(model, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
-    opt = build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(0),
-                          **optimizer_options(cfg))
+    opt = build_optimizer(name, model, subspace=sub, options=optimizer_options(cfg),
+                          run=RunOptions(generator=torch.Generator().manual_seed(0)))
     ds = get_dataset("digits", "train")
     n = cfg["data"]["batch_size"]
     x = torch.stack([ds[i][0] for i in range(n)])
@@ -133,9 +136,11 @@ def step_peak(name: str, root: Path) -> int | None:
     loss_fn = loss_for(cfg)
     model.train()
     if getattr(opt, "forward_only", False):
+        red = {"reduction": "none"} if opt.loss_reduction == "none" else {}  # per-sample node perturbation
+
         def closure():
             with torch.no_grad():
-                return loss_fn(model(x), y)
+                return loss_fn(model(x), y, **red)
     else:
         def closure():
             opt.zero_grad(set_to_none=True)
