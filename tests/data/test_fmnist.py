@@ -89,10 +89,11 @@ def test_bad_files_and_options_are_one_line(tmp_path):
         get_dataset("fmnist", "train", data_dir=tmp_path / "d", upscale=2)
 
 
-def test_recipe_without_data_fails_in_one_line_before_work(tmp_path, capsys):
+@pytest.mark.parametrize("recipe", ["fmnist-bp", "fmnist-cpu-bp", "fmnist-scratch", "fmnist-continual"])
+def test_recipe_without_data_fails_in_one_line_before_work(recipe, tmp_path, capsys):
     from szo.cli import main
 
-    rc = main(["recipe", "fmnist-cpu-bp", "--out", str(tmp_path / "run"), "--set", f"data.data_dir={tmp_path / 'none'}",
+    rc = main(["recipe", recipe, "--out", str(tmp_path / "run"), "--set", f"data.data_dir={tmp_path / 'none'}",
                "--set", "progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "Fashion-MNIST not found" in err[0] and "apt-get install" in err[0]
