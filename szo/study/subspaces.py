@@ -14,7 +14,9 @@ saves each in the store as ``{prefix}-{variant}`` and reports, for each, the pro
 ``theta_0 + P P^T (theta_BP - theta_0)``: its distance to theta_BP (absolute and relative to
 ``|theta_BP - theta_0|``) and its test accuracy (BN running statistics of the BP model).
 With ``--train RECIPE`` it then trains from scratch in every variant (``szo recipe RECIPE
---set subspace.name=...``, one run directory per variant under ``--out``).
+--set subspace.name=...``, one run directory per variant under ``--out``); the ``bn-head``
+variant with BP-Subspace (:data:`BN_HEAD_METHOD`: a ZO step over its thousands of coordinates
+would cost ~100x SZO's).
 """
 from __future__ import annotations
 
@@ -108,17 +110,25 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
     with run_lock(out):  # the study's directory; every training run in it holds its own
         result: dict[str, Any] = {"bp_run": str(Path(bp_run).resolve()), "k": k, "store": str(store.root),
                                   "projection": rows, "training": []}
-        _train_variants(train, train_overrides, names, store, out, result)
+        _train_variants(train, train_overrides, names, {v: sub.k for v, sub in variants.items()}, store, out, result)
         atomic_write_json(out / "subspaces.json", result)
     return result
 
 
-def _train_variants(train: str | None, train_overrides: Sequence[str], names: dict[str, str], store: Any, out: Path,
-                    result: dict[str, Any]) -> None:
+BN_HEAD_METHOD = "bp-subspace"
+"""How ``--train`` trains the ``bn-head`` variant: its k is every BN affine parameter and the
+classifier (thousands), so a CGE step there would cost ~100x SZO-CGE's 2k forwards at k = 20."""
+
+
+def _train_variants(train: str | None, train_overrides: Sequence[str], names: dict[str, str], ks: dict[str, int],
+                    store: Any, out: Path, result: dict[str, Any]) -> None:
     if train:
         for v, name in names.items():
-            tcfg = load_recipe(train, list(train_overrides) + [f"subspace.name={name}",
-                                                               f"subspace.root={store.root}"])
+            own = [f"subspace.name={name}", f"subspace.root={store.root}", f"subspace.k={ks[v]}"]
+            if v == "bn-head":
+                own.append(f"method={BN_HEAD_METHOD}")
+            tcfg = load_recipe(train, list(train_overrides) + own)
             s = run_recipe(tcfg, out / v)
-            result["training"].append({"variant": v, "run_dir": str(out / v), "best_test_acc": s.get("best_test_acc"),
+            result["training"].append({"variant": v, "run_dir": str(out / v), "method": tcfg["method"],
+                                       "best_test_acc": s.get("best_test_acc"),
                                        "converged_epoch": s.get("converged_epoch")})

@@ -105,12 +105,17 @@ def test_study_subspaces_trains_a_scratch_recipe_in_each_variant(runs):
                         "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2"]
             for a in ("--set", s)]
     assert main(["study", "subspaces", str(runs / "bp"), "--k", "2", "--prefix", "tr", "--random-seeds", "5",
-                 "--no-bn-head", "--train", "digits-scratch", "--out", str(out)] + sets) == 0
+                 "--train", "digits-scratch", "--out", str(out)] + sets) == 0
     res = json.loads((out / "subspaces.json").read_text())
-    assert [t["variant"] for t in res["training"]] == ["whole", "random5"]
+    assert [t["variant"] for t in res["training"]] == ["whole", "random5", "bn-head"]
     for t in res["training"]:
         cfg = json.loads((out / t["variant"] / "results.json").read_text())
-        assert cfg["label"] == "SZO-CGE" and 0.0 <= t["best_test_acc"] <= 1.0
+        assert 0.0 <= t["best_test_acc"] <= 1.0
+        # the BN + classifier coordinates (k in the hundreds) train with BP-Subspace, not 2k forwards a step
+        assert (cfg["label"], t["method"]) == (("BP-Subspace", "bp-subspace") if t["variant"] == "bn-head"
+                                               else ("SZO-CGE", "szo-cge")), t
+    k_bn = next(r["k"] for r in res["projection"] if r["variant"] == "bn-head")
+    assert k_bn > 100 and json.loads((out / "bn-head" / "results.json").read_text())["bp"] == 2
     import yaml
     assert yaml.safe_load((out / "random5" / "config.yaml").read_text())["subspace"]["name"] == "tr-random5"
 
