@@ -33,17 +33,10 @@ cell "$R/cpu-bp-s1" fmnist-cpu-bp --set seed=1 --set subspace.name=fmnist-csnn16
 for m in szo-cge szo-rge bp bp-subspace zo-rge; do
   cell "$R/scratch/$m-s0" fmnist-scratch --set method=$m "${S[@]}"
 done
-# the second seed (its own BP run and subspace) for SZO-CGE; SZO-RGE's is left out for time
-cell "$R/scratch/szo-cge-s1" fmnist-scratch --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
-# the deployed model meets Gaussian noise (fmnist-c, severity 5) and N labelled samples, once
-done_ "$R/shift/shift.json" || $SZO study shift "$R/cpu-bp-s0" --data fmnist-c --corruption gaussian_noise \
-  --severity 5 --samples 100,200,500 --out "$R/shift"
-# continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8)
-cell "$R/continual-s0" fmnist-continual "${S[@]}"
-# where the subspace's power comes from (k = 20): the variants and their projected BP points, then
-# STEPS steps from scratch in each. The whole-trajectory variant is the recipe's own subspace
-# (same PCA, same theta_0), trained above as scratch/szo-cge-s0; the BN + classifier coordinates
-# with BP-Subspace. (The first-epochs variant of the mnist5k study is left out for time.)
+# where the subspace's power comes from (k = 20): the variants and their projected BP points (cheap,
+# first), then STEPS steps from scratch in each, below. The whole-trajectory variant is the recipe's
+# own subspace (same PCA, same theta_0), trained above as scratch/szo-cge-s0; the BN + classifier
+# coordinates train with BP-Subspace. (The first-epochs variant of the mnist5k study is left out.)
 row() {  # row STUDY_JSON VARIANT_PREFIX FIELD: one field of a variant's projection row
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(p[sys.argv[3]] for p in r['projection'] \
 if p['variant'].startswith(sys.argv[2])))" "$@"
@@ -51,15 +44,25 @@ if p['variant'].startswith(sys.argv[2])))" "$@"
 J=$R/study-subspaces/subspaces.json
 [ -f "$J" ] || $SZO study subspaces "$R/cpu-bp-s0" --k 20 --prefix fmnist-s0 --other-run "$R/cpu-bp-s1" \
   --random-seeds 0 --out "$R/study-subspaces"
+# how large must k be: the whole-trajectory subspace at k = 5 and 10 (k = 20 above)
+for k in 5 10; do
+  [ -f "$R/study-k$k/subspaces.json" ] || $SZO study subspaces "$R/cpu-bp-s0" --k $k --prefix fmnist-k$k \
+    --random-seeds "" --no-bn-head --out "$R/study-k$k"
+done
+# the deployed model meets Gaussian noise (fmnist-c, severity 5) and N labelled samples, once
+done_ "$R/shift/shift.json" || $SZO study shift "$R/cpu-bp-s0" --data fmnist-c --corruption gaussian_noise \
+  --severity 5 --samples 100,200,500 --out "$R/shift"
+# the second seed (its own BP run and subspace) for SZO-CGE; SZO-RGE's is left out for time
+cell "$R/scratch/szo-cge-s1" fmnist-scratch --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
+# continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8), CSTEPS steps
+cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
+# training in the study's variants and at k = 5, 10
 for v in seed random0; do
   cell "$R/study-subspaces/train-$v" fmnist-scratch --set "subspace.name=$(row "$J" $v store_name)" "${S[@]}"
 done
 cell "$R/study-subspaces/train-bn-head" fmnist-scratch --set "subspace.name=$(row "$J" bn-head store_name)" \
   --set "subspace.k=$(row "$J" bn-head k)" --set method=bp-subspace "${S[@]}"
-# how large must k be: the whole-trajectory subspace at k = 5 and 10 (k = 20 above), STEPS steps each
 for k in 5 10; do
-  [ -f "$R/study-k$k/subspaces.json" ] || $SZO study subspaces "$R/cpu-bp-s0" --k $k --prefix fmnist-k$k \
-    --random-seeds "" --no-bn-head --out "$R/study-k$k"
   cell "$R/study-k$k/train-whole" fmnist-scratch --set "subspace.name=fmnist-k$k-whole" --set "subspace.k=$k" "${S[@]}"
 done
 # the tutorial cell last when the chain runs it itself
