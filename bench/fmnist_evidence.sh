@@ -56,15 +56,15 @@ done_ "$R/shift/shift.json" || $SZO study shift "$R/cpu-bp-s0" --data fmnist-c -
 cell "$R/scratch/szo-cge-s1" fmnist-scratch --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
 # continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8), CSTEPS steps
 cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
-# training in the study's variants and at k = 5, 10
-for v in seed random0; do
-  cell "$R/study-subspaces/train-$v" fmnist-scratch --set "subspace.name=$(row "$J" $v store_name)" "${S[@]}"
-done
+# training in the study's variants and at k = 5, 10 (the cheap cells first)
 cell "$R/study-subspaces/train-bn-head" fmnist-scratch --set "subspace.name=$(row "$J" bn-head store_name)" \
   --set "subspace.k=$(row "$J" bn-head k)" --set method=bp-subspace "${S[@]}"
-for k in 5 10; do
-  cell "$R/study-k$k/train-whole" fmnist-scratch --set "subspace.name=fmnist-k$k-whole" --set "subspace.k=$k" "${S[@]}"
-done
+train_k() { cell "$R/study-k$1/train-whole" fmnist-scratch --set "subspace.name=fmnist-k$1-whole" --set "subspace.k=$1" "${S[@]}"; }
+train_v() { cell "$R/study-subspaces/train-$1" fmnist-scratch --set "subspace.name=$(row "$J" "$1" store_name)" "${S[@]}"; }
+train_k 5
+train_v random0
+train_k 10
+train_v seed
 # the tutorial cell last when the chain runs it itself
 cell "$R/tutorial-1ep" fmnist-bp --set bptt.epochs=1 --set bptt.t_max=64 --set subspace.k=1 \
   --set subspace.name=fmnist-csnn128-1ep
