@@ -52,8 +52,10 @@ done
 # the deployed model meets Gaussian noise (fmnist-c, severity 5) and N labelled samples, once
 done_ "$R/shift/shift.json" || $SZO study shift "$R/cpu-bp-s0" --data fmnist-c --corruption gaussian_noise \
   --severity 5 --samples 100,200,500 --out "$R/shift"
-# the second seed (its own BP run and subspace) for SZO-CGE; SZO-RGE's is left out for time
-cell "$R/scratch/szo-cge-s1" fmnist-scratch --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
+# the second seed (its own BP run and subspace) for SZO-CGE, BP, BP-Subspace; SZO-RGE's is left out for time
+for m in szo-cge bp bp-subspace; do
+  cell "$R/scratch/$m-s1" fmnist-scratch --set method=$m --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
+done
 # continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8), CSTEPS steps
 cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
 # training in the study's variants and at k = 5, 10 (the cheap cells first)
