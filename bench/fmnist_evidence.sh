@@ -9,6 +9,7 @@
 set -euo pipefail
 R=${R:-runs/fmnist}
 SZO=${SZO:-szo}
+PY=${PY:-python3}  # the Python szo is installed in
 STEPS=${STEPS:-150}
 C=(--set "subspace.root=$R/store" --set progress=false)
 S=(--set "train.max_steps_per_epoch=$STEPS")
@@ -56,7 +57,13 @@ done_ "$R/shift/shift.json" || $SZO study shift "$R/cpu-bp-s0" --data fmnist-c -
 for m in szo-cge bp bp-subspace; do
   cell "$R/scratch/$m-s1" fmnist-scratch --set method=$m --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
 done
-# continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8), CSTEPS steps
+# continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8), CSTEPS steps. The
+# store entry is built from the fmnist-cpu-bp run above (szo.stages.subspace_build_stage), so the
+# recipe does not train its own copy of the same 8 BPTT epochs
+$PY -c "import sys; from szo.config import load_recipe; from szo.stages import subspace_build_stage as b
+c = load_recipe('fmnist-continual', ['subspace.root=' + sys.argv[1] + '/store', 'progress=false'])
+from szo.runs import subspace_store_for as s
+s(c).exists(c['subspace']['name']) or b(c, sys.argv[1] + '/cpu-bp-s0', progress=False)" "$R"
 cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
 # training in the study's variants and at k = 5, 10 (the cheap cells first)
 cell "$R/study-subspaces/train-bn-head" fmnist-scratch --set "subspace.name=$(row "$J" bn-head store_name)" \
