@@ -65,6 +65,9 @@ c = load_recipe('fmnist-continual', ['subspace.root=' + sys.argv[1] + '/store', 
 from szo.runs import subspace_store_for as s
 s(c).exists(c['subspace']['name']) or b(c, sys.argv[1] + '/cpu-bp-s0', progress=False)" "$R"
 cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
+cell "$R/continual-lr0.1-s0" fmnist-continual --set train.lr=0.1 --set "train.max_steps_per_epoch=${CSTEPS:-100}"
+cell "$R/continual-mu0.1-lr0.01-s0" fmnist-continual --set train.lr=0.01 --set szo.mu=0.1 \
+  --set "train.max_steps_per_epoch=${CSTEPS:-100}"
 # training in the study's variants and at k = 5, 10 (the cheap cells first)
 cell "$R/study-subspaces/train-bn-head" fmnist-scratch --set "subspace.name=$(row "$J" bn-head store_name)" \
   --set "subspace.k=$(row "$J" bn-head k)" --set method=bp-subspace "${S[@]}"
