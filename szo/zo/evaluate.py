@@ -115,14 +115,10 @@ class LoopEvaluator(EvaluatorBase):
             with self._context(), guard.watch():
                 for j in rows:
                     mover.move(j)
-                    where = f"closure ({label} {j + 1}/{m})"
-                    if per_sample:
-                        v = guard.probe_samples(closure, where)
-                        if losses is None:
-                            losses = torch.zeros(m, v.numel(), dtype=torch.float64)
-                        losses[j] = v
-                    else:
-                        losses[j] = guard.probe(closure, where)
+                    v = guard.probe(closure, f"closure ({label} {j + 1}/{m})", per_sample)
+                    if losses is None:  # per sample: [m, N], N known after the first probe
+                        losses = torch.zeros(m, v.numel(), dtype=torch.float64)
+                    losses[j] = v
         finally:
             mover.restore()
         return self._reduce(losses, rows)

@@ -141,24 +141,16 @@ class ProbeGuard:
 
     # ------------------------------------------------------------------ one probe
     @torch.no_grad()
-    def probe(self, closure: Callable[[], torch.Tensor], where: str) -> float:
+    def probe(self, closure: Callable[[], torch.Tensor], where: str, per_sample: bool = False
+              ) -> "float | torch.Tensor":
         """One forward at the parameters as they are now: the step's BN statistics put back, the
-        neurons reset, the closure run, its loss checked; under ``probe-mean`` what it did to the
-        BN statistics is added to the step's mean. The evaluator has called ``bn.snapshot()`` at
-        the start of the step and holds :meth:`watch` around the step's probes."""
+        neurons reset, the closure run, its loss checked (``per_sample``: one loss per sample, the
+        float64 ``[N]`` losses); under ``probe-mean`` what it did to the BN statistics is added to
+        the step's mean. The evaluator has called ``bn.snapshot()`` at the start of the step and
+        holds :meth:`watch` around the step's probes."""
         self.bn.restore()
         self.reset()
-        out = F.check_loss(closure(), where)
-        if self.probe_mean:
-            self.bn.accumulate()
-        return out
-
-    @torch.no_grad()
-    def probe_samples(self, closure: Callable[[], torch.Tensor], where: str) -> torch.Tensor:
-        """:meth:`probe` for a closure that returns one loss per sample: the float64 ``[N]`` losses."""
-        self.bn.restore()
-        self.reset()
-        out = F.check_sample_losses(closure(), where)
+        out = (F.check_sample_losses if per_sample else F.check_loss)(closure(), where)
         if self.probe_mean:
             self.bn.accumulate()
         return out
