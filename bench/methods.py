@@ -2,7 +2,7 @@
 
 Each row is one ``szo`` command (spike_convnet, T = 4, seed 0, the digits-bp subspace k = 20 as
 reference / basis, the recipe's method_defaults): ``szo recipe digits-scratch --set method=M
-[--set ...]`` for most rows, ``szo recipe digits-fixed --set method=qzo`` for the integer learner
+[--set ...]`` for most rows, ``szo recipe digits-fixed --set method=qzo-subspace`` for the subspace integer learner
 and ``szo federated digits-scratch --clients 8`` for BAFFLE, each run in its own process with
 OMP_NUM_THREADS=1. Recorded per row: best and final test accuracy, #FP and #BP of the whole run
 (results.json), the fit's wall time, and two memory figures:
@@ -64,7 +64,7 @@ ROWS: dict[str, dict] = {
     "awp-zo": {"label": "adaptive weight / node perturbation (q=4)", "method": "awp-zo"},
     "awp-zo-fc": {"label": "sparse: only `fc` (node perturbation, q=4)", "method": "awp-zo",
                   "sets": ["szo.layers=[fc]"]},
-    "qzo": {"label": "quantized ZO, eq. 8, integer forward (q=20)", "method": "qzo", "recipe": "digits-fixed",
+    "qzo": {"label": "quantized ZO, eq. 8, on SZO's subspace coordinates, integer forward (q=20)", "method": "qzo-subspace", "recipe": "digits-fixed",
             "sets": ["train.epochs=20"]},
     "baffle": {"label": "BAFFLE, 8 clients, subspace, K = 20, 100 rounds", "method": "baffle",
                "federated": ["--clients", "8", "--rounds", "100"]},

@@ -25,7 +25,7 @@ __all__ = [
     "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
     "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
     "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
-    "NO_ADAPTATION",
+    "NO_ADAPTATION", "RENAMED", "current_name",
 ]
 
 NO_ADAPTATION = "none"
@@ -102,6 +102,17 @@ class MethodSpec:
             what = "integer on-chip learner" if integer or self.integer else "optimizer builder"
             raise ValueError(f"method {self.name!r} has no {what} registered; import szo.optim "
                              "(it registers every builder)") from None
+
+
+RENAMED: Mapping[str, str] = {"qzo": "qzo-subspace"}
+"""Earlier method names -> today's (a checkpoint or results file written under the old name is the
+same method): ``qzo`` was seed 004's eq. 8 on SZO's subspace coordinates before ``mcu-zo`` (seed
+004's own learner on the int8 weights) existed."""
+
+
+def current_name(name: str) -> str:
+    """Today's name of a method named ``name`` by an earlier version (itself if not renamed)."""
+    return RENAMED.get(name, name)
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -214,8 +225,12 @@ for _spec in (
                variant="weight"),
     MethodSpec("awp-zo", "WP/NP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers", "node_losses"), q_labeled=True,
                variant="adaptive"),
-    MethodSpec("qzo", "QZO", "on-chip", "1 + q", subspace=True, integer=True, fixed_backend=True,
+    MethodSpec("qzo-subspace", "QZO-Subspace", "on-chip", "1 + q", subspace=True, integer=True, fixed_backend=True,
                integer_learner=True, momentum=False, q_labeled=True, variant="eq8", **_FO),
+    # seed 004's learner as published: int8 weights of the integer forward, 1-LSB XORShift32 Rademacher
+    # probes, layer-wise adaptive weight / node perturbation, eq. 8 (szo.hw.mcu.MCUZO)
+    MethodSpec("mcu-zo", "MCU-ZO", "on-chip", "1 + qL", integer=True, fixed_backend=True, integer_learner=True,
+               momentum=False, q_labeled=True, options=("layers",)),
 ):
     register_method(_spec)
 

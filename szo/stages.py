@@ -34,7 +34,7 @@ from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import load_weights, save_weights
 from szo.methods import get_method, list_methods, method_label
 from szo.models.tt import tt_parametrize
-from szo.optim import HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
+from szo.optim import MCUZO, HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
@@ -385,13 +385,16 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
 
 
 def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
-    """What is known only after training: every clamp of the integer forwards (backend fixed) and
-    when a tensor-train run left signRGE for CGE (``HybridZO.hybrid_state``)."""
+    """What is known only after training: every clamp of the integer forwards (backend fixed),
+    when a tensor-train run left signRGE for CGE (``HybridZO.hybrid_state``), and seed 004's
+    learner's per-layer modes and clamps."""
     out: dict[str, Any] = {}
     if isinstance(net, FixedPointNetwork):
         out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
     if isinstance(opt, HybridZO):
         out["tt"] = dict(extra.get("tt", {}), switched_at_step=opt.hybrid_state["switched_at"])
+    if isinstance(opt, MCUZO):  # seed 004's learner: its layers' modes and every clamped int8 weight / probe
+        out["mcu"] = {"modes": opt.mode_names, "saturations": opt.counter.as_dict()}
     return out
 
 

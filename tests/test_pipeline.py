@@ -281,7 +281,7 @@ def test_unknown_method_lists_the_valid_ones():
 def test_seed004_methods_run_through_the_recipes(bp_run):
     root, sets, _ = bp_run
     small = sets + ["train.epochs=1", "train.max_steps_per_epoch=2"]
-    s = run_recipe(load_recipe("digits-fixed", small + ["method=qzo", "szo.q=3"]), root / "qzo")
+    s = run_recipe(load_recipe("digits-fixed", small + ["method=qzo-subspace", "szo.q=3"]), root / "qzo")
     assert s["fp"] == 2 * (1 + 3) and s["bp"] == 0 and s["label"] == "QZO(q=3)"
     ck = torch.load(root / "qzo" / "checkpoints" / "last.pt", weights_only=True)
     assert ck["optimizer"]["on_chip"]["c"].dtype == torch.int64

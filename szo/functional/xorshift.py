@@ -7,6 +7,8 @@ regenerates the same sequence, so on chip only the 32-bit seed is kept.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["MASK32", "XorShift32", "rademacher"]
@@ -47,6 +49,54 @@ class XorShift32:
     def rademacher(self, n: int) -> torch.Tensor:
         """``n`` values in {-1, +1} (int64): LSB 1 -> -1, LSB 0 -> +1."""
         return 1 - 2 * (self.draws(n) & 1)
+
+    def stream(self, n: int) -> torch.Tensor:
+        """The next ``n`` states, equal to :meth:`draws` (``n`` serial steps), computed in lanes.
+
+        XORShift32 is linear over GF(2): ``state_{i+B} = M^B state_i``. The stream is cut into
+        ``~sqrt(n)`` lanes of ``B`` states; each lane's start is one jump ``M^B`` (32 XORs, the
+        matrix as the images of the 32 unit states) from the previous one, then all lanes step
+        ``B`` times together. Node perturbation draws one value per node, sample and time step
+        (10^5 and more per probe): the serial loop would dominate the step, the chip's
+        sequence is the same.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        if n < 256:
+            return self.draws(n)
+        lanes = math.isqrt(n)
+        B = -(-n // lanes)  # lanes * B >= n
+        unit = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+        jump = unit.clone()
+        for _ in range(B):  # M^B applied to the 32 unit states: the jump matrix's columns
+            jump = _step(jump)
+        cols = jump.tolist()
+        starts = [self.state]
+        for _ in range(lanes - 1):
+            s, t = starts[-1], 0
+            for b in range(32):
+                if s >> b & 1:
+                    t ^= cols[b]
+            starts.append(t)
+        lane = torch.tensor(starts, dtype=torch.int64)
+        out = torch.empty(B, lanes, dtype=torch.int64)
+        for i in range(B):
+            lane = _step(lane)
+            out[i] = lane
+        seq = out.t().reshape(-1)[:n]  # lane-major: lane j holds states j*B+1 .. (j+1)*B
+        self.state = int(seq[-1])
+        return seq
+
+    def rademacher_stream(self, n: int) -> torch.Tensor:
+        """:meth:`rademacher` of :meth:`stream`: the same ``n`` values, computed in lanes."""
+        return 1 - 2 * (self.stream(n) & 1)
+
+
+def _step(s: torch.Tensor) -> torch.Tensor:
+    """One XORShift32 step of every element of an int64 tensor of 32-bit states."""
+    s = s ^ ((s << SHIFT_A) & MASK32)
+    s = s ^ (s >> SHIFT_B)
+    return s ^ ((s << SHIFT_C) & MASK32)
 
 
 def rademacher(seed: int, n: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ __all__ = [
     "forward_gradient_coefficients",
     "forward_gradient",
     "sign_coefficients",
+    "per_sample_node_estimate",
 ]
 
 LossFn = Callable[[torch.Tensor], "float | torch.Tensor"]
@@ -216,3 +217,22 @@ def one_point(
     for j in range(q):
         lp[j] = check_loss(loss_fn(theta + mu * (directions @ z[j])), "loss_fn")
     return directions @ forward_difference_coefficients(lp, center, z, mu)
+
+
+def per_sample_node_estimate(xi: torch.Tensor, losses: torch.Tensor, clean: torch.Tensor, mu: float,
+                             shape: torch.Size) -> torch.Tensor:
+    """Seed 004 Algorithm 1 line 29: ``(1/(Q N)) sum_q xi_{q,n} (l_{q,n} - l_n) / mu`` shaped like
+    the layer output ``shape`` (``[T, N, ...]`` or ``[N, F]``): the gradient estimate of the
+    batch-mean loss at the nodes, each node weighted by its own sample's loss difference.
+    ``xi [Q, numel]`` (float, or the integer learner's Rademacher signs), ``losses [Q, N]``,
+    ``clean [N]``; the result has ``xi``'s dtype if it is floating, else float64."""
+    q = xi.shape[0]
+    n_axis = 1 if len(shape) > 2 else 0  # the sample axis of the layer output
+    n = shape[n_axis]
+    if losses.shape[1] != n:
+        raise ValueError(f"the closure returned {losses.shape[1]} per-sample losses, the layer output has {n} samples")
+    coef = (losses - clean[None, :]) / mu  # [Q, N]
+    view = [q] + [1] * len(shape)
+    view[1 + n_axis] = n
+    g = (xi.view(q, *shape).to(torch.float64) * coef.view(view)).sum(0) / (q * n)
+    return g.to(xi.dtype) if xi.is_floating_point() else g

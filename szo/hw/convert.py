@@ -26,7 +26,7 @@ import contextlib
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ from szo.hw.fixed import (
 from szo.hw.neuron import RESETS, FixedCubaLIF, LoihiCubaLIF
 from szo.models.base import SpikingModel
 
-__all__ = ["BACKENDS", "FLOAT32_EXACT", "FLOAT64_EXACT", "FixedPointNetwork", "SUPPORTED_LAYERS",
+__all__ = ["BACKENDS", "FLOAT32_EXACT", "FLOAT64_EXACT", "FixedPointNetwork", "IntSynapse", "SUPPORTED_LAYERS",
            "UnsupportedLayerError", "backend", "exact_float_kernels", "to_fixed"]
 
 BACKENDS: tuple[str, ...] = ("float", "fixed")
@@ -103,6 +103,31 @@ class _Tracer(fx.Tracer):
         if isinstance(m, nn.Sequential):
             return False
         return isinstance(m, SUPPORTED_LAYERS) or next(m.children(), None) is None
+
+
+@dataclass
+class IntSynapse:
+    """One synapse's stored integers (a *real-quantized* graph, seed 004 Sec. 2.1): the weight
+    mantissas ``w_int`` (signed ``weight_bits``; BN and the pooling factor folded in) with the
+    layer's exponent ``exp`` (``W = w_int 2**exp``), and the bias mantissas ``bias_mant`` (signed
+    ``bias_mant_bits``, None without a bias) with ``bias_exp`` (bias = ``bias_mant << bias_exp``
+    state units)."""
+
+    w_int: torch.Tensor
+    exp: int
+    bias_mant: torch.Tensor | None
+    bias_exp: int
+
+    @property
+    def bias_int(self) -> torch.Tensor | None:
+        return None if self.bias_mant is None else self.bias_mant << self.bias_exp
+
+
+AccHook = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``hook(x_int, acc, shift) -> acc``: sees a synapse's integer input ``[T*N, ...]``, its integer
+accumulator ``acc = W_int x_int`` before the shift into state units and that shift (one unit of
+``acc`` is ``2**shift`` state units), returns the accumulator the layer goes on with (node
+perturbation adds ``mu xi`` here)."""
 
 
 @dataclass
@@ -177,6 +202,8 @@ class FixedPointNetwork(SpikingModel):
         self.record = bool(record)  # keep every synaptic current / spike tensor of the last forward in last_record
         self.last_record: dict[str, torch.Tensor] = {}
         self.last_record_lava_rounding: dict[str, torch.Tensor] = {}  # "szo": the same sums floor-shifted as Lava
+        self.int_weights: dict[str, IntSynapse] | None = None  # freeze_weights(): the forward uses these integers
+        self.acc_hooks: dict[str, AccHook] = {}  # synapse path -> hook on its integer accumulator
         if model._parameters:
             raise _unsupported("<root>", type(model).__name__, "parameters registered directly on the model")
         for name, child in model.named_children():
@@ -278,25 +305,49 @@ class FixedPointNetwork(SpikingModel):
         return src  # BatchNorm (folded), Flatten, Identity, Dropout
 
     # --------------------------------------------------------------- quantisation
+    @property
+    def scales_known(self) -> bool:
+        """Every synapse's pooling factor is known (False before the first forward of a network with an
+        ``AdaptiveAvgPool2d``): :meth:`quantized_layers` and :meth:`freeze_weights` can run."""
+        return all(m is not None for m in self._synapse_mult.values())
+
+    def freeze_weights(self) -> dict[str, IntSynapse]:
+        """Quantise every synapse once (:meth:`quantized_layers`) and run every later forward on
+        these stored integers instead of re-quantising the float parameters: the real-quantized
+        graph an integer learner trains in place (``net.int_weights``, path -> :class:`IntSynapse`).
+        The float parameters are no longer read by the forward."""
+        frozen = {}
+        for path, q in self.quantized_layers().items():
+            b = q["bias_int"]
+            mant = None if b is None else b >> q["bias_exp"]  # exact: bias_int = mant << bias_exp
+            frozen[path] = IntSynapse(q["w_int"].clone(), q["exp"], mant, q["bias_exp"])
+        self.int_weights = frozen
+        return frozen
+
     def _quantize_synapse(self, path: str, m: nn.Module, mult: float
-                          ) -> tuple[torch.Tensor, int, int, torch.Tensor | None, int]:
-        """``W = Q(theta)`` of one synapse: ``(w_int, e, n_w_sat, bias_int, n_b_sat)``.
+                          ) -> tuple[torch.Tensor, int, int, torch.Tensor | None, int, int]:
+        """``W = Q(theta)`` of one synapse: ``(w_int, e, n_w_sat, bias_int, n_b_sat, bias_exp)``.
 
         BN folded with its running statistics; ``mult`` (pooling's 1/k^2 before this synapse)
         is folded into the float weights before quantising, so it changes ``e`` and ``w_int``.
+        After :meth:`freeze_weights`: the stored integers (nothing saturates here).
         """
+        if self.int_weights is not None:
+            s = self.int_weights[path]
+            return s.w_int, s.exp, 0, s.bias_int, 0, s.bias_exp
         P = self.precision
         bn = self._mods[self.fused[path]] if path in self.fused else None
         w, b = _fold_bn(m.weight, m.bias, bn)
         w_int, e, n_w = quantize_weight(w * mult if mult != 1.0 else w, P)
-        bias_int, n_b = None, 0
+        bias_int, n_b, bias_exp = None, 0, 0
         if b is not None:
-            bias_int, _, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
-        return w_int, e, n_w, bias_int, n_b
+            bias_int, bias_exp, n_b = quantize_bias(b * (1 << STATE_SHIFT), P)
+        return w_int, e, n_w, bias_int, n_b, bias_exp
 
     def quantized_layers(self) -> dict[str, dict[str, Any]]:
         """``W = Q(theta)`` of every synapse as the forward uses it: ``w_int``, exponent ``exp``,
-        ``bias_int`` and the pooling factor ``mult`` folded into the weights (no side effects).
+        ``bias_int`` (= mantissa ``<< bias_exp``) and the pooling factor ``mult`` folded into the
+        weights (no side effects).
 
         A synapse behind an ``AdaptiveAvgPool2d`` has a factor that depends on the input size:
         it is the one of the last forward (ValueError before the first forward).
@@ -306,8 +357,8 @@ class FixedPointNetwork(SpikingModel):
             if mult is None:
                 raise ValueError(f"synapse {path!r} follows an input-size dependent pooling (AdaptiveAvgPool2d): "
                                  "its weight scale is known after a forward; run the network once first")
-            w_int, e, _, bias_int, _ = self._quantize_synapse(path, self._mods[path], mult)
-            out[path] = {"w_int": w_int, "exp": e, "bias_int": bias_int, "mult": mult}
+            w_int, e, _, bias_int, _, bias_exp = self._quantize_synapse(path, self._mods[path], mult)
+            out[path] = {"w_int": w_int, "exp": e, "bias_int": bias_int, "bias_exp": bias_exp, "mult": mult}
         return out
 
     # -------------------------------------------------------------------- forward
@@ -425,7 +476,7 @@ class FixedPointNetwork(SpikingModel):
     def _synapse(self, path: str, m: nn.Module, x: _Val) -> _Val:
         P = self.precision
         self._synapse_mult[path] = x.mult  # what quantized_layers() reports
-        w_int, e, n_w, bias_int, n_b = self._quantize_synapse(path, m, x.mult)
+        w_int, e, n_w, bias_int, n_b, _ = self._quantize_synapse(path, m, x.mult)
         self.counter.add(path, "weight", n_w)
         if bias_int is not None:
             self.counter.add(path, "bias", n_b)
@@ -447,6 +498,9 @@ class FixedPointNetwork(SpikingModel):
             ref = self._int64_reference(m, xin, w_int)
             if not torch.equal(acc, ref):
                 raise RuntimeError(f"{path}: float kernel result differs from the int64 reference")
+        hook = self.acc_hooks.get(path)
+        if hook is not None:
+            acc = hook(xin, acc, e - x.frac + STATE_SHIFT)
         bias = None if bias_int is None else bias_int.view(1, -1, *([1] * (acc.dim() - 2)))
         if self.arithmetic == "szo":
             cur = shift(acc, e - x.frac + STATE_SHIFT)  # into state units: exact left shift, or toward-zero right shift

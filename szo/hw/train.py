@@ -13,7 +13,7 @@ Two ways to train on the fixed-point backend:
    ``"rademacher"`` (seed-004 style: 2q probes +/- mu z, z in {-1, +1}^k from XORShift32,
    regenerated from a 32-bit seed instead of stored). mu is an integer number of coordinate
    LSBs. The loss is computed on the host from the integer readout (a float).
-   ``rule="eq8"`` (method ``qzo``) is seed 004's quantized ZO instead: one clean forward and q
+   ``rule="eq8"`` (method ``qzo-subspace``) is seed 004's quantized ZO instead: one clean forward and q
    XORShift32 Rademacher forward differences of ``mu_lsb`` LSBs (eq. 6), then the rounded,
    clipped integer update of eq. 8 (:func:`quantized_zo_update`), no momentum (no optimizer state).
 """
@@ -302,11 +302,11 @@ class OnChipSZO(ForwardOnlyBase):
         return bits
 
 
-@register_builder("szo-cge", "szo-rge", "qzo", integer=True)
+@register_builder("szo-cge", "szo-rge", "qzo-subspace", integer=True)
 def build_on_chip(spec, model: nn.Module, subspace: Any, o, run) -> OnChipSZO:
     """The integer learner of a method (``o.integer`` gives the widths and the XORShift32 seed):
     ``szo-cge`` -> CGE with integer momentum, ``szo-rge`` -> Rademacher (seed 004) with integer
-    momentum, ``qzo`` -> seed 004's eq. 8 (no momentum). ``mu`` in coordinate units becomes
+    momentum, ``qzo-subspace`` -> seed 004's eq. 8 (no momentum). ``mu`` in coordinate units becomes
     ``round(mu 2**coord_frac)`` LSBs."""
     h = o.integer
     rule = "eq8" if spec.variant == "eq8" else "momentum"

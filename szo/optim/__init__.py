@@ -15,6 +15,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from szo.hw.mcu import MCUZO
 from szo.hw.train import OnChipSZO
 from szo.methods import METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder, which_methods
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
@@ -36,6 +37,7 @@ __all__ = [
     "HybridZO",
     "LayerwiseZO",
     "OnChipSZO",
+    "MCUZO",
     "SubspaceOptimizer",
     "BNStatsFreezer",
     "bn_layers",
@@ -107,8 +109,9 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     ``"reference"`` moves the parameters to ``subspace.reference``, ``"current"`` keeps them.
     ``np-zo`` / ``wp-zo`` / ``awp-zo`` perturb the layers named in ``layers`` (default: every
     linear / convolution layer). ``integer`` (:class:`IntegerLearnerOptions`) trains
-    ``szo-cge`` / ``szo-rge`` / ``qzo`` with the integer on-chip learner
-    (``szo.hw.train.OnChipSZO``; ``qzo``: seed 004's eq. 8), ``mu`` in coordinate units.
+    ``szo-cge`` / ``szo-rge`` / ``qzo-subspace`` with the integer on-chip learner
+    (``szo.hw.train.OnChipSZO``; ``qzo-subspace``: seed 004's eq. 8 on SZO's coordinates), ``mu`` in
+    coordinate units; ``mcu-zo`` is seed 004's own learner on the int8 weights (``szo.hw.mcu.MCUZO``).
     """
     spec = get_method(method, trainable=True)
     if options is None or run is None:

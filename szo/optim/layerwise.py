@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from szo.functional.zo import per_sample_node_estimate
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
@@ -162,7 +163,7 @@ class LayerwiseZO(ForwardOnlyBase):
                     losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe",
                                     per_sample=ps)
                     if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
-                        g_z = _per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
+                        g_z = per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
                         losses = losses.mean(1)
                     else:
                         g_z = plan.estimate(losses, centre=l0).view(shape)
@@ -183,23 +184,6 @@ class LayerwiseZO(ForwardOnlyBase):
             p.add_(heavy_ball_(self.state[p]["velocity"], grads[p], lr=group["lr"], momentum=group["momentum"]))
         batch_closure = (lambda: closure().mean()) if ps else closure  # the BN forward reports the batch loss
         return self.finish_step(batch_closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
-
-
-def _per_sample_node_estimate(xi: torch.Tensor, losses: torch.Tensor, clean: torch.Tensor, mu: float,
-                              shape: torch.Size) -> torch.Tensor:
-    """``(1/(Q N)) sum_q xi_{q,n} (l_{q,n} - l_n) / mu`` shaped like the layer output ``shape``
-    (``[T, N, ...]`` or ``[N, F]``): the gradient estimate of the batch-mean loss at the nodes.
-    ``xi [Q, numel]``, ``losses [Q, N]``, ``clean [N]``."""
-    q = xi.shape[0]
-    n_axis = 1 if len(shape) > 2 else 0  # the sample axis of the layer output
-    n = shape[n_axis]
-    if losses.shape[1] != n:
-        raise ValueError(f"the closure returned {losses.shape[1]} per-sample losses, the layer output has {n} samples")
-    coef = (losses - clean[None, :]) / mu  # [Q, N]
-    view = [q] + [1] * len(shape)
-    view[1 + n_axis] = n
-    g = (xi.view(q, *shape).to(torch.float64) * coef.view(view)).sum(0) / (q * n)
-    return g.to(xi.dtype)
 
 
 @register_builder("np-zo", "wp-zo", "awp-zo")

@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 from szo.distributed import main_decides
 from szo.functional.zo import NonFiniteLossError
 from szo.io import atomic_write_json
+from szo.methods import current_name
 from szo.plots import plot_training_curve
 from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
@@ -620,7 +621,8 @@ def _load_start_state(ckpt_path: Path, run_dir: Path, resume: bool, par: Any
 def _check_checkpoint_kind(st: dict[str, Any], where: Path, method: str | None, opt_kind: str) -> None:
     """Refuse a checkpoint written by another method or optimizer class (e.g. a BPTT last.pt
     copied into an SZO run)."""
-    for what, got, want in (("method", st.get("method"), method), ("optimizer", st.get("optimizer_class"), opt_kind)):
+    got_method = None if st.get("method") is None else current_name(st["method"])  # a renamed method is the same
+    for what, got, want in (("method", got_method, method), ("optimizer", st.get("optimizer_class"), opt_kind)):
         if got is not None and want is not None and got != want:
             raise ValueError(f"checkpoint {where} was written by {what} {got!r}, this run trains with {want!r}: "
                              "a run resumes only its own checkpoint; use another run directory")

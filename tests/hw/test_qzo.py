@@ -89,7 +89,7 @@ def test_on_chip_eq8_rejects_cge():
 def test_qzo_method_config():
     from szo.config import load_recipe
 
-    c = load_recipe("digits-fixed", ["method=qzo"])
-    assert c["method"] == "qzo" and c["hw"]["learner"] == "integer" and c["backend"] == "fixed"
-    with pytest.raises(ValueError, match="qzo"):
-        load_recipe("digits-scratch", ["method=qzo"])
+    c = load_recipe("digits-fixed", ["method=qzo-subspace"])
+    assert c["method"] == "qzo-subspace" and c["hw"]["learner"] == "integer" and c["backend"] == "fixed"
+    with pytest.raises(ValueError, match="qzo-subspace"):
+        load_recipe("digits-scratch", ["method=qzo-subspace"])

@@ -50,7 +50,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "onchip-cge": ("szo-cge", dict(lr=0.5, estimator="cge", rule="momentum", mu_lsb=1 << 11)),
     "onchip-rademacher": ("szo-rge", dict(lr=0.5, estimator="rademacher", rule="momentum", q=2,
                                           mu_lsb=1 << 11)),
-    "qzo": ("qzo", dict(lr=0.5, estimator="rademacher", rule="eq8", q=2, mu_lsb=1 << 11)),
+    "qzo": ("qzo-subspace", dict(lr=0.5, estimator="rademacher", rule="eq8", q=2, mu_lsb=1 << 11)),
 }
 
 

@@ -19,7 +19,7 @@ from szo.zo import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, StepInfo, is_forward_
 
 BUILT = [m for m in FORWARD_ONLY_METHODS if m not in QZO_METHODS]  # qzo: OnChipSZO, below
 ONCHIP = {"onchip-cge": dict(estimator="cge"), "onchip-rademacher": dict(estimator="rademacher", q=2),
-          "qzo": dict(estimator="rademacher", rule="eq8", q=2)}
+          "qzo-subspace": dict(estimator="rademacher", rule="eq8", q=2)}
 
 
 def _model_and_subspace(k: int = 3):

@@ -1,0 +1,482 @@
+"""Seed 004's integer learner (Zhao et al. 2025, "Poor Man's Training on MCUs"): quantized,
+layer-wise, adaptive weight / node perturbation on the int8 weights of a real-quantized graph.
+
+:class:`MCUZO` trains the stored integers of a :class:`~szo.hw.convert.FixedPointNetwork`
+(``net.freeze_weights()``: every synapse's int8 weight mantissas with its layer exponent, BN and
+pooling folded in, the 13-bit bias mantissas), every probe an integer forward. One step
+(Algorithm 1, App. A):
+
+1. one clean forward: per-sample losses ``l_n`` and each trained layer's integer input ``a_i``;
+2. for each trained layer ``i`` (layer-wise: only that layer is perturbed), a 32-bit seed ``S``
+   drawn from the learner's XORShift32, and from it ``Q`` Rademacher vectors (XORShift32, LSB ->
+   sign; regenerated from ``S``, never stored):
+
+   * **weight perturbation** (``d_w < d_a``): ``Q`` forwards at ``W_i + mu xi_q`` (``mu = 1`` LSB
+     of the int8 mantissa, bias mantissas too), ``g = 1/Q sum_q (l_q - l) / mu xi_q`` with ``l_q``,
+     ``l`` the batch means (Algorithm 1 line 15: one direction for the whole batch);
+   * **node perturbation** (``d_w >= d_a``): ``Q`` forwards with ``mu xi_{q,n}`` added to the
+     layer's integer accumulator ``z_i = W_i a_i`` (``mu = 1`` LSB of it: the smallest change of
+     ``z`` the layer's integers can make), per-sample losses ``l_{q,n}``, node estimate
+     ``1/(QN) sum (l_{q,n} - l_n)/mu xi_{q,n}`` (lines 23/29), weight estimate eq. 10
+     ``g_W = g_z a_i^T`` (the layer's own integer input), bias ``g_z 2**(bias_exp - shift)``;
+
+   ``d_a`` counts one sample's nodes over T (what one loss difference weights), ``d_w`` the
+   layer's weights and biases;
+3. every trained layer updated at once from the estimates at ``theta_t`` (the *global* update of
+   Algorithm 1 line 34) by eq. 8: ``clip(W - round(NQ/(NQ + d - 1) lr/s^2 g), -128, 127)`` with
+   ``s`` the value of one integer unit (``2**exp`` for weights, ``2**(bias_exp - 12)`` for bias
+   mantissas), ``d = d_w`` (weight perturbation, ``N = 1``: one direction per probe for the
+   batch) or ``d_a`` (node perturbation, ``N`` = batch: independent per-sample node directions).
+
+No momentum, no optimizer state beyond the integers and the 32-bit generator state (Sec. 3:
+vanilla ZO-SGD). ``layers`` restricts training to a subset (the paper's sparse training of one
+block): :func:`split_blocks` cuts the layers into the paper's four blocks, :func:`select_block`
+picks one by a short BP-free test training per block (Sec. 3.3.1).
+
+The float parameters follow the integers after every step (dequantised, BN un-folded), so
+``model.safetensors`` and the float backend see the learned model.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from szo.functional.xorshift import XorShift32
+from szo.functional.zo import per_sample_node_estimate
+from szo.hw.convert import FixedPointNetwork, IntSynapse
+from szo.hw.fixed import STATE_SHIFT, SaturationCounter, saturate
+from szo.methods import register_builder
+from szo.zo import (
+    Field,
+    ForwardOnlyBase,
+    LoopEvaluator,
+    Plan,
+    ProbeGuard,
+    StateCodec,
+    check_hparams,
+    one_point_plan,
+    quantized_zo_update,
+)
+
+__all__ = ["MCUZO", "MCU_PERTURBATIONS", "LayerPlan", "select_block", "split_blocks"]
+
+MCU_PERTURBATIONS: tuple[str, ...] = ("adaptive", "weight", "node")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one trained layer is estimated: ``mode`` ("weight" | "node"), ``d_w`` (weights + biases),
+    ``d_a`` (one sample's nodes over T), the accumulator shape ``[T, N, ...]`` of the clean forward."""
+
+    mode: str
+    d_w: int
+    d_a: int
+
+
+class IntWeightSpace:
+    """One synapse's integer weights and bias mantissas as one vector of ``d_w`` integers: a probe
+    sets ``sat(w0 + sign mu xi)`` (the perturbed int8 value stays int8: a clamp is counted)."""
+
+    def __init__(self, syn: IntSynapse, weight_bits: int, bias_bits: int, counter: SaturationCounter, path: str):
+        self.syn, self.weight_bits, self.bias_bits = syn, weight_bits, bias_bits
+        self.counter, self.path = counter, path
+        self.n_w = syn.w_int.numel()
+        self.d = self.n_w + (0 if syn.bias_mant is None else syn.bias_mant.numel())
+
+    def flat(self) -> torch.Tensor:
+        parts = [self.syn.w_int.reshape(-1)] + ([] if self.syn.bias_mant is None else [self.syn.bias_mant])
+        return torch.cat(parts)
+
+    def load(self, v: torch.Tensor, quantity: str) -> None:
+        s = self.syn
+        s.w_int = saturate(v[:self.n_w].view_as(s.w_int), self.weight_bits, self.counter, self.path, quantity)
+        if s.bias_mant is not None:
+            s.bias_mant = saturate(v[self.n_w:], self.bias_bits, self.counter, self.path, f"bias {quantity}")
+
+    def mover(self, plan: Plan) -> "_IntWeightMover":
+        return _IntWeightMover(self, plan)
+
+
+class _IntWeightMover:
+    def __init__(self, space: IntWeightSpace, plan: Plan):
+        self.space, self.plan = space, plan
+        self.saved = (space.syn.w_int, space.syn.bias_mant)
+        self.base = space.flat()
+        self.signs = plan.directions.to(torch.int64)  # +-1: exact
+
+    def move(self, j: int) -> None:
+        i = self.plan.index[j]
+        if i < 0:
+            self.restore()
+            return
+        step = int(self.plan.sign[j]) * int(self.plan.mu)
+        self.space.load(self.base + step * self.signs[i], "probe")
+
+    def restore(self) -> None:
+        self.space.syn.w_int, self.space.syn.bias_mant = self.saved
+
+
+class AccNodeSpace:
+    """One synapse's integer accumulator ``z = W_int a`` (shape ``[T*N, ...]``): a probe adds
+    ``sign mu xi`` through the network's accumulator hook, removed by ``restore``."""
+
+    def __init__(self, net: FixedPointNetwork, path: str):
+        self.net, self.path = net, path
+
+    def mover(self, plan: Plan) -> "_AccNodeMover":
+        return _AccNodeMover(self, plan)
+
+
+class _AccNodeMover:
+    def __init__(self, space: AccNodeSpace, plan: Plan):
+        self.space, self.plan = space, plan
+        self.signs = plan.directions.to(torch.int64)  # +-1: exact
+
+    def move(self, j: int) -> None:
+        self.restore()
+        i = self.plan.index[j]
+        if i < 0:
+            return
+        add = int(self.plan.sign[j]) * int(self.plan.mu) * self.signs[i]
+        self.space.net.acc_hooks[self.space.path] = lambda x, acc, shift: acc + add.view(acc.shape)
+
+    def restore(self) -> None:
+        self.space.net.acc_hooks.pop(self.space.path, None)
+
+
+class _Unmoved:
+    """The clean forward's space: nothing moves."""
+
+    def mover(self, plan: Plan) -> "_Unmoved":
+        return self
+
+    def move(self, j: int) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+
+def _check_state(opt: "MCUZO", section: dict) -> None:
+    paths = section.get("paths")
+    if paths is not None and list(paths) != list(opt.layers):
+        raise ValueError(f"optimizer state trains layers {list(paths)}, this optimizer trains {list(opt.layers)}")
+
+
+class MCUZO(ForwardOnlyBase):
+    """Seed 004's quantized layer-wise adaptive WP/NP learner on a fixed-point network (module docstring).
+
+    ``net``: a :class:`FixedPointNetwork` (its weights are frozen to integers at the first step,
+    or now with ``net.freeze_weights()``); ``layers``: synapse paths to train (None: all);
+    ``perturbation``: ``"adaptive"`` (the paper's), ``"weight"`` or ``"node"`` everywhere;
+    ``q``: probes per layer (the paper's Q); ``mu_w`` / ``mu_node``: perturbation in LSBs (the
+    paper's 1); ``lr``: eq. 8's global rate (read from ``param_groups[0]`` each step, so a host
+    schedule applies); ``seed``: the XORShift32 seed (nonzero 32-bit).
+    """
+
+    loss_reduction = "none"  # per-sample losses l_n (Algorithm 1)
+    codecs = (StateCodec("mcu", (Field("paths", "plain", "layer_paths", record_only=True),
+                                 Field("integers", "tensors", "integer_state", optional=True),
+                                 Field("rng_state", "xorshift", "rng"),
+                                 Field("modes", "plain", "mode_names", record_only=True),
+                                 Field("forward_passes", "int", default=0), Field("step_count", "int", default=0)),
+                         check=_check_state),)
+
+    def __init__(self, net: FixedPointNetwork, *, layers: Sequence[str] | None = None, perturbation: str = "adaptive",
+                 q: int = 10, lr: float = 1e-3, mu_w: int = 1, mu_node: int = 1, seed: int = 1) -> None:
+        if not isinstance(net, FixedPointNetwork):
+            raise ValueError(f"MCUZO trains a fixed-point network (szo.hw.to_fixed(model)), got {type(net).__name__}; "
+                             "set backend: fixed")
+        if perturbation not in MCU_PERTURBATIONS:
+            raise ValueError(f"unknown perturbation {perturbation!r}; valid: {', '.join(MCU_PERTURBATIONS)}")
+        check_hparams(lr=lr, momentum=0.0, q=q)
+        for name, v in (("mu_w", mu_w), ("mu_node", mu_node)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int (LSBs; the paper's is 1), got {v!r}")
+        synapses = [n for n, m in net.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+        if layers is None:
+            chosen = synapses
+        else:
+            unknown = [n for n in layers if n not in synapses]
+            if unknown or not layers:
+                raise ValueError(f"unknown or no layers {unknown or list(layers)}; valid synapse paths: {synapses}")
+            chosen = [n for n in synapses if n in layers]  # model order
+        self.layers = {n: net.get_submodule(n) for n in chosen}
+        super().__init__([p for m in self.layers.values() for p in m.parameters(recurse=False)], dict(lr=float(lr)))
+        self.net = net
+        self.perturbation, self.q, self.mu_w, self.mu_node = perturbation, q, mu_w, mu_node
+        self.rng = XorShift32(seed)
+        self.step_count = 0
+        self.counter = SaturationCounter()
+        self.plans: dict[str, LayerPlan] = {}
+        self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
+        self.integer_state_loaded = False
+        self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def lr(self) -> float:
+        return float(self.param_groups[0]["lr"])
+
+    @property
+    def layer_paths(self) -> list[str]:
+        return list(self.layers)
+
+    @property
+    def mode_names(self) -> dict[str, str]:
+        return {n: p.mode for n, p in self.plans.items()}
+
+    @property
+    def integer_state(self) -> list[torch.Tensor] | None:
+        """The trained layers' integers (weight mantissas, then bias mantissas, per layer)."""
+        if self.net.int_weights is None:
+            return self._pending
+        out = []
+        for n in self.layers:
+            s = self.net.int_weights[n]
+            out += [s.w_int] + ([] if s.bias_mant is None else [s.bias_mant])
+        return out
+
+    @integer_state.setter
+    def integer_state(self, value: list[torch.Tensor] | None) -> None:
+        if value is None:
+            return
+        if self.net.int_weights is None:
+            self._pending = [t.clone() for t in value]
+            return
+        it = iter(value)
+        for n in self.layers:
+            s = self.net.int_weights[n]
+            w = next(it, None)
+            if w is None or w.shape != s.w_int.shape:
+                raise ValueError(f"optimizer state does not fit layer {n!r} (weights {tuple(s.w_int.shape)})")
+            s.w_int = w.to(torch.int64)
+            if s.bias_mant is not None:
+                s.bias_mant = next(it).to(torch.int64)
+        self.write_back()
+
+    @property
+    def forwards_per_step(self) -> int:
+        return 1 + self.q * len(self.layers)
+
+    # ------------------------------------------------------------------ the step
+    def _freeze(self) -> None:
+        self.integer_state_loaded = False
+        if self.net.int_weights is None:
+            self.net.freeze_weights()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.integer_state = pending
+            self.integer_state_loaded = True
+
+    def _clean(self, closure: Callable[[], torch.Tensor], inputs: dict, record: Callable) -> torch.Tensor:
+        """The clean forward's per-sample losses ``[N]``, recording each trained layer's integer input."""
+        net = self.net
+        net.acc_hooks.update({n: record(n) for n in self.layers})
+        try:
+            return self.evaluator.run(closure, _Unmoved(), one_point_plan(torch.zeros(0, 1), 1.0),
+                                      label="clean forward", per_sample=True)[0]
+        finally:
+            for n in self.layers:
+                net.acc_hooks.pop(n, None)
+
+    def _layer_plan(self, name: str, syn: IntSynapse, acc_shape: torch.Size, batch: int) -> LayerPlan:
+        d_w = syn.w_int.numel() + (0 if syn.bias_mant is None else syn.bias_mant.numel())
+        d_a = acc_shape.numel() // batch  # [T*N, ...]: one sample's nodes over T
+        if self.perturbation == "adaptive":
+            mode = "weight" if d_w < d_a else "node"  # Sec. 3.2.2
+        else:
+            mode = self.perturbation
+        return LayerPlan(mode, d_w, d_a)
+
+    def _rademacher(self, q: int, n: int) -> torch.Tensor:
+        """``[q, n]`` Rademacher signs (float64, exact) from one 32-bit seed drawn from the learner's generator."""
+        return XorShift32(self.rng.next()).rademacher_stream(q * n).view(q, n).to(torch.float64)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("MCUZO.step needs a closure that runs a forward pass and returns per-sample losses")
+        net, ev = self.net, self.evaluator
+        inputs: dict[str, tuple[torch.Tensor, torch.Size, int]] = {}
+
+        def record(name: str):
+            def hook(x: torch.Tensor, acc: torch.Tensor, shift: int) -> torch.Tensor:
+                inputs[name] = (x, acc.shape, shift)
+                return acc
+            return hook
+
+        extra = 0
+        if net.int_weights is None and net.scales_known:
+            self._freeze()  # before the clean forward: a resumed run's integers are in it
+        with ev.session():
+            clean = self._clean(closure, inputs, record)
+            if net.int_weights is None:  # pooling factors known only now: the same integers as that forward,
+                self._freeze()  # unless a checkpoint's were waiting (then measure again, one more forward)
+                if self.integer_state_loaded:
+                    clean, extra = self._clean(closure, inputs, record), 1
+            batch = int(clean.numel())
+            l0 = float(clean.mean())
+            grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            all_losses: list[float] = [l0]
+            for name, m in self.layers.items():
+                syn = net.int_weights[name]
+                x, acc_shape, shift = inputs[name]
+                if name not in self.plans:
+                    self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
+                lp = self.plans[name]
+                if lp.mode == "weight":
+                    space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits,
+                                           self.counter, name)
+                    plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
+                    losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
+                    g = plan.estimate(losses, centre=l0)  # per LSB, over weights then biases
+                    gw = g[:space.n_w].view_as(syn.w_int)
+                    gb = None if syn.bias_mant is None else g[space.n_w:]
+                else:
+                    T = acc_shape[0] // batch
+                    shape = torch.Size([T, batch, *acc_shape[1:]])
+                    plan = one_point_plan(self._rademacher(self.q, shape.numel()), self.mu_node, centre=False)
+                    per = ev.run(closure, AccNodeSpace(net, name), plan, label=f"layer {name}, node probe",
+                                 per_sample=True)
+                    g_acc = per_sample_node_estimate(plan.directions, per, clean, self.mu_node, shape)
+                    g_acc = g_acc.reshape(acc_shape)
+                    gw = _weight_vjp(m, x, g_acc, syn.w_int.shape)  # eq. 10 with the integer input
+                    gb = None
+                    if syn.bias_mant is not None:
+                        dims = [0] + list(range(2, g_acc.dim()))
+                        gb = g_acc.sum(dims) * 2.0 ** (syn.bias_exp - shift)
+                    losses = per.mean(1)
+                grads[name] = (gw, gb)
+                all_losses += losses.tolist()
+            for name, (gw, gb) in grads.items():  # the global update (eq. 8)
+                self._update(name, net.int_weights[name], self.plans[name], gw, gb, batch)
+        self.step_count += 1
+        self.write_back()
+        return self.finish_step(lambda: closure().mean(), all_losses, l0, self.forwards_per_step + extra)
+
+    def _update(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
+                batch: int) -> None:
+        n, d = (1, lp.d_w) if lp.mode == "weight" else (batch, lp.d_a)
+        P = self.net.precision
+        syn.w_int = quantized_zo_update(syn.w_int, gw, lr=self.lr, scale=2.0 ** syn.exp, n=n, q=self.q, d=d,
+                                        bits=P.weight_bits, counter=self.counter, layer=name, quantity="weight")
+        if gb is not None:
+            syn.bias_mant = quantized_zo_update(syn.bias_mant, gb, lr=self.lr, scale=2.0 ** (syn.bias_exp - STATE_SHIFT),
+                                                n=n, q=self.q, d=d, bits=P.bias_mant_bits, counter=self.counter,
+                                                layer=name, quantity="bias")
+
+    # ------------------------------------------------------------------ the float twin
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Float parameters := the integers, dequantised with BN and the pooling factor un-folded
+        (``W = w_int 2**exp / (mult g/sqrt(v+eps))``; the bias goes to the synapse's bias, or to the
+        folded BN's ``beta`` when the synapse has none)."""
+        if self.net.int_weights is None:
+            return
+        mults = {p: q["mult"] for p, q in self.net.quantized_layers().items()}
+        for name, m in self.layers.items():
+            syn = self.net.int_weights[name]
+            bn_path = self.net.fused.get(name)
+            bn = self.net.get_submodule(bn_path) if bn_path else None
+            scale = torch.ones(syn.w_int.shape[0], dtype=torch.float64)
+            if bn is not None:
+                g = bn.weight.to(torch.float64) if bn.weight is not None else torch.ones_like(scale)
+                scale = g / torch.sqrt(bn.running_var.to(torch.float64) + bn.eps)
+            w = syn.w_int.to(torch.float64) * 2.0 ** syn.exp / mults[name]
+            m.weight.copy_((w / scale.view(-1, *([1] * (w.dim() - 1)))).to(m.weight.dtype))
+            if syn.bias_mant is None:
+                continue
+            b_folded = syn.bias_int.to(torch.float64) / (1 << STATE_SHIFT)
+            if bn is None:
+                m.bias.copy_(b_folded.to(m.bias.dtype))
+            elif m.bias is not None:
+                m.bias.copy_(((b_folded - bn.bias.to(torch.float64)) / scale + bn.running_mean.to(torch.float64))
+                             .to(m.bias.dtype))
+            else:
+                bn.bias.copy_((b_folded + bn.running_mean.to(torch.float64) * scale).to(bn.bias.dtype))
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self, batch: int) -> dict[str, int]:
+        """What the learner adds to inference on a chip, in bytes (Table 3's efficient rows): the
+        trained int8 weights and 16-bit bias mantissas, one layer's int32 gradient buffer (the
+        largest trained), the loss buffer of the layer being estimated (``Q`` float32 for weight
+        perturbation, ``N Q`` for node perturbation, plus the clean ``N``), the 32-bit seed."""
+        if not self.plans:
+            raise ValueError("memory_bytes is known after the first step (the layers' modes and node counts)")
+        iw = self.net.int_weights
+        weights = sum(iw[n].w_int.numel() + 2 * (0 if iw[n].bias_mant is None else iw[n].bias_mant.numel())
+                      for n in self.layers)
+        grad = max(p.d_w for p in self.plans.values()) * 4
+        losses = max((self.q if p.mode == "weight" else batch * self.q) for p in self.plans.values()) * 4 + batch * 4
+        return {"trained_weights": weights, "gradient_buffer": grad, "loss_buffer": losses, "seed": 4}
+
+
+def _weight_vjp(m: nn.Module, x: torch.Tensor, g_acc: torch.Tensor, w_shape: torch.Size) -> torch.Tensor:
+    """Eq. 10 for the integer layer: ``dL/dW_int = sum g_z a^T`` at the recorded integer input ``a``
+    (a convolution's weight gradient; float64, exact for these integers)."""
+    xf = x.to(torch.float64)
+    if isinstance(m, nn.Linear):
+        return g_acc.t() @ xf
+    return torch.nn.grad.conv2d_weight(xf, w_shape, g_acc, m.stride, m.padding, m.dilation, m.groups)
+
+
+# ---------------------------------------------------------------------- sparse training (Sec. 3.3)
+def split_blocks(layers: Sequence[str], n_blocks: int = 4) -> list[list[str]]:
+    """The layers cut into ``n_blocks`` contiguous, non-overlapping blocks in model order (the
+    paper's four; fewer when there are fewer layers), sizes as even as possible, earlier blocks larger."""
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
+        raise ValueError(f"n_blocks must be a positive int, got {n_blocks!r}")
+    layers = list(layers)
+    if not layers:
+        raise ValueError("no layers to split")
+    n = min(n_blocks, len(layers))
+    size, extra = divmod(len(layers), n)
+    out, i = [], 0
+    for b in range(n):
+        j = i + size + (1 if b < extra else 0)
+        out.append(layers[i:j])
+        i = j
+    return out
+
+
+def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batches: Iterable,
+                 heldout: Callable[[], float], loss_fn: Callable[..., torch.Tensor],
+                 make: Callable[[list[str]], MCUZO]) -> dict[str, Any]:
+    """Sec. 3.3.1: from the same integers, a BP-free test training of each block on ``batches``
+    (``(x, y)`` pairs, e.g. one epoch), its gain of ``heldout()`` accuracy; the integers are put
+    back after each. Returns ``{"block": index of the best, "gains": [...], "forwards": total}``.
+
+    ``make(layers)`` builds the learner of one block (the same settings for every block);
+    ``loss_fn(out, y, reduction="none")`` gives the per-sample losses.
+    """
+    batches = list(batches)
+    if not blocks or not batches:
+        raise ValueError("select_block needs at least one block and one batch")
+    if net.int_weights is None:
+        raise ValueError("freeze the network's weights first (net.freeze_weights()): every block starts from them")
+    start = copy.deepcopy(net.int_weights)
+    base = heldout()
+    gains, forwards = [], 0
+    for block in blocks:
+        opt = make(list(block))
+        for x, y in batches:
+            opt.step(lambda x=x, y=y: loss_fn(net(x), y, reduction="none"))
+        forwards += opt.forward_passes
+        gains.append(heldout() - base)
+        net.int_weights = copy.deepcopy(start)
+        opt.write_back()
+    best = max(range(len(gains)), key=lambda i: gains[i])
+    return {"block": best, "gains": gains, "baseline": base, "forwards": forwards}
+
+
+@register_builder("mcu-zo", integer=True)
+def build_mcu(spec, model: nn.Module, subspace: Any, o, run) -> MCUZO:
+    """Seed 004's learner on the fixed-point network (``backend: fixed``): ``szo.q`` probes per
+    layer, ``szo.layers`` the trained subset (sparse), 1-LSB perturbations, eq. 8 with ``train.lr``."""
+    seed = o.integer.seed if o.integer is not None else 1
+    return MCUZO(model, layers=None if o.layers is None else list(o.layers), q=o.q, lr=o.lr, seed=seed)

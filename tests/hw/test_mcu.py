@@ -1,0 +1,231 @@
+"""Seed 004's integer learner (szo.hw.mcu.MCUZO) against a transcription of Algorithm 1 and eq. 8.
+
+The transcription below is written from the paper (App. A Algorithm 1, eq. 6 / 9 / 10, eq. 8,
+Sec. 3.2.2's adaptive rule) with plain loops and explicit sums; it uses the fixed-point network
+only as the forward (``net.int_weights`` and ``net.acc_hooks``), never the learner's code.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+
+from szo.hw import to_fixed
+from szo.hw.mcu import MCUZO, select_block, split_blocks
+from szo.hw.xorshift import XorShift32
+from szo.models import create
+
+Q, LR, SEED, N = 3, 0.05, 12345, 8
+
+
+def _data(n=N):
+    X, y = load_digits(return_X_y=True)
+    return torch.tensor(X[:n], dtype=torch.float32).view(-1, 1, 8, 8) / 16.0, torch.tensor(y[:n])
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    model = create("spike_convnet", num_classes=10, T=2, width=4)
+    for mod in model.modules():  # deployed-like BN statistics that keep the tiny net spiking
+        if isinstance(mod, torch.nn.BatchNorm2d):
+            mod.running_mean.fill_(-0.5)
+            mod.running_var.fill_(0.25)
+    model.eval()
+    return model, to_fixed(model)
+
+
+def _losses(net, x, y):
+    return F.cross_entropy(net(x).mean(0), y, reduction="none").to(torch.float64)
+
+
+def _rad(seed, n):
+    """Rademacher signs of XORShift32 written out: state ^= state << 13; >> 17; << 5 (mod 2**32), LSB 1 -> -1."""
+    s, out = seed, []
+    for _ in range(n):
+        s ^= (s << 13) & 0xFFFFFFFF
+        s ^= s >> 17
+        s ^= (s << 5) & 0xFFFFFFFF
+        out.append(-1 if s & 1 else 1)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _eq8(theta, g, lr, s, n, q, d, bits):
+    f = n * q / (n * q + d - 1) * lr / s ** 2
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    return torch.tensor([min(hi, max(lo, int(t) - round(f * float(gi)))) for t, gi in
+                         zip(theta.reshape(-1).tolist(), g.reshape(-1).tolist())]).view_as(theta)
+
+
+def _reference_step(net, x, y, modes):
+    """One step of Algorithm 1 on ``net`` (already frozen), returns the new integers per layer."""
+    seeds = XorShift32(SEED)
+    inputs = {}
+    for name in net.int_weights:  # the clean forward, recording every layer's integer input
+        net.acc_hooks[name] = lambda a, acc, sh, name=name: inputs.__setitem__(name, (a, acc.shape, sh)) or acc
+    clean = _losses(net, x, y)
+    net.acc_hooks.clear()
+    new = {}
+    for name, syn in net.int_weights.items():
+        a, shape, sh = inputs[name]
+        seed = seeds.next()
+        d_w = syn.w_int.numel() + syn.bias_mant.numel()
+        T = shape[0] // N
+        d_a = math.prod(shape) // N
+        if modes[name] == "weight":
+            xi = _rad(seed, Q * d_w).view(Q, d_w)
+            w0, b0 = syn.w_int.clone(), syn.bias_mant.clone()
+            g = torch.zeros(d_w, dtype=torch.float64)
+            for q in range(Q):
+                syn.w_int = (w0.reshape(-1) + xi[q, :w0.numel()]).clamp(-128, 127).view_as(w0)
+                syn.bias_mant = (b0 + xi[q, w0.numel():]).clamp(-4096, 4095)
+                lq = _losses(net, x, y).mean()
+                g += (lq - clean.mean()) / 1 * xi[q].to(torch.float64) / Q  # mu = 1 LSB
+            syn.w_int, syn.bias_mant = w0, b0
+            gw, gb = g[:w0.numel()].view_as(w0), g[w0.numel():]
+            n_eff, d = 1, d_w
+        else:
+            xi = _rad(seed, Q * T * N * d_a // T).view(Q, T, N, -1)
+            g_z = torch.zeros(T, N, d_a // T, dtype=torch.float64)
+            for q in range(Q):
+                net.acc_hooks[name] = lambda a_, acc, sh_, q=q: acc + xi[q].reshape(acc.shape)
+                lq = _losses(net, x, y)
+                for n in range(N):
+                    g_z[:, n] += xi[q, :, n] * (lq[n] - clean[n]) / (Q * N)
+            net.acc_hooks.clear()
+            g_z = g_z.reshape(shape)
+            af = a.to(torch.float64)
+            if af.dim() == 2:  # eq. 10: g_W = sum over (t, n) of g_z a^T
+                gw = torch.einsum("bo,bi->oi", g_z, af)
+            else:  # a convolution: the same sum through autograd of the float convolution
+                w = torch.zeros(syn.w_int.shape, dtype=torch.float64, requires_grad=True)
+                m = net.get_submodule(name)
+                z = F.conv2d(af, w, None, m.stride, m.padding, m.dilation, m.groups)
+                (gw,) = torch.autograd.grad(z, w, g_z)
+            dims = [0] + list(range(2, g_z.dim()))
+            gb = g_z.sum(dims) * 2.0 ** (syn.bias_exp - sh)  # bias enters the current at 2**bias_exp
+            n_eff, d = N, d_a
+        new[name] = (_eq8(syn.w_int, gw, LR, 2.0 ** syn.exp, n_eff, Q, d, 8),
+                     _eq8(syn.bias_mant, gb, LR, 2.0 ** (syn.bias_exp - 12), n_eff, Q, d, 13))
+    return new
+
+
+@pytest.mark.parametrize("perturbation", ["adaptive", "node"])
+def test_one_step_matches_algorithm_1(perturbation):
+    x, y = _data()
+    _, net = _net()
+    net(x)
+    net.freeze_weights()
+    opt = MCUZO(net, q=Q, lr=LR, seed=SEED, perturbation=perturbation)
+    opt.step(lambda: F.cross_entropy(net(x).mean(0), y, reduction="none"))
+    if perturbation == "adaptive":  # d_w < d_a -> weight perturbation (Sec. 3.2.2)
+        assert opt.mode_names == {"conv1": "weight", "conv2": "weight", "fc": "node"}
+    else:
+        assert set(opt.mode_names.values()) == {"node"}
+    got = {n: (s.w_int.clone(), s.bias_mant.clone()) for n, s in net.int_weights.items()}
+    _, ref_net = _net()
+    ref_net(x)
+    ref_net.freeze_weights()
+    want = _reference_step(ref_net, x, y, opt.mode_names)
+    moved = 0
+    for name in got:
+        assert torch.equal(got[name][0], want[name][0]), name
+        assert torch.equal(got[name][1], want[name][1]), name
+        moved += int((got[name][0] != ref_net.int_weights[name].w_int).sum())
+    assert moved > 0  # the step changed some int8 weights: the comparison is not of two no-ops
+    assert opt.forward_passes == 1 + Q * 3
+    for s in net.int_weights.values():
+        assert s.w_int.abs().max() <= 128 and s.w_int.dtype == torch.int64
+
+
+def test_freeze_keeps_the_forward_and_hooks_see_the_integers():
+    x, _ = _data()
+    _, net = _net()
+    before = net(x).clone()
+    frozen = net.freeze_weights()
+    assert torch.equal(net(x), before)  # the same integers as the re-quantised forward
+    for name, p in net.named_parameters():  # the float parameters are no longer read
+        p.data.mul_(3.0)
+    assert torch.equal(net(x), before)
+    frozen["fc"].w_int = frozen["fc"].w_int.clone()
+    frozen["fc"].w_int[0, 0] += 50
+    assert not torch.equal(net(x), before)
+    seen = {}
+    net.acc_hooks["fc"] = lambda a, acc, sh: seen.update(a=a, acc=acc, sh=sh) or acc
+    net(x)
+    assert torch.equal(seen["acc"], seen["a"] @ frozen["fc"].w_int.t())  # acc = W_int a, integers
+
+
+def test_write_back_requantises_to_the_same_weights():
+    x, y = _data()
+    model, net = _net()
+    opt = MCUZO(net, q=2, lr=0.5, seed=7)
+    for _ in range(3):
+        opt.step(lambda: F.cross_entropy(net(x).mean(0), y, reduction="none"))
+    fresh = to_fixed(model)
+    fresh(x)
+    for name, q in fresh.quantized_layers().items():
+        s = net.int_weights[name]
+        got, want = q["w_int"].to(torch.float64) * 2.0 ** q["exp"], s.w_int.to(torch.float64) * 2.0 ** s.exp
+        if q["exp"] == s.exp:
+            assert torch.equal(got, want), name
+        else:  # a mantissa at -128 (|-128| > Q_P = 127): re-quantising takes the next exponent, half an LSB off
+            assert q["exp"] == s.exp + 1 and bool((s.w_int == -128).any()), name
+            assert (got - want).abs().max() <= 2.0 ** (q["exp"] - 1), name
+        lsb = 2 ** max(s.bias_exp, q["bias_exp"])
+        assert (q["bias_int"] - s.bias_int).abs().max() <= lsb
+
+
+def test_checkpoint_resumes_bit_exactly():
+    x, y = _data()
+
+    def run(resume_at=None):
+        _, net = _net()
+        opt = MCUZO(net, q=2, lr=0.5, seed=9)
+        closure = lambda: F.cross_entropy(net(x).mean(0), y, reduction="none")  # noqa: E731
+        for i in range(4):
+            if i == resume_at:
+                sd = opt.state_dict()
+                _, net = _net()  # a fresh process: float weights at the start, nothing frozen
+                opt = MCUZO(net, q=2, lr=0.5, seed=9)
+                opt.load_state_dict(sd)
+                closure = lambda: F.cross_entropy(net(x).mean(0), y, reduction="none")  # noqa: E731
+            opt.step(closure)
+        return [s.w_int for s in net.int_weights.values()]
+
+    for a, b in zip(run(), run(resume_at=2)):
+        assert torch.equal(a, b)
+
+
+def test_bad_input():
+    model, net = _net()
+    with pytest.raises(ValueError, match="fixed-point network"):
+        MCUZO(model)
+    with pytest.raises(ValueError, match="valid synapse paths"):
+        MCUZO(net, layers=["nope"])
+    with pytest.raises(ValueError, match="mu_w"):
+        MCUZO(net, mu_w=0)
+    with pytest.raises(ValueError, match="perturbation"):
+        MCUZO(net, perturbation="both")
+
+
+def test_split_blocks():
+    assert split_blocks(["a", "b", "c", "d", "e"], 4) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert split_blocks(["a", "b", "c"], 4) == [["a"], ["b"], ["c"]]
+    with pytest.raises(ValueError):
+        split_blocks([], 4)
+
+
+def test_select_block_restores_and_picks_the_best_gain():
+    x, y = _data(32)
+    _, net = _net()
+    net(x)
+    start = {n: s.w_int.clone() for n, s in net.freeze_weights().items()}
+    scores = iter([0.5, 0.4, 0.9, 0.6])  # baseline, then after each block
+    loss = lambda out, yy, reduction: F.cross_entropy(out.mean(0), yy, reduction=reduction)  # noqa: E731
+    out = select_block(net, [["conv1"], ["conv2"], ["fc"]], [(x, y)], lambda: next(scores), loss,
+                       lambda layers: MCUZO(net, layers=layers, q=2, lr=0.5))
+    assert out["block"] == 1 and out["gains"] == pytest.approx([-0.1, 0.4, 0.1])
+    assert out["forwards"] == 3 * (1 + 2)
+    for n, s in net.int_weights.items():
+        assert torch.equal(s.w_int, start[n])
