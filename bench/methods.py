@@ -66,6 +66,8 @@ ROWS: dict[str, dict] = {
                   "sets": ["szo.layers=[fc]"]},
     "qzo": {"label": "quantized ZO, eq. 8, on SZO's subspace coordinates, integer forward (q=20)", "method": "qzo-subspace", "recipe": "digits-fixed",
             "sets": ["train.epochs=20"]},
+    "mcu-zo": {"label": "seed 004's learner: int8 weights, 1-LSB Rademacher, adaptive WP/NP, eq. 8 (q=10)",
+               "method": "mcu-zo", "recipe": "digits-fixed"},
     "baffle": {"label": "BAFFLE, 8 clients, subspace, K = 20, 100 rounds", "method": "baffle",
                "federated": ["--clients", "8", "--rounds", "100"]},
 }

@@ -282,9 +282,23 @@ def test_seed004_methods_run_through_the_recipes(bp_run):
     root, sets, _ = bp_run
     small = sets + ["train.epochs=1", "train.max_steps_per_epoch=2"]
     s = run_recipe(load_recipe("digits-fixed", small + ["method=qzo-subspace", "szo.q=3"]), root / "qzo")
-    assert s["fp"] == 2 * (1 + 3) and s["bp"] == 0 and s["label"] == "QZO(q=3)"
+    assert s["fp"] == 2 * (1 + 3) and s["bp"] == 0 and s["label"] == "QZO-Subspace(q=3)"
     ck = torch.load(root / "qzo" / "checkpoints" / "last.pt", weights_only=True)
     assert ck["optimizer"]["on_chip"]["c"].dtype == torch.int64
+    # seed 004's own learner: int8 weights, 1 + q L forwards per step (3 synapses), resumable
+    cfg = load_recipe("digits-fixed", small + ["method=mcu-zo", "szo.q=2", "train.scheduler=constant"])
+    s = run_recipe(cfg, root / "mcu")
+    assert s["fp"] == 2 * (1 + 2 * 3) and s["bp"] == 0 and s["label"] == "MCU-ZO(q=2)"
+    assert s["mcu"]["modes"] == {"conv1": "weight", "conv2": "weight", "fc": "node"}
+    ck = torch.load(root / "mcu" / "checkpoints" / "last.pt", weights_only=True)
+    ints = ck["optimizer"]["mcu"]["integers"]
+    assert all(t.dtype == torch.int64 for t in ints) and -128 <= int(ints[0].min()) <= int(ints[0].max()) <= 127
+    more = load_recipe("digits-fixed", sets + ["train.epochs=2", "train.max_steps_per_epoch=2", "method=mcu-zo",
+                                               "szo.q=2", "train.scheduler=constant"])
+    s2 = run_recipe(more, root / "mcu", resume=True)
+    # + 1: the resumed step measures its clean forward again on the checkpoint's integers (the
+    # ConvNet's adaptive pooling fixes its weight scale only at the first forward)
+    assert s2["fp"] == 2 * 2 * (1 + 2 * 3) + 1 and s2["epochs"] == 2
     s = run_recipe(load_recipe("digits-scratch", small + ["method=np-zo", "szo.q=2", "szo.layers=[fc]"]),
                    root / "np")
     # clean forward + q probes of the one layer + the BN forward (bn_update=recompute), per step

@@ -401,18 +401,20 @@ class MCUZO(ForwardOnlyBase):
                 bn.bias.copy_((b_folded + bn.running_mean.to(torch.float64) * scale).to(bn.bias.dtype))
 
     # ------------------------------------------------------------------ memory
-    def memory_bytes(self, batch: int) -> dict[str, int]:
+    def memory_bytes(self, batch: int, q: int | None = None) -> dict[str, int]:
         """What the learner adds to inference on a chip, in bytes (Table 3's efficient rows): the
         trained int8 weights and 16-bit bias mantissas, one layer's int32 gradient buffer (the
         largest trained), the loss buffer of the layer being estimated (``Q`` float32 for weight
-        perturbation, ``N Q`` for node perturbation, plus the clean ``N``), the 32-bit seed."""
+        perturbation, ``N Q`` for node perturbation, plus the clean ``N``), the 32-bit seed.
+        ``q``: another probe count than the learner's (the buffers grow with it)."""
         if not self.plans:
             raise ValueError("memory_bytes is known after the first step (the layers' modes and node counts)")
         iw = self.net.int_weights
         weights = sum(iw[n].w_int.numel() + 2 * (0 if iw[n].bias_mant is None else iw[n].bias_mant.numel())
                       for n in self.layers)
         grad = max(p.d_w for p in self.plans.values()) * 4
-        losses = max((self.q if p.mode == "weight" else batch * self.q) for p in self.plans.values()) * 4 + batch * 4
+        q = self.q if q is None else q
+        losses = max((q if p.mode == "weight" else batch * q) for p in self.plans.values()) * 4 + batch * 4
         return {"trained_weights": weights, "gradient_buffer": grad, "loss_buffer": losses, "seed": 4}
 
 
