@@ -336,7 +336,9 @@ class FederatedConfig(Section):
     alpha: float = _opt(0.5, gt=0.0)    # Dirichlet label skew
     batch_size: int = _opt(64, min=1)   # local batch per round
     space: FederatedSpace = "subspace"  # subspace: directions P z_k; full: z_k in R^d
-    secure: bool = True                 # zero-sum masks
+    secure: bool = True                 # aggregate the uploads through Flower's SecAgg+ (needs >= 2 clients)
+    clip_range: float = _opt(16.0, gt=0.0)  # SecAgg+ fixed point: |every uploaded value| <= this, or the client sits the round out
+    secagg_threshold: float = _opt(0.75, gt=0.0, max=1.0)  # SecAgg+ reconstruction threshold, a fraction of the clients
     eval_every: int = _opt(10, min=1)
     bn_momentum: float = _opt(0.1, gt=0.0, max=1.0)
     round_timeout_s: float = _opt(600.0, gt=0.0)
