@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from szo.config import FederatedConfig, load_recipe
+from szo.config import FEDERATED_OPTIMIZERS, FederatedConfig, load_recipe
 from szo.federated.flower import SPACES, run_federated
 from szo.rundir import resumed_config
 
@@ -17,7 +17,8 @@ __all__ = ["register"]
 # flag -> federated.KEY (the flag's help says what the key means)
 _FLAGS = {"clients": "client processes", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
           "sigma": "perturbation scale", "lr": "server learning rate (cosine over the rounds)",
-          "momentum": "server heavy-ball momentum", "alpha": "Dirichlet label skew (small = non-IID)",
+          "momentum": "server heavy-ball momentum (--server-optimizer sgd)",
+          "ema": "evaluate an exponential moving average of the model with this decay (BAFFLE: 0.995; 0 = off)", "alpha": "Dirichlet label skew (small = non-IID)",
           "batch_size": "local batch per client and round", "eval_every": "server-side test evaluation period",
           "clip_range": "SecAgg+ bound on every uploaded value (a client beyond it sits the round out)",
           "secagg_threshold": "SecAgg+ reconstruction threshold, a fraction of the clients"}
@@ -40,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help=f"{help_text} (federated.{key}; default: the recipe's, else {getattr(d, key)})")
     p.add_argument("--space", choices=SPACES, default=None,
                    help="subspace: directions P z in the recipe's stored subspace; full: z in R^d (federated.space)")
+    p.add_argument("--server-optimizer", dest="server_optimizer", choices=FEDERATED_OPTIMIZERS, default=None,
+                   help="sgd: heavy ball, Algorithm 1 (default); adam: betas (0.9, 0.99), the paper's experiments "
+                        "(federated.server_optimizer)")
     p.add_argument("--no-secure", dest="secure", action="store_const", const=False, default=None,
                    help="plain Flower aggregation instead of SecAgg+: the server sees every client's upload "
                         "(federated.secure=false)")
@@ -52,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "secure") if (v := getattr(args, k)) is not None]
+    flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "server_optimizer", "secure") if (v := getattr(args, k)) is not None]
     sets = (args.set or []) + flags
     cfg = load_recipe(args.name, sets)
     out = args.out or f"runs/federated-{cfg['name']}"

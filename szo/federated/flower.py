@@ -84,6 +84,8 @@ except ImportError:  # pragma: no cover - exercised where flwr is missing
 __all__ = ["FederatedConfig", "run_federated", "SPACES", "client_app", "client_main", "server_app"]
 
 SPACES: tuple[str, ...] = FEDERATED_SPACES
+ADAM_BETAS = (0.9, 0.99)
+"""``server_optimizer: adam``: BAFFLE's experiments (Feng et al. Sec. 4: Adam, betas (0.9, 0.99))."""
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -221,11 +223,15 @@ def client_main(spec: Mapping[str, Any], mods: Sequence[Callable] = ()) -> None:
 @dataclasses.dataclass
 class ServerState:
     """What the server keeps between rounds (its checkpoint): coordinates ``c``, heavy-ball
-    velocity ``v``, BN running statistics, the metrics history, bytes and forwards so far."""
+    velocity ``v``, BN running statistics, the metrics history, bytes and forwards so far; with
+    ``server_optimizer: adam`` Adam's state (``torch.optim.Adam.state_dict()``), with ``ema > 0``
+    the moving average of ``c`` that is evaluated."""
 
     c: np.ndarray
     v: np.ndarray
     bn: np.ndarray
+    adam: dict[str, Any] | None = None
+    ema: np.ndarray | None = None
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     bytes_down: list[int] = dataclasses.field(default_factory=list)
     bytes_up: list[int] = dataclasses.field(default_factory=list)
@@ -239,7 +245,8 @@ class ServerState:
     def to_checkpoint(self) -> dict[str, Any]:
         return {"kind": "federated", "c": torch.from_numpy(self.c.copy()), "v": torch.from_numpy(self.v.copy()),
                 "bn": torch.from_numpy(self.bn.copy()), "history": self.history, "bytes_down": self.bytes_down,
-                "bytes_up": self.bytes_up, "fp": self.fp, "wall_time_s": self.wall_time_s}
+                "bytes_up": self.bytes_up, "fp": self.fp, "wall_time_s": self.wall_time_s, "adam": self.adam,
+                "ema": None if self.ema is None else torch.from_numpy(self.ema.copy())}
 
     @classmethod
     def from_checkpoint(cls, st: Mapping[str, Any], path: Any = "checkpoint") -> "ServerState":
@@ -249,13 +256,15 @@ class ServerState:
                              "choose another --out for the federation")
         return cls(c=st["c"].numpy().copy(), v=st["v"].numpy().copy(), bn=st["bn"].numpy().copy(),
                    history=list(st["history"]), bytes_down=list(st["bytes_down"]), bytes_up=list(st["bytes_up"]),
-                   fp=int(st["fp"]), wall_time_s=float(st["wall_time_s"]))
+                   fp=int(st["fp"]), wall_time_s=float(st["wall_time_s"]), adam=st.get("adam"),
+                   ema=None if st.get("ema") is None else st["ema"].numpy().copy())
 
 
 class BaffleServer:
     """The server's side of BAFFLE, whatever carries the messages: the round's config, the
-    aggregation and heavy-ball step, evaluation, and after every round the run contract's
-    bookkeeping (checkpoint with its sha256 record, metrics.jsonl and the other sinks, callbacks)."""
+    checks of the aggregate, the update (heavy-ball SGD or Adam, cosine learning rate, optional
+    EMA), evaluation, and after every round the run contract's bookkeeping (checkpoint with its
+    sha256 record, metrics.jsonl and the other sinks, callbacks)."""
 
     def __init__(self, cfg: RecipeConfig, task: _Task, n_total: int, run_dir: Path, test_loader: Any,
                  state: ServerState | None, sinks: list[Callback], callbacks: Sequence[Callback]):
@@ -265,6 +274,14 @@ class BaffleServer:
         self.state = state if state is not None else ServerState(
             c=np.zeros(task.dim, dtype=np.float64) if task.basis is not None else task.reference.numpy().copy(),
             v=np.zeros(task.dim, dtype=np.float64), bn=task.bn_stats().astype(np.float64))
+        if self.fc.ema > 0 and self.state.ema is None:
+            self.state.ema = self.state.c.copy()
+        self.adam = None
+        if self.fc.server_optimizer == "adam":  # torch's Adam on the coordinates, its state checkpointed
+            self._point = torch.nn.Parameter(torch.from_numpy(self.state.c.copy()))
+            self.adam = torch.optim.Adam([self._point], lr=self.fc.lr, betas=ADAM_BETAS)
+            if self.state.adam is not None:
+                self.adam.load_state_dict(self.state.adam)
         self.logger = MetricsLogger(run_dir / "metrics.jsonl")
         self.logger.reset(self.state.history)
         self.sinks, self.callbacks = sinks, list(callbacks)
@@ -309,8 +326,7 @@ class BaffleServer:
                     z = B.round_directions(int(self.seeds[rnd]), K, task.dim)
                     grad = B.stein_coordinates(torch.from_numpy(delta), z, fc.sigma).numpy()
         if grad is not None:
-            heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
-            st.c = st.c + st.v
+            self._update(grad, lr)
         else:
             row["refused"] = why or "no aggregate"
             print(f"warning: round {rnd}: no step: {row['refused']}", file=sys.stderr, flush=True)
@@ -334,6 +350,22 @@ class BaffleServer:
         self._after_round(rnd, row, wall)
         self._check_divergence(rnd, row)
 
+    def _update(self, grad: np.ndarray, lr: float) -> None:
+        """``c`` one step along ``-grad``: heavy ball (``c <- c + v``, ``v <- m v - lr g``) or Adam;
+        then the EMA ``e <- ema e + (1 - ema) c`` (BYOL's, as BAFFLE's guideline)."""
+        st = self.state
+        if self.adam is not None:
+            self._point.grad = torch.from_numpy(grad.astype(np.float64))
+            self.adam.param_groups[0]["lr"] = lr
+            self.adam.step()
+            st.c = self._point.detach().numpy().copy()
+            st.adam = self.adam.state_dict()
+        else:
+            heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=self.fc.momentum)  # in place
+            st.c = st.c + st.v
+        if st.ema is not None:
+            st.ema = self.fc.ema * st.ema + (1 - self.fc.ema) * st.c
+
     def _check_divergence(self, rnd: int, row: dict[str, Any]) -> None:
         if "test_loss" not in row:
             return
@@ -356,7 +388,9 @@ class BaffleServer:
             cb.on_step_end(rnd, rnd, float(row.get("test_loss", float("nan"))))
 
     def evaluate(self) -> tuple[float, float]:
-        self.task.model.load_flat_params(self.task.theta(self.state.c).float())
+        """Test loss and accuracy of the coordinates (their EMA when ``federated.ema > 0``)."""
+        c = self.state.ema if self.state.ema is not None else self.state.c
+        self.task.model.load_flat_params(self.task.theta(c).float())
         self.task.set_bn_stats(self.state.bn.astype(np.float32))
         return evaluate(self.task.model, self.test_loader, self.task.loss_fn)
 

@@ -250,3 +250,70 @@ def test_non_finite_federated_settings_are_one_line(capsys):
 
     assert main(["federated", "digits-scratch", "--set", "federated.lr=inf"]) == 2
     assert "'federated.lr' must be a finite number" in capsys.readouterr().err
+
+
+def _adam_server(tiny_fed, tmp_path, state=None, **kw):
+    import dataclasses
+
+    from szo.data import make_loader
+    from szo.federated.flower import BaffleServer, _dataset, _Task
+
+    _, cfg, _ = tiny_fed
+    cfg = dataclasses.replace(cfg, federated=dataclasses.replace(cfg.federated, **kw))
+    task = _Task(cfg, "subspace")
+    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    return BaffleServer(cfg, task, 300, tmp_path, test, state, [], []), task
+
+
+def test_adam_server_update_with_ema_as_the_paper(tiny_fed, tmp_path):
+    """server_optimizer adam (betas 0.9 / 0.99) and ema 0.995: Adam's first step is -lr g / (|g| + eps)
+    (bias-corrected moments are g and g^2), the EMA moves 0.5 % of the way, and evaluation uses the EMA."""
+    import numpy as np
+    import torch
+
+    from szo.federated import baffle as B
+    from szo.train import evaluate
+
+    server, task = _adam_server(tiny_fed, tmp_path / "a", server_optimizer="adam", ema=0.995, lr=0.01)
+    mean = _mean(task, value=0.02)
+    server.step(1, mean, [0, 1, 2], 1, 1)
+    z = B.round_directions(int(server.seeds[1]), 2, task.dim)
+    g = (z * (0.02 / (2 * server.fc.sigma))).mean(0).numpy()  # eq. 6, transcribed
+    c1 = -0.01 * g / (np.abs(g) + 1e-8)  # round 1: the cosine schedule is still at lr
+    np.testing.assert_allclose(server.state.c, c1, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(server.state.ema, 0.005 * c1, rtol=1e-12, atol=1e-18)
+    row = server.state.history[-1]
+    task.model.load_flat_params(task.theta(torch.from_numpy(0.005 * c1)).float())
+    task.set_bn_stats(server.state.bn.astype(np.float32))
+    assert (row["test_loss"], row["test_acc"]) == evaluate(task.model, server.test_loader, task.loss_fn)
+    # round 2: the moments with betas (0.9, 0.99), bias-corrected (Kingma & Ba, Algorithm 1)
+    server.step(2, _mean(task, value=-0.05), [0, 1, 2], 1, 1)
+    z2 = B.round_directions(int(server.seeds[2]), 2, task.dim)
+    g2 = (z2 * (-0.05 / (2 * server.fc.sigma))).mean(0).numpy()
+    m = 0.9 * (0.1 * g) + 0.1 * g2
+    v = 0.99 * (0.01 * g * g) + 0.01 * g2 * g2
+    lr2 = 0.01 * 0.5 * (1 + np.cos(np.pi / server.fc.rounds))
+    c2 = c1 - lr2 * (m / (1 - 0.9 ** 2)) / (np.sqrt(v / (1 - 0.99 ** 2)) + 1e-8)
+    np.testing.assert_allclose(server.state.c, c2, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(server.state.ema, 0.995 * 0.005 * c1 + 0.005 * c2, rtol=1e-12, atol=1e-18)
+
+
+def test_adam_and_ema_state_survive_the_checkpoint(tiny_fed, tmp_path):
+    """Adam's moments, its step count and the EMA are in the checkpoint: a server rebuilt from it
+    takes the same next step as the one that kept running."""
+    import numpy as np
+    import torch
+
+    from szo.federated.flower import ServerState
+    from szo.train.checkpoint import checkpoint_path
+
+    kw = dict(server_optimizer="adam", ema=0.9, lr=0.05)
+    a, task = _adam_server(tiny_fed, tmp_path / "a", **kw)
+    a.step(1, _mean(task, value=0.02), [0, 1, 2], 1, 1)
+    a.step(2, _mean(task, value=-0.03), [0, 1, 2], 1, 1)
+    st = torch.load(checkpoint_path(tmp_path / "a"), weights_only=True)
+    b, _ = _adam_server(tiny_fed, tmp_path / "b", state=ServerState.from_checkpoint(st), **kw)
+    for s in (a, b):
+        s.step(3, _mean(task, value=0.01), [0, 1, 2], 1, 1)
+    assert np.array_equal(a.state.c, b.state.c) and np.array_equal(a.state.ema, b.state.ema)
+    assert int(b.state.adam["state"][0]["step"]) == 3
