@@ -317,3 +317,23 @@ def test_adam_and_ema_state_survive_the_checkpoint(tiny_fed, tmp_path):
         s.step(3, _mean(task, value=0.01), [0, 1, 2], 1, 1)
     assert np.array_equal(a.state.c, b.state.c) and np.array_equal(a.state.ema, b.state.ema)
     assert int(b.state.adam["state"][0]["step"]) == 3
+
+
+def test_groupnorm_clients_upload_only_their_loss_differences(tmp_path):
+    """spike_convnet with norm=group (BAFFLE's guideline) has no running statistics: the masked upload
+    is the K loss differences alone, and the server has no BN state to move."""
+    import json
+
+    import torch
+
+    from szo.config import load_recipe
+    from szo.federated.flower import FederatedConfig, run_federated
+
+    cfg = load_recipe("digits-scratch", ["progress=false", "model.kwargs={width: 4, norm: group, groups: 2}",
+                                         "model.T=2", "bptt.epochs=1", "bptt.max_steps_per_epoch=4",
+                                         "trajectory.every=1", "subspace.k=2", f"subspace.root={tmp_path / 'store'}"])
+    s = run_federated(cfg, tmp_path / "run", FederatedConfig(clients=2, rounds=1, K=3, eval_every=1, batch_size=16))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["clients"] == [0, 1] and "refused" not in rows[0] and s["final_test_acc"] >= 0
+    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["bn"].numel() == 0 and float(ck["c"].abs().max()) > 0
