@@ -299,9 +299,10 @@ class BaffleServer:
 
         Clients are not trusted, but only the aggregate is visible. If it is malformed, not
         finite or a loss difference beyond ``federated.max_loss_difference``, the round makes no
-        step (``refused``); aggregated BN statistics that are not finite or have a variance below
-        ``-tolerance`` (``weight_sum`` given: SecAgg+'s quantization bound) are not used
-        (``dropped_bn``), slightly negative variances within it are set to 0. Both are logged in
+        step and its BN statistics are not used either (``refused``); aggregated BN statistics that
+        are not finite or have a variance below ``-tolerance`` (``weight_sum`` given: SecAgg+'s
+        quantization bound) are not used (``dropped_bn``), slightly negative variances within it
+        are set to 0. Both are logged in
         the round's metrics and on stderr. A test loss that stops being finite or grows
         ``DIVERGE_FACTOR`` times the first one ends the run with one :class:`TrainingDiverged` line."""
         fc, st, task = self.fc, self.state, self.task
@@ -330,7 +331,7 @@ class BaffleServer:
         else:
             row["refused"] = why or "no aggregate"
             print(f"warning: round {rnd}: no step: {row['refused']}", file=sys.stderr, flush=True)
-        if n_bn and bn is not None:
+        if n_bn and grad is not None:  # a refused aggregate moves nothing, BN statistics included
             tol = 0.0 if weight_sum is None else B.secagg_error_bound(len(clients), fc.clip_range,
                                                                       B.secagg_ranges(fc.clients)[0], weight_sum)
             var = task.bn_var_index()

@@ -142,9 +142,11 @@ def test_server_checks_the_aggregate_it_cannot_trust(tiny_fed, tmp_path, capsys)
     assert "dropped_bn" in row and "refused" not in row and np.array_equal(server.state.bn, bn0)
     assert not np.array_equal(server.state.c, np.zeros_like(server.state.c))  # the step was taken
     c1 = server.state.c.copy()
+    bn1 = server.state.bn.copy()
     server.step(2, _mean(task, value=5e3), [0, 1, 2], 10, 10)
     assert "aggregated loss differences out of range" in server.state.history[-1]["refused"]
     np.testing.assert_array_equal(server.state.c, c1)  # no step at all this round
+    np.testing.assert_array_equal(server.state.bn, bn1)  # nor a BN update from a suspect aggregate
     server.step(3, np.zeros(5), [0, 1, 2], 10, 10)
     assert "a client sent a malformed upload" in server.state.history[-1]["refused"]
     np.testing.assert_array_equal(server.state.c, c1)
