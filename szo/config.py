@@ -51,7 +51,7 @@ __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
     "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides", "parse_override", "validate",
     "resolve", "write_config", "method_label", "config_dict", "TTA_SETTINGS", "TTA_PREDICT", "TENT_OPTIMIZERS",
-    "TTA_PROTOCOLS", "FEDERATED_SPACES",
+    "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS",
 ]
 
 Kind = Literal["bp", "subspace", "tta"]
@@ -63,6 +63,7 @@ BNStats = Literal["batch", "deployed"]
 HWLearner = Literal["float", "integer"]  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
 HWArithmetic = Literal["szo", "loihi"]  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
 HWReset = Literal["subtract", "zero"]  # = szo.hw.neuron.RESETS (null: each LIF's own)
+FederatedOptimizer = Literal["sgd", "adam"]  # BAFFLE server update: heavy-ball SGD (Algorithm 1) | Adam (its experiments)
 DistMode = Literal["data", "perturbation"]  # = szo.distributed.MODES
 TTASetting = Literal["reset", "continual", "both"]
 TTAPredict = Literal["before", "after"]
@@ -82,6 +83,7 @@ TTA_PROTOCOLS: tuple[str, ...] = typing.get_args(TTAProtocol)
 HW_ARITHMETICS: tuple[str, ...] = typing.get_args(HWArithmetic)
 HW_RESETS: tuple[str, ...] = typing.get_args(HWReset)
 FEDERATED_SPACES: tuple[str, ...] = typing.get_args(FederatedSpace)
+FEDERATED_OPTIMIZERS: tuple[str, ...] = typing.get_args(FederatedOptimizer)
 
 
 # ----------------------------------------------------------------------------- the schema
@@ -332,11 +334,15 @@ class FederatedConfig(Section):
     K: int = _opt(20, min=1)            # directions per round (BAFFLE's K); 2K forwards per client per round
     sigma: float = _opt(0.3, gt=0.0)    # perturbation scale (SZO-RGE's mu on digits)
     lr: float = _opt(0.3, min=0.0)
-    momentum: float = _opt(0.9, min=0.0, below=1.0)
+    momentum: float = _opt(0.9, min=0.0, below=1.0)  # server_optimizer sgd: heavy ball
+    server_optimizer: FederatedOptimizer = "sgd"  # adam: betas (0.9, 0.99), as the paper's experiments
+    ema: float = _opt(0.0, min=0.0, below=1.0)  # > 0: evaluate an EMA of the coordinates (the paper: 0.995)
     alpha: float = _opt(0.5, gt=0.0)    # Dirichlet label skew
     batch_size: int = _opt(64, min=1)   # local batch per round
     space: FederatedSpace = "subspace"  # subspace: directions P z_k; full: z_k in R^d
-    secure: bool = True                 # zero-sum masks
+    secure: bool = True                 # aggregate the uploads through Flower's SecAgg+ (needs >= 2 clients)
+    clip_range: float = _opt(16.0, gt=0.0)  # SecAgg+ fixed point: |every uploaded value| <= this, or the client sits the round out
+    secagg_threshold: float = _opt(0.75, gt=0.0, max=1.0)  # SecAgg+ reconstruction threshold, a fraction of the clients
     eval_every: int = _opt(10, min=1)
     bn_momentum: float = _opt(0.1, gt=0.0, max=1.0)
     round_timeout_s: float = _opt(600.0, gt=0.0)

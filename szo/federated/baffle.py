@@ -1,4 +1,4 @@
-"""BAFFLE math (seed 002, Feng et al., Algorithm 1): seeds, loss differences, zero-sum masks, aggregation.
+"""BAFFLE math (seed 002, Feng et al., Algorithm 1): seeds, loss differences, aggregation, SecAgg+ ranges.
 
 No Flower and no I/O here (``szo.federated.flower`` runs it over the network). One round:
 
@@ -6,46 +6,32 @@ No Flower and no I/O here (``szo.federated.flower`` runs it over the network). O
    ``z_k ~ N(0, I_k)`` from it (:func:`round_directions`), so no direction crosses the network;
 2. client ``c`` evaluates ``dL_k = L_c(theta + sigma u_k) - L_c(theta - sigma u_k)`` on its local
    batch (:func:`loss_differences`), ``u_k = P z_k`` in the subspace (``P`` the stored basis) or
-   ``u_k = z_k`` in full space, and uploads only ``K`` numbers: ``(N_c / N) dL_k`` in fixed point
-   plus its secure-aggregation mask (:func:`encode`, :func:`pairwise_masks`);
-3. the server adds the uploads modulo 2**64 (the masks cancel exactly: they are zero-sum
-   integers), decodes ``dL_k = sum_c (N_c / N) dL_k^c``, the loss difference on the union of the
-   clients' data, and forms Stein's estimate (eq. 6) ``g = 1/K sum_k dL_k / (2 sigma) z_k``
+   ``u_k = z_k`` in full space, and uploads only those ``K`` numbers (and its BN statistics)
+   with its example count ``N_c`` as weight;
+3. the server receives only the weighted mean ``sum_c N_c dL_k^c / sum_c N_c`` over the clients
+   that answered (Flower's SecAgg+, see ``szo.federated.flower``; :func:`weighted_mean` is what it
+   computes, exactly, without secure aggregation), the loss difference on the union of their data,
+   and forms Stein's estimate (eq. 6) ``g = 1/K sum_k dL_k / (2 sigma) z_k``
    (:func:`stein_coordinates`, the central-difference RGE of ``szo.functional.zo``).
 
-Secure aggregation (Bonawitz et al. 2017, as BAFFLE adapts it): each pair of clients ``i < j``
-shares a seed, expands it to ``K`` uniform 64-bit integers ``r_ij``; client ``i`` adds
-``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64). Every ``r_ij`` appears once with each sign,
-so the masks sum to exactly 0 mod 2**64 and each single upload is uniformly random to the server.
-The pair seed of clients ``i`` and ``j`` comes from Diffie-Hellman key agreement
-(:class:`MaskKeys`: X25519, HKDF-SHA256), as in Bonawitz et al.: each client draws its key pair in
-its own process and only public keys travel (relayed by the server), so a pair's seed is known to
-those two clients only -- not to the server, not to a third client. Dropped clients (secret-shared
-seeds, Shamir) are not handled: every client must answer every round.
+SecAgg+ sums integers modulo ``2**32``: every value is clipped to ``[-C, C]``, scaled by the
+client's weight ``N_c / N`` and stochastically rounded onto ``Q`` levels (:func:`secagg_ranges`
+picks ``Q`` so that the clients' sum cannot wrap); :func:`secagg_error_bound` is how far the
+secure aggregate can then be from :func:`weighted_mean`.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from torch import nn
 
 from szo.functional.zo import rge_coefficients, sample_gaussian
 from szo.zo import HostSpace, LoopEvaluator, ProbeGuard, rge_plan
 
-__all__ = ["FRAC_BITS", "dirichlet_split", "round_directions", "loss_differences", "stein_coordinates",
-           "encode", "decode", "pairwise_masks", "aggregate", "PUBLIC_KEY_BYTES", "MaskKeys", "agree_all"]
-
-FRAC_BITS: int = 32
-"""Fixed-point fractional bits of an upload: resolution 2**-32 ~ 2.3e-10 of a weighted loss difference."""
-_MOD = 1 << 64
-
+__all__ = ["dirichlet_split", "round_directions", "loss_differences", "stein_coordinates", "weighted_mean",
+           "MODULUS_RANGE", "secagg_ranges", "secagg_error_bound"]
 
 def dirichlet_split(labels: Sequence[int] | np.ndarray, n_clients: int, alpha: float, seed: int,
                     min_size: int = 1) -> list[np.ndarray]:
@@ -114,111 +100,46 @@ def stein_coordinates(delta: torch.Tensor, z: torch.Tensor, sigma: float) -> tor
     return rge_coefficients(delta.to(torch.float64), torch.zeros_like(delta, dtype=torch.float64), z, sigma)
 
 
-def encode(values: np.ndarray | torch.Tensor, frac_bits: int = FRAC_BITS) -> np.ndarray:
-    """Reals -> two's-complement fixed point mod 2**64 (``uint64``), ``round(v * 2**frac_bits)``."""
-    v = np.asarray(values, dtype=np.float64)
-    if not np.all(np.isfinite(v)):
-        raise ValueError("cannot encode non-finite values")
-    q = np.round(v * 2.0 ** frac_bits)
-    if np.any(np.abs(q) >= 2.0 ** 62):
-        raise ValueError(f"values too large for 64-bit fixed point with {frac_bits} fractional bits")
-    return q.astype(np.int64).view(np.uint64)
-
-
-def decode(words: np.ndarray, frac_bits: int = FRAC_BITS) -> np.ndarray:
-    """``uint64`` words (a sum mod 2**64) -> float64 reals (signed two's complement)."""
-    return np.asarray(words, dtype=np.uint64).view(np.int64).astype(np.float64) / 2.0 ** frac_bits
-
-
-def _pair_words(secret: bytes, rnd: int, i: int, j: int, K: int) -> np.ndarray:
-    digest = hashlib.sha256(b"baffle-mask|%s|%d|%d|%d" % (secret, rnd, i, j)).digest()
-    return np.random.default_rng(int.from_bytes(digest, "little")).integers(0, _MOD, size=K, dtype=np.uint64,
-                                                                          endpoint=False)
-
-
-def pairwise_masks(client: int, clients: Sequence[int], rnd: int, K: int, pair_secrets: Mapping[int, bytes]
-                   ) -> np.ndarray:
-    """Client ``client``'s mask ``sum_{j > i} r_ij - sum_{j < i} r_ji`` (mod 2**64, ``uint64 [K]``),
-    ``r_ij`` expanded from the pair secret ``pair_secrets[j]`` it shares with client ``j``
-    (:attr:`MaskKeys.pair`) and the round.
-
-    Over all ``clients`` the masks sum to exactly 0 mod 2**64 (uint64 arithmetic wraps)."""
-    if client not in clients:
-        raise ValueError(f"client {client} is not one of the round's clients {list(clients)}")
-    missing = [j for j in clients if j != client and j not in pair_secrets]
-    if missing:
-        raise ValueError(f"client {client} has no pair secret with client(s) {missing}: run the key agreement "
-                         "(MaskKeys.agree) with every client's public key first")
-    mask = np.zeros(K, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for j in clients:
-            if j > client:
-                mask += _pair_words(pair_secrets[j], rnd, client, j, K)
-            elif j < client:
-                mask -= _pair_words(pair_secrets[j], rnd, j, client, K)
-    return mask
-
-
-PUBLIC_KEY_BYTES = 32
-"""An X25519 public key, raw."""
-
-
-class MaskKeys:
-    """One client's side of the masking-key agreement (Bonawitz et al. 2017, the pairwise masks).
-
-    The client draws an X25519 key pair in its own process; only the 32-byte :attr:`public` key
-    leaves it, relayed by the server to the other clients. The pair secret of clients ``i`` and
-    ``j`` is HKDF-SHA256 of X25519(sk_i, pk_j) = X25519(sk_j, pk_i), bound to the pair: the two
-    of them know it, nobody else does -- the server included. As in Bonawitz et al.'s
-    honest-but-curious model the server is trusted to relay the public keys unchanged (one that
-    substitutes keys can unmask; signed keys from a PKI would prevent that)."""
-
-    def __init__(self, client: int):
-        self.client = int(client)
-        self._sk = X25519PrivateKey.generate()
-        self.public: bytes = self._sk.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        self.pair: dict[int, bytes] = {}
-
-    def agree(self, publics: Mapping[int, bytes]) -> dict[int, bytes]:
-        """Derive the pair secret with every other client from ``{client id: public key}`` (its
-        own entry, if present, must be its own key); returns and keeps :attr:`pair`."""
-        pair = {}
-        for j, pk in publics.items():
-            j = int(j)
-            if not isinstance(pk, (bytes, bytearray)) or len(pk) != PUBLIC_KEY_BYTES:
-                got = f"{len(pk)} bytes" if isinstance(pk, (bytes, bytearray)) else type(pk).__name__
-                raise ValueError(f"client {j}'s public key must be {PUBLIC_KEY_BYTES} raw bytes (X25519), got {got}")
-            if j == self.client:
-                if bytes(pk) != self.public:
-                    raise ValueError(f"the key relayed as client {j}'s is not this client's own public key")
-                continue
-            shared = self._sk.exchange(X25519PublicKey.from_public_bytes(bytes(pk)))
-            lo, hi = sorted((self.client, j))
-            pair[j] = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                           info=b"szo-baffle-mask|%d|%d" % (lo, hi)).derive(shared)
-        self.pair = pair
-        return pair
-
-
-def agree_all(clients: Sequence[int]) -> list[MaskKeys]:
-    """Key agreement among ``clients`` in one process (tests, simulations): every client's keys,
-    each with its pair secrets."""
-    keys = [MaskKeys(c) for c in clients]
-    publics = {k.client: k.public for k in keys}
-    for k in keys:
-        k.agree(publics)
-    return keys
-
-
-def aggregate(uploads: Sequence[np.ndarray], frac_bits: int = FRAC_BITS) -> np.ndarray:
-    """Sum the (masked, encoded) uploads mod 2**64 and decode: ``sum_c (N_c / N) dL^c`` as float64."""
-    if not uploads:
+def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """``sum_c w_c v_c / sum_c w_c`` in float64: the clients' aggregate without secure aggregation
+    (``w_c = N_c``: the loss differences of the union of their data)."""
+    if not len(vectors):
         raise ValueError("no client uploads to aggregate (zero clients)")
-    total = np.zeros_like(np.asarray(uploads[0], dtype=np.uint64))
-    with np.errstate(over="ignore"):
-        for u in uploads:
-            u = np.asarray(u, dtype=np.uint64)
-            if u.shape != total.shape:
-                raise ValueError(f"upload of shape {u.shape} does not match {total.shape}")
-            total += u
-    return decode(total, frac_bits)
+    if len(weights) != len(vectors):
+        raise ValueError(f"{len(vectors)} uploads but {len(weights)} weights")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.all(w > 0):
+        raise ValueError(f"client weights must be > 0, got {w.tolist()}")
+    vs = [np.asarray(v, dtype=np.float64) for v in vectors]
+    if any(v.shape != vs[0].shape for v in vs):
+        raise ValueError(f"uploads of different shapes: {sorted({v.shape for v in vs})}")
+    return sum(wi * v for wi, v in zip(w, vs)) / w.sum()
+
+
+MODULUS_RANGE: int = 1 << 32
+"""SecAgg+'s field: masked sums are taken modulo 2**32 (Flower's default and maximum)."""
+
+
+def secagg_ranges(n_clients: int) -> tuple[int, int]:
+    """``(quantization_range Q, modulus_range M)`` for SecAgg+ with up to ``n_clients`` clients:
+    ``M = 2**32`` and the largest power of two ``Q`` with ``n_clients * Q < M``, so that the sum of
+    the clients' quantized values (each in ``[0, Q]``) never wraps around the field."""
+    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or n_clients < 2:
+        raise ValueError(f"secure aggregation needs an int >= 2 clients, got {n_clients!r}")
+    q = MODULUS_RANGE >> (n_clients).bit_length()  # n_clients < 2**bit_length, so n * Q < M
+    if q < 2:
+        raise ValueError(f"{n_clients} clients leave no quantization levels in a 2**32 field")
+    return q, MODULUS_RANGE
+
+
+def secagg_error_bound(n_clients: int, clip: float, quantization_range: int, weight_sum: float) -> float:
+    """Largest ``|secure aggregate - weighted_mean|`` of a value when ``n_clients`` answered whose
+    weights ``N_c / N`` sum to ``weight_sum``, every ``|value| <= clip``.
+
+    Per client the stochastic rounding is off by less than one level ``2 clip / Q`` and the
+    weight ``N_c / N`` is rounded to a multiple of ``1 / Q`` (at most ``1 / (2 Q)`` off, and a
+    weight error moves the mean by at most ``2 clip`` per unit weight); both are divided by the
+    summed weight: ``n (2 clip / Q + clip / Q) / weight_sum``."""
+    if not weight_sum > 0:
+        raise ValueError(f"the answering clients' weights must sum to > 0, got {weight_sum}")
+    return n_clients * 3.0 * clip / quantization_range / weight_sum

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from szo.config import FederatedConfig, load_recipe
+from szo.config import FEDERATED_OPTIMIZERS, FederatedConfig, load_recipe
 from szo.federated.flower import SPACES, run_federated
 from szo.rundir import resumed_config
 
@@ -17,8 +17,11 @@ __all__ = ["register"]
 # flag -> federated.KEY (the flag's help says what the key means)
 _FLAGS = {"clients": "client processes", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
           "sigma": "perturbation scale", "lr": "server learning rate (cosine over the rounds)",
-          "momentum": "server heavy-ball momentum", "alpha": "Dirichlet label skew (small = non-IID)",
-          "batch_size": "local batch per client and round", "eval_every": "server-side test evaluation period"}
+          "momentum": "server heavy-ball momentum (--server-optimizer sgd)",
+          "ema": "evaluate an exponential moving average of the model with this decay (BAFFLE: 0.995; 0 = off)", "alpha": "Dirichlet label skew (small = non-IID)",
+          "batch_size": "local batch per client and round", "eval_every": "server-side test evaluation period",
+          "clip_range": "SecAgg+ bound on every uploaded value (a client beyond it sits the round out)",
+          "secagg_threshold": "SecAgg+ reconstruction threshold, a fraction of the clients"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,8 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "federated", help="forward-only federated training (BAFFLE on Flower, one process per client)",
         description="BAFFLE (seed 002): each round the server sends the model and a seed; every client "
-                    "returns K loss differences on its local data (masked, zero-sum); the server "
-                    "regenerates the directions and steps. Model, data, loss, subspace and the federated "
+                    "returns K loss differences on its local data; Flower's SecAgg+ gives the server "
+                    "only their weighted mean over the clients that answered; the server regenerates "
+                    "the directions and steps. Model, data, loss, subspace and the federated "
                     "section come from RECIPE (a 'kind: subspace' recipe name or YAML file, e.g. "
                     "digits-scratch). See docs/federated.md.")
     p.add_argument("name", metavar="RECIPE")
@@ -37,8 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help=f"{help_text} (federated.{key}; default: the recipe's, else {getattr(d, key)})")
     p.add_argument("--space", choices=SPACES, default=None,
                    help="subspace: directions P z in the recipe's stored subspace; full: z in R^d (federated.space)")
+    p.add_argument("--server-optimizer", dest="server_optimizer", choices=FEDERATED_OPTIMIZERS, default=None,
+                   help="sgd: heavy ball, Algorithm 1 (default); adam: betas (0.9, 0.99), the paper's experiments "
+                        "(federated.server_optimizer)")
     p.add_argument("--no-secure", dest="secure", action="store_const", const=False, default=None,
-                   help="upload without zero-sum masks (federated.secure=false)")
+                   help="plain Flower aggregation instead of SecAgg+: the server sees every client's upload "
+                        "(federated.secure=false)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override (repeatable)")
     p.add_argument("--out", default=None, help="run directory (default runs/federated-RECIPE)")
     p.add_argument("--resume", action="store_true",
@@ -48,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "secure") if (v := getattr(args, k)) is not None]
+    flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "server_optimizer", "secure") if (v := getattr(args, k)) is not None]
     sets = (args.set or []) + flags
     cfg = load_recipe(args.name, sets)
     out = args.out or f"runs/federated-{cfg['name']}"

@@ -1,27 +1,34 @@
-"""BAFFLE on Flower: a server ``Strategy`` and ``NumPyClient`` s in separate processes over gRPC (loopback).
+"""BAFFLE on Flower's ServerApp / ClientApp, aggregated with SecAgg+, clients in separate processes.
 
 ``run_federated(cfg, out_dir, FederatedConfig(...))`` splits the recipe's train set among the
 clients (Dirichlet label skew, seeded), starts one process per client (``python -m
-szo.federated.flower``, its spec on stdin; each builds the recipe's model and loads the stored subspace once), and runs Flower's
-server (``flwr.server.start_server``, legacy gRPC transport on ``127.0.0.1``, a free port) in
-this process for ``rounds`` rounds. Each round (batch-level BAFFLE = FedSGD):
+szo.federated.flower``, its spec on stdin; each builds the recipe's model, loads the stored
+subspace once and serves a Flower ``ClientApp``), and runs a Flower ``ServerApp`` in this process
+for ``rounds`` rounds: the legacy ``DefaultWorkflow`` around a :class:`BaffleStrategy`-like
+strategy, with Flower's ``SecAggPlusWorkflow`` as its fit workflow (``secaggplus_mod`` on every
+ClientApp). Messages travel on loopback sockets (:mod:`szo.federated.grid`: Flower 1.42's own
+runtimes need Ray or start a process per message). Each round (batch-level BAFFLE = FedSGD):
 
-* down: the current coordinates ``c`` (``k`` float32; ``d`` float32 with ``space="full"``) and a
-  config ``{seed, K, sigma, round, n_total}``;
-* client: ``K`` central loss differences on one local batch (:func:`szo.federated.baffle.loss_differences`),
-  weighted by ``N_c / N``, fixed point, plus its zero-sum mask; and its BN batch statistics
-  (averaged over its ``2K`` probes; BN running statistics are not private losses and are not
-  masked), so the server's model can be evaluated in eval mode;
-* up: ``K`` uint64 words + the BN statistics;
-* server: adds the words mod 2**64 (the masks cancel), regenerates the directions from the seed,
-  Stein's estimate, heavy-ball step on ``c``; BN running statistics move by ``bn_momentum``
-  toward the client-weighted mean.
+* down: the current coordinates ``c`` (``k`` float32; ``d`` with ``space="full"``) and a config
+  ``{seed, round}``;
+* client: ``K`` central loss differences on one local batch
+  (:func:`szo.federated.baffle.loss_differences`) and its BN batch statistics (averaged over its
+  ``2K`` probes), one float64 vector, its weight ``N_c`` (examples it holds);
+* SecAgg+ (Bell et al. 2020, Flower's implementation): per round, setup (two key pairs per
+  client), key sharing (Shamir shares of the mask seed and of a secret key, encrypted to each
+  other client), masked upload (the vector times ``N_c / N``, clipped to ``clip_range`` and
+  quantized, plus a private mask and pairwise masks, modulo 2**32), unmasking (shares of the
+  answering clients' seeds and of the dropped clients' keys). The server learns only the
+  weighted mean over the clients that answered, ``sum_c N_c v_c / sum_c N_c``: no single
+  client's loss differences or BN statistics. A client that drops out after key sharing is
+  recovered from the others' shares while at least ``secagg_threshold`` of them answer;
+* server: regenerates the directions from the seed, Stein's estimate, heavy-ball step on ``c``;
+  BN running statistics move by ``bn_momentum`` toward the aggregated mean.
 
-Bytes per round are the serialized Flower messages (``FitIns`` / ``FitRes`` protobufs, what gRPC
-carries before its own framing), summed over clients. The server evaluates on the test set every
-``eval_every`` rounds. Every client must answer every round (secure aggregation without dropout
-recovery): a failure stops the run with an error. Client processes are joined with a timeout and
-terminated if they outlive the server.
+Bytes per round are the serialized Flower ``Message`` protobufs of all four SecAgg+ stages (what
+the loopback frames carry, without the 8-byte length prefix), summed over clients. The server
+evaluates on the test set every ``eval_every`` rounds. Client processes are joined with a timeout
+and terminated if they outlive the server.
 """
 from __future__ import annotations
 
@@ -29,7 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -63,14 +69,23 @@ from szo.zo import bn_layers, heavy_ball_
 
 try:  # optional (extra "federated"): run_federated says how to install it
     import flwr as fl
-    from flwr.common import FitIns, GetPropertiesIns, ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.common.serde import fit_ins_to_proto, fit_res_to_proto, get_properties_res_to_proto
+    from flwr.app import Context
+    from flwr.client.mod import secaggplus_mod
+    from flwr.clientapp import ClientApp
+    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server import LegacyContext, ServerConfig
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.serverapp import ServerApp
+
+    from szo.federated.grid import LoopbackGrid, run_server_app, serve_node
 except ImportError:  # pragma: no cover - exercised where flwr is missing
     fl = None
 
-__all__ = ["FederatedConfig", "run_federated", "SPACES"]  # FederatedConfig: the schema's (szo.config)
+__all__ = ["FederatedConfig", "run_federated", "SPACES", "client_app", "client_main", "server_app"]
 
 SPACES: tuple[str, ...] = FEDERATED_SPACES
+ADAM_BETAS = (0.9, 0.99)
+"""``server_optimizer: adam``: BAFFLE's experiments (Feng et al. Sec. 4: Adam, betas (0.9, 0.99))."""
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -96,9 +111,19 @@ class _Task:
         return self.reference + self.basis @ p if self.basis is not None else p
 
     def bn_stats(self) -> np.ndarray:
+        """``[mean_1, var_1, mean_2, var_2, ...]`` of the BN layers' running statistics (float32)."""
         if not self.bn:
             return np.zeros(0, dtype=np.float32)
         return torch.cat([torch.cat([m.running_mean, m.running_var]) for m in self.bn]).numpy().astype(np.float32)
+
+    def bn_var_index(self) -> np.ndarray:
+        """Where the running variances are in a flat :meth:`bn_stats` vector."""
+        out, off = [], 0
+        for m in self.bn:
+            n = m.running_mean.numel()
+            out.append(np.arange(off + n, off + 2 * n))
+            off += 2 * n
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def set_bn_stats(self, flat: np.ndarray) -> None:
         off = 0
@@ -125,21 +150,14 @@ def _targets(ds) -> np.ndarray:
 # ----------------------------------------------------------------------------- client
 def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices: np.ndarray):
     task = _Task(cfg, fc.space)
-    keys = B.MaskKeys(cid) if fc.secure else None  # the private key never leaves this process
     ds = _dataset(cfg, "train")
     xs = torch.stack([ds[int(i)][0] for i in indices])
     ys = torch.tensor([int(ds[int(i)][1]) for i in indices])
     n_local = len(indices)
 
     class BaffleClient(fl.client.NumPyClient):
-        def get_properties(self, config):  # the key agreement's upload: who I am, my public key
-            return {"cid": cid, "public_key": keys.public if keys is not None else b""}
-
         def fit(self, parameters, config):
-            rnd, seed = int(config["round"]), int(config["seed"])
-            publics = {int(k[len(KEY_PREFIX):]): v for k, v in config.items() if k.startswith(KEY_PREFIX)}
-            if keys is not None and publics:  # the first round after the clients started: agree
-                keys.agree(publics)
+            seed = int(config["seed"])
             g = torch.Generator().manual_seed(seed * 1009 + cid)  # this client's batch, reproducible
             pick = torch.randperm(n_local, generator=g)[: fc.batch_size]
             x, y = xs[pick], ys[pick]
@@ -149,17 +167,36 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
             for m in task.bn:  # running stats := mean of this round's batch statistics over the probes
                 m.reset_running_stats()
                 m.momentum = None
-
             point = torch.from_numpy(np.asarray(parameters[0], dtype=np.float64))
             delta = B.loss_differences(model, lambda: task.loss_fn(model(x), y), point, z, fc.sigma,
                                        to_params=task.theta, basis=task.basis)
-            words = B.encode(delta.numpy() * n_local / int(config["n_total"]))
+            upload = np.concatenate([delta.numpy(), task.bn_stats().astype(np.float64)])
+            if not np.all(np.isfinite(upload)):
+                raise ValueError(f"client {cid}: a loss difference or BN statistic is not finite; it sends nothing "
+                                 "this round")
             if fc.secure:
-                with np.errstate(over="ignore"):
-                    words = words + B.pairwise_masks(cid, list(range(fc.clients)), rnd, fc.K, keys.pair)
-            return [words, task.bn_stats()], n_local, {"cid": cid}
+                big = float(np.abs(upload).max(initial=0.0))
+                if big > fc.clip_range:  # SecAgg+ would clip it silently: sit the round out instead
+                    raise ValueError(f"client {cid}: |uploaded value| {big:.4g} > federated.clip_range = "
+                                     f"{fc.clip_range:g}; it sends nothing this round (raise clip_range)")
+                # SecAgg+ rounds stochastically with numpy's global generator right after fit():
+                # seeded by round and client, a round's aggregate is reproducible (resume is bit-exact)
+                np.random.seed((seed * 1009 + cid) % 2 ** 32)
+            return [upload], n_local, {"cid": cid}
 
     return BaffleClient()
+
+
+def client_app(spec: Mapping[str, Any], mods: Sequence[Callable] = ()) -> Any:
+    """Client ``spec["cid"]`` 's Flower ``ClientApp``: a BAFFLE ``NumPyClient`` behind ``mods``
+    (outermost first), then ``secaggplus_mod`` when ``federated.secure``."""
+    fc = FederatedConfig(**spec["federated"])
+    client = _make_client(spec["cfg"], fc, int(spec["cid"]), np.asarray(spec["indices"], dtype=np.int64))
+
+    def client_fn(context: Context):
+        return client.to_client()
+
+    return ClientApp(client_fn=client_fn, mods=[*mods, *([secaggplus_mod] if fc.secure else [])])
 
 
 def _exit_with_parent(poll_s: float = 0.5) -> None:
@@ -174,26 +211,27 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, daemon=True, name="szo-server-watch").start()
 
 
-def _client_main(spec: Mapping[str, Any]) -> None:
-    """One client process: ``python -m szo.federated.flower`` reads its spec (JSON) from stdin.
-    It exits when its server process is gone (killed, crashed) instead of retrying for minutes."""
+def client_main(spec: Mapping[str, Any], mods: Sequence[Callable] = ()) -> None:
+    """One client process: serve :func:`client_app` to the server at ``spec["address"]`` until it
+    closes the connection. It exits when its server process is gone (killed, crashed)."""
     _exit_with_parent()
     torch.set_num_threads(1)  # many client processes share the cores
-    fc = FederatedConfig(**spec["federated"])
-    client = _make_client(spec["cfg"], fc, int(spec["cid"]), np.asarray(spec["indices"], dtype=np.int64))
-    fl.client.start_client(server_address=spec["address"], client=client.to_client(), insecure=True,
-                           max_retries=30, max_wait_time=120.0)
+    serve_node(spec["address"], int(spec["cid"]), client_app(spec, mods))
 
 
 # ----------------------------------------------------------------------------- server
 @dataclasses.dataclass
 class ServerState:
     """What the server keeps between rounds (its checkpoint): coordinates ``c``, heavy-ball
-    velocity ``v``, BN running statistics, the metrics history, bytes and forwards so far."""
+    velocity ``v``, BN running statistics, the metrics history, bytes and forwards so far; with
+    ``server_optimizer: adam`` Adam's state (``torch.optim.Adam.state_dict()``), with ``ema > 0``
+    the moving average of ``c`` that is evaluated."""
 
     c: np.ndarray
     v: np.ndarray
     bn: np.ndarray
+    adam: dict[str, Any] | None = None
+    ema: np.ndarray | None = None
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     bytes_down: list[int] = dataclasses.field(default_factory=list)
     bytes_up: list[int] = dataclasses.field(default_factory=list)
@@ -207,7 +245,8 @@ class ServerState:
     def to_checkpoint(self) -> dict[str, Any]:
         return {"kind": "federated", "c": torch.from_numpy(self.c.copy()), "v": torch.from_numpy(self.v.copy()),
                 "bn": torch.from_numpy(self.bn.copy()), "history": self.history, "bytes_down": self.bytes_down,
-                "bytes_up": self.bytes_up, "fp": self.fp, "wall_time_s": self.wall_time_s}
+                "bytes_up": self.bytes_up, "fp": self.fp, "wall_time_s": self.wall_time_s, "adam": self.adam,
+                "ema": None if self.ema is None else torch.from_numpy(self.ema.copy())}
 
     @classmethod
     def from_checkpoint(cls, st: Mapping[str, Any], path: Any = "checkpoint") -> "ServerState":
@@ -217,13 +256,15 @@ class ServerState:
                              "choose another --out for the federation")
         return cls(c=st["c"].numpy().copy(), v=st["v"].numpy().copy(), bn=st["bn"].numpy().copy(),
                    history=list(st["history"]), bytes_down=list(st["bytes_down"]), bytes_up=list(st["bytes_up"]),
-                   fp=int(st["fp"]), wall_time_s=float(st["wall_time_s"]))
+                   fp=int(st["fp"]), wall_time_s=float(st["wall_time_s"]), adam=st.get("adam"),
+                   ema=None if st.get("ema") is None else st["ema"].numpy().copy())
 
 
 class BaffleServer:
     """The server's side of BAFFLE, whatever carries the messages: the round's config, the
-    aggregation and heavy-ball step, evaluation, and after every round the run contract's
-    bookkeeping (checkpoint with its sha256 record, metrics.jsonl and the other sinks, callbacks)."""
+    checks of the aggregate, the update (heavy-ball SGD or Adam, cosine learning rate, optional
+    EMA), evaluation, and after every round the run contract's bookkeeping (checkpoint with its
+    sha256 record, metrics.jsonl and the other sinks, callbacks)."""
 
     def __init__(self, cfg: RecipeConfig, task: _Task, n_total: int, run_dir: Path, test_loader: Any,
                  state: ServerState | None, sinks: list[Callback], callbacks: Sequence[Callback]):
@@ -233,6 +274,14 @@ class BaffleServer:
         self.state = state if state is not None else ServerState(
             c=np.zeros(task.dim, dtype=np.float64) if task.basis is not None else task.reference.numpy().copy(),
             v=np.zeros(task.dim, dtype=np.float64), bn=task.bn_stats().astype(np.float64))
+        if self.fc.ema > 0 and self.state.ema is None:
+            self.state.ema = self.state.c.copy()
+        self.adam = None
+        if self.fc.server_optimizer == "adam":  # torch's Adam on the coordinates, its state checkpointed
+            self._point = torch.nn.Parameter(torch.from_numpy(self.state.c.copy()))
+            self.adam = torch.optim.Adam([self._point], lr=self.fc.lr, betas=ADAM_BETAS)
+            if self.state.adam is not None:
+                self.adam.load_state_dict(self.state.adam)
         self.logger = MetricsLogger(run_dir / "metrics.jsonl")
         self.logger.reset(self.state.history)
         self.sinks, self.callbacks = sinks, list(callbacks)
@@ -241,52 +290,59 @@ class BaffleServer:
 
     def round_config(self, rnd: int) -> dict[str, Any]:
         """What every client gets with the coordinates in round ``rnd`` (1-based, absolute)."""
-        return {"round": rnd, "seed": int(self.seeds[rnd]), "n_total": self.n_total}
+        return {"round": rnd, "seed": int(self.seeds[rnd])}
 
-    def step(self, rnd: int, uploads: Sequence[tuple[list[np.ndarray], int]], bytes_down: int, bytes_up: int,
-             senders: Sequence[Any] | None = None) -> None:
-        """Round ``rnd``: check, aggregate the clients' ``(arrays, n_examples)`` uploads and step.
+    def step(self, rnd: int, mean: np.ndarray | None, clients: Sequence[int], bytes_down: int, bytes_up: int,
+             why: str | None = None, weight_sum: float | None = None) -> None:
+        """Round ``rnd``: check the aggregate ``mean`` (``[K loss differences, BN statistics]``,
+        the weighted mean over the answering ``clients``; None when there is none, ``why``) and step.
 
-        Clients are not trusted. Each upload must be ``[K uint64 words, BN statistics]`` with a
-        plausible example count; a client's BN statistics are its own (not masked) and are dropped
-        when not finite, of the wrong size or with a negative variance (the mean is over the
-        others). The loss differences are masked, so only their aggregate can be checked: if it is
-        not finite or beyond ``federated.max_loss_difference`` (or an upload's words are
-        malformed, so the masks cannot cancel), the round makes no step. Both are logged in the
-        round's metrics (``dropped_bn``, ``refused``). A test loss that stops being finite or grows
+        Clients are not trusted, but only the aggregate is visible. If it is malformed, not
+        finite or a loss difference beyond ``federated.max_loss_difference``, the round makes no
+        step and its BN statistics are not used either (``refused``); aggregated BN statistics that
+        are not finite or have a variance below ``-tolerance`` (``weight_sum`` given: SecAgg+'s
+        quantization bound) are not used (``dropped_bn``), slightly negative variances within it
+        are set to 0. Both are logged in
+        the round's metrics and on stderr. A test loss that stops being finite or grows
         ``DIVERGE_FACTOR`` times the first one ends the run with one :class:`TrainingDiverged` line."""
         fc, st, task = self.fc, self.state, self.task
-        senders = list(senders) if senders is not None else list(range(len(uploads)))
         st.bytes_down.append(bytes_down)
         st.bytes_up.append(bytes_up)
         lr = fc.lr * 0.5 * (1 + math.cos(math.pi * (rnd - 1) / fc.rounds))  # cosine, as the recipes
-        row: dict[str, Any] = {"round": rnd, "lr": lr, "bytes_down": bytes_down, "bytes_up": bytes_up}
-        words, bn_ok, why = self._check_uploads(uploads, senders)
-        grad = None
-        if why is None:
-            delta = B.aggregate(words)
-            if not np.all(np.isfinite(delta)) or float(np.abs(delta).max(initial=0.0)) > fc.max_loss_difference:
-                why = (f"aggregated loss differences out of range (max |dL| = {float(np.abs(delta).max()):.3g} > "
-                       f"federated.max_loss_difference = {fc.max_loss_difference:g}): a client sent bad values")
+        row: dict[str, Any] = {"round": rnd, "lr": lr, "clients": sorted(int(c) for c in clients),
+                               "bytes_down": bytes_down, "bytes_up": bytes_up}
+        grad, bn = None, None
+        K, n_bn = fc.K, st.bn.size
+        if mean is not None:
+            mean = np.asarray(mean)
+            if mean.shape != (K + n_bn,) or mean.dtype.kind != "f":
+                why = (f"the aggregate has shape {mean.shape} ({mean.dtype}), expected [{K} loss differences + "
+                       f"{n_bn} BN statistics]: a client sent a malformed upload")
             else:
-                z = B.round_directions(int(self.seeds[rnd]), fc.K, task.dim)
-                grad = B.stein_coordinates(torch.from_numpy(delta), z, fc.sigma).numpy()
+                delta, bn = mean[:K].astype(np.float64), mean[K:].astype(np.float64)
+                if not np.all(np.isfinite(delta)) or float(np.abs(delta).max(initial=0.0)) > fc.max_loss_difference:
+                    why = (f"aggregated loss differences out of range (max |dL| = {float(np.abs(delta).max()):.3g} > "
+                           f"federated.max_loss_difference = {fc.max_loss_difference:g}): a client sent bad values")
+                else:
+                    z = B.round_directions(int(self.seeds[rnd]), K, task.dim)
+                    grad = B.stein_coordinates(torch.from_numpy(delta), z, fc.sigma).numpy()
         if grad is not None:
-            heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=fc.momentum)  # in place
-            st.c = st.c + st.v
+            self._update(grad, lr)
         else:
-            row["refused"] = why
-            print(f"warning: round {rnd}: no step: {why}", file=sys.stderr, flush=True)
-        if st.bn.size and bn_ok:
-            n_ok = sum(uploads[i][1] for i in bn_ok)
-            mean = sum(uploads[i][1] / n_ok * uploads[i][0][1].astype(np.float64) for i in bn_ok)
-            st.bn = (1 - fc.bn_momentum) * st.bn + fc.bn_momentum * mean
-        dropped = [senders[i] for i in range(len(uploads)) if i not in bn_ok]
-        if dropped and st.bn.size:
-            row["dropped_bn"] = dropped
-            print(f"warning: round {rnd}: BN statistics of client(s) {dropped} dropped (not finite, wrong size or "
-                  "negative variance)", file=sys.stderr, flush=True)
-        st.fp += 2 * fc.K * fc.clients
+            row["refused"] = why or "no aggregate"
+            print(f"warning: round {rnd}: no step: {row['refused']}", file=sys.stderr, flush=True)
+        if n_bn and grad is not None:  # a refused aggregate moves nothing, BN statistics included
+            tol = 0.0 if weight_sum is None else B.secagg_error_bound(len(clients), fc.clip_range,
+                                                                      B.secagg_ranges(fc.clients)[0], weight_sum)
+            var = task.bn_var_index()
+            if np.all(np.isfinite(bn)) and np.all(bn[var] >= -tol):
+                bn[var] = np.maximum(bn[var], 0.0)
+                st.bn = (1 - fc.bn_momentum) * st.bn + fc.bn_momentum * bn
+            else:
+                row["dropped_bn"] = "aggregated BN statistics not finite or with a negative variance"
+                print(f"warning: round {rnd}: {row['dropped_bn']}: the server's running statistics stay",
+                      file=sys.stderr, flush=True)
+        st.fp += 2 * fc.K * len(clients)
         wall = st.wall_time_s + time.perf_counter() - self.t0
         row.update(fp=st.fp, wall_time_s=wall)
         if rnd % fc.eval_every == 0 or rnd == fc.rounds:
@@ -295,34 +351,21 @@ class BaffleServer:
         self._after_round(rnd, row, wall)
         self._check_divergence(rnd, row)
 
-    def _check_uploads(self, uploads: Sequence[tuple[list[np.ndarray], int]], senders: Sequence[Any]
-                       ) -> tuple[list[np.ndarray], list[int], str | None]:
-        """The masked words of every upload, the indices whose BN statistics are usable, and why
-        the round cannot step (None: it can)."""
-        K, n_bn = self.fc.K, self.state.bn.size
-        words, bn_ok, why = [], [], None
-        for i, (arrays, n) in enumerate(uploads):
-            w = np.asarray(arrays[0]) if len(arrays) == 2 else None
-            if w is None or w.shape != (K,) or w.dtype != np.uint64 or isinstance(n, bool) or not 0 < int(n) <= self.n_total:
-                why = why or (f"client {senders[i]} sent a malformed upload (expected [{K} uint64 words, {n_bn} BN "
-                              f"statistics] for 1..{self.n_total} examples): the masks cannot cancel without it")
-                continue
-            words.append(w)
-            bn = np.asarray(arrays[1])
-            half = n_bn // 2
-            if (bn.shape == (n_bn,) and bn.dtype.kind == "f" and np.all(np.isfinite(bn))
-                    and np.all(self._bn_var(bn, half) >= 0)):
-                bn_ok.append(i)
-        return words, bn_ok, why
-
-    def _bn_var(self, flat: np.ndarray, half: int) -> np.ndarray:
-        """The running variances inside a flat ``[mean_1, var_1, mean_2, var_2, ...]`` BN vector."""
-        out, off = [], 0
-        for m in self.task.bn:
-            n = m.running_mean.numel()
-            out.append(flat[off + n:off + 2 * n])
-            off += 2 * n
-        return np.concatenate(out) if out else np.zeros(0)
+    def _update(self, grad: np.ndarray, lr: float) -> None:
+        """``c`` one step along ``-grad``: heavy ball (``c <- c + v``, ``v <- m v - lr g``) or Adam;
+        then the EMA ``e <- ema e + (1 - ema) c`` (BYOL's, as BAFFLE's guideline)."""
+        st = self.state
+        if self.adam is not None:
+            self._point.grad = torch.from_numpy(grad.astype(np.float64))
+            self.adam.param_groups[0]["lr"] = lr
+            self.adam.step()
+            st.c = self._point.detach().numpy().copy()
+            st.adam = self.adam.state_dict()
+        else:
+            heavy_ball_(torch.from_numpy(st.v), torch.from_numpy(grad), lr=lr, momentum=self.fc.momentum)  # in place
+            st.c = st.c + st.v
+        if st.ema is not None:
+            st.ema = self.fc.ema * st.ema + (1 - self.fc.ema) * st.c
 
     def _check_divergence(self, rnd: int, row: dict[str, Any]) -> None:
         if "test_loss" not in row:
@@ -346,7 +389,9 @@ class BaffleServer:
             cb.on_step_end(rnd, rnd, float(row.get("test_loss", float("nan"))))
 
     def evaluate(self) -> tuple[float, float]:
-        self.task.model.load_flat_params(self.task.theta(self.state.c).float())
+        """Test loss and accuracy of the coordinates (their EMA when ``federated.ema > 0``)."""
+        c = self.state.ema if self.state.ema is not None else self.state.c
+        self.task.model.load_flat_params(self.task.theta(c).float())
         self.task.set_bn_stats(self.state.bn.astype(np.float32))
         return evaluate(self.task.model, self.test_loader, self.task.loss_fn)
 
@@ -354,39 +399,48 @@ class BaffleServer:
         return self.state.c.astype(np.float32)
 
 
-def _make_strategy(server: BaffleServer, fl: Any, wait_for_clients: Callable[[Any], None]) -> Any:
-    """A Flower (legacy API) ``Strategy`` around ``server``: every client every round; Flower's
-    round numbers count from 1 in this process, so they are offset by the rounds done before."""
+def _make_strategy(server: BaffleServer, bytes_of: Callable[[int], tuple[int, int]]) -> Any:
+    """A Flower (legacy API) ``Strategy`` around ``server`` for ``DefaultWorkflow``: every
+    connected client every round. ``aggregate_fit`` gets what the fit workflow aggregated (with
+    SecAgg+: every result carries the same unmasked weighted mean; without: each client's own
+    upload, averaged here); ``evaluate`` (called after every round's fit workflow, also when
+    SecAgg+ halted and nothing was aggregated) makes the server's step. Flower's round numbers
+    count from 1 in this process, so they are offset by the rounds done before."""
     fc, offset = server.fc, server.state.rounds_done
 
     class BaffleStrategy(fl.server.strategy.Strategy):
-        keys_sent = False
+        def __init__(self) -> None:
+            self.fitted: dict[int, tuple[np.ndarray | None, list[int], str | None, float]] = {}
 
         def initialize_parameters(self, client_manager):
             return ndarrays_to_parameters([server.params()])
 
         def configure_fit(self, server_round, parameters, client_manager):
-            wait_for_clients(client_manager)
-            proxies = client_manager.sample(num_clients=fc.clients, min_num_clients=fc.clients)
-            config = server.round_config(offset + server_round)
-            self.key_bytes_up = 0
-            if fc.secure and not self.keys_sent:  # relay the clients' public keys once per start
-                publics, self.key_bytes_up = _collect_public_keys(proxies, fc, server_round)
-                config.update({f"{KEY_PREFIX}{c}": pk for c, pk in publics.items()})
-                self.keys_sent = True
-            ins = FitIns(ndarrays_to_parameters([server.params()]), config)
-            self.bytes_down = fit_ins_to_proto(ins).ByteSize() * len(proxies)
+            proxies = [p for _, p in sorted(client_manager.all().items())]
+            need = 2 if fc.secure else 1
+            if len(proxies) < need:
+                raise FederationError(f"round {offset + server_round}: {len(proxies)} client(s) left, "
+                                      f"{'secure aggregation needs 2' if fc.secure else 'none left'}; "
+                                      "the federation cannot go on")
+            ins = FitIns(ndarrays_to_parameters([server.params()]), server.round_config(offset + server_round))
             return [(p, ins) for p in proxies]
 
         def aggregate_fit(self, server_round, results, failures):
-            if failures or len(results) != fc.clients:
-                raise RuntimeError(f"round {offset + server_round}: {len(results)} of {fc.clients} clients answered "
-                                   f"({len(failures)} failures); the secure-aggregation masks only cancel when all do")
-            up = sum(fit_res_to_proto(r).ByteSize() for _, r in results) + self.key_bytes_up
-            uploads = [(parameters_to_ndarrays(r.parameters), r.num_examples) for _, r in results]
-            senders = [r.metrics.get("cid", p.cid) for p, r in results]
-            server.step(offset + server_round, uploads, self.bytes_down, up, senders)
-            return ndarrays_to_parameters([server.params()]), {}
+            cids = [int(r.metrics.get("cid", -1)) for _, r in results]
+            weights = [r.num_examples for _, r in results]
+            why = None
+            if not results:
+                mean = None
+                why = f"no client answered ({len(failures)} failures)"
+            elif fc.secure:  # the workflow put the unmasked aggregate into every result
+                mean = parameters_to_ndarrays(results[0][1].parameters)[0]
+            else:
+                try:
+                    mean = B.weighted_mean([parameters_to_ndarrays(r.parameters)[0] for _, r in results], weights)
+                except (ValueError, IndexError) as e:
+                    mean, why = None, f"the uploads cannot be averaged: {e}"
+            self.fitted[server_round] = (mean, cids, why, sum(weights) / server.n_total)
+            return None, {}  # the server keeps the coordinates; the next round's FitIns carries them
 
         def configure_evaluate(self, server_round, parameters, client_manager):
             return []
@@ -395,36 +449,41 @@ def _make_strategy(server: BaffleServer, fl: Any, wait_for_clients: Callable[[An
             return None, {}
 
         def evaluate(self, server_round, parameters):
-            return None
+            if server_round == 0:  # before the first round
+                return None
+            mean, cids, why, weight_sum = self.fitted.pop(server_round, (
+                None, [], "secure aggregation halted: fewer clients answered than its reconstruction threshold", 0.0))
+            down, up = bytes_of(server_round)
+            server.step(offset + server_round, mean, cids, down, up, why=why,
+                        weight_sum=weight_sum if fc.secure and weight_sum > 0 else None)
+            row = server.state.history[-1]
+            return (row["test_loss"], {"test_acc": row["test_acc"]}) if "test_loss" in row else None
 
     return BaffleStrategy()
 
 
-KEY_PREFIX = "pk_"
-"""Round-config keys ``pk_<client id>``: the clients' X25519 public keys, relayed in the first round."""
+def server_app(server: BaffleServer, rounds: int, bytes_of: Callable[[int], tuple[int, int]]) -> Any:
+    """The federation's Flower ``ServerApp``: ``DefaultWorkflow`` for ``rounds`` rounds around
+    :func:`_make_strategy`, with ``SecAggPlusWorkflow`` as its fit workflow when
+    ``federated.secure`` (complete key-sharing graph, ``secagg_threshold`` of the clients to
+    reconstruct, weights ``N_c / N``, values in ``[-clip_range, clip_range]`` on
+    :func:`~szo.federated.baffle.secagg_ranges` levels)."""
+    fc = server.fc
+    app = ServerApp()
 
+    @app.main()
+    def main(grid, context) -> None:
+        legacy = LegacyContext(context=context, strategy=_make_strategy(server, bytes_of),
+                               config=ServerConfig(num_rounds=rounds, round_timeout=fc.round_timeout_s))
+        fit = None
+        if fc.secure:
+            q, m = B.secagg_ranges(fc.clients)
+            fit = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=float(fc.secagg_threshold),
+                                     max_weight=float(server.n_total), clipping_range=float(fc.clip_range),
+                                     quantization_range=q, modulus_range=m, timeout=fc.round_timeout_s)
+        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
 
-def _collect_public_keys(proxies: Sequence[Any], fc: FederatedConfig, group_id: int) -> tuple[dict[int, bytes], int]:
-    """Every client's ``(id, public key)`` through Flower's ``get_properties``, checked: ids
-    ``0..clients-1`` once each, 32-byte keys. Also the bytes those answers took (upload)."""
-    answers = [p.get_properties(GetPropertiesIns(config={}), timeout=fc.round_timeout_s, group_id=group_id)
-               for p in proxies]
-    publics: dict[int, bytes] = {}
-    for a in answers:
-        cid, pk = a.properties.get("cid"), a.properties.get("public_key")
-        if (isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < fc.clients or cid in publics
-                or not isinstance(pk, bytes) or len(pk) != B.PUBLIC_KEY_BYTES):
-            raise FederationError(f"a client answered the key agreement with client id {cid!r} and a "
-                                  f"{len(pk) if isinstance(pk, bytes) else type(pk).__name__}-byte key; expected "
-                                  f"ids 0..{fc.clients - 1} once each and {B.PUBLIC_KEY_BYTES}-byte X25519 keys")
-        publics[cid] = pk
-    return publics, sum(get_properties_res_to_proto(a).ByteSize() for a in answers)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return app
 
 
 def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: FederatedConfig | None = None, *,
@@ -451,6 +510,9 @@ def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Federa
                          f"(e.g. digits-scratch); {cfg.name!r} is kind {cfg.kind!r}")
     if fl is None:
         raise ValueError("szo federated runs on Flower: pip install 'szo[federated]' (flwr)")
+    if cfg.federated.secure and cfg.federated.clients < 2:
+        raise ValueError("secure aggregation (SecAgg+) needs at least 2 clients: raise federated.clients or "
+                         "pass --no-secure")
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -516,28 +578,38 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
 
 
 def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> None:
-    """Start the client processes and Flower's server for ``rounds`` rounds on loopback."""
+    """Start the client processes and run the ServerApp for ``rounds`` rounds on loopback."""
     fc = server.fc
-    address = f"127.0.0.1:{_free_port()}"
-    procs = []
+    grid = LoopbackGrid()
+    procs: list[subprocess.Popen] = []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+
+    def check_started() -> None:  # a client process that exited will never connect
+        for c, p in enumerate(procs):
+            if p.poll() is not None:
+                raise FederationError(f"client {c} exited with status {p.returncode} before the round started (see "
+                                      f"its output above); the federation needs all {len(procs)} clients")
+
     try:
-        for c in range(fc.clients):  # one OS process per client (its key pair is drawn there), spec on stdin
+        for c in range(fc.clients):  # one OS process per client (its SecAgg+ keys are drawn there), spec on stdin
             p = subprocess.Popen([sys.executable, "-m", "szo.federated.flower"], stdin=subprocess.PIPE, env=env)
             spec = {"cfg": server.cfg.to_dict(), "federated": fc.to_dict(), "cid": c, "indices": splits[c].tolist(),
-                    "address": address}
+                    "address": grid.address}
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()
             procs.append(p)
-        strategy = _make_strategy(server, fl, lambda cm: _wait_for_clients(cm, procs, fc.startup_timeout_s))
-        fl.server.start_server(server_address=address, strategy=strategy,
-                               config=fl.server.ServerConfig(num_rounds=rounds, round_timeout=fc.round_timeout_s))
+        try:
+            grid.wait_for_nodes(fc.clients, fc.startup_timeout_s, check_started)
+        except TimeoutError as e:
+            raise FederationError(f"{e} (federated.startup_timeout_s)") from None
+        run_server_app(server_app(server, rounds, lambda r: tuple(grid.bytes.get(str(r), (0, 0)))), grid)
     except BaseException:
         for p in procs:  # the server stops: its clients have nothing left to wait for
             if p.poll() is None:
                 p.terminate()
         raise
     finally:
+        grid.close()  # the clients see their connection close and stop
         for p in procs:
             try:
                 p.wait(timeout=30)
@@ -551,24 +623,6 @@ class FederationError(RankFailure):
     one line and exit status 3, like a lost torchrun peer (rerun with --resume)."""
 
 
-def _wait_for_clients(client_manager: Any, procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
-    """Every client connected, or one line within ``timeout_s`` -- at once when a client process
-    has exited (it will never connect; Flower alone would wait out the round timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while client_manager.num_available() < len(procs):
-        for c, p in enumerate(procs):
-            if p.poll() is not None:
-                for q in procs:  # the others would wait for a federation that will not happen
-                    if q.poll() is None:
-                        q.terminate()
-                raise FederationError(f"client {c} exited with status {p.returncode} before the round started (see its "
-                                      f"output above); the federation needs all {len(procs)} clients")
-        if time.monotonic() > deadline:
-            raise FederationError(f"only {client_manager.num_available()} of {len(procs)} clients connected within "
-                                  f"federated.startup_timeout_s = {timeout_s:g} s")
-        time.sleep(0.1)
-
-
 def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarray]) -> dict[str, Any]:
     fc, st, task = cfg.federated, server.state, server.task
     accs = [r["test_acc"] for r in st.history if "test_acc" in r]
@@ -576,6 +630,7 @@ def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarra
     return {
         "method": "baffle", "recipe": cfg["name"], "space": fc.space, "clients": fc.clients, "rounds": fc.rounds,
         "K": fc.K, "d": int(task.reference.numel()), "dim": task.dim, "secure": fc.secure, "alpha": fc.alpha,
+        "aggregation": "secagg+" if fc.secure else "plain",
         "client_sizes": [len(s) for s in splits],
         "best_test_acc": max(accs), "final_test_acc": accs[-1], "fp": st.fp, "bp": 0,
         "fp_per_round": 2 * fc.K * fc.clients,
@@ -589,4 +644,4 @@ def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarra
 
 
 if __name__ == "__main__":
-    _client_main(json.loads(sys.stdin.read()))
+    client_main(json.loads(sys.stdin.read()))

@@ -1,4 +1,4 @@
-"""BAFFLE math: zero-sum masks cancel exactly; the secure aggregate equals the centralised estimate."""
+"""BAFFLE math: the clients' weighted aggregate equals the centralised estimate; splits, seeds, config."""
 import numpy as np
 import pytest
 import torch
@@ -7,70 +7,18 @@ from torch import nn
 from szo.federated import baffle as B
 
 
-def _pairs(clients):
-    return {k.client: k.pair for k in B.agree_all(clients)}
-
-
-@pytest.mark.parametrize("n_clients", [1, 2, 5, 8])
-def test_masks_cancel_exactly(n_clients):
-    clients = list(range(n_clients))
-    pairs = _pairs(clients)
-    masks = [B.pairwise_masks(c, clients, rnd=3, K=7, pair_secrets=pairs[c]) for c in clients]
-    total = np.zeros(7, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for m in masks:
-            total += m
-    assert total.tolist() == [0] * 7  # exactly zero mod 2**64, not approximately
-    if n_clients > 1:
-        assert all(np.any(m != 0) for m in masks)  # every single upload is hidden
-        other = B.pairwise_masks(0, clients, rnd=4, K=7, pair_secrets=pairs[0])
-        assert not np.array_equal(other, masks[0])  # fresh masks every round
-
-
-def test_no_one_but_the_pair_knows_a_pair_secret():
-    """The defect the masks had (one secret every client held): client 1 could recompute client
-    2's mask and unmask its upload. With Diffie-Hellman pair secrets it cannot: client 1 shares a
-    secret with 2, but 2's mask also uses the secrets 2 shares with 0 and 3, and neither client 1
-    nor the server (which sees only public keys) can derive those."""
-    clients = [0, 1, 2, 3]
-    keys = B.agree_all(clients)
-    pub = {k.client: k.public for k in keys}
-    assert keys[1].pair[2] == keys[2].pair[1] and keys[2].pair[3] == keys[3].pair[2]  # agreed
-    assert len({keys[i].pair[j] for i in clients for j in clients if i < j}) == 6  # every pair its own
-    true = B.pairwise_masks(2, clients, 5, 4, keys[2].pair)
-    # what client 1 can compute for client 2: its own pair secret, plus secrets it would have to guess
-    for guess in (keys[1].pair[0], keys[1].pair[3], b"\0" * 32):
-        forged = {0: guess, 1: keys[1].pair[2], 3: guess}
-        assert not np.array_equal(B.pairwise_masks(2, clients, 5, 4, forged), true)
-    # a key pair made up under client 2's id (by the server, say) derives other secrets than the real one
-    impostor = B.MaskKeys(2)
-    assert impostor.agree(pub | {2: impostor.public}) != keys[2].pair
-    with pytest.raises(ValueError, match="no pair secret with client"):
-        B.pairwise_masks(2, clients, 5, 4, {0: keys[2].pair[0]})
-    with pytest.raises(ValueError, match="32 raw bytes"):
-        keys[0].agree({1: b"short"})
-    with pytest.raises(ValueError, match="not this client's own public key"):
-        keys[0].agree({0: keys[1].public})
-
-
-def test_encode_decode_and_masked_sum():
-    v = np.array([0.5, -1.25, 3e-6, -7.0])
-    assert np.array_equal(B.decode(B.encode(v)), np.round(v * 2.0 ** 32) / 2.0 ** 32)
+def test_weighted_mean_is_the_union_of_the_clients_data():
     parts = [np.array([0.1, -0.2]), np.array([-0.3, 0.25]), np.array([1.0, 2.0])]
-    clients = [0, 1, 2]
-    pairs = _pairs(clients)
-    with np.errstate(over="ignore"):
-        uploads = [B.encode(p) + B.pairwise_masks(c, clients, 0, 2, pairs[c]) for c, p in enumerate(parts)]
-    unmasked = B.aggregate([B.encode(p) for p in parts])
-    assert np.array_equal(B.aggregate(uploads), unmasked)  # bit-identical with and without masks
-    np.testing.assert_allclose(unmasked, sum(parts), atol=3 * 2.0 ** -33)
+    np.testing.assert_allclose(B.weighted_mean(parts, [1, 2, 5]), (parts[0] + 2 * parts[1] + 5 * parts[2]) / 8)
     with pytest.raises(ValueError, match="zero clients"):
-        B.aggregate([])
-    with pytest.raises(ValueError, match="non-finite"):
-        B.encode([float("nan")])
+        B.weighted_mean([], [])
+    with pytest.raises(ValueError, match="weights must be > 0"):
+        B.weighted_mean(parts, [1, 0, 2])
+    with pytest.raises(ValueError, match="different shapes"):
+        B.weighted_mean([np.zeros(2), np.zeros(3)], [1, 1])
 
 
-def test_secure_aggregate_equals_centralised_estimate():
+def test_weighted_aggregate_equals_centralised_estimate():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     d = sum(p.numel() for p in model.parameters())
@@ -83,21 +31,19 @@ def test_secure_aggregate_equals_centralised_estimate():
         return lambda: nn.functional.cross_entropy(model(x[idx]), y[idx])  # mean over the samples
 
     seed, K, sigma = 1234, 8, 1e-2
-    pairs = _pairs(list(range(len(splits))))
     for basis_or_none, dim in ((basis, 6), (None, d)):
         z = B.round_directions(seed, K, dim)  # what every client and the server regenerate
         uploads = []
-        for c, idx in enumerate(splits):
+        for idx in splits:
             delta = B.loss_differences(model, loss_on(idx), theta, z, sigma, basis=basis_or_none)
             assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), theta)  # restored
-            with np.errstate(over="ignore"):
-                uploads.append(B.encode(delta.numpy() * len(idx) / len(y))
-                               + B.pairwise_masks(c, list(range(len(splits))), 0, K, pairs[c]))
-        fed = B.stein_coordinates(torch.from_numpy(B.aggregate(uploads)), z, sigma)
+            uploads.append(delta.numpy())
+        mean = B.weighted_mean(uploads, [len(idx) for idx in splits])
+        fed = B.stein_coordinates(torch.from_numpy(mean), z, sigma)
         central = B.stein_coordinates(
             B.loss_differences(model, loss_on(np.arange(len(y))), theta, z, sigma, basis=basis_or_none), z, sigma)
-        # the only difference: 2**-32 fixed point per client upload, / (2 sigma), averaged over K
-        torch.testing.assert_close(fed, central, atol=len(splits) * 2.0 ** -32 / (2 * sigma) * 4, rtol=0)
+        # the mean loss of the union = the N_c-weighted mean of the clients' mean losses (float64 sums)
+        torch.testing.assert_close(fed, central, atol=1e-10, rtol=0)
         assert central.abs().max() > 1e-3
         # an independent transcription of the two-sided difference (eq. 6 numerators), one direction
         u = (basis_or_none @ z[0]) if basis_or_none is not None else z[0]
@@ -147,3 +93,6 @@ def test_cli_zero_clients_is_one_clear_error(capsys):
     assert err == ["error: 'federated.clients' must be >= 1, got 0"]
     assert main(["federated", "digits-bp", "--clients", "2"]) == 2
     assert "kind: subspace" in capsys.readouterr().err
+    assert main(["federated", "digits-scratch", "--clients", "1"]) == 2  # SecAgg+ needs two
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: secure aggregation (SecAgg+) needs at least 2 clients: raise federated.clients or pass --no-secure")

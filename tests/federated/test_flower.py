@@ -1,4 +1,4 @@
-"""BAFFLE on Flower end to end: a server and 2 client processes over loopback gRPC, 2 rounds (one test: startup is slow)."""
+"""BAFFLE on Flower end to end: a ServerApp with SecAgg+ and client processes over loopback (slow: process start-up)."""
 import json
 
 import pytest
@@ -27,9 +27,9 @@ def test_two_clients_two_rounds_over_loopback(tmp_path):
     assert [r["round"] for r in rows] == [1, 2] and all("test_acc" in r for r in rows)
     assert s["fp"] == 2 * 2 * 3 * 2 and s["bp"] == 0 and s["dim"] == 2
     assert sum(s["client_sizes"]) == 1437  # the digits train split, partitioned
-    # down: 2 float32 coordinates + seed/config per client; up: K=3 words + BN statistics (2 layers x 2 x 4 ch)
-    assert 0 < s["bytes_down_per_round"] < 2 * 600 and 0 < s["bytes_up_per_client_round"] < 600
-    assert s["bytes_up_per_client_round"] < 4 * s["d"]  # far below uploading a gradient
+    assert s["aggregation"] == "secagg+" and all(r["clients"] == [0, 1] for r in rows)
+    # four SecAgg+ stages per round: keys, encrypted shares, the masked [K=3 + 16 BN statistics], shares to unmask
+    assert 0 < s["bytes_down_per_round"] < 2 * 6000 and 0 < s["bytes_up_per_client_round"] < 6000
     assert json.loads((tmp_path / "run" / "results.json").read_text())["rounds"] == 2
 
 
@@ -120,43 +120,57 @@ def _server(tiny_fed, tmp_path):
     return BaffleServer(cfg, task, 300, tmp_path / "run", test, None, [], []), task
 
 
-def _upload(task, K=2, value=0.01, n=100):
+def _mean(task, K=2, value=0.01):
     import numpy as np
 
-    from szo.federated import baffle as B
-
-    return [B.encode(np.full(K, value)), task.bn_stats().copy()], n
+    return np.concatenate([np.full(K, value), task.bn_stats().astype(np.float64)])
 
 
-def test_server_checks_every_upload_and_drops_what_it_cannot_trust(tiny_fed, tmp_path, capsys):
-    """Clients are not trusted: NaN BN statistics are dropped (the others' mean is used), garbage
-    loss-difference words make the round step-less (only their masked sum is visible), a
-    malformed upload too; every case is in the round's metrics and on stderr."""
+def test_server_checks_the_aggregate_it_cannot_trust(tiny_fed, tmp_path, capsys):
+    """Clients are not trusted, and the server sees only their aggregate: NaN BN statistics in it
+    are not used (the server's stay), a loss difference beyond max_loss_difference or a malformed
+    aggregate makes the round step-less, no aggregate at all too (SecAgg+ halted); every case is
+    in the round's metrics and on stderr."""
     import numpy as np
 
     server, task = _server(tiny_fed, tmp_path)
-    honest = [_upload(task) for _ in range(3)]
-    bad_bn = list(honest)
-    arrays, n = honest[1]
-    bad_bn[1] = ([arrays[0], np.full_like(arrays[1], np.nan)], n)
-    server.step(1, bad_bn, 10, 10, senders=[0, 1, 2])
+    bn0 = server.state.bn.copy()
+    bad_bn = _mean(task)
+    bad_bn[2:] = np.nan
+    server.step(1, bad_bn, [0, 1, 2], 10, 10)
     row = server.state.history[-1]
-    assert row["dropped_bn"] == [1] and "refused" not in row and np.all(np.isfinite(server.state.bn))
-    assert not np.array_equal(server.state.c, np.zeros_like(server.state.c))  # the honest step was taken
+    assert "dropped_bn" in row and "refused" not in row and np.array_equal(server.state.bn, bn0)
+    assert not np.array_equal(server.state.c, np.zeros_like(server.state.c))  # the step was taken
     c1 = server.state.c.copy()
-    rng = np.random.default_rng(0)
-    garbage = list(honest)
-    garbage[2] = ([rng.integers(0, 2 ** 63, size=2, dtype=np.uint64), arrays[1]], n)
-    server.step(2, garbage, 10, 10, senders=[0, 1, 2])
+    bn1 = server.state.bn.copy()
+    server.step(2, _mean(task, value=5e3), [0, 1, 2], 10, 10)
     assert "aggregated loss differences out of range" in server.state.history[-1]["refused"]
     np.testing.assert_array_equal(server.state.c, c1)  # no step at all this round
-    malformed = list(honest)
-    malformed[0] = ([np.zeros(5, dtype=np.uint64), arrays[1]], n)
-    server.step(3, malformed, 10, 10, senders=[0, 1, 2])
-    assert "client 0 sent a malformed upload" in server.state.history[-1]["refused"]
+    np.testing.assert_array_equal(server.state.bn, bn1)  # nor a BN update from a suspect aggregate
+    server.step(3, np.zeros(5), [0, 1, 2], 10, 10)
+    assert "a client sent a malformed upload" in server.state.history[-1]["refused"]
+    np.testing.assert_array_equal(server.state.c, c1)
     assert np.isfinite(server.state.history[-1]["test_loss"]) and np.all(np.isfinite(server.state.bn))
     err = capsys.readouterr().err
-    assert "BN statistics of client(s) [1] dropped" in err and "round 2: no step" in err
+    assert "BN statistics not finite" in err and "round 2: no step" in err
+
+
+def test_server_clamps_variances_within_the_quantization_bound(tiny_fed, tmp_path):
+    """SecAgg+ may put a zero variance a little below 0 (quantization); within the stated bound
+    it is used as 0, beyond it the aggregate's BN statistics are not used."""
+
+    from szo.federated import baffle as B
+
+    server, task = _server(tiny_fed, tmp_path)
+    var = task.bn_var_index()
+    bound = B.secagg_error_bound(3, server.fc.clip_range, B.secagg_ranges(3)[0], 1.0)
+    m = _mean(task)
+    m[2 + var[0]] = -0.5 * bound
+    server.step(1, m, [0, 1, 2], 1, 1, weight_sum=1.0)
+    assert "dropped_bn" not in server.state.history[-1] and server.state.bn[var].min() >= 0
+    m[2 + var[0]] = -2 * bound
+    server.step(2, m, [0, 1, 2], 1, 1, weight_sum=1.0)
+    assert "dropped_bn" in server.state.history[-1]
 
 
 def test_server_stops_a_diverging_federation_in_one_line(tiny_fed, tmp_path, monkeypatch):
@@ -165,9 +179,46 @@ def test_server_stops_a_diverging_federation_in_one_line(tiny_fed, tmp_path, mon
     server, task = _server(tiny_fed, tmp_path)
     losses = iter([(2.3, 0.1), (float("nan"), 0.1)])
     monkeypatch.setattr(server, "evaluate", lambda: next(losses))
-    server.step(1, [_upload(task) for _ in range(3)], 1, 1)
+    server.step(1, _mean(task), [0, 1, 2], 1, 1)
     with pytest.raises(TrainingDiverged, match="the federation diverged at round 2: the test loss nan is not finite"):
-        server.step(2, [_upload(task) for _ in range(3)], 1, 1)
+        server.step(2, _mean(task), [0, 1, 2], 1, 1)
+
+
+def test_a_client_that_dies_mid_round_does_not_stop_the_federation(tiny_fed, tmp_path, monkeypatch):
+    """Client 2's process exits when round 2 asks for its masked upload (after SecAgg+ key
+    sharing; tests/federated/dropout_client.py): round 2 still aggregates clients 0 and 1 (SecAgg+
+    rebuilds client 2's masks from their shares), round 3 runs with the two of them, the run completes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    import szo.federated.flower as F
+    from szo.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    _, _, sets = tiny_fed
+    real, calls = subprocess.Popen, []
+
+    def popen(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 3:
+            cmd = [sys.executable, "-m", "tests.federated.dropout_client", "2"]
+        return real(cmd, cwd=root, **kw)
+
+    monkeypatch.setattr(F.subprocess, "Popen", popen)
+    out = tmp_path / "run"
+    assert main(["federated", "digits-scratch", *[a for s in sets for a in ("--set", s)], "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["clients"] for r in rows] == [[0, 1, 2], [0, 1], [0, 1]]
+    assert not any("refused" in r or "dropped_bn" in r for r in rows)
+    assert rows[-1]["fp"] == 2 * 2 * (3 + 2 + 2)
+    assert json.loads((out / "results.json").read_text())["status"] == "completed"
+    ck = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert np.all(np.isfinite(ck["c"].numpy())) and float(ck["v"].abs().max()) > 0  # it kept stepping
 
 
 def test_a_client_that_dies_at_start_up_is_one_line_in_seconds(tiny_fed, tmp_path, capsys, monkeypatch):
@@ -201,3 +252,90 @@ def test_non_finite_federated_settings_are_one_line(capsys):
 
     assert main(["federated", "digits-scratch", "--set", "federated.lr=inf"]) == 2
     assert "'federated.lr' must be a finite number" in capsys.readouterr().err
+
+
+def _adam_server(tiny_fed, tmp_path, state=None, **kw):
+    import dataclasses
+
+    from szo.data import make_loader
+    from szo.federated.flower import BaffleServer, _dataset, _Task
+
+    _, cfg, _ = tiny_fed
+    cfg = dataclasses.replace(cfg, federated=dataclasses.replace(cfg.federated, **kw))
+    task = _Task(cfg, "subspace")
+    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    return BaffleServer(cfg, task, 300, tmp_path, test, state, [], []), task
+
+
+def test_adam_server_update_with_ema_as_the_paper(tiny_fed, tmp_path):
+    """server_optimizer adam (betas 0.9 / 0.99) and ema 0.995: Adam's first step is -lr g / (|g| + eps)
+    (bias-corrected moments are g and g^2), the EMA moves 0.5 % of the way, and evaluation uses the EMA."""
+    import numpy as np
+    import torch
+
+    from szo.federated import baffle as B
+    from szo.train import evaluate
+
+    server, task = _adam_server(tiny_fed, tmp_path / "a", server_optimizer="adam", ema=0.995, lr=0.01)
+    mean = _mean(task, value=0.02)
+    server.step(1, mean, [0, 1, 2], 1, 1)
+    z = B.round_directions(int(server.seeds[1]), 2, task.dim)
+    g = (z * (0.02 / (2 * server.fc.sigma))).mean(0).numpy()  # eq. 6, transcribed
+    c1 = -0.01 * g / (np.abs(g) + 1e-8)  # round 1: the cosine schedule is still at lr
+    np.testing.assert_allclose(server.state.c, c1, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(server.state.ema, 0.005 * c1, rtol=1e-12, atol=1e-18)
+    row = server.state.history[-1]
+    task.model.load_flat_params(task.theta(torch.from_numpy(0.005 * c1)).float())
+    task.set_bn_stats(server.state.bn.astype(np.float32))
+    assert (row["test_loss"], row["test_acc"]) == evaluate(task.model, server.test_loader, task.loss_fn)
+    # round 2: the moments with betas (0.9, 0.99), bias-corrected (Kingma & Ba, Algorithm 1)
+    server.step(2, _mean(task, value=-0.05), [0, 1, 2], 1, 1)
+    z2 = B.round_directions(int(server.seeds[2]), 2, task.dim)
+    g2 = (z2 * (-0.05 / (2 * server.fc.sigma))).mean(0).numpy()
+    m = 0.9 * (0.1 * g) + 0.1 * g2
+    v = 0.99 * (0.01 * g * g) + 0.01 * g2 * g2
+    lr2 = 0.01 * 0.5 * (1 + np.cos(np.pi / server.fc.rounds))
+    c2 = c1 - lr2 * (m / (1 - 0.9 ** 2)) / (np.sqrt(v / (1 - 0.99 ** 2)) + 1e-8)
+    np.testing.assert_allclose(server.state.c, c2, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(server.state.ema, 0.995 * 0.005 * c1 + 0.005 * c2, rtol=1e-12, atol=1e-18)
+
+
+def test_adam_and_ema_state_survive_the_checkpoint(tiny_fed, tmp_path):
+    """Adam's moments, its step count and the EMA are in the checkpoint: a server rebuilt from it
+    takes the same next step as the one that kept running."""
+    import numpy as np
+    import torch
+
+    from szo.federated.flower import ServerState
+    from szo.train.checkpoint import checkpoint_path
+
+    kw = dict(server_optimizer="adam", ema=0.9, lr=0.05)
+    a, task = _adam_server(tiny_fed, tmp_path / "a", **kw)
+    a.step(1, _mean(task, value=0.02), [0, 1, 2], 1, 1)
+    a.step(2, _mean(task, value=-0.03), [0, 1, 2], 1, 1)
+    st = torch.load(checkpoint_path(tmp_path / "a"), weights_only=True)
+    b, _ = _adam_server(tiny_fed, tmp_path / "b", state=ServerState.from_checkpoint(st), **kw)
+    for s in (a, b):
+        s.step(3, _mean(task, value=0.01), [0, 1, 2], 1, 1)
+    assert np.array_equal(a.state.c, b.state.c) and np.array_equal(a.state.ema, b.state.ema)
+    assert int(b.state.adam["state"][0]["step"]) == 3
+
+
+def test_groupnorm_clients_upload_only_their_loss_differences(tmp_path):
+    """spike_convnet with norm=group (BAFFLE's guideline) has no running statistics: the masked upload
+    is the K loss differences alone, and the server has no BN state to move."""
+    import json
+
+    import torch
+
+    from szo.config import load_recipe
+    from szo.federated.flower import FederatedConfig, run_federated
+
+    cfg = load_recipe("digits-scratch", ["progress=false", "model.kwargs={width: 4, norm: group, groups: 2}",
+                                         "model.T=2", "bptt.epochs=1", "bptt.max_steps_per_epoch=4",
+                                         "trajectory.every=1", "subspace.k=2", f"subspace.root={tmp_path / 'store'}"])
+    s = run_federated(cfg, tmp_path / "run", FederatedConfig(clients=2, rounds=1, K=3, eval_every=1, batch_size=16))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["clients"] == [0, 1] and "refused" not in rows[0] and s["final_test_acc"] >= 0
+    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["bn"].numel() == 0 and float(ck["c"].abs().max()) > 0
