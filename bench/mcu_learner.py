@@ -120,13 +120,17 @@ def main() -> None:
         print(f"block selection: gains {[round(g * 100, 2) for g in selection['gains']]} -> block "
               f"{selection['block'] + 1} {layers} ({selection['forwards']} forwards, {selection['time_s']:.0f} s)")
     data = batches(fit_set, a.batch, a.steps, a.seed)
+    start = {n: (s.w_int.clone(), s.bias_mant) for n, s in net.int_weights.items()}
     opt = MCUZO(net, layers=layers, q=a.q, lr=a.lr, seed=a.seed + 1)
     t = time.perf_counter()
     for x, y in data:
         opt.step(lambda x=x, y=y: loss_fn(net(x), y, reduction="none"))
     rows["mcu-zo (int8)"] = {"before": before_int, "after": accuracy(net, test), "forwards": opt.forward_passes,
                              "time_s": time.perf_counter() - t, "layers": opt.layer_paths, "modes": opt.mode_names,
-                             "memory_bytes": opt.memory_bytes(a.batch), "saturations": opt.counter.total()}
+                             "memory_bytes": opt.memory_bytes(a.batch), "saturations": opt.counter.total(),
+                             "moved": {n: {"weights": int((net.int_weights[n].w_int != w).sum()), "of": w.numel(),
+                                           "biases": None if b is None else int((net.int_weights[n].bias_mant != b).sum())}
+                                       for n, (w, b) in start.items() if n in opt.layers}}
     if a.float:
         model = pretrained(a.dataset, a.pretrained)
         before = accuracy(model, test)
@@ -160,6 +164,9 @@ def main() -> None:
     for k, r in rows.items():
         print(f"| {k} | {', '.join(r['layers']) if r['layers'] else 'all'} | {r['before'] * 100:.2f} -> "
               f"{r['after'] * 100:.2f} % | {r['forwards']:,} | {r['time_s']:.0f} s |")
+    moved = rows["mcu-zo (int8)"]["moved"]
+    print("int8 weights / bias mantissas changed by mcu-zo: " + ", ".join(
+        f"{n} {m['weights']}/{m['of']}" + ("" if m["biases"] is None else f" (biases {m['biases']})") for n, m in moved.items()))
     print(f"(results: {RESULTS / (name + '.json')})")
 
 
