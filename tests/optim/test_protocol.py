@@ -17,7 +17,7 @@ from szo.models.tt import tt_parametrize
 from szo.optim import build_optimizer
 from szo.zo import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, StepInfo, is_forward_only
 
-BUILT = [m for m in FORWARD_ONLY_METHODS if m not in QZO_METHODS]  # qzo: OnChipSZO, below
+BUILT = [m for m in FORWARD_ONLY_METHODS if m not in QZO_METHODS]  # the integer learners: below
 ONCHIP = {"onchip-cge": dict(estimator="cge"), "onchip-rademacher": dict(estimator="rademacher", q=2),
           "qzo-subspace": dict(estimator="rademacher", rule="eq8", q=2)}
 
@@ -35,6 +35,9 @@ def _build(name: str):
     if name in ONCHIP:
         net = to_fixed(model, weight_bits=8)
         return net, OnChipSZO(net, sub, lr=0.5, mu_lsb=1 << 11, **ONCHIP[name])
+    if name == "mcu-zo":  # seed 004's learner on the int8 weights, built as the pipeline builds it
+        net = to_fixed(model.eval(), weight_bits=8)
+        return net, build_optimizer(name, net, lr=0.05, q=2, momentum=0.0)
     if name == "tt-zo":
         tt_parametrize(model, 2, cores=2, min_params=100)
     kw = dict(lr=0.01, momentum=0.0 if name.startswith("asyncfgd") else 0.9, mu=0.01, q=2)
@@ -46,7 +49,7 @@ def _batch():
     return torch.rand(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
 
 
-@pytest.mark.parametrize("name", BUILT + ["szo-cge-batched"] + list(ONCHIP))
+@pytest.mark.parametrize("name", BUILT + ["szo-cge-batched", "mcu-zo"] + list(ONCHIP))
 def test_every_forward_only_method_satisfies_the_protocol(name):
     if name == "szo-cge-batched":
         model, sub = _model_and_subspace()
