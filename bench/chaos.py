@@ -10,7 +10,7 @@ status. Prints a summary table and writes bench/results/chaos.json.
     python bench/chaos.py --no-torchrun    # skip the 2-process case
 
 Cases: SIGKILL at random moments of an SZO-CGE run and of a BPTT run (trajectory + subspace
-build), and right after a random optimizer step of an SZO-CGE run, then ``--resume`` until done; a 2-process torchrun run whose rank 1 SIGKILLs itself,
+build), and right after a random optimizer step of an SZO-CGE run and of seed 004's integer learner (mcu-zo), then ``--resume`` until done; a 2-process torchrun run whose rank 1 SIGKILLs itself,
 then resumed; a flipped byte / truncated / empty / random / record-less checkpoint; a BPTT
 checkpoint copied into an SZO run; a trajectory sample flipped before a resume; resuming
 with an override that changes the run; two runs started at once on one --out; a diverging
@@ -79,6 +79,12 @@ def final_state(run_dir: Path, bptt: bool) -> dict:
 
         return load_file(run_dir / "model.safetensors")
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def torch_load(run_dir: Path) -> dict:
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -202,6 +208,23 @@ def main() -> int:
             f"exit={r.returncode} (SIGKILL), last checkpoint at step {ck}; stale lock taken over: "
             f"{'yes' if 'taking over the stale lock' in r2.stderr else 'no'}; resume exit={r2.returncode}, "
             f"params {'bit-identical' if exact else 'DIFFER'}")
+    # --- seed 004's integer learner (int8 weights in the optimizer state, float parameters written back):
+    # SIGKILL right after a random step of a digits-fixed mcu-zo run, resume: the same integers and parameters?
+    mcu = base + BPTT + SZO + ["method=mcu-zo", "szo.q=2"]
+    run(szo_cmd("digits-fixed", tmp / "mcu-ref", mcu))
+    mcu_ref = torch_load(tmp / "mcu-ref")
+    for i in range(args.kills):
+        out = tmp / f"mcu-step{i}"
+        at = rng.randint(1, 23)
+        r = run(szo_cmd("digits-fixed", out, mcu, fault=f"0:{at}"))
+        r2 = run(szo_cmd("digits-fixed", out, mcu, "--resume"))
+        got = torch_load(out) if r2.returncode == 0 else None
+        exact = (r.returncode == -9 and got is not None and same(got["model"], mcu_ref["model"])
+                 and all(a.equal(b) for a, b in zip(got["optimizer"]["mcu"]["integers"],
+                                                     mcu_ref["optimizer"]["mcu"]["integers"])))
+        row(f"SIGKILL MCU-ZO (int8 learner) run after step {at}", "exact resume", exact,
+            f"exit={r.returncode} (SIGKILL); resume exit={r2.returncode}, int8 weights and params "
+            f"{'bit-identical' if exact else 'DIFFER'}")
     # --- SIGKILL during a BPTT run (trajectory, model, subspace build), resume: exact?
     bsets = lambda name: TINY + BPTT + [f"subspace.root={tmp / ('st-' + name)}"]  # noqa: E731
     tb = timed_run(szo_cmd("digits-bp", tmp / "bref", bsets("bref")), tmp / "bref")
