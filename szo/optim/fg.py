@@ -166,7 +166,7 @@ class AsyncFGD(ForwardOnlyBase):
     szo implements the Adam it says it is (docs/methods.md).
 
     State: the last ``K - 1 - k`` versions of stage ``k``'s parameters (checkpointed, so a resumed
-    run continues exactly), and Adam's two moments. Tangents come from ``seed`` and the step index, not from a generator
+    run continues exactly), and Adam's state (``torch.optim.Adam``). Tangents come from ``seed`` and the step index, not from a generator
     stream; ``seed`` defaults to ``generator.initial_seed()`` (the run's seed under ``fit``).
     """
 
@@ -174,8 +174,7 @@ class AsyncFGD(ForwardOnlyBase):
     codecs = (StateCodec("asyncfgd", GENERATOR_COUNTERS + (Field("steps", "int", default=0), Field("seed", "int"),
                                                  Field("stages", "int", "K", record_only=True),
                                                  Field("history", "versions"),
-                                                 Field("adam_m", "tensors", optional=True),
-                                                 Field("adam_v", "tensors", optional=True)),
+                                                 Field("adam", "plain", "adam_state", optional=True)),
                          check=lambda opt, sec: opt.check_stages(sec)),)
 
     def __init__(self, model: nn.Module, *, stages: int = 2, lr: float = 1e-3, momentum: float = 0.0,
@@ -215,11 +214,8 @@ class AsyncFGD(ForwardOnlyBase):
         # history[k]: versions max(0, i - lag_k) .. i - 1 of stage k's parameters, lag_k = K - 1 - k
         self.history: list[list[list[torch.Tensor]]] = [[] for _ in self.stages]
         self.update, self.betas, self.eps = update, (float(betas[0]), float(betas[1])), float(eps)
-        if update == "adam":
-            self.adam_m: list[torch.Tensor] | None = [torch.zeros_like(p) for p in params]
-            self.adam_v: list[torch.Tensor] | None = [torch.zeros_like(p) for p in params]
-        else:
-            self.adam_m = self.adam_v = None
+        # Algorithm 2: torch's Adam on the forward-gradient estimate (the federated server's Adam too)
+        self.adam = torch.optim.Adam(params, lr=lr, betas=self.betas, eps=self.eps) if update == "adam" else None
 
     @property
     def K(self) -> int:
@@ -276,15 +272,23 @@ class AsyncFGD(ForwardOnlyBase):
 
     def _adam_step(self, u: list[dict[str, torch.Tensor]], d: float, lr: float) -> None:
         """Algorithm 2: Adam on the forward-gradient estimate ``g = d u`` of every parameter."""
-        b1, b2 = self.betas
-        t = self.steps + 1
-        for j, (p, (k, n)) in enumerate(zip(self.param_groups[0]["params"], self._where)):
-            g = u[k][n] * d
-            m, v = self.adam_m[j], self.adam_v[j]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v / (1 - b2 ** t)).sqrt_().add_(self.eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        params = self.param_groups[0]["params"]
+        for p, (k, n) in zip(params, self._where):
+            p.grad = u[k][n] * d
+        self.adam.param_groups[0]["lr"] = lr
+        self.adam.step()
+        for p in params:
+            p.grad = None
+
+    @property
+    def adam_state(self) -> dict | None:
+        """Adam's moments and step count (``torch.optim.Adam.state_dict()``), None for plain SGD."""
+        return None if self.adam is None else self.adam.state_dict()
+
+    @adam_state.setter
+    def adam_state(self, value: dict | None) -> None:
+        if value is not None and self.adam is not None:
+            self.adam.load_state_dict(value)
 
 
 ASYNCFGD_UPDATES = ("sgd", "adam")
