@@ -148,19 +148,6 @@ class _AccNodeMover:
         self.space.net.acc_hooks.pop(self.space.path, None)
 
 
-class _Unmoved:
-    """The clean forward's space: nothing moves."""
-
-    def mover(self, plan: Plan) -> "_Unmoved":
-        return self
-
-    def move(self, j: int) -> None:
-        pass
-
-    def restore(self) -> None:
-        pass
-
-
 def _check_state(opt: "MCUZO", section: dict) -> None:
     paths = section.get("paths")
     if paths is not None and list(paths) != list(opt.layers):
@@ -278,8 +265,7 @@ class MCUZO(ForwardOnlyBase):
         net = self.net
         net.acc_hooks.update({n: record(n) for n in self.layers})
         try:
-            return self.evaluator.run(closure, _Unmoved(), one_point_plan(torch.zeros(0, 1), 1.0),
-                                      label="clean forward", per_sample=True)[0]
+            return self.evaluator.centre(closure, per_sample=True)
         finally:
             for n in self.layers:
                 net.acc_hooks.pop(n, None)
@@ -357,7 +343,7 @@ class MCUZO(ForwardOnlyBase):
                 self._update(name, net.int_weights[name], self.plans[name], gw, gb, batch)
         self.step_count += 1
         self.write_back()
-        return self.finish_step(lambda: closure().mean(), all_losses, l0, self.forwards_per_step + extra)
+        return self.finish_step(closure, all_losses, l0, self.forwards_per_step + extra)
 
     def _update(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
                 batch: int) -> None:

@@ -53,7 +53,6 @@ from szo.zo import (
     ProbeGuard,
     StateCodec,
     check_hparams,
-    coord_one_point_plan,
     heavy_ball_,
     one_point_plan,
     trainable_layers,
@@ -147,9 +146,8 @@ class LayerwiseZO(ForwardOnlyBase):
         with ev.session():
             handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
             try:
-                clean = ev.run(closure, self.spaces[next(iter(self.layers))], coord_one_point_plan(0, mu),
-                               label="clean forward", per_sample=ps)[0]  # l_n [N] (per sample) or l
-                l0 = float(clean.mean())
+                clean = ev.centre(closure, per_sample=ps)  # l_n [N] (per sample) or l
+                l0 = float(clean.mean()) if ps else clean
             finally:
                 for h in handles:
                     h.remove()
@@ -182,8 +180,7 @@ class LayerwiseZO(ForwardOnlyBase):
                 losses_all += losses.tolist()
         for p in group["params"]:
             p.add_(heavy_ball_(self.state[p]["velocity"], grads[p], lr=group["lr"], momentum=group["momentum"]))
-        batch_closure = (lambda: closure().mean()) if ps else closure  # the BN forward reports the batch loss
-        return self.finish_step(batch_closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
+        return self.finish_step(closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
 
 
 @register_builder("np-zo", "wp-zo", "awp-zo")

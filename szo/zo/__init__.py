@@ -40,6 +40,7 @@ from .space import (
                     NodeSpace,
                     ParamSpace,
                     Space,
+                    Still,
                     SubspaceSpace,
                     move_to_start,
                     trainable_layers,
@@ -57,7 +58,7 @@ from .update import (
 __all__ = [
     "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
     "HasSubspace", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
-    "ProbeGuard", "START_POINTS", "Space", "StateCodec", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
+    "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
     "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_", "trainable_layers", "LAYER_TYPES",

@@ -106,9 +106,13 @@ class ForwardOnlyBase(CodecOptimizer):
     def finish_step(self, closure: Callable[[], torch.Tensor], losses, fallback: float, forwards: int
                     ) -> torch.Tensor:
         """After the update: the unperturbed BN forward of theta_{t+1} under ``bn_update="recompute"``
-        with BN in train mode (its loss is returned), else ``fallback`` (the probes' loss at
-        theta_t); ``forwards`` (the probes) plus that forward are counted."""
+        with BN in train mode (its loss is returned; a per-sample closure, ``loss_reduction ==
+        "none"``, is averaged), else ``fallback`` (the probes' loss at theta_t); ``forwards`` (the
+        probes) plus that forward are counted."""
         losses = torch.as_tensor(losses, dtype=torch.float64)
+        if self.loss_reduction == "none":  # per-sample closure: the BN forward reports the batch loss
+            per_sample = closure
+            closure = lambda: per_sample().mean()  # noqa: E731
         unperturbed = self.evaluator.guard.recomputes
         bn_loss = None
         loss = float(fallback)

@@ -28,8 +28,8 @@ from torch.func import functional_call
 
 from ..functional import zo as F
 from .guard import ProbeGuard
-from .plans import Plan
-from .space import Space
+from .plans import Plan, coord_one_point_plan
+from .space import Space, Still
 
 __all__ = ["ProbeEvaluator", "EvaluatorBase", "LoopEvaluator", "JVPEvaluator", "jvp_closure"]
 
@@ -122,6 +122,13 @@ class LoopEvaluator(EvaluatorBase):
         finally:
             mover.restore()
         return self._reduce(losses, rows)
+
+    def centre(self, closure: Closure, *, label: str = "clean forward", per_sample: bool = False
+               ) -> "float | torch.Tensor":
+        """The closure's loss at the current point, run as a probe (the step's BN statistics, reset
+        neurons, the loss check): a float, or the float64 ``[N]`` per-sample losses."""
+        out = self.run(closure, Still(), coord_one_point_plan(0, 1.0), label=label, per_sample=per_sample)[0]
+        return out if per_sample else float(out)
 
 
 # ---------------------------------------------------------------------- forward gradients

@@ -29,7 +29,7 @@ from torch import nn
 
 from .plans import Coordinates, Plan
 
-__all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "START_POINTS",
+__all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS",
            "move_to_start", "trainable_layers", "LAYER_TYPES"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
@@ -262,6 +262,20 @@ class NodeMover:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+class Still:
+    """The space in which nothing moves: every probe of a plan is the current point (the clean
+    forward of a step, :meth:`szo.zo.LoopEvaluator.centre`). Its own mover."""
+
+    def mover(self, plan: Plan) -> "Still":
+        return self
+
+    def move(self, j: int) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
 
 
 class HostSpace:
