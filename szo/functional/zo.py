@@ -232,7 +232,7 @@ def per_sample_node_estimate(xi: torch.Tensor, losses: torch.Tensor, clean: torc
     if losses.shape[1] != n:
         raise ValueError(f"the closure returned {losses.shape[1]} per-sample losses, the layer output has {n} samples")
     coef = (losses - clean[None, :]) / mu  # [Q, N]
-    view = [q] + [1] * len(shape)
-    view[1 + n_axis] = n
-    g = (xi.view(q, *shape).to(torch.float64) * coef.view(view)).sum(0) / (q * n)
+    lead = int(torch.Size(shape[:n_axis]).numel())  # T (or 1 for [N, F])
+    x = xi.to(torch.float64).view(q, lead, n, -1)  # a view when xi is float64 (the integer learner's)
+    g = torch.einsum("qtnf,qn->tnf", x, coef).reshape(shape) / (q * n)  # no [Q, ...] product temporary
     return g.to(xi.dtype) if xi.is_floating_point() else g
