@@ -106,7 +106,6 @@ class _IntWeightMover:
         self.space, self.plan = space, plan
         self.saved = (space.syn.w_int, space.syn.bias_mant)
         self.base = space.flat()
-        self.signs = plan.directions.to(torch.int64)  # +-1: exact
 
     def move(self, j: int) -> None:
         i = self.plan.index[j]
@@ -114,7 +113,7 @@ class _IntWeightMover:
             self.restore()
             return
         step = int(self.plan.sign[j]) * int(self.plan.mu)
-        self.space.load(self.base + step * self.signs[i], "probe")
+        self.space.load(self.base + step * self.plan.directions[i].to(torch.int64), "probe")  # +-1: exact
 
     def restore(self) -> None:
         self.space.syn.w_int, self.space.syn.bias_mant = self.saved
@@ -134,14 +133,13 @@ class AccNodeSpace:
 class _AccNodeMover:
     def __init__(self, space: AccNodeSpace, plan: Plan):
         self.space, self.plan = space, plan
-        self.signs = plan.directions.to(torch.int64)  # +-1: exact
 
     def move(self, j: int) -> None:
         self.restore()
         i = self.plan.index[j]
         if i < 0:
             return
-        add = int(self.plan.sign[j]) * int(self.plan.mu) * self.signs[i]
+        add = int(self.plan.sign[j]) * int(self.plan.mu) * self.plan.directions[i].to(torch.int64)  # +-1: exact
         self.space.net.acc_hooks[self.space.path] = lambda x, acc, shift: acc + add.view(acc.shape)
 
     def restore(self) -> None:
@@ -288,11 +286,13 @@ class MCUZO(ForwardOnlyBase):
         if closure is None:
             raise ValueError("MCUZO.step needs a closure that runs a forward pass and returns per-sample losses")
         net, ev = self.net, self.evaluator
-        inputs: dict[str, tuple[torch.Tensor, torch.Size, int]] = {}
+        inputs: dict[str, tuple[torch.Tensor | None, torch.Size, int]] = {}  # input kept for node layers only
 
         def record(name: str):
+            keep = name not in self.plans or self.plans[name].mode == "node"  # eq. 10 needs the input
+
             def hook(x: torch.Tensor, acc: torch.Tensor, shift: int) -> torch.Tensor:
-                inputs[name] = (x, acc.shape, shift)
+                inputs[name] = (x if keep else None, acc.shape, shift)
                 return acc
             return hook
 
