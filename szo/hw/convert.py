@@ -498,22 +498,23 @@ class FixedPointNetwork(SpikingModel):
             ref = self._int64_reference(m, xin, w_int)
             if not torch.equal(acc, ref):
                 raise RuntimeError(f"{path}: float kernel result differs from the int64 reference")
+        to_state = e - x.frac + STATE_SHIFT  # one unit of acc is 2**to_state state units
         hook = self.acc_hooks.get(path)
         if hook is not None:
-            acc = hook(xin, acc, e - x.frac + STATE_SHIFT)
+            acc = hook(xin, acc, to_state)
         bias = None if bias_int is None else bias_int.view(1, -1, *([1] * (acc.dim() - 2)))
         if self.arithmetic == "szo":
-            cur = shift(acc, e - x.frac + STATE_SHIFT)  # into state units: exact left shift, or toward-zero right shift
+            cur = shift(acc, to_state)  # into state units: exact left shift, or toward-zero right shift
             syn = cur
             if bias is not None:
                 cur = cur + bias
             cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
             bias = None
             if self.record:  # what Lava's Dense makes of the same sum (floor shift to a_out, << 6)
-                lava = floor_shift(acc, e - x.frac + STATE_SHIFT - A_IN_SHIFT) << A_IN_SHIFT
+                lava = floor_shift(acc, to_state - A_IN_SHIFT) << A_IN_SHIFT
                 self.last_record_lava_rounding[path] = lava.view(T, N, *lava.shape[1:])
         else:  # Lava PyDenseModelBitAcc: a_out = acc shifted by the weight exponent, floor for negative ones
-            a_out = floor_shift(acc, e - x.frac + STATE_SHIFT - A_IN_SHIFT)
+            a_out = floor_shift(acc, to_state - A_IN_SHIFT)
             lo, hi = int_range(16)  # Lava declares a_out / a_in 16-bit but does not clip: count, do not change
             self.counter.add(path, "a_out_beyond_16bit", ((a_out < lo) | (a_out > hi)).sum())
             cur = syn = a_out << A_IN_SHIFT  # PyLifModelBitAcc: activation_in << act_shift (exact)
