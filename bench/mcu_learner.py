@@ -25,16 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Subset
 
-from szo.config import load_recipe
 from szo.data import get_dataset
 from szo.hw import to_fixed
 from szo.hw.mcu import MCUZO, select_block, split_blocks
 from szo.hw.memory import layer_dims
 from szo.optim import LayerwiseZO
-from szo.runs import build_model
+from szo.runs import load_run_model
+from szo.train import evaluate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine_info, write_result  # noqa: E402
@@ -44,14 +43,8 @@ def loss_fn(out, y, reduction="mean"):
     return F.cross_entropy(out.mean(0), y, reduction=reduction)
 
 
-@torch.no_grad()
 def accuracy(net, loader) -> float:
-    net.eval()
-    right = seen = 0
-    for x, y in loader:
-        right += int((net(x).mean(0).argmax(1) == y).sum())
-        seen += len(y)
-    return right / seen
+    return evaluate(net, loader, loss_fn)[1]
 
 
 def batches(ds, batch: int, steps: int, seed: int):
@@ -65,10 +58,8 @@ def batches(ds, batch: int, steps: int, seed: int):
     return out
 
 
-def pretrained(dataset: str, run: Path):
-    model = build_model(load_recipe(f"{dataset}-bp", []))
-    model.load_state_dict(load_file(str(run / "model.safetensors")))
-    return model.eval()
+def pretrained(run: Path):
+    return load_run_model(run)[0].eval()  # the BP run's model: parameters and BN statistics
 
 
 def main() -> None:
@@ -100,8 +91,8 @@ def main() -> None:
     held = DataLoader(held_set, batch_size=256)
     rows: dict[str, dict] = {}
 
-    model = pretrained(a.dataset, a.pretrained)
-    net = to_fixed(model)
+    source = pretrained(a.pretrained)
+    net = to_fixed(source)
     x0 = fit_set[0][0].unsqueeze(0)
     net(x0)
     net.freeze_weights()
@@ -132,7 +123,7 @@ def main() -> None:
                                            "biases": None if b is None else int((net.int_weights[n].bias_mant != b).sum())}
                                        for n, (w, b) in start.items() if n in opt.layers}}
     if a.float:
-        model = pretrained(a.dataset, a.pretrained)
+        model = pretrained(a.pretrained)
         before = accuracy(model, test)
         lw = LayerwiseZO(model, perturbation="adaptive", layers=layers, mu=0.1, lr=a.float_lr, momentum=0.9, q=a.q,
                          generator=torch.Generator().manual_seed(a.seed + 1))
@@ -142,7 +133,7 @@ def main() -> None:
             lw.step(lambda x=x, y=y: loss_fn(model(x), y, reduction="none"))
         rows["awp-zo (float)"] = {"before": before, "after": accuracy(model, test), "forwards": lw.forward_passes,
                                   "time_s": time.perf_counter() - t, "layers": list(lw.layers)}
-        model = pretrained(a.dataset, a.pretrained)
+        model = pretrained(a.pretrained)
         names = set(layers or synapses)
         params = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] in names]
         sgd = torch.optim.SGD(params, lr=a.bp_lr, momentum=0.9)
@@ -154,7 +145,7 @@ def main() -> None:
             sgd.step()  # the model resets its neurons after every forward
         rows["bp (float)"] = {"before": before, "after": accuracy(model, test), "forwards": len(data),
                               "time_s": time.perf_counter() - t, "layers": sorted(names)}
-    dims = layer_dims(pretrained(a.dataset, a.pretrained), x0)
+    dims = layer_dims(source, x0)  # shapes only: training (written back into it) does not change them
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "rows": rows,
            "selection": selection, "layer_dims": [d.__dict__ for d in dims], "machine": machine_info()}
     name = f"mcu_learner_{a.dataset}" + (f"_{a.name}" if a.name else "")
