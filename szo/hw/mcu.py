@@ -60,6 +60,7 @@ from szo.zo import (
     check_hparams,
     one_point_plan,
     quantized_zo_update,
+    trainable_layers,
 )
 
 __all__ = ["MCUZO", "MCU_PERTURBATIONS", "LayerPlan", "select_block", "split_blocks"]
@@ -70,7 +71,7 @@ MCU_PERTURBATIONS: tuple[str, ...] = ("adaptive", "weight", "node")
 @dataclass(frozen=True)
 class LayerPlan:
     """How one trained layer is estimated: ``mode`` ("weight" | "node"), ``d_w`` (weights + biases),
-    ``d_a`` (one sample's nodes over T), the accumulator shape ``[T, N, ...]`` of the clean forward."""
+    ``d_a`` (one sample's nodes over T)."""
 
     mode: str
     d_w: int
@@ -182,15 +183,7 @@ class MCUZO(ForwardOnlyBase):
         for name, v in (("mu_w", mu_w), ("mu_node", mu_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int (LSBs; the paper's is 1), got {v!r}")
-        synapses = [n for n, m in net.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-        if layers is None:
-            chosen = synapses
-        else:
-            unknown = [n for n in layers if n not in synapses]
-            if unknown or not layers:
-                raise ValueError(f"unknown or no layers {unknown or list(layers)}; valid synapse paths: {synapses}")
-            chosen = [n for n in synapses if n in layers]  # model order
-        self.layers = {n: net.get_submodule(n) for n in chosen}
+        self.layers = trainable_layers(net, layers)  # the synapses (model order), or the named subset
         super().__init__([p for m in self.layers.values() for p in m.parameters(recurse=False)], dict(lr=float(lr)))
         self.net = net
         self.perturbation, self.q, self.mu_w, self.mu_node = perturbation, q, mu_w, mu_node

@@ -201,7 +201,7 @@ def test_bad_input():
     model, net = _net()
     with pytest.raises(ValueError, match="fixed-point network"):
         MCUZO(model)
-    with pytest.raises(ValueError, match="valid synapse paths"):
+    with pytest.raises(ValueError, match=r"unknown layer name.*valid: conv1, conv2, fc"):
         MCUZO(net, layers=["nope"])
     with pytest.raises(ValueError, match="mu_w"):
         MCUZO(net, mu_w=0)
