@@ -192,7 +192,6 @@ class MCUZO(ForwardOnlyBase):
         self.counter = SaturationCounter()
         self.plans: dict[str, LayerPlan] = {}
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
-        self.integer_state_loaded = False
         self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
 
     # ------------------------------------------------------------------ state
@@ -242,14 +241,15 @@ class MCUZO(ForwardOnlyBase):
         return 1 + self.q * len(self.layers)
 
     # ------------------------------------------------------------------ the step
-    def _freeze(self) -> None:
-        self.integer_state_loaded = False
+    def _freeze(self) -> bool:
+        """Freeze the network's weights; then a loaded checkpoint's integers replace them (True if so)."""
         if self.net.int_weights is None:
             self.net.freeze_weights()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.integer_state = pending
-            self.integer_state_loaded = True
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        self.integer_state = pending
+        return True
 
     def _clean(self, closure: Callable[[], torch.Tensor], inputs: dict, record: Callable) -> torch.Tensor:
         """The clean forward's per-sample losses ``[N]``, recording each trained layer's integer input."""
@@ -294,10 +294,10 @@ class MCUZO(ForwardOnlyBase):
             self._freeze()  # before the clean forward: a resumed run's integers are in it
         with ev.session():
             clean = self._clean(closure, inputs, record)
-            if net.int_weights is None:  # pooling factors known only now: the same integers as that forward,
-                self._freeze()  # unless a checkpoint's were waiting (then measure again, one more forward)
-                if self.integer_state_loaded:
-                    clean, extra = self._clean(closure, inputs, record), 1
+            # pooling factors known only now: the same integers as that forward, unless a checkpoint's
+            # were waiting (then measure again, one more forward)
+            if net.int_weights is None and self._freeze():
+                clean, extra = self._clean(closure, inputs, record), 1
             batch = int(clean.numel())
             l0 = float(clean.mean())
             grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
