@@ -41,33 +41,22 @@ class XorShift32:
         return s
 
     def draws(self, n: int) -> torch.Tensor:
-        """The next ``n`` states as an int64 tensor (vectorised over nothing: the recurrence is serial)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        return torch.tensor([self.next() for _ in range(n)], dtype=torch.int64)
+        """The next ``n`` states as an int64 tensor: ``n`` serial steps, computed in lanes.
 
-    def rademacher(self, n: int) -> torch.Tensor:
-        """``n`` values in {-1, +1} (int64): LSB 1 -> -1, LSB 0 -> +1."""
-        return 1 - 2 * (self.draws(n) & 1)
-
-    def stream(self, n: int) -> torch.Tensor:
-        """The next ``n`` states, equal to :meth:`draws` (``n`` serial steps), computed in lanes.
-
-        XORShift32 is linear over GF(2): ``state_{i+B} = M^B state_i``. The stream is cut into
-        ``~sqrt(n)`` lanes of ``B`` states; each lane's start is one jump ``M^B`` (32 XORs, the
-        matrix as the images of the 32 unit states) from the previous one, then all lanes step
-        ``B`` times together. Node perturbation draws one value per node, sample and time step
-        (10^5 and more per probe): the serial loop would dominate the step, the chip's
-        sequence is the same.
+        XORShift32 is linear over GF(2): ``state_{i+B} = M^B state_i``. From 256 draws on the
+        stream is cut into ``~sqrt(n)`` lanes of ``B`` states; each lane's start is one jump
+        ``M^B`` (32 XORs, the matrix as the images of the 32 unit states) from the previous one,
+        then all lanes step ``B`` times together. The values are the serial recurrence's (a chip
+        generates them one by one); node perturbation draws one per node, sample and time step
+        (10^5 and more per probe), where the Python loop would dominate the step.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         if n < 256:
-            return self.draws(n)
+            return torch.tensor([self.next() for _ in range(n)], dtype=torch.int64)
         lanes = math.isqrt(n)
         B = -(-n // lanes)  # lanes * B >= n
-        unit = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
-        jump = unit.clone()
+        jump = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
         for _ in range(B):  # M^B applied to the 32 unit states: the jump matrix's columns
             jump = _step(jump)
         cols = jump.tolist()
@@ -87,9 +76,9 @@ class XorShift32:
         self.state = int(seq[-1])
         return seq
 
-    def rademacher_stream(self, n: int) -> torch.Tensor:
-        """:meth:`rademacher` of :meth:`stream`: the same ``n`` values, computed in lanes."""
-        return 1 - 2 * (self.stream(n) & 1)
+    def rademacher(self, n: int) -> torch.Tensor:
+        """``n`` values in {-1, +1} (int64): LSB 1 -> -1, LSB 0 -> +1."""
+        return 1 - 2 * (self.draws(n) & 1)
 
 
 def _step(s: torch.Tensor) -> torch.Tensor:

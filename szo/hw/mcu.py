@@ -272,7 +272,7 @@ class MCUZO(ForwardOnlyBase):
 
     def _rademacher(self, q: int, n: int) -> torch.Tensor:
         """``[q, n]`` Rademacher signs (float64, exact) from one 32-bit seed drawn from the learner's generator."""
-        return XorShift32(self.rng.next()).rademacher_stream(q * n).view(q, n).to(torch.float64)
+        return XorShift32(self.rng.next()).rademacher(q * n).view(q, n).to(torch.float64)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]

@@ -26,3 +26,18 @@ def test_state_stays_32_bit_and_regenerates():
 def test_bad_seed_rejected(bad):
     with pytest.raises(ValueError, match="seed must be"):
         XorShift32(bad)
+
+
+@pytest.mark.parametrize("seed, n", [(1, 255), (1, 256), (123456, 1000), (0xFFFFFFFF, 100_003)])
+def test_long_draws_are_the_serial_recurrence(seed, n):
+    """From 256 draws on the states are computed in lanes (GF(2) jumps); they must be the serial
+    recurrence's, written out here, and leave the generator where n serial steps would."""
+    s, want = seed, []
+    for _ in range(n):
+        s ^= (s << 13) & 0xFFFFFFFF
+        s ^= s >> 17
+        s ^= (s << 5) & 0xFFFFFFFF
+        want.append(s)
+    g = XorShift32(seed)
+    assert g.draws(n).tolist() == want
+    assert g.state == s
