@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -195,15 +196,17 @@ class RunState:
                    history=list(st["history"]), mid=st.get("in_epoch"), first_loss=st.get("first_loss"))
 
 
-def _per_sample_loss(loss_fn: LossFn, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``loss_fn(out, y, reduction="none")``: one loss per sample, for an optimizer that asks for
-    them (``loss_reduction == "none"``); one line if the loss function cannot give them."""
+def _check_per_sample_loss(loss_fn: LossFn) -> None:
+    """An optimizer that asks for one loss per sample (``loss_reduction == "none"``) needs a loss
+    function that takes ``reduction="none"``: one line now, not a TypeError at the first probe."""
     try:
-        return loss_fn(out, y, reduction="none")
-    except TypeError:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # no readable signature (a builtin): its first call will say
+        return
+    if not any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params):
         raise ValueError("this optimizer needs one loss per sample (per-sample node perturbation, seed 004 "
                          "Algorithm 1): the loss function must take reduction='none' (szo.losses do), or use the "
-                         "batch-mean form (LayerwiseZO(..., per_sample=False))") from None
+                         "batch-mean form (LayerwiseZO(..., per_sample=False))")
 
 
 class StepStrategy:
@@ -213,6 +216,9 @@ class StepStrategy:
     def __init__(self, model: nn.Module, optimizer: Any, loss_fn: LossFn):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.forward_only = is_forward_only(optimizer)
+        self.per_sample = self.forward_only and optimizer.loss_reduction == "none"
+        if self.per_sample:
+            _check_per_sample_loss(loss_fn)
         self._outs: list[torch.Tensor] = []  # the mean-over-T outputs of this step's closure calls
 
     @property
@@ -225,13 +231,13 @@ class StepStrategy:
         """The step's closure; ``scale`` != 1: a shard's share of the batch loss (data-parallel)."""
         model, loss_fn, opt, outs = self.model, self.loss_fn, self.optimizer, self._outs
         outs.clear()
-        per_sample = self.forward_only and opt.loss_reduction == "none"
+        kw = {"reduction": "none"} if self.per_sample else {}
 
         def closure() -> torch.Tensor:
             if self.forward_only:
                 with torch.no_grad():
                     out = model(x)
-                    loss = _per_sample_loss(loss_fn, out, y) if per_sample else loss_fn(out, y)
+                    loss = loss_fn(out, y, **kw)
                     if scale != 1.0:  # unequal shards: the mean over ranks = the batch mean
                         loss = loss * scale
             else:

@@ -201,3 +201,23 @@ def test_half_a_forward_only_optimizer_is_refused(tmp_path, data, model0):
     with pytest.raises(ValueError, match="Half says forward_only = True but lacks .*last_step"):
         fit(model, train, test, Half(model.parameters(), lr=0.1), epochs=1, loss_fn=tet_loss, run_dir=tmp_path,
             generator=g, progress=False)
+
+
+def test_per_sample_optimizer_refuses_a_loss_without_reduction_before_any_forward():
+    """An optimizer with loss_reduction 'none' (per-sample node perturbation) needs reduction='none'
+    from the loss: a loss without it is one ValueError when the step strategy is built, and a loss
+    that raises TypeError itself is not reported as lacking the keyword."""
+    from szo.optim import LayerwiseZO
+    from szo.train.trainer import StepStrategy
+
+    model = create("spike_convnet", num_classes=10, T=2, width=4)
+    opt = LayerwiseZO(model, perturbation="node", q=1)
+    with pytest.raises(ValueError, match="must take reduction='none'"):
+        StepStrategy(model, opt, lambda out, y: tet_loss(out, y))
+
+    def broken(out, y, reduction="mean"):
+        raise TypeError("a bug inside the loss")
+
+    closure = StepStrategy(model, opt, broken).closure(torch.rand(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]), 1.0)
+    with pytest.raises(TypeError, match="a bug inside the loss"):
+        closure()
