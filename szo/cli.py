@@ -99,7 +99,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
 def _cmd_demo_digits(args: argparse.Namespace) -> int:
     from szo.pipeline import run_demo_digits
 
-    run_demo_digits(args.out, device=args.device, full_space=not args.no_full_space)
+    run_demo_digits(args.out, device=args.device, full_space=not args.no_full_space, seed=args.seed)
     return 0
 
 
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     dd.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     dd.add_argument("--no-full-space", action="store_true", help="skip the full-space ZO-CGE comparison runs")
+    dd.add_argument("--seed", type=int, default=0, help="seed of every stage (BPTT, subspace, SZO runs; default 0)")
     dd.set_defaults(func=_cmd_demo_digits)
 
     rp = sub.add_parser("report", help="paper-style tables and plots from run directories")

@@ -113,20 +113,22 @@ def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume:
 
 
 def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, seed: int = 0) -> dict[str, Any]:
     """The digits quickstart (``make demo``): BPTT with trajectory -> k=20 subspace -> BP-Subspace,
     SZO-CGE, SZO-RGE(q=1), SZO-RGE(q=k/2) from scratch, a continual SZO-CGE run in a last-epochs
     subspace, optionally full-space ZO-CGE (SNN and its ReLU ANN twin, same 2k forwards per step),
-    then the Table 1/3-style report. Re-running continues: finished runs are kept, interrupted
+    then the Table 1/3-style report. ``seed`` seeds every stage (the BPTT run, hence the subspace,
+    and each SZO run). Re-running continues: finished runs are kept, interrupted
     ones resume from their checkpoints. Returns {run name: summary}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with run_lock(out):  # the demo's directory; every stage in it holds its own
-        return _demo_digits(out, device, full_space, progress)
+        return _demo_digits(out, device, full_space, progress, seed)
 
 
-def _demo_digits(out: Path, device: str, full_space: bool, progress: bool) -> dict[str, Any]:
-    base = [f"subspace.root={(out / 'subspaces').resolve()}", f"progress={str(progress).lower()}", f"device={device}"]
+def _demo_digits(out: Path, device: str, full_space: bool, progress: bool, seed: int) -> dict[str, Any]:
+    base = [f"subspace.root={(out / 'subspaces').resolve()}", f"progress={str(progress).lower()}", f"device={device}",
+            f"seed={seed}"]
     t0 = time.perf_counter()
     summaries: dict[str, Any] = {}
 
