@@ -60,6 +60,7 @@ Scheduler = Literal["cosine", "constant"]
 Reference = Literal["first", "last"]
 Backend = Literal["float", "fixed"]  # = szo.hw.BACKENDS
 BNStats = Literal["batch", "deployed"]
+Precision = Literal["auto", "fp32", "tf32", "bf16"]  # = szo.precision.PRECISIONS
 HWLearner = Literal["float", "integer"]  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
 HWArithmetic = Literal["szo", "loihi"]  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
 HWReset = Literal["subtract", "zero"]  # = szo.hw.neuron.RESETS (null: each LIF's own)
@@ -388,6 +389,10 @@ class RecipeConfig(Section):
     # szo.models.compiled. Off by default (no GPU run has checked it yet); on CPU the compile
     # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     compile: bool | str = False
+    # the arithmetic of every stage (szo.precision): fp32 (IEEE; TF32 off) | tf32 (TF32 convolutions and
+    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (tf32 for BPTT / BP-Subspace / Tent, fp32 for
+    # forward-only probes: docs/evidence.md, "precision"); PyTorch's own defaults are never used
+    precision: Precision = "auto"
     hw: HWConfig = field(default_factory=HWConfig)
     tt: TTConfig = field(default_factory=TTConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

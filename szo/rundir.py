@@ -42,6 +42,9 @@ HARMLESS_KEYS = (
     "train.checkpoint_every_steps", "subspace.root", "distributed.timeout_s", "log.tensorboard",
     "federated.eval_every", "federated.round_timeout_s",
 )
+# Keys added to the schema after runs were written: the value a saved config.yaml without the key
+# stands for (so resuming a run written before the key existed is not refused for it).
+ADDED_KEYS = {"precision": "auto"}
 # Sections a stage does not use (a difference there does not change what that stage trains).
 _ELSEWHERE = ("tta", "federated", "setting")  # sections of the other kinds of run
 _STAGE_IGNORES = {
@@ -192,7 +195,7 @@ def config_differences(saved: Mapping[str, Any], new: Mapping[str, Any], stage: 
     """``(key, saved value, new value)`` for every key that differs and matters for ``stage``
     (``"bptt"``, ``"subspace"``, ``"federated"`` or None: every section), harmless keys left out."""
     ignore = _STAGE_IGNORES.get(stage or "", ())
-    a, b = _flat(saved), _flat(new)
+    a, b = {**ADDED_KEYS, **_flat(saved)}, {**ADDED_KEYS, **_flat(new)}
     out = []
     for key in sorted(set(a) | set(b)):
         if key in HARMLESS_KEYS or key.split(".")[0] in ignore:

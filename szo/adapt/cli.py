@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import torch
 
 from szo.config import RecipeConfig, resolve, write_config
+from szo.precision import PRECISIONS
 from szo.runs import load_run_model
 from szo.stages import bptt_stage, run_dir_guard
 
@@ -149,7 +150,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
         q=int(szo_cfg.get("q", 10)), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
         tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
-        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False,
+        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False, precision=cfg["precision"],
         info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})
     timings["tta_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
@@ -191,6 +192,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="auto", choices=PRECISIONS,
+                   help="arithmetic of adaptation and prediction (szo.precision; default auto)")
     p.add_argument("--out", required=True, help="output directory for the tables")
     p.set_defaults(func=main)
     return p
@@ -200,7 +203,7 @@ def flags_config(args: argparse.Namespace) -> RecipeConfig:
     """``szo adapt``'s flags as the ``kind: tta`` recipe config they stand for (config.yaml of the run)."""
     return resolve({
         "name": "adapt", "kind": "tta", "method": args.method, "setting": args.setting, "seed": args.seed,
-        "device": args.device, "progress": True, "subspace": {"name": args.subspace, "root": args.subspace_root},
+        "device": args.device, "precision": args.precision, "progress": True, "subspace": {"name": args.subspace, "root": args.subspace_root},
         "szo": {"mu": args.mu, "q": args.q},
         "tta": {"data": args.data, "data_dir": args.data_dir, "severity": args.severity, "batch_size": args.batch_size,
                 "lr_reset": args.lr_reset, "lr_continual": args.lr_continual, "predict": args.predict,

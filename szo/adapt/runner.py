@@ -29,6 +29,8 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from szo.data import CORRUPTIONS, get_dataset, make_loader
+from szo.methods import get_method
+from szo.precision import check_precision, precision_policy
 
 from .methods import (
     METHODS,
@@ -119,8 +121,10 @@ class TTAOptions:
     plot: bool = True
     write: bool = True
     info: Mapping[str, Any] | None = None
+    precision: str = "auto"
 
     def check(self) -> None:
+        check_precision(self.precision)
         check_choice("predict", self.predict, PREDICT)
         check_choice("Tent optimizer", self.tent_optimizer, TENT_OPTIMIZERS)
         b, m = self.batch_size, self.max_batches
@@ -215,6 +219,14 @@ class _TTARun:
     def _run_method(self, setting: str, method: str) -> dict[str, Any]:
         o = self.o
         model = copy.deepcopy(self.source).to(o.device)  # one private copy per (setting, method) run
+        policy = precision_policy(o.precision, model, o.device, forward_only=not get_method(method).backprop)
+        with policy.scope():  # the run's arithmetic (szo.precision) for adaptation and prediction alike
+            rec = self._adapt_all(setting, method, model)
+        rec["precision"] = policy.record()
+        return rec
+
+    def _adapt_all(self, setting: str, method: str, model: nn.Module) -> dict[str, Any]:
+        o = self.o
         gen = torch.Generator().manual_seed(int(o.seed) + 1)  # RGE directions
         adapter = self._adapter(method, model, setting, self.corruptions[0], gen)
         own_subspace = self.per_corruption and method in SUBSPACE_METHODS

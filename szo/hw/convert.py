@@ -18,13 +18,12 @@ integer current sum) and returns a :class:`FixedPointNetwork` that
 
 Integer products and sums are exact: convolutions / matmuls run in float32 only when the
 bound ``max|w| * max|x| * fan_in <= 2**24`` (every partial sum is an integer below 2**24,
-exactly representable), else in float64 (exact to 2**53), else they raise; TF32 is disabled.
+exactly representable), else in float64 (exact to 2**53), else they raise; TF32 and autocast are
+off there (``szo.precision.exact_fp32``), whatever the run's precision.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,9 +48,10 @@ from szo.hw.fixed import (
 )
 from szo.hw.neuron import RESETS, FixedCubaLIF, LoihiCubaLIF
 from szo.models.base import SpikingModel
+from szo.precision import exact_fp32
 
 __all__ = ["BACKENDS", "FLOAT32_EXACT", "FLOAT64_EXACT", "FixedPointNetwork", "IntSynapse", "SUPPORTED_LAYERS",
-           "UnsupportedLayerError", "backend", "exact_float_kernels", "to_fixed"]
+           "UnsupportedLayerError", "backend", "to_fixed"]
 
 BACKENDS: tuple[str, ...] = ("float", "fixed")
 FLOAT32_EXACT: int = 1 << 24  # every integer of magnitude <= 2**24 is exact in float32
@@ -73,18 +73,6 @@ def _unsupported(path: str, what: str, why: str = "") -> UnsupportedLayerError:
         f"cannot convert layer {path!r} ({what}) to fixed point{': ' + why if why else ''}; "
         f"supported layer types: {_SUPPORTED_NAMES}; supported functions: residual '+' of currents/spikes"
     )
-
-
-@contextlib.contextmanager
-def exact_float_kernels() -> Iterator[None]:
-    """Disable TF32 (10-bit mantissa) for matmul and cuDNN while the integer kernels run."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def kernel_dtype(bound: int) -> torch.dtype:
@@ -488,7 +476,7 @@ class FixedPointNetwork(SpikingModel):
             fan_in = m.in_features
         bound = int(w_int.abs().max()) * _abs_max(x, xin) * fan_in
         dt = kernel_dtype(bound)
-        with exact_float_kernels():
+        with exact_fp32(xin.device.type):  # TF32 and autocast off, whatever the run's precision
             if isinstance(m, nn.Conv2d):
                 acc = F.conv2d(xin.to(dt), w_int.to(dt), None, m.stride, m.padding, m.dilation, m.groups)
             else:

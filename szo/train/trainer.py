@@ -57,6 +57,7 @@ from szo.functional.zo import NonFiniteLossError
 from szo.io import atomic_write_json
 from szo.methods import current_name
 from szo.plots import plot_training_curve
+from szo.precision import check_precision, precision_policy
 from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
 from szo.zo import HasSubspace, bn_layers, is_forward_only
@@ -153,9 +154,11 @@ class FitOptions:
     diverge_factor: float | None = DIVERGE_FACTOR
     pins: Mapping[str, Any] | None = None
     check_pins: Callable[[Mapping[str, Any]], None] | None = None
+    precision: str = "auto"
 
     def check(self, train_loader: Any) -> None:
         """One ValueError for a bad setting, before anything runs."""
+        check_precision(self.precision)
         if self.bn_stats not in ("batch", "deployed"):
             raise ValueError(f"unknown bn_stats {self.bn_stats!r}; valid: batch, deployed")
         positive_int("epochs", self.epochs)
@@ -297,6 +300,8 @@ class Trainer:
         self.model, self.train_loader, self.test_loader, self.optimizer = model, train_loader, test_loader, optimizer
         self.o = options
         self.steps = StepStrategy(model, optimizer, options.loss_fn)
+        self.precision = precision_policy(options.precision, model, options.device,
+                                          forward_only=self.steps.forward_only)
         par = options.parallel
         self.par = par if par is not None and par.enabled else None
         self.main = self.par is None or self.par.is_main
@@ -320,6 +325,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
+        with self.precision.scope():  # the run's arithmetic (szo.precision), PyTorch's flags put back after
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         o = self.o
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -521,6 +530,7 @@ class Trainer:
 
     def _summary(self) -> dict[str, Any]:
         summary = summarize(self.state.history, model=self.model, optimizer=self.optimizer, info=self.o.info)
+        summary["precision"] = self.precision.record()
         for cb in self.cbs:
             summary.update(cb.results())
         return summary
@@ -567,7 +577,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     Keywords (:class:`FitOptions`): ``epochs``, ``loss_fn``, ``run_dir``, ``generator`` (required);
     ``scheduler``, ``device``, ``callbacks``, ``resume``, ``start_epoch``, ``eval_every``,
     ``progress``, ``max_steps_per_epoch``, ``checkpoint_every_steps``, ``info``, ``plot``,
-    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``.
+    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``, ``precision``.
 
     Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
     results.json (the summary, with what the callbacks' ``results()`` add) and
@@ -580,7 +590,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     docstring); the test loader should then hold this rank's shard of the test set. ``pins``
     (JSON-able: e.g. the resolved config and the subspace's digest) go into every checkpoint;
     on resume ``check_pins(saved pins)`` may refuse, so a run continues only what it was
-    trained with, whatever happened to the files around it.
+    trained with, whatever happened to the files around it. ``precision`` (``szo.precision``:
+    ``auto`` | ``fp32`` | ``tf32`` | ``bf16``) is the arithmetic of the whole run (forwards,
+    backwards, probes, evaluation), set by the package whatever PyTorch's defaults are, and
+    recorded in results.json; ``auto`` picks by whether the optimizer is forward-only.
 
     Divergence (a non-finite loss or parameter, or a loss above ``diverge_factor`` times
     ``max(|first loss|, 1)``; ``None`` checks finiteness only) stops the run with one

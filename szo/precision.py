@@ -1,0 +1,137 @@
+"""The arithmetic of a run, as a setting: ``precision`` = ``fp32`` | ``tf32`` | ``bf16`` | ``auto``.
+
+PyTorch's defaults are not a policy: on CUDA its cuDNN convolutions run in TF32 (a 10-bit
+mantissa) unless told otherwise, while its matmuls do not, and neither is recorded anywhere.
+A zeroth-order estimate divides a loss difference by mu, and a spike is a threshold, so a
+rounding that a BP-trained forward tolerates can flip spikes between the + and the - probe
+(docs/evidence.md measures it). This module is the one place that sets the arithmetic:
+
+* ``fp32``: IEEE float32 for convolutions and matmuls (TF32 off on CUDA), no autocast;
+* ``tf32``: TF32 convolutions and matmuls on CUDA; on the CPU, which has no TF32, the same
+  as fp32 (the record says ``effective: fp32``);
+* ``bf16``: autocast to bfloat16 (SpikingJelly 2.0's precision API,
+  ``spikingjelly.activation_based.precision``: its capability check and its autocast
+  context), TF32 off for what autocast leaves in float32;
+* ``auto``: :data:`AUTO` per kind of training, the choice docs/evidence.md justifies.
+
+:func:`precision_policy` prepares a model for a precision (SpikingJelly's
+``prepare_model_for_precision``: call it before building the optimizer) and returns a
+:class:`PrecisionPolicy`; ``with policy.scope():`` runs its block in that arithmetic and puts
+PyTorch's flags back afterwards. ``szo.train.fit(..., precision=...)`` holds the scope around
+the whole run (BPTT's forward and backward, every probe forward, the BN forward, evaluation)
+and writes :meth:`PrecisionPolicy.record` into results.json. Code that drives an optimizer
+itself does the same::
+
+    policy = precision_policy("fp32", model, "cuda")
+    with policy.scope():
+        opt.step(closure)
+
+:func:`exact_fp32` is the scope of code whose floats carry exact integers (the fixed-point
+backend's kernels): IEEE float32/64, autocast off, whatever the run's precision is.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from spikingjelly.activation_based.precision import prepare_model_for_precision
+
+__all__ = ["PRECISIONS", "AUTO", "PrecisionPolicy", "precision_policy", "resolve_precision", "check_precision",
+           "exact_fp32", "tf32_flags"]
+
+PRECISIONS = ("auto", "fp32", "tf32", "bf16")
+# what ``auto`` means, by what the run trains (docs/evidence.md, "precision"): backpropagation
+# tolerates TF32 (PyTorch's own default for convolutions); forward-only probes are set from the
+# precision study
+AUTO = {"backprop": "tf32", "forward-only": "fp32"}
+
+
+def check_precision(name: Any) -> str:
+    """``name`` if it is a precision, else one ValueError naming the valid ones."""
+    if not isinstance(name, str) or name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}; valid: {', '.join(PRECISIONS)}")
+    return name
+
+
+def resolve_precision(name: str, *, forward_only: bool) -> str:
+    """``name`` with ``auto`` replaced by :data:`AUTO`'s choice for backprop / forward-only training."""
+    check_precision(name)
+    if name != "auto":
+        return name
+    return AUTO["forward-only" if forward_only else "backprop"]
+
+
+def tf32_flags() -> tuple[bool, bool]:
+    """PyTorch's process-wide TF32 switches now: (cuDNN convolutions, CUDA matmuls)."""
+    return bool(torch.backends.cudnn.allow_tf32), bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    """TF32 on or off for cuDNN and CUDA matmuls inside the block; the previous flags after it,
+    whatever happens (they are process-wide: a scope must not leak)."""
+    old = tf32_flags()
+    torch.backends.cudnn.allow_tf32 = enabled
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@contextlib.contextmanager
+def exact_fp32(device_type: str = "cuda") -> Iterator[None]:
+    """IEEE float arithmetic for kernels whose floats hold exact integers: TF32 off and autocast
+    off on ``device_type`` (``"cuda"`` | ``"cpu"``), inside any precision scope."""
+    with _tf32(False), torch.autocast(device_type, enabled=False):
+        yield
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """One run's arithmetic (see the module doc): ``requested`` as set, ``name`` after ``auto``,
+    ``device_type`` where it runs. ``scope()`` applies it; ``record()`` says what ran."""
+
+    requested: str
+    name: str
+    device_type: str
+    artifacts: Any = None  # SpikingJelly's PrecisionArtifacts (bf16: its autocast context)
+
+    @property
+    def effective(self) -> str:
+        """What the arithmetic is here: ``tf32`` is fp32 on a device without TF32 (the CPU)."""
+        return "fp32" if self.name == "tf32" and self.device_type != "cuda" else self.name
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.name == "bf16" else None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["PrecisionPolicy"]:
+        with _tf32(self.name == "tf32"):
+            ctx = self.artifacts.autocast_context() if self.artifacts is not None else contextlib.nullcontext()
+            with ctx:
+                yield self
+
+    def record(self) -> dict[str, Any]:
+        """What results.json says of the arithmetic."""
+        return {"requested": self.requested, "name": self.name, "effective": self.effective,
+                "device": self.device_type, "tf32": self.name == "tf32" and self.device_type == "cuda",
+                "autocast": None if self.autocast_dtype is None else str(self.autocast_dtype).replace("torch.", "")}
+
+
+def precision_policy(name: str, model: torch.nn.Module | None, device: str | torch.device, *,
+                     forward_only: bool = False) -> PrecisionPolicy:
+    """The policy for precision ``name`` (``auto`` resolved by ``forward_only``) on ``device``;
+    bf16 goes through SpikingJelly's ``prepare_model_for_precision`` (its capability check; call
+    this before building the optimizer). ``model`` may be None for fp32 / tf32."""
+    resolved = resolve_precision(name, forward_only=forward_only)
+    dev = torch.device(device)
+    artifacts = None
+    if resolved == "bf16":
+        if model is None:
+            raise ValueError("precision 'bf16' prepares the model (SpikingJelly's precision API): pass the model")
+        artifacts = prepare_model_for_precision(model, dev, "bf16")
+    return PrecisionPolicy(requested=name, name=resolved, device_type=dev.type, artifacts=artifacts)
