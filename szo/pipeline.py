@@ -44,7 +44,7 @@ from szo import distributed as D
 from szo.adapt.cli import run_recipe as run_tta_recipe
 from szo.config import load_recipe
 from szo.report import collect_runs, render, write_report
-from szo.rundir import run_lock
+from szo.rundir import check_resume_config, run_lock
 from szo.runs import build_model, load_run_model, subspace_store_for
 from szo.stages import (
     bptt_stage,
@@ -58,7 +58,7 @@ from szo.stages import (
 )
 from szo.train import TrainingDiverged
 
-__all__ = ["run_recipe", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage",
+__all__ = ["run_recipe", "run_or_reuse", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage",
            "build_store_subspace", "build_model", "subspace_store_for", "run_dir_guard", "check_store_entry",
            "optimizer_options"]
 
@@ -79,6 +79,20 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
         if D.env_world_size() > 1 or D.get_info().enabled:
             return _run_recipe_distributed(cfg, out, dev, resume, callbacks)
         return _run_recipe(cfg, out, dev, resume, callbacks)
+
+
+def run_or_reuse(cfg: Mapping[str, Any], run_dir: str | os.PathLike, device: str | None = None) -> dict[str, Any]:
+    """A study's run: the summary in ``run_dir/results.json`` if that run completed with this
+    config (a different config: one clear line), else the recipe run (resumed if it started)."""
+    run_dir = Path(run_dir)
+    res = run_dir / "results.json"
+    if res.is_file():
+        check_resume_config(run_dir, cfg)  # a different configuration: one clear line
+        summary = json.loads(res.read_text(encoding="utf-8"))
+        stage = cfg["bptt"] if cfg["kind"] == "bp" else cfg["train"]
+        if summary.get("status", "completed") == "completed" and summary.get("epochs") == stage["epochs"]:
+            return summary
+    return run_recipe(cfg, run_dir, device=device, resume=(run_dir / "config.yaml").is_file())
 
 
 def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,

@@ -1,4 +1,5 @@
-"""``szo diagnose RUN_DIR``, ``szo study subspaces BP_RUN``, ``szo study q RECIPE`` and ``szo study shift BP_RUN``
+"""``szo diagnose RUN_DIR``, ``szo study subspaces BP_RUN``, ``szo study q RECIPE``, ``szo study precision RECIPE``
+and ``szo study shift BP_RUN``
 (entry points of group ``szo.commands``)."""
 from __future__ import annotations
 
@@ -86,8 +87,19 @@ def _cmd_study_shift(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study_precision(args: argparse.Namespace) -> int:
+    from szo.study.precision import render_precision, study_precision
+
+    res = study_precision(args.recipe, precisions=args.precision, mus=args.mu, qs=args.q, repeats=args.repeats,
+                          batch=args.batch, seeds=args.seeds, train_mus=args.train_mu, overrides=args.set or [],
+                          device=args.device, out=args.out, train=not args.no_train)
+    print(render_precision(res))
+    print(f"written: {args.out}/precision.json, precision.md, precision.png")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from szo.study import diagnose, qsweep, shift, subspaces
+    from szo.study import diagnose, precision, qsweep, shift, subspaces
 
     p = subparsers.add_parser("diagnose", help="ZO estimate variance / cosine to the BPTT gradient on a run's model",
                               description=diagnose.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,7 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="JSON path (default RUN_DIR/diagnose.json); the plot goes next to it (.png)")
     p.set_defaults(func=_cmd_diagnose)
 
-    st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN | szo study q RECIPE)")
+    st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN | q RECIPE | precision RECIPE | shift BP_RUN)")
     ssub = st.add_subparsers(dest="study", metavar="STUDY")
     ssub.required = True
     s = ssub.add_parser("subspaces", help="subspace-origin ablation: variants, projected BP point, optional training",
@@ -131,6 +143,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sq.add_argument("--no-cge", action="store_true", help="skip the SZO-CGE reference run")
     sq.add_argument("--out", required=True, help="output directory: one run directory per q + q.json/q.md/q.png")
     sq.set_defaults(func=_cmd_study_q)
+
+    sp = ssub.add_parser("precision", help="fp32 / tf32 / bf16 probe forwards: ZO estimate quality and accuracy reached",
+                         description=precision.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("recipe", metavar="RECIPE", help="a subspace recipe (scratch or continual), e.g. digits-scratch")
+    sp.add_argument("--precision", type=_names, default=None,
+                    help="comma-separated precisions (default fp32,bf16; on CUDA fp32,tf32,bf16)")
+    sp.add_argument("--mu", type=_floats, default=[0.01, 0.1, 1.0], help="mu values of the estimates (default 0.01,0.1,1)")
+    sp.add_argument("--q", type=_ints, default=[1, 10], help="RGE q values of the estimates (default 1,10)")
+    sp.add_argument("--repeats", type=int, default=10, help="RGE draws per configuration (default 10)")
+    sp.add_argument("--batch", type=int, default=64, help="images of the fixed train batch (default 64)")
+    sp.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="training seeds (default 0,1,2)")
+    sp.add_argument("--train-mu", type=_floats, default=None, help="mu values of the training runs (default: the recipe's)")
+    sp.add_argument("--no-train", action="store_true", help="the estimates only")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run (repeatable)")
+    sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: the recipe's)")
+    sp.add_argument("--out", required=True, help="output directory: runs + precision.json/.md/.png")
+    sp.set_defaults(func=_cmd_study_precision)
 
     sh = ssub.add_parser("shift", help="few-shot adaptation of a deployed model to a shifted input distribution",
                          description=shift.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

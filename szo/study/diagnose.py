@@ -18,10 +18,11 @@ mu -> 0 RGE variance next to the measured one, and a plot next to it (``.png``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -65,8 +66,14 @@ def surrogate_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 def diagnose_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, *,
                    directions: torch.Tensor | None, mus: Sequence[float], qs: Sequence[int], repeats: int = 20,
-                   seed: int = 0, max_full_cge: int = 2000, label: str = "snn") -> list[dict[str, Any]]:
-    """Statistics rows for every (space, estimator, mu, q) on one model and batch (see module doc)."""
+                   seed: int = 0, max_full_cge: int = 2000, label: str = "snn", spaces: Sequence[str] = ("subspace", "full"),
+                   scope: Callable[[], ContextManager] = contextlib.nullcontext,
+                   keep_estimates: bool = False) -> list[dict[str, Any]]:
+    """Statistics rows for every (space, estimator, mu, q) on one model and batch (see module doc).
+
+    ``scope``: the context every probe forward runs in (e.g. a ``szo.precision`` policy's
+    ``scope``); the reference gradient is computed outside it, in the caller's arithmetic.
+    ``keep_estimates``: each row also carries its estimates (``"estimates"``, ``[R, d]``)."""
     mus, qs = _check_list("mus", mus, float), _check_list("qs", qs, int)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
         raise ValueError(f"repeats must be an int >= 2 (a variance needs two draws), got {repeats!r}")
@@ -84,13 +91,18 @@ def diagnose_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, los
 
     def loss_at(v: torch.Tensor) -> float:
         model.load_flat_params(v)
-        return guard.probe(lambda: loss_fn(model(x), y), "diagnose probe")
+        with scope():
+            return guard.probe(lambda: loss_fn(model(x), y), "diagnose probe")
 
     rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(seed)
-    spaces = ([("subspace", directions.to(theta.dtype))] if directions is not None else []) + [("full", None)]
+    unknown = sorted(set(spaces) - {"subspace", "full"})
+    if unknown:
+        raise ValueError(f"unknown space(s) {unknown}; valid: subspace, full")
+    todo = ([("subspace", directions.to(theta.dtype))] if directions is not None and "subspace" in spaces else []) \
+        + ([("full", None)] if "full" in spaces else [])
     try:
-        for space, dirs in spaces:
+        for space, dirs in todo:
             for mu in mus:
                 configs = [("rge", q) for q in qs]
                 if dirs is not None or theta.numel() <= max_full_cge:
@@ -105,6 +117,8 @@ def diagnose_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, los
                         row["variance_closed_form"] = rge_variance_closed_form(grad, dirs, q)
                     forwards = 2 * row["k"] if est == "cge" else 2 * q
                     row["forwards_per_estimate"] = forwards
+                    if keep_estimates:
+                        row["estimates"] = e
                     rows.append(row)
     finally:
         model.load_flat_params(theta)

@@ -17,7 +17,6 @@ config.yaml differs in no trained key) is reused, not retrained: e.g. the Table-
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,8 +25,8 @@ from szo import plots
 from szo.config import load_recipe
 from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import get_method, method_label
-from szo.pipeline import run_recipe
-from szo.rundir import check_resume_config, run_lock
+from szo.pipeline import run_or_reuse
+from szo.rundir import run_lock
 
 __all__ = ["study_q", "q_rows", "render_q", "plot_q"]
 
@@ -41,17 +40,6 @@ def _check_qs(qs: Sequence[int]) -> list[int]:
     if not out:
         raise ValueError("give at least one q (e.g. --q 1,2,5,10,20)")
     return sorted(set(out))
-
-
-def _run_or_reuse(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """The run's results.json summary: reused if completed with this config, else trained."""
-    res = run_dir / "results.json"
-    if res.is_file():
-        check_resume_config(run_dir, cfg)  # a different configuration: one clear line
-        summary = json.loads(res.read_text(encoding="utf-8"))
-        if summary.get("status", "completed") == "completed" and summary.get("epochs") == cfg["train"]["epochs"]:
-            return summary
-    return run_recipe(cfg, run_dir, resume=(run_dir / "config.yaml").is_file())
 
 
 def q_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,7 +134,7 @@ def _study_q(recipe: str, qs: list[int], overrides: list[str], rge_overrides: li
         if cfg.get("kind") != "subspace":
             raise ValueError(f"szo study q trains in a subspace: recipe {recipe!r} is kind {cfg.get('kind')!r}; "
                              "use a scratch or continual recipe (e.g. mnist5k-scratch)")
-        summary = _run_or_reuse(cfg, out / name)
+        summary = run_or_reuse(cfg, out / name)
         runs[name] = {"config": cfg, "summary": summary, "run_dir": str(out / name)}
     rows = q_rows(runs)
     result = {"recipe": recipe, "overrides": list(overrides), "rge_overrides": list(rge_overrides), "qs": qs,

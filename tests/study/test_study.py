@@ -11,6 +11,7 @@ from szo.config import load_recipe
 from szo.pipeline import run_recipe
 from szo.runs import load_run_model
 from szo.study.diagnose import diagnose_model, surrogate_gradient
+from szo.study.precision import study_precision
 from szo.study.subspaces import subspace_variants
 
 TINY = ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32", "data.test_batch_size=360",
@@ -206,3 +207,36 @@ def test_study_shift_cells_protocol_and_outputs(runs, capsys, monkeypatch, tmp_p
     assert main(["study", "shift", str(runs / "bp"), "--lr", "bp=0.1", "--methods", "none", "--out",
                  str(tmp_path / "x")]) == 2
     assert "lr given for method(s) ['bp']" in capsys.readouterr().err
+
+
+def test_study_precision_estimates_training_and_outputs(runs, capsys):
+    """szo study precision: fp32 is its own reference (cosine 1, no flips), bf16 moves the spikes and
+    the estimate a little (cosines in (0, 1]), one run per precision x seed, each recording its precision."""
+    out = runs / "precision"
+    sets = [a for s in ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32",
+                        "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2", "subspace.k=4",
+                        f"subspace.root={runs / 'subspaces'}"]
+            for a in ("--set", s)]
+    assert main(["study", "precision", "digits-scratch", "--precision", "bf16,fp32", "--mu", "0.1,1", "--q", "2",
+                 "--repeats", "2", "--batch", "16", "--seeds", "0,1", "--out", str(out)] + sets) == 0
+    res = json.loads((out / "precision.json").read_text())
+    est = res["estimates"]
+    assert [(r["precision"], r["estimator"], r["mu"]) for r in est][:4] == [
+        ("fp32", "cge", 0.1), ("fp32", "rge", 0.1), ("fp32", "cge", 1.0), ("fp32", "rge", 1.0)]  # fp32 first
+    fp32 = [r for r in est if r["precision"] == "fp32"]
+    bf16 = [r for r in est if r["precision"] == "bf16"]
+    assert len(bf16) == len(fp32) == 4
+    assert all(r["cosine_to_fp32"] == pytest.approx(1.0) and r["spike_flip_rate"] == 0.0 for r in fp32)
+    assert all(0.0 < r["spike_flip_rate"] < 0.5 and -1.0 <= r["cosine_to_fp32"] <= 1.0 for r in bf16)
+    assert any(r["cosine_to_fp32"] < 1.0 - 1e-9 for r in bf16)  # the arithmetic moved at least one estimate
+    runs_ = {(r["precision"], r["seed"]): r for r in res["training"]}
+    assert set(runs_) == {("bf16", 0), ("bf16", 1), ("fp32", 0), ("fp32", 1)}
+    for (p, s), r in runs_.items():
+        rec = json.loads((out / f"{p}-mu{r['mu']:g}-s{s}" / "results.json").read_text())
+        assert rec["precision"]["name"] == p and rec["seed"] == s and r["effective"] == p
+    assert {a["precision"]: a["n"] for a in res["accuracy"]} == {"bf16": 2, "fp32": 2}
+    assert (out / "precision.png").stat().st_size > 10_000
+    md = (out / "precision.md").read_text()
+    assert "| bf16 | CGE | 0.1 |" in md and "| fp32 | 1 | 2 |" in md
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        study_precision("digits-scratch", precisions=["fp8"], out=out / "bad", train=False)
