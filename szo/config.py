@@ -393,6 +393,9 @@ class RecipeConfig(Section):
     # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (tf32 for BPTT / BP-Subspace / Tent, fp32 for
     # forward-only probes: docs/evidence.md, "precision"); PyTorch's own defaults are never used
     precision: Precision = "auto"
+    # replay the no-grad forwards (every SZO probe, the BN forward, evaluation) as captured CUDA graphs
+    # (szo.models.graphed): same result, fewer kernel launches; CUDA only (CPU forwards stay eager)
+    cuda_graphs: bool = False
     hw: HWConfig = field(default_factory=HWConfig)
     tt: TTConfig = field(default_factory=TTConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -641,6 +644,7 @@ def validate(cfg: Mapping[str, Any]) -> RecipeConfig:
         _check_method_options(full)
     _check_hw(full)
     _check_compile(full)
+    _check_cuda_graphs(full)
     if full.mode == "continual" and full.subspace.reference != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     if not full.hw.coord_frac < full.hw.coord_bits:
@@ -734,6 +738,22 @@ def _check_compile(full: RecipeConfig) -> None:
                       (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
         if bad:
             raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
+
+
+def _check_cuda_graphs(full: RecipeConfig) -> None:
+    """``cuda_graphs`` replays the model's own multi-step forward: not with the paths that bypass it,
+    nor with compile (its reduce-overhead mode graphs itself); multi-process runs with hook-driven
+    synchronised BN: ``szo.stages.check_distributed``."""
+    if not full.cuda_graphs:
+        return
+    sz = full.szo
+    for bad, what in ((full.compile is not False, "compile (torch.compile's mode reduce-overhead graphs the compiled "
+                                                  "forward itself): set compile=false"),
+                      (sz.engine != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
+                      (sz.time_chunk is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
+                      (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
+        if bad:
+            raise ValueError(f"cuda_graphs=true replays the model's multi-step forward and cannot be combined with {what}")
 
 
 def _check_hw(full: RecipeConfig) -> None:

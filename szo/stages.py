@@ -33,6 +33,7 @@ from szo.hw.convert import FixedPointNetwork
 from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import load_weights, save_weights
 from szo.methods import get_method, list_methods, method_label
+from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
 from szo.optim import MCUZO, HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
@@ -55,11 +56,14 @@ def device_for(cfg: Mapping[str, Any], device: str | None = None) -> str:
     return str(dev)
 
 
-def _set_compile(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
-    """The recipe's ``compile`` setting on the model (every stage, so BPTT and SZO timings stay comparable)."""
+def _set_forward(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+    """The recipe's ``compile`` and ``cuda_graphs`` settings on the model (every stage, so BPTT and
+    SZO timings stay comparable)."""
     c = cfg["compile"]
     if c is not False:
         model.set_compile(True, backend="inductor" if c is True else c)
+    if cfg["cuda_graphs"]:
+        model.set_cuda_graphs(True)
 
 
 def _scheduler(opt: torch.optim.Optimizer, stage: Mapping[str, Any]):
@@ -194,7 +198,7 @@ def _bptt(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, b
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(cfg, run_dir / "config.yaml")
     model = build_model(cfg).to(device)
-    _set_compile(model, cfg)
+    _set_forward(model, cfg)
     st = cfg["bptt"]
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
     rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
@@ -274,7 +278,11 @@ def check_distributed(cfg: Mapping[str, Any]) -> None:
                       (cfg["compile"] is not False and cfg["distributed"]["mode"] == "data"
                        and cfg["distributed"]["sync_bn"],
                        "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
-                       "distributed.sync_bn=false or distributed.mode=perturbation")):
+                       "distributed.sync_bn=false or distributed.mode=perturbation"),
+                      (cfg["cuda_graphs"] and cfg["distributed"]["mode"] == "data" and cfg["distributed"]["sync_bn"],
+                       "cuda_graphs with distributed.mode 'data' and distributed.sync_bn (a replay does not run the "
+                       "hooks that synchronise BN): set cuda_graphs=false, distributed.sync_bn=false or "
+                       "distributed.mode=perturbation")):
         if bad:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
@@ -366,7 +374,7 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
         train, test = loaders_for(cfg, g, par)
         sm = subspace_model(cfg, test)
         sm.net.to(device)
-        _set_compile(sm.model, cfg)
+        _set_forward(sm.model, cfg)
         tr, sz = cfg["train"], cfg["szo"]
         sm.model.set_streaming(sz["time_chunk"], sz["stream_bn"])  # probes and evaluation, if asked for
         run = RunOptions(generator=g, distributed=par.mode if par is not None else None,
@@ -389,6 +397,8 @@ def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> d
     when a tensor-train run left signRGE for CGE (``HybridZO.hybrid_state``), and seed 004's
     learner's per-layer modes and clamps."""
     out: dict[str, Any] = {}
+    if isinstance(net, SpikingModel) and net.cuda_graphs is not None:  # captures, replays, eager forwards by reason
+        out["cuda_graphs"] = net.cuda_graphs.stats.as_dict()
     if isinstance(net, FixedPointNetwork):
         out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
     if isinstance(opt, HybridZO):

@@ -17,6 +17,7 @@ from torch import nn
 
 from szo.layout import layout_fingerprint, param_layout
 from szo.models.compiled import check_compile, compiled_forward_seq
+from szo.models.graphed import ForwardGraphs, GraphBackend
 from szo.models.streaming import BatchNorm2d, check_bn_time, check_stream_bn, check_time_chunk, chunked_forward
 
 MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
@@ -65,6 +66,7 @@ class SpikingModel(nn.Module):
         self.stream_bn: str = "exact"
         self.compile_opts: tuple[str, str | None] | None = None  # torch.compile; see set_compile
         self.memory_format: str = "auto"  # activations' layout; see set_memory_format
+        self.cuda_graphs: ForwardGraphs | None = None  # probe forwards replayed as CUDA graphs; see set_cuda_graphs
 
     # ------------------------------------------------------------------ forward
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
@@ -107,6 +109,8 @@ class SpikingModel(nn.Module):
                 x_seq = x.unsqueeze(0).repeat(self.T, 1, 1, 1, 1) if static else x
             if self.compile_opts is not None:
                 return compiled_forward_seq(type(self), *self.compile_opts)(self, x_seq)
+            if self.cuda_graphs is not None:
+                return self.cuda_graphs(self, x_seq, persistent=self._persist_depth > 0)
             return self.forward_seq(x_seq)
         finally:
             if self._persist_depth == 0:
@@ -185,7 +189,26 @@ class SpikingModel(nn.Module):
         """
         if not isinstance(enabled, bool):
             raise ValueError(f"set_compile(enabled) must be True or False, got {enabled!r}")
+        if enabled and self.cuda_graphs is not None:
+            raise ValueError("set_compile(True) on a model with CUDA graphs: use one of them (torch.compile's "
+                             "mode='reduce-overhead' graphs the compiled forward itself); set_cuda_graphs(False) first")
         self.compile_opts = check_compile(backend, mode) if enabled else None
+        return self
+
+    # ------------------------------------------------------------- CUDA graphs
+    def set_cuda_graphs(self, enabled: bool = True, *, warmup: int = 2, max_graphs: int = 8,
+                        backend: GraphBackend | None = None) -> SpikingModel:
+        """Replay later no-grad multi-step forwards on CUDA as captured CUDA graphs (``False``: eager
+        again, the graphs freed). One graph per input signature, at most ``max_graphs``; grad-mode,
+        CPU and streaming forwards stay eager. Same result as eager (the same kernels), fewer launches:
+        see ``szo.models.graphed`` and docs/performance.md. ``self.cuda_graphs.stats`` counts captures,
+        replays and eager forwards by reason."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_cuda_graphs(enabled) must be True or False, got {enabled!r}")
+        if enabled and self.compile_opts is not None:
+            raise ValueError("set_cuda_graphs(True) on a compiled model: use one of them (torch.compile's "
+                             "mode='reduce-overhead' graphs the compiled forward itself); set_compile(False) first")
+        self.cuda_graphs = ForwardGraphs(warmup=warmup, max_graphs=max_graphs, backend=backend) if enabled else None
         return self
 
     # -------------------------------------------------------------------- state

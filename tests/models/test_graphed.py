@@ -1,0 +1,161 @@
+"""szo.models.graphed: the bookkeeping of CUDA-graph probe forwards, driven on the CPU by a backend
+that "replays" by calling the captured function again (the CUDA backend itself runs in the device
+subset, tests/test_device.py). What must hold whatever replays: the same logits and the same BN
+state as eager forwards, one graph per signature, eager forwards where a graph cannot serve, and a
+failed capture costs one warning, not the run."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from szo.engine import batch_closure
+from szo.losses import tet_loss
+from szo.models import create
+from szo.models.graphed import CudaGraphBackend, ForwardGraphs
+from szo.optim import build_optimizer
+
+
+class CallAgain:
+    """A graph backend for the CPU: 'capture' runs the warm-up and one forward (whose side effects
+    the caller undoes, as after a real capture), 'replay' recomputes into the captured output."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.captured = fail, 0
+
+    def supports(self, x):
+        return True
+
+    def capture(self, fn, warmup, between):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        for _ in range(warmup):
+            fn()
+            between()
+        out = fn()
+        between()
+        self.captured += 1
+
+        def replay():
+            out.copy_(fn())
+
+        return replay, out
+
+
+def _model(**kw):
+    torch.manual_seed(0)  # test-only: one fixed model
+    return create("spike_convnet", num_classes=10, T=2, width=4, **kw).train()
+
+
+def _x(n=8, seed=1):
+    return torch.rand(n, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _bn_state(m):
+    return {k: v.clone() for k, v in m.named_buffers()}
+
+
+def test_replays_equal_eager_forwards_with_in_place_changes_and_bn_updates():
+    eager, graphed = _model(), _model()
+    graphed.set_cuda_graphs(True, backend=CallAgain())
+    with torch.no_grad():
+        for i in range(4):
+            x = _x(seed=i)
+            for m in (eager, graphed):  # a probe: move the parameters in place, as the optimizers do
+                m.load_flat_params(m.flat_params() + 0.01 * (i + 1))
+            assert torch.equal(graphed(x), eager(x))
+            for k, v in _bn_state(eager).items():  # the warm-up forwards left no trace in the running statistics
+                assert torch.equal(v, dict(graphed.named_buffers())[k]), k
+    st = graphed.cuda_graphs.stats
+    assert st.captures == 1 and st.replays == 4 and not st.eager and len(graphed.cuda_graphs) == 1
+
+
+def test_one_graph_per_signature_and_eager_where_a_graph_cannot_serve():
+    m = _model().set_cuda_graphs(True, max_graphs=2, backend=CallAgain())
+    with torch.no_grad():
+        m(_x())
+        m(_x(seed=2))                 # same signature: replay
+        m.eval()
+        m(_x())                       # eval mode: a second graph
+        m.train()
+        m(_x(n=4))                    # a third signature: the table (2) is full
+        with m.persistent_state():
+            m(_x())                   # the state carries over: eager
+    m(_x())                           # grad enabled (BPTT): eager
+    st = m.cuda_graphs.stats
+    assert st.captures == 2 and st.replays == 3
+    assert dict(st.eager) == {"graph table full": 1, "persistent state": 1, "grad enabled": 1}
+
+
+def test_a_failed_capture_warns_once_and_that_signature_stays_eager():
+    eager, m = _model(), _model().set_cuda_graphs(True, backend=CallAgain(fail=True))
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="CUDA graph capture of SpikeConvNet's forward failed"):
+            out = m(_x())
+        assert torch.equal(out, eager(_x()))
+        assert torch.equal(m(_x()), eager(_x()))  # no second try, no second warning
+    st = m.cuda_graphs.stats
+    assert st.captures == 0 and st.eager["capture failed"] == 2 and len(st.failures) == 1
+    assert m.cuda_graphs.backend.captured == 0
+
+
+def test_the_cuda_backend_leaves_cpu_forwards_eager():
+    m = _model().set_cuda_graphs(True)
+    assert isinstance(m.cuda_graphs.backend, CudaGraphBackend)
+    with torch.no_grad():
+        assert torch.equal(m(_x()), _model()(_x()))
+    assert dict(m.cuda_graphs.stats.eager) == {"cpu tensor": 1} and m.cuda_graphs.stats.captures == 0
+
+
+def test_szo_steps_through_graphs_equal_eager_steps():
+    """Every probe of SZO-CGE (k = 3: 6 probes + the BN forward) replays one graph; the parameters
+    and BN statistics after two steps are bitwise those of the eager steps."""
+    outs = []
+    for graphs in (False, True):
+        m = _model()
+        if graphs:
+            m.set_cuda_graphs(True, backend=CallAgain())
+        d = m.num_params()
+        basis = torch.linalg.qr(torch.randn(d, 3, generator=torch.Generator().manual_seed(1)))[0]
+        sub = SimpleNamespace(basis=basis, layout=m.param_layout(), reference=m.flat_params())
+        opt = build_optimizer("szo-cge", m, subspace=sub, lr=0.5, mu=0.05)
+        for i in range(2):
+            x, y = _x(seed=10 + i), torch.arange(8) % 10
+            opt.step(batch_closure(m, tet_loss, x, y))
+        outs.append((m.flat_params(), _bn_state(m)))
+        if graphs:
+            assert m.cuda_graphs.stats.captures == 1 and m.cuda_graphs.stats.replays == 2 * 7
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(outs[0][1][k], outs[1][1][k]) for k in outs[0][1])
+
+
+def test_settings_validated_copies_fresh_and_compile_exclusive():
+    m = _model().set_cuda_graphs(True, backend=CallAgain())
+    with torch.no_grad():
+        m(_x())
+    c = copy.deepcopy(m)
+    assert isinstance(c.cuda_graphs, ForwardGraphs) and len(c.cuda_graphs) == 0 and len(m.cuda_graphs) == 1
+    with pytest.raises(ValueError, match="set_compile\\(True\\) on a model with CUDA graphs"):
+        m.set_compile(True)
+    with pytest.raises(ValueError, match="set_cuda_graphs\\(enabled\\) must be True or False"):
+        m.set_cuda_graphs("yes")
+    with pytest.raises(ValueError, match="max_graphs must be an int >= 1"):
+        m.set_cuda_graphs(True, max_graphs=0)
+    m.set_cuda_graphs(False)
+    assert m.cuda_graphs is None
+    m.set_compile(True)
+    with pytest.raises(ValueError, match="set_cuda_graphs\\(True\\) on a compiled model"):
+        m.set_cuda_graphs(True)
+
+
+def test_recipe_setting_validated_against_the_paths_that_bypass_the_forward():
+    from szo.config import load_recipe
+
+    assert load_recipe("digits-scratch", ["cuda_graphs=true"]).cuda_graphs is True
+    for sets, what in ((["compile=true"], "compile"), (["szo.engine=batched"], "szo.engine 'batched'"),
+                       (["szo.time_chunk=1"], "szo.time_chunk"), (["backend=fixed", "bn_stats=deployed"], "backend 'fixed'")):
+        with pytest.raises(ValueError, match=f"cuda_graphs=true replays the model's multi-step forward and cannot be "
+                                             f"combined with {what}"):
+            load_recipe("digits-scratch", ["cuda_graphs=true", *sets])
