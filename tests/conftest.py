@@ -20,3 +20,36 @@ def figures(monkeypatch):
     yield got
     for f in got:
         szo.plots.pyplot().close(f)
+
+
+# ----------------------------------------------------------------------------- the device switch
+def pytest_addoption(parser):
+    parser.addoption("--szo-device", default=None,
+                     help="device of the tests marked 'device' (cpu | cuda | cuda:N; default $SZO_TEST_DEVICE or cpu)")
+
+
+def _test_device(config) -> str:
+    import os
+
+    return config.getoption("--szo-device") or os.environ.get("SZO_TEST_DEVICE") or "cpu"
+
+
+def pytest_configure(config):
+    """A device asked for and not there stops the session in one line (no silent CPU run)."""
+    import torch
+
+    dev = _test_device(config)
+    valid = dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())
+    if not valid:
+        raise pytest.UsageError(f"--szo-device / SZO_TEST_DEVICE={dev!r}: valid: cpu, cuda, cuda:N")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--szo-device / SZO_TEST_DEVICE={dev!r} but torch sees no CUDA device")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The device of the 'device' subset (tests/test_device.py): the CPU in CI, a GPU with
+    ``SZO_TEST_DEVICE=cuda`` (bench/gpu_suite.sh)."""
+    import torch
+
+    return torch.device(_test_device(request.config))

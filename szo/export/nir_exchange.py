@@ -383,10 +383,10 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
                     else torch.zeros(new.weight.shape[0], dtype=torch.float64))
             new.bias = nn.Parameter(bias.to(torch.float32))
             put(path, new)
-            meta[path] = {"fixed_point": 1, "w_int": q["w_int"].to(torch.int32).numpy().copy(), "exp": int(q["exp"]),
+            meta[path] = {"fixed_point": 1, "w_int": q["w_int"].cpu().to(torch.int32).numpy().copy(), "exp": int(q["exp"]),
                           "mult": float(q["mult"])}
             if q["bias_int"] is not None:
-                meta[path]["bias_int"] = q["bias_int"].to(torch.int64).numpy().copy()
+                meta[path]["bias_int"] = q["bias_int"].cpu().to(torch.int64).numpy().copy()
         elif isinstance(m, (nn.AvgPool2d, nn.AdaptiveAvgPool2d)):
             h, w = node.args[0].meta["tensor_meta"].shape[-2:]
             if isinstance(m, nn.AdaptiveAvgPool2d):

@@ -15,6 +15,7 @@ from szo.methods import BACKPROP_METHODS, FORWARD_ONLY_METHODS, QZO_METHODS
 from szo.models import create
 from szo.models.tt import tt_parametrize
 from szo.optim import build_optimizer
+from szo.precision import precision_policy
 from szo.zo import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, StepInfo, is_forward_only
 
 BUILT = [m for m in FORWARD_ONLY_METHODS if m not in QZO_METHODS]  # the integer learners: below
@@ -22,16 +23,16 @@ ONCHIP = {"onchip-cge": dict(estimator="cge"), "onchip-rademacher": dict(estimat
           "qzo-subspace": dict(estimator="rademacher", rule="eq8", q=2)}
 
 
-def _model_and_subspace(k: int = 3):
+def _model_and_subspace(k: int = 3, device: torch.device = torch.device("cpu")):
     torch.manual_seed(0)
-    model = create("spike_convnet", num_classes=10, T=2, width=4).train()  # the digits ConvNet
+    model = create("spike_convnet", num_classes=10, T=2, width=4).train().to(device)  # the digits ConvNet
     d = model.num_params()
     basis = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(1)))[0]
     return model, SimpleNamespace(basis=basis, layout=model.param_layout(), reference=model.flat_params())
 
 
-def _build(name: str):
-    model, sub = _model_and_subspace()
+def _build(name: str, device: torch.device = torch.device("cpu")):
+    model, sub = _model_and_subspace(device=device)
     if name in ONCHIP:
         net = to_fixed(model, weight_bits=8)
         return net, OnChipSZO(net, sub, lr=0.5, mu_lsb=1 << 11, **ONCHIP[name])
@@ -44,23 +45,26 @@ def _build(name: str):
     return model, build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(2), **kw)
 
 
-def _batch():
+def _batch(device: torch.device = torch.device("cpu")):
     g = torch.Generator().manual_seed(3)
-    return torch.rand(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+    return torch.rand(8, 1, 8, 8, generator=g).to(device), torch.randint(0, 10, (8,), generator=g).to(device)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("name", BUILT + ["szo-cge-batched", "mcu-zo"] + list(ONCHIP))
-def test_every_forward_only_method_satisfies_the_protocol(name):
+def test_every_forward_only_method_satisfies_the_protocol(name, device):
+    """... on the device of the device subset (SZO_TEST_DEVICE), where the step's losses must also
+    be those of the same step on the CPU (fp32; the integer learners exactly)."""
     if name == "szo-cge-batched":
-        model, sub = _model_and_subspace()
+        model, sub = _model_and_subspace(device=device)
         opt = build_optimizer("szo-cge", model, subspace=sub, lr=0.5, mu=0.05, engine="batched")
     else:
-        model, opt = _build(name)
+        model, opt = _build(name, device)
     assert isinstance(opt, ForwardOnlyOptimizer) and is_forward_only(opt), name
     assert all(hasattr(opt, m) for m in PROTOCOL_MEMBERS)
     assert opt.last_step is None and opt.forward_passes == 0
     assert opt.distributed is None and opt.bytes_communicated == 0
-    x, y = _batch()
+    x, y = _batch(device)
     calls = []
     inner = batch_closure(model, tet_loss, x, y, reduction=opt.loss_reduction)
 
@@ -69,7 +73,14 @@ def test_every_forward_only_method_satisfies_the_protocol(name):
         return inner()
 
     closure.batch = inner.batch
-    loss = opt.step(closure)
+    with precision_policy("fp32", model, device).scope():
+        loss = opt.step(closure)
+    if device.type != "cpu":  # the same step on the CPU: the same probe losses, to float rounding
+        cpu_model, cpu_opt = _build(name) if name != "szo-cge-batched" else (None, None)
+        if cpu_opt is not None:
+            cpu_opt.step(batch_closure(cpu_model, tet_loss, *_batch(), reduction=cpu_opt.loss_reduction))
+            torch.testing.assert_close(opt.last_step.losses.cpu(), cpu_opt.last_step.losses, rtol=1e-4, atol=1e-6,
+                                       msg=f"{name}: probe losses on {device} vs the CPU")
     info = opt.last_step
     assert isinstance(info, StepInfo)
     with pytest.raises(AttributeError):
@@ -86,7 +97,7 @@ def test_every_forward_only_method_satisfies_the_protocol(name):
     sd = opt.state_dict()
     if name == "szo-cge-batched":
         return
-    _, fresh = _build(name)
+    _, fresh = _build(name, device)
     fresh.load_state_dict(sd)
     again = fresh.state_dict()
     assert again.keys() == sd.keys() and fresh.forward_passes == opt.forward_passes
