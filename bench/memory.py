@@ -10,7 +10,11 @@ one pass per probe; ``exact`` needs one extra truncated pass per BN layer, the s
 but ~11x the time on ResNet20), ``szo-batched-stream`` the batched engine on top of it.
 ``bptt-ckpt`` recomputes each residual block in the backward pass (SpikingJelly's
 ``memopt.checkpoint_module``, neuron state handled by it; same gradients), ``bptt-bf16`` runs
-the forward under ``torch.autocast`` in bfloat16. Each point also records the persistent training
+the forward under ``torch.autocast`` in bfloat16. ``bptt-memoptL`` (L = 1..4) is SpikingJelly 2.0's
+own ``memopt.optimize_memory`` at level L, the strongest BP memory baseline a SpikingJelly user has
+(1: selective checkpointing of the residual blocks, 2: + spatial splitting, 3: + temporal splitting,
+4: + greedy unwrapping; levels 2-4 search with CUDA peak-memory trials, so CUDA only; the search runs
+before the measured step). Each point also records the persistent training
 state the step peak leaves out (``state``: weights, buffers, optimizer state, and SZO's basis P^T,
 k x d floats: with the paper's k = 20-40 it outweighs a small step), and the plot / table add
 "persistent state + step peak". ``--config resnet18`` measures Spike-ResNet18
@@ -51,8 +55,10 @@ from common import (  # noqa: E402
 
 from szo.models.streaming import STREAM_BN_MODES  # noqa: E402
 
-METHODS = ("bptt", "bptt-ckpt", "bptt-bf16", "szo-loop", "szo-batched", "szo-stream", "szo-batched-stream", "zo-rge")
-BPTT_METHODS = ("bptt", "bptt-ckpt", "bptt-bf16")
+MEMOPT_METHODS = ("bptt-memopt1", "bptt-memopt2", "bptt-memopt3", "bptt-memopt4")
+METHODS = ("bptt", "bptt-ckpt", "bptt-bf16", *MEMOPT_METHODS, "szo-loop", "szo-batched", "szo-stream",
+           "szo-batched-stream", "zo-rge")
+BPTT_METHODS = ("bptt", "bptt-ckpt", "bptt-bf16", *MEMOPT_METHODS)
 DEFAULT_METHODS = ("bptt", "szo-loop", "szo-batched", "szo-stream", "zo-rge")
 SZO_METHODS = tuple(m for m in METHODS if m.startswith("szo"))
 
@@ -96,6 +102,14 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
             for stage in model.stages:  # every residual block recomputed in the backward pass
                 for i in range(len(stage)):
                     stage[i] = checkpoint_module(stage[i])
+        elif method in MEMOPT_METHODS:  # SpikingJelly's own pipeline, on the residual blocks
+            from spikingjelly.activation_based.memopt import optimize_memory
+
+            level = int(method[-1])
+            if level > 1 and device.type != "cuda":
+                raise ValueError(f"{method}: memopt levels 2-4 search with CUDA memory trials; run on CUDA")
+            block = type(model.stages[0][0])
+            optimize_memory(model, block, lambda m: tet_loss(m(batch_data["x"]), batch_data["y"]), level=level)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         bf16 = torch.autocast(device.type, dtype=torch.bfloat16, enabled=method == "bptt-bf16")
 

@@ -48,6 +48,7 @@ from szo.functional.zo import sample_gaussian  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.models.compiled import graph_count  # noqa: E402
 from szo.optim import SZO  # noqa: E402
+from szo.precision import precision_policy  # noqa: E402
 
 
 class AuthorsRGE:
@@ -55,7 +56,10 @@ class AuthorsRGE:
 
     def __init__(self, model, basis: torch.Tensor, *, q: int, mu: float, lr: float, momentum: float,
                  generator: torch.Generator):
-        self.model, self.P, self.q, self.mu, self.g = model, basis, q, mu, generator
+        # P on the model's device (a CPU basis on a CUDA model crashed the first GPU run); the draws
+        # stay on the CPU generator, as SZO's do, and move with each direction
+        dev = next(model.parameters()).device
+        self.model, self.P, self.q, self.mu, self.g = model, basis.to(dev), q, mu, generator
         self.plus, self.minus = copy.deepcopy(model), copy.deepcopy(model)
         self.sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         self.forward_passes = 0
@@ -67,7 +71,7 @@ class AuthorsRGE:
         grad = torch.zeros_like(theta)
         Z = sample_gaussian(self.q, P.shape[1], self.g, dtype=torch.float64)  # the same draws as SZO's
         for z in Z:
-            v = P @ z.to(P.dtype)
+            v = P @ z.to(device=P.device, dtype=P.dtype)
             losses = []
             for net, sign in ((self.plus, 1.0), (self.minus, -1.0)):
                 net.load_state_dict(model.state_dict())  # BN statistics as before the step, every query
@@ -204,11 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", default="fp32", help="arithmetic of both procedures (szo.precision; default fp32, "
+                                                         "what precision: auto gives forward-only training)")
     a = ap.parse_args(argv)
     if a.quick:
         a.config, a.batch, a.T, a.q, a.reps = "digits", 8, 2, 2, 1
     set_threads(a.threads)
     device = torch.device(a.device)
+    with precision_policy(a.precision, None, device).scope():  # not PyTorch's defaults (TF32 convolutions on CUDA)
+        return _main(a, device)
+
+
+def _main(a: argparse.Namespace, device: torch.device) -> int:
     t0 = time.perf_counter()
     x, y = make_batch(make_model(a.config, a.T, device)[1], a.batch, device)
     model, _ = make_model(a.config, a.T, device)

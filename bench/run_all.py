@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ("forward.py", "step.py", "reference.py", "memory.py", "converge.py")
+BENCHES = ("forward.py", "step.py", "probe.py", "reference.py", "memory.py", "converge.py")
 
 
 def main(argv: list[str] | None = None) -> int:

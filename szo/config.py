@@ -415,7 +415,16 @@ def _hints(cls: type) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- recipes
 def _recipe_dir():
-    return resources.files("szo._recipes")
+    """The shipped recipes: package ``szo._recipes`` (``recipes/`` of the source tree, mapped by the
+    install); from an uninstalled source checkout on ``sys.path`` (``PYTHONPATH=.``, pytest's rootdir
+    before an installed copy), that checkout's ``recipes/`` itself."""
+    try:
+        return resources.files("szo._recipes")
+    except ModuleNotFoundError:
+        source = Path(__file__).resolve().parent.parent / "recipes"
+        if source.is_dir():
+            return source
+        raise
 
 
 def recipe_names() -> list[str]:
