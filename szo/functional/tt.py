@@ -105,7 +105,7 @@ def tt_svd_matrix(W: torch.Tensor, m_shape: Sequence[int], n_shape: Sequence[int
     arr = W.detach().to("cpu", torch.float64).numpy().reshape(m_shape + n_shape)
     with tl.backend_context("numpy"):
         cores = tensor_train_matrix(arr, list(ranks)).factors
-    return [torch.as_tensor(c.copy()).to(W.dtype) for c in cores]
+    return [torch.as_tensor(c.copy()).to(device=W.device, dtype=W.dtype) for c in cores]  # numpy on the CPU, cores with W
 
 
 def tt_to_matrix(cores: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -87,7 +87,7 @@ def rge_coefficients(loss_plus: torch.Tensor, loss_minus: torch.Tensor, z: torch
     ``z`` is ``[q, k]``; the estimate in parameter space is ``directions @ result`` (eq. 4 / 5).
     """
     diffs = (loss_plus - loss_minus) / (2.0 * mu)
-    return (diffs.to(z.dtype)[:, None] * z).mean(dim=0)
+    return (diffs.to(device=z.device, dtype=z.dtype)[:, None] * z).mean(dim=0)  # losses on the CPU, z anywhere
 
 
 def forward_difference_coefficients(
@@ -98,7 +98,7 @@ def forward_difference_coefficients(
     It needs q + 1 forward passes per step instead of 2q.
     """
     diffs = (loss_plus - loss_center) / mu
-    return (diffs.to(z.dtype)[:, None] * z).mean(dim=0)
+    return (diffs.to(device=z.device, dtype=z.dtype)[:, None] * z).mean(dim=0)  # losses on the CPU, z anywhere
 
 
 def forward_gradient_coefficients(jvps: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def forward_gradient_coefficients(jvps: torch.Tensor, z: torch.Tensor) -> torch.
     ``(1/q) sum_j (grad L . v_j) z_j`` with ``v_j = directions @ z_j`` and ``jvps[j] = grad L . v_j``
     (one JVP each). Unbiased for ``z ~ N(0, I)``; the estimate in parameter space is ``directions @ result``.
     """
-    return (jvps.to(z.dtype)[:, None] * z).mean(dim=0)
+    return (jvps.to(device=z.device, dtype=z.dtype)[:, None] * z).mean(dim=0)
 
 
 def sign_coefficients(coeffs: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ def cge(loss_fn: LossFn, theta: torch.Tensor, directions: torch.Tensor, mu: floa
         v = directions[:, i]
         lp[i] = check_loss(loss_fn(theta + mu * v), "loss_fn")
         lm[i] = check_loss(loss_fn(theta - mu * v), "loss_fn")
-    return directions @ cge_coefficients(lp, lm, mu).to(directions.dtype)
+    return directions @ cge_coefficients(lp, lm, mu).to(device=directions.device, dtype=directions.dtype)
 
 
 def rge(
@@ -231,9 +231,9 @@ def per_sample_node_estimate(xi: torch.Tensor, losses: torch.Tensor, clean: torc
     n = shape[n_axis]
     if losses.shape[1] != n:
         raise ValueError(f"the closure returned {losses.shape[1]} per-sample losses, the layer output has {n} samples")
-    coef = (losses - clean[None, :]) / mu  # [Q, N]
+    coef = ((losses - clean[None, :]) / mu).to(xi.device)  # [Q, N]; the losses live on the CPU, xi with the layer
     lead = int(torch.Size(shape[:n_axis]).numel())  # T (or 1 for [N, F])
-    g = torch.zeros(lead, n, int(torch.Size(shape).numel()) // (lead * n), dtype=torch.float64)
+    g = torch.zeros(lead, n, int(torch.Size(shape).numel()) // (lead * n), dtype=torch.float64, device=xi.device)
     for j in range(q):  # one direction at a time: no float64 [Q, ...] copy or product (2.7x less peak memory)
         g.add_(xi[j].view(lead, n, -1).to(torch.float64) * coef[j].view(1, n, 1))
     g = g.reshape(shape) / (q * n)

@@ -484,7 +484,7 @@ class FixedPointNetwork(SpikingModel):
         acc = acc.round().to(torch.int64)  # integral already: every partial sum is exact (bound above)
         if self.verify_exact:
             ref = self._int64_reference(m, xin, w_int)
-            if not torch.equal(acc, ref):
+            if not torch.equal(acc.cpu(), ref):  # the reference is computed on the CPU
                 raise RuntimeError(f"{path}: float kernel result differs from the int64 reference")
         to_state = e - x.frac + STATE_SHIFT  # one unit of acc is 2**to_state state units
         hook = self.acc_hooks.get(path)

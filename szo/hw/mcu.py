@@ -114,7 +114,8 @@ class _IntWeightMover:
             self.restore()
             return
         step = int(self.plan.sign[j]) * int(self.plan.mu)
-        self.space.load(self.base + step * self.plan.directions[i].to(torch.int64), "probe")  # +-1: exact
+        d = self.plan.directions[i].to(device=self.base.device, dtype=torch.int64)  # the signs live on the CPU
+        self.space.load(self.base + step * d, "probe")  # +-1: exact
 
     def restore(self) -> None:
         self.space.syn.w_int, self.space.syn.bias_mant = self.saved
@@ -141,7 +142,8 @@ class _AccNodeMover:
         if i < 0:
             return
         add = int(self.plan.sign[j]) * int(self.plan.mu) * self.plan.directions[i].to(torch.int64)  # +-1: exact
-        self.space.net.acc_hooks[self.space.path] = lambda x, acc, shift: acc + add.view(acc.shape)
+        # the signs are drawn on the CPU; the accumulator lives with the network (one copy per probe)
+        self.space.net.acc_hooks[self.space.path] = lambda x, acc, shift: acc + add.to(acc.device).view(acc.shape)
 
     def restore(self) -> None:
         self.space.net.acc_hooks.pop(self.space.path, None)
@@ -313,7 +315,7 @@ class MCUZO(ForwardOnlyBase):
                                            self.counter, name)
                     plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
                     losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
-                    g = plan.estimate(losses, centre=l0)  # per LSB, over weights then biases
+                    g = plan.estimate(losses, centre=l0).to(syn.w_int.device)  # per LSB, over weights then biases
                     gw = g[:space.n_w].view_as(syn.w_int)
                     gb = None if syn.bias_mant is None else g[space.n_w:]
                 else:
@@ -323,7 +325,7 @@ class MCUZO(ForwardOnlyBase):
                     per = ev.run(closure, AccNodeSpace(net, name), plan, label=f"layer {name}, node probe",
                                  per_sample=True)
                     g_acc = per_sample_node_estimate(plan.directions, per, clean, self.mu_node, shape)
-                    g_acc = g_acc.reshape(acc_shape)
+                    g_acc = g_acc.reshape(acc_shape).to(x.device)  # the signs and losses live on the CPU
                     gw = _weight_vjp(m, x, g_acc, syn.w_int.shape)  # eq. 10 with the integer input
                     gb = None
                     if syn.bias_mant is not None:
@@ -362,7 +364,7 @@ class MCUZO(ForwardOnlyBase):
             syn = self.net.int_weights[name]
             bn_path = self.net.fused.get(name)
             bn = self.net.get_submodule(bn_path) if bn_path else None
-            scale = torch.ones(syn.w_int.shape[0], dtype=torch.float64)
+            scale = torch.ones(syn.w_int.shape[0], dtype=torch.float64, device=syn.w_int.device)
             if bn is not None:
                 g = bn.weight.to(torch.float64) if bn.weight is not None else torch.ones_like(scale)
                 scale = g / torch.sqrt(bn.running_var.to(torch.float64) + bn.eps)

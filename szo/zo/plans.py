@@ -130,7 +130,7 @@ class Plan:
         if self.estimator == "rge":
             lp, lm = self.pairs(losses)
             if self.accumulate == "matmul":
-                return ((lp - lm) / (2 * mu)) @ D.to(torch.float64) / D.shape[0]
+                return ((lp - lm) / (2 * mu)).to(D.device) @ D.to(torch.float64) / D.shape[0]
             if self.accumulate == "sequential":
                 g = torch.zeros(D.shape[1], dtype=D.dtype, device=D.device)
                 q = D.shape[0]

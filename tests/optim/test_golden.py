@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from szo.losses import tet_loss
+from szo.methods import get_method
 from szo.train import fit
 from tests.optim.golden_cases import CASES, GOLDEN, SEED, STEPS, build, loaders, model_and_subspace
 
@@ -26,6 +27,14 @@ def _run(case: str, run_dir, epochs: int, resume: bool = False, device: torch.de
         max_steps_per_epoch=STEPS, plot=False, info={"method": CASES[case][0]}, resume=resume, device=device,
         precision="fp32")
     return net, opt
+
+
+# Node perturbation at the golden settings (batch-mean losses, mu 0.01) amplifies float rounding
+# ~1e5-fold in 4 steps (a relative 1e-7 change of the initial weights moves conv1.weight by 0.022 on
+# the CPU; an H200's rounding moved bn1.running_mean by 0.20 of the 0.43 the run moved it): a spike
+# flipped by rounding changes a probe's loss by O(1/N), divided by mu. Its golden run is compared
+# bitwise where this machine reproduces it, and only resumed against itself elsewhere.
+CHAOTIC = {"np-zo"}
 
 
 def _assert_state(net: torch.nn.Module, want: dict[str, torch.Tensor], what: str, init: dict[str, torch.Tensor],
@@ -57,21 +66,28 @@ def test_golden_checkpoint_continues_bit_exactly(case, tmp_path, device):
     net0, _ = _run(case, tmp_path / "full", epochs=2, device=device)
     ref = {k: v.cpu() for k, v in net0.state_dict().items()}
     exact = all(torch.equal(ref[k], v) for k, v in want.items())  # this machine reproduces the golden bits
-    _assert_state(net0, want, f"{case}, uninterrupted on {device}", init, exact)
+    golden = exact or case not in CHAOTIC  # else another machine's rounding sent it elsewhere
+    assert all(torch.isfinite(v).all() for v in ref.values() if v.is_floating_point())
+    if golden:
+        _assert_state(net0, want, f"{case}, uninterrupted on {device}", init, exact)
     (tmp_path / "half" / "checkpoints").mkdir(parents=True)
     for f in ("last.pt", "last.json"):
         shutil.copy(GOLDEN / case / f, tmp_path / "half" / "checkpoints" / f)
-    net, _ = _run(case, tmp_path / "half", epochs=2, resume=True, device=device)
-    _assert_state(net, want, f"{case}, resumed from golden on {device}", init, exact)
+    net, _ = _run(case, tmp_path / "half", epochs=2, resume=True, device=device)  # loads on any machine
+    if golden:
+        _assert_state(net, want, f"{case}, resumed from golden on {device}", init, exact)
     _run(case, tmp_path / "own", epochs=1, device=device)  # this machine's own 2-step checkpoint ...
     net, opt = _run(case, tmp_path / "own", epochs=2, resume=True, device=device)
-    _assert_state(net, ref, f"{case}, resumed from its own checkpoint on {device}", init, exact=True)  # ... bitwise
+    # ... bitwise; on a GPU the backward kernels of BP accumulate with atomics (run to run: 1e-8 on an H200)
+    own_exact = device.type == "cpu" or not get_method(CASES[case][0]).backprop
+    _assert_state(net, ref, f"{case}, resumed from its own checkpoint on {device}", init, exact=own_exact)
     # the optimizer state is written under the same keys, with the same values: integers, generator
     # states and counters exactly; float coordinates to a few ulps (one momentum formula for every
     # method now: heavy_ball_ rounds fg-subspace's float64 c differently in the last bits), or to
     # float rounding where this machine does not reproduce the golden bits
-    _assert_same(opt.state_dict(), torch.load(GOLDEN / case / "final_optimizer.pt", weights_only=True), case,
-                 rtol=1e-12 if exact else 1e-3)
+    if golden:
+        _assert_same(opt.state_dict(), torch.load(GOLDEN / case / "final_optimizer.pt", weights_only=True), case,
+                     rtol=1e-12 if exact else 1e-3)
 
 
 def _assert_same(got, want, path: str, rtol: float = 1e-12) -> None:
