@@ -26,7 +26,8 @@ try:  # the TensorBoard sink is optional (extra "log"): without tensorboard it s
 except ImportError:  # pragma: no cover - exercised where tensorboard is missing
     RecordWriter = None
 
-__all__ = ["Callback", "MetricsLogger", "ResultFields", "TensorBoardSink", "TrajectoryCallback", "read_metrics"]
+__all__ = ["Callback", "MetricsLogger", "ResultFields", "TensorBoardSink", "TrajectoryCallback", "parse_metrics",
+           "read_metrics"]
 
 
 class Callback:
@@ -170,16 +171,21 @@ class TensorBoardSink(Callback):
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file (a torn last line from a crash is ignored)."""
-    out = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+        return parse_metrics(f)
+
+
+def parse_metrics(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl lines; reading stops at a torn (unparsable) line."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
     return out
 
 
