@@ -11,7 +11,11 @@ writer of the same name gets one line (:class:`StoreBusyError`). A process kille
 write leaves hidden ``.NAME.tmp-<pid>`` / ``.NAME.old-<pid>`` / ``.NAME.del-<pid>`` directories:
 :meth:`SubspaceStore.partial` lists them (``szo subspace ls`` shows them), the next writer of
 the name cleans them up (and puts a renamed-away old entry back if the new one never arrived),
-``szo subspace rm NAME`` removes them. Non-finite values are refused when saving and loading.
+``szo subspace rm NAME`` removes them. Every tensor is checked when saving and loading: a
+non-finite value anywhere (basis, mean, reference, eigenvalues, explained-variance ratios) and a
+basis whose columns are not orthonormal (``max |P^T P - I|`` above :data:`ORTHONORMAL_TOL` of its
+storage dtype: an all-zero basis, one scaled or unnormalised) are refused; a save that would write
+an entry every later load refuses fails instead.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from .format import (
     validate_manifest,
 )
 
-__all__ = ["SubspaceStore", "SubspaceNotFoundError", "LayoutMismatchError", "StoreBusyError", "default_root"]
+__all__ = ["SubspaceStore", "SubspaceNotFoundError", "LayoutMismatchError", "StoreBusyError", "default_root",
+           "ORTHONORMAL_TOL", "orthonormality_error"]
 
 BASIS_FILE = "basis.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -66,12 +71,46 @@ class StoreBusyError(ValueError):
     """Another process is writing (saving or deleting) the same entry."""
 
 
-def _finite_or_raise(tensors: dict[str, torch.Tensor], what: str, exc: type[Exception]) -> None:
+ORTHONORMAL_TOL: dict[torch.dtype, float] = {torch.float64: 1e-2, torch.float32: 1e-2, torch.float16: 1e-2,
+                                             torch.bfloat16: 2e-2}
+"""Largest ``|P^T P - I|`` entry a stored basis may have, by the dtype it is stored in. Rounding
+alone moves an entry of ``P^T P`` by up to ~2 * 2**-9 = 3.9e-3 in bfloat16 (8-bit mantissa) and
+~4.9e-4 in float16; a built float32 basis is orthonormal to ~1e-6, to ~5e-4 when a direction's
+explained variance is ~1e-13 (its column is then mostly rounding). A broken basis is far off (an
+all-zero one: 1), so the tolerance leaves rounding a margin."""
+_GRAM_ROWS = 1 << 16
+
+
+def orthonormality_error(basis: torch.Tensor, dtype: torch.dtype | None = None) -> float:
+    """``max |P^T P - I|`` of ``basis`` ``[d, k]`` (as rounded to ``dtype`` if given), summed over row
+    blocks (float32 products, float64 sums): no full copy of a large basis."""
+    k = basis.shape[1]
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    for a in range(0, basis.shape[0], _GRAM_ROWS):
+        block = basis[a:a + _GRAM_ROWS].detach().cpu()
+        block = (block.to(dtype) if dtype is not None else block).to(torch.float32)
+        gram += (block.T @ block).to(torch.float64)
+    gram -= torch.eye(k, dtype=torch.float64)
+    return float(gram.abs().max()) if k else 0.0
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], what: str, exc: type[Exception],
+                   storage: torch.dtype | None = None) -> None:
+    """Every tensor finite, the basis orthonormal within :data:`ORTHONORMAL_TOL` of its storage dtype."""
     for n, t in tensors.items():
         if t.is_floating_point():
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 raise exc(f"{what}: tensor {n!r} holds {bad} non-finite value(s) (NaN / inf); a subspace must be finite")
+    basis = tensors["basis"]
+    sdt = storage or basis.dtype
+    err = orthonormality_error(basis, storage)
+    tol = ORTHONORMAL_TOL[sdt]
+    if not err <= tol:
+        raise exc(f"{what}: the basis is not orthonormal (max |P^T P - I| = {err:.3g} > {tol:g}, the tolerance of "
+                  f"{str(sdt).replace('torch.', '')} storage); a subspace basis must have orthonormal columns "
+                  "(build_subspace and random_subspace make such bases; a built one is this far off only in directions of "
+                  "~zero variance: choose a smaller k)")
 
 
 def default_root() -> Path:
@@ -265,8 +304,7 @@ class SubspaceStore:
         sdt = _dtype_arg(storage_dtype, "storage_dtype")
         if not isinstance(subspace, Subspace):
             raise ValueError(f"subspace must be a subspace_store.Subspace, got {type(subspace).__name__}")
-        _finite_or_raise({"basis": subspace.basis, "mean": subspace.mean, "reference": subspace.reference,
-                          "eigenvalues": subspace.eigenvalues}, f"subspace {name!r}", ValueError)
+        _check_tensors({n: getattr(subspace, n) for n in TENSOR_NAMES}, f"subspace {name!r}", ValueError, sdt)
         with self._writer(name):
             if final.exists() and not overwrite:
                 what = "already exists" if self.exists(name) else f"is taken by an incomplete entry (no {MANIFEST_FILE})"
@@ -366,7 +404,7 @@ class SubspaceStore:
                 raise SubspaceIntegrityError(f"{where}: tensor {n!r} does not match its sha256 (file tampered or corrupt)")
         if list(tensors["basis"].shape) != [man["d"], man["k"]]:
             raise SubspaceIntegrityError(f"{where}: basis shape {list(tensors['basis'].shape)} != [d, k] = [{man['d']}, {man['k']}]")
-        _finite_or_raise(tensors, str(where), SubspaceIntegrityError)
+        _check_tensors(tensors, str(where), SubspaceIntegrityError)
         basis = tensors.pop("basis")
         if basis.dtype != want:
             basis = basis.to(want)

@@ -10,8 +10,13 @@
 
 Subcommands are entry points of the ``szo.commands`` group (``szo.demos`` for ``szo demo NAME``)
 in pyproject.toml: each names a ``register(subparsers)`` that adds a parser whose ``func(args) ->
-int`` runs it, so a plugin package adds a command by declaring one entry point. A registrar
-whose own module is missing (an extra not installed) is skipped; other import errors propagate.
+int`` runs it, so a plugin package adds a command by declaring one entry point. szo's own
+registrars run first; one whose own module is missing (an extra not installed) is skipped, other
+errors in them propagate (a bug of this package). A third-party plugin that fails (raises on
+import or in ``register``, imports a missing package, or takes a command name already registered,
+e.g. ``recipe``) costs one ``warning:`` line on stderr naming it and is left out; it never breaks
+``szo --help`` or another command. Its ``register`` is first tried on a scratch parser holding the
+names already taken, so a plugin failing halfway adds nothing.
 
 Command modules (this one, ``*/cli.py``, ``szo.commands``) import the library inside the
 function that runs a command, and only there: ``szo --help`` and argument errors then cost
@@ -41,9 +46,19 @@ DEMO_GROUP = "szo.demos"
 """Entry-point group of ``szo demo NAME``: ``register_demo(demo_subparsers)``."""
 
 
+SZO_DISTRIBUTION = "szo"
+"""The distribution whose entry points are szo's own (errors in them propagate)."""
+
+
+def _own(ep: metadata.EntryPoint) -> bool:
+    dist = getattr(ep, "dist", None)
+    return dist is not None and dist.name == SZO_DISTRIBUTION
+
+
 def _entry_points(group: str) -> list[metadata.EntryPoint]:
-    eps = sorted(metadata.entry_points(group=group), key=lambda ep: ep.name)
-    if not eps and group == COMMAND_GROUP:
+    """szo's own entry points of ``group`` first, then third-party plugins', each by name."""
+    eps = sorted(metadata.entry_points(group=group), key=lambda ep: (not _own(ep), ep.name))
+    if group == COMMAND_GROUP and not any(_own(ep) for ep in eps):
         raise RuntimeError(f"no '{group}' entry points: szo is not installed (pip install -e . from the project root)")
     return eps
 
@@ -57,6 +72,31 @@ def _load(ep: metadata.EntryPoint):
         if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
             return None
         raise
+
+
+def _plugin_warning(group: str, ep: metadata.EntryPoint, e: BaseException) -> None:
+    dist = getattr(ep, "dist", None)
+    where = f", package {dist.name} {dist.version}" if dist is not None else ""
+    msg = str(e).strip().splitlines()
+    why = f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+    if isinstance(e, argparse.ArgumentError):  # add_parser of a name already there
+        why = f"{e.message} (a command of szo or of an earlier plugin)"
+    sys.stderr.write(f"warning: {group} plugin {ep.name!r} ({ep.value}{where}) skipped: {why}\n")
+    sys.stderr.flush()
+
+
+def _register_plugin(group: str, ep: metadata.EntryPoint, target: Any) -> None:
+    """A third-party registrar: loaded, tried on a scratch copy of the names taken, then run on
+    ``target``; any failure is one warning line and the plugin is left out."""
+    try:
+        register = ep.load()
+        scratch = argparse.ArgumentParser(add_help=False).add_subparsers()
+        for name in target.choices:
+            scratch.add_parser(name)
+        register(scratch)  # a conflicting name or a register that raises halfway fails here, adding nothing
+        register(target)
+    except (Exception, SystemExit) as e:  # a plugin's bug, whatever it is, must not take the CLI with it
+        _plugin_warning(group, ep, e)
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
@@ -149,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for group, target in ((COMMAND_GROUP, sub), (DEMO_GROUP, dsub)):
         for ep in _entry_points(group):
+            if not _own(ep):
+                _register_plugin(group, ep, target)
+                continue
             register = _load(ep)
             if register is not None:
                 register(target)

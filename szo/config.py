@@ -40,7 +40,7 @@ from szo import models as szo_models
 from szo.engine import ENGINES
 from szo.io import atomic_write_text
 from szo.losses import LOSSES
-from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label, which_methods
+from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label
 from szo.models.base import MEMORY_FORMATS
 from szo.models.compiled import check_compile
 from szo.models.neurons import ACTIVATIONS
@@ -722,13 +722,7 @@ def _check_method_options(full: RecipeConfig) -> None:
     if sz.engine not in spec.engines:
         raise ValueError(f"szo.engine {sz.engine!r} evaluates SZO probe plans; method {method!r} runs with "
                          f"engine 'loop'; valid methods for it: {', '.join(list_methods(engines=sz.engine))}")
-    for key, what in (("layers", "sparse layer-wise training"), ("stages", "pipeline stages")):
-        if sz[key] is not None and key not in spec.options:
-            raise ValueError(f"'szo.{key}' ({what}) applies to {which_methods(options=key)}; method {method!r} "
-                             f"takes none: leave szo.{key} null")
-    if sz.node_losses != "per-sample" and "node_losses" not in spec.options:
-        raise ValueError(f"'szo.node_losses' (node perturbation's loss differences) applies to "
-                         f"{which_methods(options='node_losses')}; method {method!r} perturbs no nodes: leave it per-sample")
+    spec.check_options(sz, prefix="szo.")
     if sz.chunk is not None and sz.engine != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
                          "set szo.engine=batched or leave szo.chunk null")

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 __all__ = [
     "TEMP_FILE_RE",
+    "read_regular_bytes",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
@@ -42,6 +44,43 @@ def temp_file_target(name: str) -> str | None:
     """The file name a temp file ``name`` was going to become, or None if ``name`` is not one."""
     m = TEMP_FILE_RE.match(name)
     return m.group("target") if m else None
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_regular_bytes(path: str | os.PathLike, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of ``path`` (symlinks followed) if it is a regular file of at most ``max_bytes``;
+    one ValueError otherwise, naming the file, what it is and the limit: a ``results.json`` that
+    links to ``/dev/zero`` or a pipe is refused before it is read (it would be read until memory
+    runs out, or block), and no read goes past ``max_bytes``."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {what} {path}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+        raise ValueError(f"{path} is {kind}, not a regular file; it is not an szo {what}")
+    if st.st_size > max_bytes:
+        raise ValueError(f"{path} is {st.st_size} bytes, more than the {max_bytes} an szo {what} may have")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # swapped for a pipe since the stat: no hang
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file; it is not an szo {what}")
+        chunks, n = [], 0
+        while n <= max_bytes:
+            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+    finally:
+        os.close(fd)
+    if n > max_bytes:
+        raise ValueError(f"{path} grew past the {max_bytes} bytes an szo {what} may have while it was read")
+    return b"".join(chunks)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -25,7 +25,7 @@ __all__ = [
     "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
     "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
     "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
-    "NO_ADAPTATION", "RENAMED", "current_name",
+    "NO_ADAPTATION", "RENAMED", "current_name", "METHOD_OPTIONS",
 ]
 
 NO_ADAPTATION = "none"
@@ -35,6 +35,17 @@ Family = Literal["backprop", "subspace-zo", "full-space-zo", "forward-gradient",
                  "on-chip", "test-time"]
 Engine = Literal["loop", "batched"]
 ParallelMode = Literal["data", "perturbation"]
+
+
+METHOD_OPTIONS: Mapping[str, tuple[Any, str]] = {
+    "coords_per_step": (None, "coordinates per CGE step"),
+    "layers": (None, "sparse layer-wise training"),
+    "stages": (None, "pipeline stages"),
+    "node_losses": ("per-sample", "node perturbation's loss differences"),
+}
+"""The method-specific settings (``szo.*`` keys, ``build_optimizer`` keywords): name -> (the value
+that means "not set", what it is). A method takes those its record lists in ``options``; any
+other one set is refused by :meth:`MethodSpec.check_options`, never silently ignored."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,17 @@ class MethodSpec:
         """A test-time adaptation method (``szo.adapt``)."""
         return self.adapter is not None
 
+    def check_options(self, values: Mapping[str, Any], *, prefix: str = "") -> None:
+        """One rule for the method-specific settings (:data:`METHOD_OPTIONS`): each one in ``values``
+        that is set (not its "not set" value) must be one this method reads (``options``); one
+        ValueError naming the setting, the methods that take it and how to leave it otherwise.
+        ``prefix`` is how the caller spells the key (``"szo."`` for a recipe)."""
+        for key, (unset, what) in METHOD_OPTIONS.items():
+            if key in values and values[key] != unset and key not in self.options:
+                raise ValueError(f"'{prefix}{key}' ({what}) applies to {which_methods(options=key)}; method "
+                                 f"{self.name!r} does not use it: leave {prefix}{key} "
+                                 f"{'null' if unset is None else unset}")
+
     def builder(self, integer: bool = False) -> Callable[..., Any]:
         """The optimizer factory ``builder(spec, model, subspace, options, run)`` (``szo.optim``):
         the float one, or (``integer``, always for an ``integer`` method) the integer on-chip learner's."""
@@ -123,6 +145,10 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     """Add ``spec`` to the registry (one name, one record)."""
     if spec.name in _REGISTRY:
         raise ValueError(f"method {spec.name!r} is registered already")
+    unknown = sorted(set(spec.options) - set(METHOD_OPTIONS))
+    if unknown:
+        raise ValueError(f"method {spec.name!r}: unknown option(s) {', '.join(unknown)}; "
+                         f"valid: {', '.join(METHOD_OPTIONS)}")
     _REGISTRY[spec.name] = spec
     return spec
 

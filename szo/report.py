@@ -3,7 +3,11 @@ converged epoch / time / #FP / #BP / max accuracy) as markdown and JSON, plus th
 accuracy vs epoch and vs training time of all runs on one figure (Fig. 3/4).
 
 A RUN_DIR is any directory holding results.json (+ metrics.jsonl, config.yaml); a directory
-without one is searched recursively (``szo report runs/demo``).
+without one is searched recursively (``szo report runs/demo``), symlinked directories included
+(each real directory once, so a run linked twice counts once and a link loop ends). The files
+are read only if they are regular files of a bounded size (``MAX_*_BYTES``): a results.json that
+links to ``/dev/zero`` or a pipe is one error line, not a read until memory runs out. A federated
+run (metrics by ``round``, with wall time) is plotted by round.
 
 Only like runs share a cell: runs with the same dataset/model/label/mode whose resolved configs
 (config.yaml) are equal except for the seed and the keys in ``IGNORED_KEYS`` (where files go,
@@ -24,11 +28,19 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from szo.io import atomic_write_json, atomic_write_text
+from szo.io import atomic_write_json, atomic_write_text, read_regular_bytes
 from szo.plots import plot_runs
-from szo.train.callbacks import read_metrics
+from szo.train.callbacks import parse_metrics
 
-__all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "render", "write_report", "IGNORED_KEYS"]
+__all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "render", "write_report", "IGNORED_KEYS",
+           "MAX_RESULTS_BYTES", "MAX_METRICS_BYTES", "MAX_CONFIG_BYTES"]
+
+MAX_RESULTS_BYTES = 16 << 20
+"""The largest results.json the report reads (szo writes a few KB)."""
+MAX_METRICS_BYTES = 64 << 20
+"""The largest metrics.jsonl the report reads (~100 000 epochs of records)."""
+MAX_CONFIG_BYTES = 16 << 20
+"""The largest config.yaml the report reads."""
 
 #: config keys that do not change what a run trains (names, where files go, how progress is shown)
 IGNORED_KEYS = ("name", "description", "kind", "seed", "progress", "data.data_dir", "data.download",
@@ -40,32 +52,59 @@ _BPTT_SECTIONS = ("model", "data", "loss", "bptt", "device")
 _RESULT_SETTINGS = ("recipe", "method", "mode", "q", "k", "subspace", "backend", "bn_stats", "activation", "epochs")
 
 
+def _run_dirs(p: Path) -> list[Path]:
+    """``p`` if it holds a results.json, else every directory under it that does (sorted),
+    symlinked directories followed, each real directory once."""
+    if os.path.lexists(p / "results.json"):
+        return [p]
+    found, seen = [], set()
+    for root, dirs, files in os.walk(p, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # reached again through a link (or a link loop): once is enough
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        if "results.json" in files:
+            found.append(Path(root))
+    return sorted(found)
+
+
+def _text(path: Path, max_bytes: int, what: str) -> str:
+    try:
+        return read_regular_bytes(path, max_bytes, what).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e}); it is not an szo {what}") from None
+
+
 def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     """Load results.json + metrics.jsonl of every run under ``paths`` (sorted by path)."""
+    paths = list(paths)
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():
             raise ValueError(f"run directory {p} does not exist")
-        if (p / "results.json").is_file():
-            found.append(p)
-        else:
-            found += sorted(r.parent for r in p.rglob("results.json"))
+        found += _run_dirs(p)
     if not found:
         raise ValueError(f"no results.json under {', '.join(map(str, paths))}; valid: run directories written by szo recipe")
     runs = []
     diverged = []
-    for d in dict.fromkeys(found):
+    unique: dict[str, Path] = {}
+    for d in found:  # a run named twice (a path and a link to it) is one run
+        unique.setdefault(os.path.realpath(d), d)
+    for d in unique.values():
         res = _read_results(d / "results.json")
         if res.get("status") == "diverged":  # szo.train.fit stopped it: no figure to report
             diverged.append(str(d))
             continue
-        hist = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        hist = (parse_metrics(_text(d / "metrics.jsonl", MAX_METRICS_BYTES, "metrics file").splitlines())
+                if os.path.lexists(d / "metrics.jsonl") else [])
         if not all(isinstance(h, dict) for h in hist):
             raise ValueError(f"{d / 'metrics.jsonl'} holds a line that is not a JSON object; it is not an szo metrics file")
         cfg = None
-        if (d / "config.yaml").is_file():
+        if os.path.lexists(d / "config.yaml"):
             try:
-                cfg = yaml.safe_load((d / "config.yaml").read_text(encoding="utf-8"))
+                cfg = yaml.safe_load(_text(d / "config.yaml", MAX_CONFIG_BYTES, "config file"))
             except yaml.YAMLError as e:
                 raise ValueError(f"{d / 'config.yaml'} is not valid YAML ({e}); fix or remove it") from None
         runs.append({"dir": str(d), "results": res, "history": hist, "config": cfg})
@@ -84,8 +123,8 @@ _NUMBERS = ("best_test_acc", "final_test_acc", "fp", "bp", "steps", "epochs", "t
 def _read_results(path: Path) -> dict[str, Any]:
     """A results.json checked for the shape the report reads: a JSON object whose figures are numbers."""
     try:
-        res = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        res = json.loads(_text(path, MAX_RESULTS_BYTES, "results file"))
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); it is not an szo results file") from None
     if not isinstance(res, dict):
         raise ValueError(f"{path} is a JSON {type(res).__name__}, not an object; it is not an szo results file")
@@ -97,8 +136,33 @@ def _read_results(path: Path) -> dict[str, Any]:
 
 
 def _group(r: dict[str, Any]) -> str:
-    res = r["results"]
-    return f"{res.get('dataset', '?')} / {res.get('model', '?')}"
+    """``dataset / model`` from results.json, else from config.yaml (a federated run's results
+    name neither)."""
+    res, cfg = r["results"], r.get("config")
+    cfg = cfg if isinstance(cfg, dict) else {}
+
+    def from_cfg(section: str) -> Any:
+        sec = cfg.get(section)
+        return sec.get("name") if isinstance(sec, dict) else None
+
+    return f"{res.get('dataset') or from_cfg('data') or '?'} / {res.get('model') or from_cfg('model') or '?'}"
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _curve(hist: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records the accuracy plot reads (``epoch``, ``train_time_s``, ``test_acc``): a federated
+    run's records count rounds, its ``round`` and ``wall_time_s`` stand in; a record without the
+    three numbers (not evaluated, or not an szo record) is not plotted."""
+    out = []
+    for h in hist:
+        x = h.get("epoch", h.get("round"))
+        t = h.get("train_time_s", h.get("wall_time_s"))
+        if _number(x) and _number(t) and _number(h.get("test_acc")):
+            out.append({"epoch": x, "train_time_s": t, "test_acc": h["test_acc"]})
+    return out
 
 
 def _base_label(r: dict[str, Any]) -> str:
@@ -298,7 +362,8 @@ def write_report(runs: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> 
     groups = list(dict.fromkeys(_group(r) for r in labelled))
     curves: dict[str, list] = {}
     for r in labelled:
-        key = f"{_label(r)} [{r['results'].get('mode', '')}]" + (f" {_group(r)}" if len(groups) > 1 else "")
-        curves.setdefault(key, []).append(r["history"])
+        mode = r["results"].get("mode")
+        key = _label(r) + (f" [{mode}]" if mode else "") + (f" {_group(r)}" if len(groups) > 1 else "")
+        curves.setdefault(key, []).append(_curve(r["history"]))
     plot_runs(curves, out / "accuracy.png", title=", ".join(groups))
     return {"markdown": out / "report.md", "json": out / "report.json", "plot": out / "accuracy.png"}

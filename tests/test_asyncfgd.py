@@ -159,7 +159,7 @@ def test_optimizer_bad_input_and_build_optimizer():
         AsyncFGD(model, momentum=0.9)
     with pytest.raises(ValueError, match="lr must be >= 0"):
         AsyncFGD(model, lr=-1.0)
-    with pytest.raises(ValueError, match="stages .* applies to methods 'asyncfgd', 'asyncfgd-adam'"):
+    with pytest.raises(ValueError, match="'stages' .* applies to methods 'asyncfgd', 'asyncfgd-adam'"):
         build_optimizer("fg", model, lr=0.1, stages=2)
     opt = build_optimizer("asyncfgd", model, lr=0.1, momentum=0.0, generator=torch.Generator().manual_seed(7))
     assert isinstance(opt, AsyncFGD) and opt.K == 2 and opt.seed == 7

@@ -88,3 +88,63 @@ def test_bad_device_is_validated_like_any_override(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: invalid device 'bogus'; valid: cpu, cuda, cuda:N"]
     assert not (tmp_path / "r").exists()
+
+
+_PLUGINS = {  # entry point -> module source; every one but "good" is broken in its own way
+    "boom-import": 'raise RuntimeError("plugin broke on import")\n',
+    "boom-register": 'def register(sub):\n    raise RuntimeError("register broke")\n',
+    "boom-missing": 'import szo_test_not_installed_pkg\n\ndef register(sub):\n    pass\n',
+    "boom-recipe": 'def register(sub):\n    sub.add_parser("recipe", help="hijacked")\n',
+    "boom-halfway": 'def register(sub):\n    sub.add_parser("halfway")\n    raise RuntimeError("after one parser")\n',
+    "good": 'def register(sub):\n    p = sub.add_parser("plugin-ok", help="a plugin command")\n'
+            '    p.set_defaults(func=lambda args: 0)\n',
+}
+
+
+def _plugin_dist(root):
+    """A third-party distribution on sys.path with one szo.commands entry point per _PLUGINS case."""
+    info = root / "szo_test_plugins-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: szo-test-plugins\nVersion: 0.1\n")
+    lines = ["[szo.commands]"]
+    for name, src in _PLUGINS.items():
+        module = "szo_test_plugin_" + name.replace("-", "_")
+        (root / f"{module}.py").write_text(src)
+        lines.append(f"{name} = {module}:register")
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _warnings(err):
+    lines = err.strip().splitlines()
+    assert all(line.startswith("warning: szo.commands plugin ") for line in lines), lines
+    return {line.split("'")[1]: line for line in lines}
+
+
+def test_broken_plugins_cost_one_warning_line_each(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(_plugin_dist(tmp_path)))
+    p = build_parser()
+    warned = _warnings(capsys.readouterr().err)
+    assert set(warned) == {n for n in _PLUGINS if n != "good"}
+    assert "RuntimeError: plugin broke on import" in warned["boom-import"]
+    assert "RuntimeError: register broke" in warned["boom-register"]
+    assert "No module named 'szo_test_not_installed_pkg'" in warned["boom-missing"]
+    assert "conflicting subparser: recipe" in warned["boom-recipe"] and "package szo-test-plugins 0.1" in warned[
+        "boom-recipe"]
+    sub = next(a for a in p._actions if a.dest == "command")
+    assert "plugin-ok" in sub.choices and "halfway" not in sub.choices  # a plugin failing halfway adds nothing
+    assert sub.choices["recipe"].get_default("func").__module__ == "szo.cli"  # not the plugin's
+    assert main(["recipe", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "digits-bp" in out
+
+
+def test_broken_plugins_never_break_help(tmp_path):
+    """A real process: ``szo --help`` exits 0 with the help and one warning line per broken plugin."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_plugin_dist(tmp_path)), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "szo", "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "plugin-ok" in r.stdout and "recipe" in r.stdout
+    assert len(_warnings(r.stderr)) == len(_PLUGINS) - 1

@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from szo.config import apply_overrides, load_recipe, parse_override, recipe_names, write_config
+from szo.methods import list_methods
 
 SHIPPED = ["digits-bp", "digits-scratch", "digits-continual", "cifar10-bp", "cifar10-scratch", "cifar100-bp",
            "cifar100-scratch", "cifar100-continual", "imagenet-bp", "imagenet-scratch", "imagenet-continual",
@@ -201,6 +202,40 @@ def test_layerwise_methods_and_sparse_layers():
         load_recipe("digits-scratch", ["method=szo-cge", "szo.layers=[fc]"])
     with pytest.raises(ValueError, match="unknown|invalid|valid"):
         load_recipe("digits-scratch", ["method=np_zo"])
+
+
+_SET = {"coords_per_step": "3", "layers": "[fc]", "stages": "2", "node_losses": "batch-mean"}
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_one_rule_for_method_options_a_method_does_not_use(method):
+    """Every method-specific szo.* option set for a method that does not read it is refused the same
+    way (szo.coords_per_step with szo-cge was silently ignored while szo.layers / szo.stages were refused)."""
+    from szo.methods import METHOD_OPTIONS, get_method
+
+    assert set(_SET) == set(METHOD_OPTIONS)
+    spec = get_method(method)
+    base = [f"method={method}", "train.momentum=0", "train.weight_decay=0"]
+    for key, value in _SET.items():
+        if key in spec.options:
+            continue
+        with pytest.raises(ValueError, match=rf"^'szo\.{key}' \(.*\) applies to methods? .*; method '{method}' "
+                                             rf"does not use it: leave szo\.{key} "):
+            load_recipe("digits-scratch", [*base, f"szo.{key}={value}"])
+
+
+def test_coords_per_step_refused_where_ignored():
+    c = load_recipe("digits-scratch", ["method=zo-cge", "szo.coords_per_step=5"])
+    assert c["szo"]["coords_per_step"] == 5
+    with pytest.raises(ValueError, match="'szo.coords_per_step' .* applies to methods 'zo-cge', 'tt-zo'; "
+                                         "method 'szo-cge' does not use it"):
+        load_recipe("digits-scratch", ["method=szo-cge", "szo.coords_per_step=5"])
+    import torch.nn as nn
+
+    from szo.optim import build_optimizer
+
+    with pytest.raises(ValueError, match="'coords_per_step' .* method 'fg' does not use it"):
+        build_optimizer("fg", nn.Linear(2, 2), lr=0.1, coords_per_step=3)
 
 
 def test_asyncfgd_method_options():

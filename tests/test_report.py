@@ -150,3 +150,86 @@ def test_results_json_of_the_wrong_shape_is_one_line(tmp_path, capsys, content, 
     assert main(["report", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and phrase in err[0]
+
+
+def _report_process(run_dir):
+    """``szo report RUN_DIR`` in a process with 6 GiB of address space and a time limit: a report
+    that reads /dev/zero or waits on a pipe fails the test instead of taking the machine."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    return subprocess.run([sys.executable, "-m", "szo", "report", str(run_dir)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("name, target, phrase", [
+    ("results.json", "/dev/zero", "results.json is a character device, not a regular file; it is not an szo results"),
+    ("metrics.jsonl", "/dev/zero", "metrics.jsonl is a character device, not a regular file; it is not an szo metrics"),
+    ("config.yaml", "/dev/zero", "config.yaml is a character device, not a regular file; it is not an szo config"),
+    ("results.json", "fifo", "results.json is a named pipe, not a regular file"),
+])
+def test_run_files_that_are_not_regular_files_are_one_line(tmp_path, name, target, phrase):
+    """results.json linked to /dev/zero made `szo report` read until memory ran out; a pipe blocked it."""
+    import os
+
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("needs /dev/zero")
+    d = make_run(tmp_path, "r", [0.5, 0.9])
+    (d / name).unlink()
+    if target == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        target = tmp_path / "fifo"
+    (d / name).symlink_to(target)
+    r = _report_process(d)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and phrase in err[0], r.stderr[-2000:]
+
+
+def test_oversized_results_json_is_one_line(tmp_path, monkeypatch):
+    import szo.report
+
+    d = make_run(tmp_path, "r", [0.5, 0.9])
+    monkeypatch.setattr(szo.report, "MAX_RESULTS_BYTES", 100)
+    with pytest.raises(ValueError, match=r"results.json is \d+ bytes, more than the 100 an szo results file may have"):
+        collect_runs([d])
+
+
+def test_symlinked_run_directories_are_reported_once_each(tmp_path):
+    """Two runs in place and two linked in from elsewhere: n=4 (it was n=2); a link to a run already
+    found and a link loop add nothing."""
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    for i, acc in enumerate((0.91, 0.92)):
+        make_run(runs, f"s{i}", [0.5, acc], sets=[f"seed={i}"])
+    for i, acc in enumerate((0.93, 0.94), 2):
+        make_run(elsewhere, f"s{i}", [0.5, acc], sets=[f"seed={i}"])
+        (runs / f"link{i}").symlink_to(elsewhere / f"s{i}", target_is_directory=True)
+    (runs / "again").symlink_to(runs / "s0", target_is_directory=True)
+    (runs / "loop").symlink_to(runs, target_is_directory=True)
+    found = collect_runs([runs])
+    assert len(found) == 4
+    header, rows = table1(found)
+    assert rows[0][3].endswith("(n=4)")
+    assert len(collect_runs([runs, elsewhere])) == 4  # named twice, still one run each
+
+
+def test_report_on_a_federated_run(tmp_path, capsys):
+    """A federated run's metrics count rounds (no 'epoch'): `szo report --out` failed with KeyError: 'epoch'."""
+    d = tmp_path / "fed"
+    d.mkdir()
+    write_config(load_recipe("digits-scratch"), d / "config.yaml")
+    rows = [{"round": r, "lr": 0.3, "clients": [0, 1, 2], "fp": 18 * r, "wall_time_s": 11.0 + r,
+             "test_loss": 2.2, "test_acc": a} for r, a in ((1, 0.4), (2, 0.55))]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "results.json").write_text(json.dumps({
+        "method": "baffle", "recipe": "digits-scratch", "clients": 3, "rounds": 2, "d": 5082, "best_test_acc": 0.55,
+        "final_test_acc": 0.55, "fp": 36, "bp": 0, "wall_time_min": 0.22, "status": "completed"}))
+    assert main(["report", str(d), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "| digits | spike_convnet | 5.1K | 55.00 (n=1) |" in out  # dataset / model from its config.yaml
+    assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["runs"][0]["method"] == "baffle"

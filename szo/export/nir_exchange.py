@@ -31,6 +31,14 @@ reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold,
 * **Max pooling** has no NIR node. After a spiking layer its input is 0/1, where
   ``max = H(sum - 1/2)``: it is written as a ``nir.SumPool2d`` followed by a
   ``nir.Threshold(0.5)`` (exact for spikes; an error for graded inputs).
+* **Foreign networks** (``szo.models.foreign.ForeignModel``, e.g. SpikingJelly's Fashion-MNIST
+  tutorial CSNN of the fmnist recipes): their own ``forward`` is traced; the tutorial form
+  ``core(x.unsqueeze(0).repeat(T, ...) / .expand(T, ...))`` followed by ``.mean(0)`` is exported as
+  the multi-step core (the static frame is the input at every step, as for szo's models) and graph
+  metadata ``output = "rate"``: the graph's output is the last layer's spikes per step, the
+  network's output their mean over T (:class:`NIRNetwork` returns that mean, ``[1, N, C]``, as
+  ``ForeignModel`` does). Any other encoding or readout is refused in one line. SpikingJelly's
+  ``IFNode`` is ``nir.IF`` with ``r = 1 / dt`` (``v += x`` per step), reset as for the LIF.
 * **Fixed point** (``szo.hw.FixedPointNetwork``): the graph is the float network its integer
   forward computes: weights ``w_int * 2**exp`` (exactly representable in float32), biases
   ``bias_int / 2**12``, sum pools, ``tau`` of the 12-bit decay; node metadata carries the
@@ -55,9 +63,10 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from szo.hw.convert import FixedPointNetwork
-from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
+from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, int_range, threshold_to_int
 from szo.io import atomic_write_bytes
 from szo.models.base import SpikingModel
+from szo.models.foreign import OUTPUTS, ForeignModel
 from szo.models.neurons import LIFNode, make_neuron
 
 __all__ = ["DEFAULT_DT", "FORMAT", "NIRNetwork", "from_nir", "read_nir", "to_nir", "write_nir"]
@@ -97,6 +106,21 @@ class _Root(nn.Module):
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         return self.net.forward_seq(x_seq)
 
+
+class _ForeignRoot(nn.Module):
+    """Traceable root of a ``ForeignModel``: ``forward`` is its network's own (``net.net``), so
+    layer paths are the model's (``net.conv_fc.0``)."""
+
+    def __init__(self, model: ForeignModel) -> None:
+        super().__init__()
+        self.net = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.net(x)
+
+
+_SPIKING = (sj_neuron.LIFNode, sj_neuron.IFNode)
+"""Neurons whose output is 0/1 spikes (a max pool after them is a sum pool + threshold)."""
 
 _LEAVES: tuple[type, ...] = (nn.Conv2d, nn.Linear, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.Flatten,
                              sj_neuron.BaseNode, nn.modules.batchnorm._BatchNorm, nn.Identity, nn.ReLU, nn.Dropout)
@@ -152,13 +176,68 @@ def _fold_adaptive_pool_into_linear(gm: fx.GraphModule, shape: tuple[int, int, i
     gm.recompile()
 
 
-def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphModule:
-    """A traced eval-mode copy of ``model.forward_seq`` with BN folded into its conv,
-    ``nn.Identity`` / BN nodes removed and a non-uniform adaptive pool folded into the classifier:
-    what the NIR graph will hold, runnable in torch."""
-    root = _Root(copy.deepcopy(model).cpu().float().eval())
+def _method_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _foreign_core(model: ForeignModel) -> tuple[fx.GraphModule, bool]:
+    """``(traced multi-step core, rate)`` of a foreign network of the SpikingJelly tutorial form
+    ``forward(x) = core(x.unsqueeze(0).repeat(T, 1, ...) or .expand(T, -1, ...))``, followed by
+    ``.mean(0)`` (``rate``) for an ``output="rate"`` model: the encoding and the time mean are cut,
+    the core's input is the sequence and its output the spikes per step. One ValueError otherwise."""
+    form = ("NIR holds a multi-step network; a foreign network is exported when its forward has SpikingJelly's "
+            "tutorial form core(x.unsqueeze(0).repeat(T, ...) or .expand(T, ...))"
+            + (" followed by .mean(0) (its output='rate')" if model.output == "rate" else ""))
+    root = _ForeignRoot(copy.deepcopy(model).cpu().float().eval())
     functional.reset_net(root)
-    gm = fx.GraphModule(root, _Tracer().trace(root))
+    try:
+        gm = fx.GraphModule(root, _Tracer().trace(root))
+    except Exception as exc:  # data-dependent control flow, unsupported Python: fx's many error types
+        raise ValueError(f"cannot export {model.model_name} to NIR: its forward does not trace with torch.fx "
+                         f"({_why(exc)}); {form}") from None
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    lift = next(iter(x.users)) if len(x.users) == 1 else None
+    rep = next(iter(lift.users)) if lift is not None and len(lift.users) == 1 else None
+    ok = (lift is not None and lift.op == "call_method" and lift.target == "unsqueeze"
+          and _method_arg(lift, 1, "dim") == 0 and rep is not None and rep.op == "call_method")
+    if ok and rep.target == "repeat":
+        ok = list(rep.args[1:]) == [model.T, 1, 1, 1, 1]
+    elif ok and rep.target == "expand":
+        ok = len(rep.args) == 6 and rep.args[1] == model.T and all(a == -1 for a in rep.args[2:])
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"cannot export {model.model_name} to NIR: its input encoding is not a repetition of the "
+                         f"frame over T = {model.T} steps; {form}")
+    rep.replace_all_uses_with(x)
+    gm.graph.erase_node(rep)
+    gm.graph.erase_node(lift)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    last = out.args[0]
+    rate = (isinstance(last, fx.Node) and last.op == "call_method" and last.target == "mean"
+            and _method_arg(last, 1, "dim") == 0 and not _method_arg(last, 2, "keepdim", False))
+    if rate != (model.output == "rate"):
+        raise ValueError(f"cannot export {model.model_name} to NIR: its readout is not "
+                         f"{'the mean over T of its last layer' if model.output == 'rate' else 'the sequence'}; "
+                         f"{form}")
+    if rate:
+        out.args = (last.args[0],)
+        gm.graph.erase_node(last)
+    gm.recompile()
+    return gm, rate
+
+
+def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphModule:
+    """A traced eval-mode copy of ``model.forward_seq`` (of a foreign network's multi-step core,
+    :func:`_foreign_core`) with BN folded into its conv, ``nn.Identity`` / BN nodes removed and a
+    non-uniform adaptive pool folded into the classifier: what the NIR graph will hold, runnable
+    in torch."""
+    if isinstance(model, ForeignModel):
+        gm, _ = _foreign_core(model)
+    else:
+        root = _Root(copy.deepcopy(model).cpu().float().eval())
+        functional.reset_net(root)
+        gm = fx.GraphModule(root, _Tracer().trace(root))
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
@@ -223,7 +302,7 @@ class _Mapper:
             if type(m) not in self.map_dict:
                 raise _unsupported(path, m, "no NIR mapping; supported: Conv2d (+ BatchNorm, folded), Linear, "
                                             "AvgPool2d, AdaptiveAvgPool2d, MaxPool2d right after spikes, Flatten, "
-                                            "SpikingJelly LIFNode, residual '+'")
+                                            "SpikingJelly LIFNode / IFNode, residual '+'")
             self.path[m] = path
             src = node.args[0]
             self.prev[m] = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" \
@@ -241,7 +320,8 @@ class _Mapper:
                 layer.Linear: self.linear, nn.AvgPool2d: self.avgpool, layer.AvgPool2d: self.avgpool,
                 nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
                 nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
-                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, _SumPool2d: self.sumpool}
+                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, _SumPool2d: self.sumpool,
+                sj_neuron.IFNode: self.if_node}
 
     def _meta(self, m: nn.Module) -> dict[str, Any]:
         meta: dict[str, Any] = {"szo_layer": self.path.get(m, "")}
@@ -288,7 +368,7 @@ class _Mapper:
 
     def maxpool(self, m: nn.MaxPool2d) -> Any:
         prev = self.prev.get(m)
-        if not isinstance(prev, sj_neuron.LIFNode):
+        if not isinstance(prev, _SPIKING):
             raise _unsupported(self.path.get(m, "?"), m, "NIR has no max pooling; it is exported (as SumPool2d + "
                                                          "Threshold 0.5) only right after a spiking layer")
         if m.dilation not in (1, (1, 1)) or m.ceil_mode:
@@ -325,6 +405,17 @@ class _Mapper:
         return self.nir.LIF(tau=full(tau * self.dt), r=full(1.0 if m.decay_input else tau),
                             v_leak=full(0.0 if m.v_reset is None else v_reset), v_threshold=full(float(m.v_threshold)),
                             v_reset=full(v_reset), metadata=meta)
+
+
+    def if_node(self, m: sj_neuron.IFNode) -> Any:
+        shape = self.in_shape[m][2:]
+        full = lambda v: np.full(shape, v, dtype=np.float32)  # noqa: E731
+        reset = "subtract" if m.v_reset is None else "value"
+        meta = self._meta(m)
+        meta.update(reset=reset)
+        # forward Euler with step dt: v += dt r I = I, SpikingJelly's IF charge (SpikingJelly's exchange: r = 1/dt)
+        return self.nir.IF(r=full(1.0 / self.dt), v_threshold=full(float(m.v_threshold)),
+                           v_reset=full(0.0 if m.v_reset is None else float(m.v_reset)), metadata=meta)
 
 
 def _flatten_subgraphs(nir, nodes: dict[str, Any], edges: list[tuple[str, str]]) -> tuple[dict, list]:
@@ -451,9 +542,10 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
             nodes[k] = nir.Input(input_type=np.array(shape))
         elif isinstance(v, nir.Output):
             nodes[k] = nir.Output(output_type=np.array([source.num_classes]))
+    rate = isinstance(source, ForeignModel) and source.output == "rate"
     meta = {"format": FORMAT, "model_name": source.model_name, "T": int(source.T), "dt": float(dt),
             "num_classes": int(source.num_classes), "input_shape": np.array(shape),
-            "fixed_point": int(bool(quant)), **extra}
+            "fixed_point": int(bool(quant)), "output": "rate" if rate else "sequence", **extra}
     for k, v in (metadata or {}).items():
         meta[str(k)] = np.asarray(v) if isinstance(v, (list, tuple)) else v
     return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta, type_check=False)
@@ -554,7 +646,7 @@ class _NodeMap:
         return {nir.Input: lambda n: nn.Identity(), nir.Output: lambda n: nn.Identity(),
                 nir.Conv2d: self.conv2d, nir.Affine: self.affine, nir.Linear: self.linear,
                 nir.AvgPool2d: self.avgpool, nir.SumPool2d: self.sumpool, nir.Threshold: self.threshold,
-                nir.Flatten: self.flatten, nir.LIF: self.lif}
+                nir.Flatten: self.flatten, nir.LIF: self.lif, nir.IF: self.if_node}
 
     def _n(self, node: Any) -> str:
         return self.name.get(id(node), type(node).__name__)
@@ -631,12 +723,29 @@ class _NodeMap:
                            v_reset=None if reset == "subtract" else v_reset)
 
 
+    def if_node(self, n: Any) -> nn.Module:
+        name = self._n(n)
+        meta = getattr(n, "metadata", None) or {}
+        r = _uniform(name, "r", n.r)
+        if not np.isclose(r * self.dt, 1.0, rtol=1e-6):
+            raise ValueError(f"NIR node {name!r}: IF field 'r' must be 1/dt = {1.0 / self.dt:g} (v += x per step of "
+                             f"dt = {self.dt} s, SpikingJelly's IFNode), got {r:g}")
+        reset = meta_str(meta, "reset", "value")
+        if reset not in _RESETS:
+            raise ValueError(f"NIR node {name!r}: metadata 'reset' must be one of {list(_RESETS)}, got {reset!r}")
+        v_reset = _uniform(name, "v_reset", n.v_reset)
+        return sj_neuron.IFNode(v_threshold=_uniform(name, "v_threshold", n.v_threshold),
+                                v_reset=None if reset == "subtract" else v_reset, step_mode="m")
+
+
 class NIRNetwork(SpikingModel):
     """A NIR graph run by SpikingJelly multi-step layers: ``model(x)`` -> ``[T, N, num_classes]``.
 
     ``forward`` takes ``[N, C, H, W]`` (repeated over ``T``) or ``[T, N, C, H, W]`` like every
     zoo model; ``T`` and ``num_classes`` come from the graph (szo metadata or its output
-    type). The parameters are those of the graph (BN already folded), so the flat-parameter
+    type). A graph with metadata ``output = "rate"`` (a foreign network's firing-rate readout)
+    gives the mean over T of its output, ``[1, N, num_classes]``, as ``ForeignModel`` does.
+    The parameters are those of the graph (BN already folded), so the flat-parameter
     layout is not the source model's: an imported network is for evaluation, streaming and
     deployment checks, not for resuming SZO in the source model's subspace.
     """
@@ -664,6 +773,7 @@ class NIRNetwork(SpikingModel):
         _check_feed_forward(graph.edges)
         for name, node in graph.nodes.items():
             _check_node_values(name, node)
+            _check_fixed_point(name, node, meta, dt)
         if len(outputs) != 1:
             raise ValueError(f"NIR graph must have exactly one Output node, got {len(outputs)}")
         out_t = np.asarray(outputs[0].output_type.get("output", []) if outputs[0].output_type else []).reshape(-1)
@@ -681,13 +791,18 @@ class NIRNetwork(SpikingModel):
         if T > MAX_T:
             raise ValueError(f"NIR graph: T = {T} time steps is out of range; szo runs 1 <= T <= {MAX_T}")
         super().__init__(num_classes=num_classes, T=T, model_name=meta_str(meta, "model_name", "nir"))
+        output = meta_str(meta, "output", "sequence")
+        if output not in OUTPUTS:
+            raise ValueError(f"NIR graph: metadata 'output' must be one of {list(OUTPUTS)}, got {output!r}")
         self.dt = dt
         self.nir_metadata = meta
+        self.output = output
         self.graph_module = nirtorch.nir_to_torch(graph, supported)
 
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         out = self.graph_module(x_seq)
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        return out.mean(0, keepdim=True) if self.output == "rate" else out
 
 
 MAX_T = 10_000
@@ -740,6 +855,80 @@ def _check_node_values(name: str, node: Any) -> None:
             if bad:
                 raise ValueError(f"NIR node {name!r}: {attr} holds {bad} non-finite value(s) (NaN / inf); "
                                  "szo does not run such a graph")
+
+
+_REFUSE = "a chip loads the integers, a float simulator the floats: szo refuses a fixed-point graph whose two forms differ"
+
+
+def _int_array(name: str, key: str, v: Any, shape: tuple[int, ...]) -> np.ndarray:
+    a = np.asarray(v)
+    if a.dtype.kind not in "iu" or a.shape != shape:
+        raise ValueError(f"NIR node {name!r}: metadata {key!r} must be an integer array of shape {list(shape)} "
+                         f"(the float field's), got {a.dtype} {list(a.shape)}")
+    return a.astype(np.int64)
+
+
+def _same(name: str, what: str, want: np.ndarray, have: Any) -> None:
+    have = np.asarray(have, dtype=np.float32)
+    bad = want != have
+    if bad.any():
+        diff = float(np.abs(want.astype(np.float64) - have.astype(np.float64)).max())
+        raise ValueError(f"NIR node {name!r}: {what} disagree(s) with its float field at {int(bad.sum())} of "
+                         f"{bad.size} entries (largest |difference| {diff:g}); {_REFUSE}")
+
+
+def _check_fixed_point(name: str, node: Any, graph_meta: dict[str, Any], dt: float) -> None:
+    """A fixed-point graph (``to_nir`` of a ``FixedPointNetwork``) holds every synapse twice: the
+    integers a chip loads (metadata ``w_int``, ``exp``, ``bias_int``; neurons' ``threshold_int``,
+    ``voltage_decay_int``) and the floats a simulator runs. Both must be the same network: the
+    floats exactly ``w_int * 2**exp`` and ``bias_int / 2**state_shift`` (float32), the mantissas in
+    the graph's ``precision_weight_bits``, the threshold and decay those of the integers."""
+    meta = getattr(node, "metadata", None) or {}
+    fixed = int(np.asarray(graph_meta.get("fixed_point", 0)))
+    synapse = hasattr(node, "weight") and type(node).__name__ in ("Conv2d", "Affine", "Linear")
+    if synapse and "w_int" not in meta:
+        if fixed:
+            raise ValueError(f"NIR node {name!r}: the graph is fixed-point (metadata fixed_point = 1) but this synapse "
+                             "has no integer weights (metadata w_int / exp)")
+        return
+    if synapse:
+        weight = np.asarray(node.weight)
+        w_int = _int_array(name, "w_int", meta["w_int"], weight.shape)
+        try:
+            exp = int(np.asarray(meta["exp"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"NIR node {name!r}: metadata 'w_int' needs an integer 'exp' (weight = w_int * 2**exp)") \
+                from None
+        if "precision_weight_bits" in graph_meta:
+            bits = int(np.asarray(graph_meta["precision_weight_bits"]))
+            lo, hi = int_range(bits)
+            out = int(((w_int < lo) | (w_int > hi)).sum())
+            if out:
+                raise ValueError(f"NIR node {name!r}: {out} integer weight(s) (metadata w_int) outside the graph's "
+                                 f"{bits}-bit range [{lo}, {hi}] (precision_weight_bits); {_REFUSE}")
+        _same(name, "its integer weights w_int * 2**exp", (w_int.astype(np.float64) * 2.0 ** exp).astype(np.float32),
+              weight)
+        if "bias_int" in meta:
+            bias = np.asarray(getattr(node, "bias", np.zeros(weight.shape[0])))
+            b_int = _int_array(name, "bias_int", meta["bias_int"], bias.shape)
+            shift = int(np.asarray(graph_meta.get("state_shift", STATE_SHIFT)))
+            _same(name, f"its integer bias bias_int / 2**{shift}",
+                  (b_int.astype(np.float64) / float(1 << shift)).astype(np.float32), bias)
+    if "threshold_int" in meta and hasattr(node, "v_threshold"):
+        v_th = _uniform(name, "v_threshold", node.v_threshold)
+        try:
+            want = threshold_to_int(v_th)
+        except ValueError:
+            want = None
+        if want is None or int(np.asarray(meta["threshold_int"])) != want:
+            raise ValueError(f"NIR node {name!r}: metadata threshold_int = {int(np.asarray(meta['threshold_int']))} is "
+                             f"not the float threshold {v_th:g} in state units ({want}); {_REFUSE}")
+    if "voltage_decay_int" in meta and hasattr(node, "tau"):
+        d = int(np.asarray(meta["voltage_decay_int"]))
+        tau = float(meta["tau_steps"]) if "tau_steps" in meta else _uniform(name, "tau", node.tau) / dt
+        if not 0 < d <= (1 << DECAY_SHIFT) or not np.isclose(tau, (1 << DECAY_SHIFT) / d, rtol=1e-6):
+            raise ValueError(f"NIR node {name!r}: metadata voltage_decay_int = {d} is not the float tau {tau:g} steps "
+                             f"(tau = {1 << DECAY_SHIFT} / voltage_decay_int); {_REFUSE}")
 
 
 def from_nir(source: Any, *, T: int | None = None, dt: float | None = None) -> NIRNetwork:

@@ -17,7 +17,7 @@ from torch import nn
 
 from szo.hw.mcu import MCUZO
 from szo.hw.train import OnChipSZO
-from szo.methods import METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder, which_methods
+from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
@@ -80,9 +80,7 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     if o.weight_decay and not spec.weight_decay:
         raise ValueError(f"method {m!r} uses no weight decay (paper App. G / its seed paper); "
                          f"got weight_decay={o.weight_decay}")
-    for key, what in (("stages", "pipeline stages"), ("layers", "sparse layer-wise training")):
-        if getattr(o, key) is not None and key not in spec.options:
-            raise ValueError(f"{key} ({what}) applies to {which_methods(options=key)}; method {m!r} takes none")
+    spec.check_options({key: getattr(o, key) for key in METHOD_OPTIONS})
     if o.integer is not None and not spec.integer_learner:
         raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "
                          f"method {m!r} has none")

@@ -240,3 +240,107 @@ def test_graphs_szo_cannot_run_faithfully_are_refused(tmp_path):
     g.nodes[conv].weight = np.full_like(g.nodes[conv].weight, np.nan)
     with pytest.raises(ValueError, match=rf"NIR node '{conv}': weight holds \d+ non-finite value"):
         from_nir(g)
+
+
+CSNN = "spikingjelly:conv_fashion_mnist.CSNN"
+
+
+def _spiking_csnn(channels=8):
+    """SpikingJelly's Fashion-MNIST tutorial network (the fmnist recipes' model) with folded BN
+    statistics and classifier gains that make every IF layer spike."""
+    from szo.models import create
+
+    torch.manual_seed(0)
+    model = _randomize_bn(create(CSNN, T=4, channels=channels, num_classes=10))
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight.data.mul_(6)
+    return model.eval()
+
+
+def test_spikingjelly_tutorial_csnn_exports_and_imports_exactly(tmp_path):
+    """The CSNN (direct encoding over T, IF neurons, max pools of spikes, firing-rate readout) was a
+    NotImplementedError traceback ("ForeignModel must implement forward_seq")."""
+    from spikingjelly.activation_based import neuron
+
+    model = _spiking_csnn()
+    g = to_nir(model, (1, 28, 28))
+    assert g.metadata["output"] == "rate" and int(g.metadata["T"]) == 4
+    kinds = sorted(type(v).__name__ for v in g.nodes.values())
+    assert kinds.count("IF") == 4 and kinds.count("SumPool2d") == 2 and "LIF" not in kinds
+    if_node = g.nodes["net_conv_fc_2"]
+    assert np.allclose(if_node.r, 1e4) and np.all(if_node.v_reset == 0) and if_node.metadata["reset"] == "value"
+    write_nir(g, tmp_path / "csnn.nir")
+    back = from_nir(tmp_path / "csnn.nir").eval()
+    x = torch.rand(8, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    rates = []
+    hooks = [m.register_forward_hook(lambda m, i, o: rates.append(float(o.float().mean()))) for m in model.modules()
+             if isinstance(m, neuron.IFNode)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    assert len(rates) == 4 and min(rates) > 0.05 and max(rates) < 0.95  # every layer spikes: not a trivial match
+    with torch.no_grad():
+        a, b = model.double()(x.double()), back.double()(x.double())
+    assert a.shape == b.shape == (1, 8, 10)  # the firing rate, as the foreign model gives it
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_foreign_network_of_another_form_is_one_line():
+    from szo.models.foreign import ForeignModel
+
+    class NoEncoding(torch.nn.Module):  # expects [T, N, ...] already: nothing says how a frame becomes T steps
+        def __init__(self):
+            super().__init__()
+            self.fc = layer.Linear(4, 3, step_mode="m")
+
+        def forward(self, x):
+            return self.fc(x.flatten(2)).mean(0)
+
+    model = ForeignModel(NoEncoding(), num_classes=3, T=2, model_name="custom")
+    with pytest.raises(ValueError, match=r"^cannot export custom to NIR: its input encoding is not a repetition of the "
+                                         r"frame over T = 2 steps; .*tutorial form"):
+        to_nir(model, (1, 2, 2))
+
+
+def _fixed_graph():
+    from szo.hw.convert import to_fixed
+
+    torch.manual_seed(0)
+    return to_nir(to_fixed(_randomize_bn(create("spike_convnet"))), (1, 8, 8))
+
+
+def test_fixed_point_graph_whose_integers_disagree_with_its_floats_is_refused(tmp_path):
+    """What a chip loads (w_int, bias_int, threshold_int, voltage_decay_int) and what a float
+    simulator runs must be one network; an edited mantissa was imported without a word."""
+    g = _fixed_graph()
+    from_nir(g)  # as exported: consistent
+    g.nodes["conv2"].metadata["w_int"][0, 0, 0, 0] += 1
+    write_nir(g, tmp_path / "w.nir")
+    with pytest.raises(ValueError, match=r"^NIR node 'conv2': its integer weights w_int \* 2\*\*exp disagree\(s\) with "
+                                         r"its float field at 1 of 2304 entries .*a chip loads the integers"):
+        from_nir(tmp_path / "w.nir")
+    g = _fixed_graph()
+    g.nodes["fc"].metadata["bias_int"][3] -= 7
+    with pytest.raises(ValueError, match=r"'fc': its integer bias bias_int / 2\*\*12 disagree"):
+        from_nir(g)
+    g = _fixed_graph()  # int8 mantissas of 1000, weights edited to match: out of the graph's 8-bit range
+    node = g.nodes["conv1"]
+    node.metadata["w_int"][:] = 1000
+    node.weight = np.full_like(node.weight, 1000 * 2.0 ** int(node.metadata["exp"]))
+    with pytest.raises(ValueError, match=r"'conv1': 144 integer weight\(s\) \(metadata w_int\) outside the graph's "
+                                         r"8-bit range \[-128, 127\]"):
+        from_nir(g)
+    g = _fixed_graph()
+    g.nodes["sn1"].metadata["threshold_int"] = 5000
+    with pytest.raises(ValueError, match=r"'sn1': metadata threshold_int = 5000 is not the float threshold 1"):
+        from_nir(g)
+    g = _fixed_graph()
+    g.nodes["sn2"].metadata["voltage_decay_int"] = 2048
+    with pytest.raises(ValueError, match=r"'sn2': metadata voltage_decay_int = 2048 is not the float tau"):
+        from_nir(g)
+    g = _fixed_graph()
+    del g.nodes["fc"].metadata["w_int"]
+    with pytest.raises(ValueError, match=r"'fc': the graph is fixed-point .* has no integer weights"):
+        from_nir(g)

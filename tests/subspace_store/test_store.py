@@ -257,3 +257,61 @@ def test_digest_pins_the_content_not_the_name(tmp_path):
     assert st.digest("s") == a  # same content, same digest
     st.save("s", make_subspace(model(), seed=1), overwrite=True)
     assert st.digest("s") != a
+
+
+@pytest.mark.parametrize("field, index", [("explained_variance_ratio", 0), ("eigenvalues", 2), ("mean", 7)])
+def test_every_tensor_is_checked_at_save(tmp_path, field, index):
+    """A NaN explained-variance ratio was saved without a word, and every later load refused the entry."""
+    st = SubspaceStore(tmp_path)
+    bad = make_subspace(model())
+    getattr(bad, field)[index] = float("nan")
+    with pytest.raises(ValueError, match=rf"^subspace 'e': tensor '{field}' holds 1 non-finite value"):
+        st.save("e", bad)
+    assert not st.exists("e") and st.list() == [] and st.partial() == []
+
+
+@pytest.mark.parametrize("broken, phrase", [
+    (lambda p: p.zero_(), "max |P^T P - I| = 1 > 0.01"),          # all zero: the parameters cannot move
+    (lambda p: p.mul_(2.0), "max |P^T P - I| = 3 > 0.01"),        # scaled
+    (lambda p: p.copy_(p[:, :1].expand_as(p)), "not orthonormal"),  # one direction k times
+])
+def test_a_basis_that_is_not_orthonormal_is_refused_at_save(tmp_path, broken, phrase):
+    st = SubspaceStore(tmp_path)
+    bad = make_subspace(model())
+    broken(bad.basis)
+    with pytest.raises(ValueError, match=r"^subspace 'b': the basis is not orthonormal \(") as e:
+        st.save("b", bad)
+    assert phrase in str(e.value)
+    assert not st.exists("b")
+
+
+@pytest.mark.parametrize("sdt", ["float32", "float16", "bfloat16"])
+def test_orthonormal_bases_pass_in_every_storage_dtype(tmp_path, sdt):
+    from subspace_store.store import ORTHONORMAL_TOL, orthonormality_error
+    from subspace_store.variants import random_subspace
+
+    st = SubspaceStore(tmp_path)
+    m = model()
+    sub = make_subspace(m)
+    ref = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    for name, s in (("built", sub), ("random", random_subspace(ref, 7, seed=3))):
+        st.save(name, s, storage_dtype=sdt)
+        got = st.load(name)
+        err = orthonormality_error(got.basis)
+        assert err <= ORTHONORMAL_TOL[store_mod.STORAGE_DTYPES[sdt]] / 2, (name, err)  # rounding stays well inside
+
+
+def test_a_stored_basis_that_is_not_orthonormal_is_refused_at_load(tmp_path):
+    """An all-zero basis written by a foreign writer (with a matching sha256 record) was loaded and
+    trained in to "completed" without the parameters being able to move."""
+    from safetensors.torch import load_file, save_file
+
+    st = SubspaceStore(tmp_path)
+    st.save("g", make_subspace(model()))
+    path = tmp_path / "g" / "basis.safetensors"
+    t = load_file(path)
+    t["basis"].zero_()
+    save_file(t, path, metadata={"format": store_mod.FORMAT, "version": str(store_mod.FORMAT_VERSION)})
+    with pytest.raises(SubspaceIntegrityError, match=r"basis.safetensors: the basis is not orthonormal \(max \|P\^T P - I\| "
+                                                     r"= 1 > 0.01"):
+        st.load("g", verify=False)
