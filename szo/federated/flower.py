@@ -618,7 +618,7 @@ def server_app(server: BaffleServer, rounds: int, grid: LoopbackGrid) -> Any:
     app = ServerApp()
 
     @app.main()
-    def main(grid, context) -> None:
+    def main(driven, context) -> None:  # ``driven``: the Grid Flower hands the app (``grid`` in run_server_app)
         legacy = LegacyContext(context=context, strategy=_make_strategy(server, grid),
                                config=ServerConfig(num_rounds=rounds, round_timeout=fc.round_timeout_s))
         fit = None
@@ -627,7 +627,7 @@ def server_app(server: BaffleServer, rounds: int, grid: LoopbackGrid) -> Any:
             fit = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=float(fc.secagg_threshold),
                                      max_weight=float(server.n_total), clipping_range=float(fc.clip_range),
                                      quantization_range=q, modulus_range=m, timeout=fc.round_timeout_s)
-        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
+        DefaultWorkflow(fit_workflow=fit)(driven, legacy)
 
     return app
 
