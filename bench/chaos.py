@@ -11,7 +11,7 @@ status. Prints a summary table and writes bench/results/chaos.json.
 
 Cases: SIGKILL at random moments of an SZO-CGE run and of a BPTT run (trajectory + subspace
 build), and right after a random optimizer step of an SZO-CGE run and of seed 004's integer learner (mcu-zo), then ``--resume`` until done; a 2-process torchrun run whose rank 1 SIGKILLs itself,
-then resumed; a flipped byte / truncated / empty / random / record-less checkpoint; a BPTT
+then resumed; a re-signed mcu-zo checkpoint with int8 mantissas of 1000 or a bias tensor missing; a flipped byte / truncated / empty / random / record-less checkpoint; a BPTT
 checkpoint copied into an SZO run; a trajectory sample flipped before a resume; resuming
 with an override that changes the run; two runs started at once on one --out; a diverging
 run (zo-rge at a huge learning rate); ``subspace.k`` larger than the trajectory allows.
@@ -225,6 +225,32 @@ def main() -> int:
         row(f"SIGKILL MCU-ZO (int8 learner) run after step {at}", "exact resume", exact,
             f"exit={r.returncode} (SIGKILL); resume exit={r2.returncode}, int8 weights and params "
             f"{'bit-identical' if exact else 'DIFFER'}")
+    # --- a re-signed mcu-zo checkpoint (valid sha256 record) whose integers are not the learner's:
+    # int8 mantissas of 1000, a bias tensor missing: refused on resume in one line, before a step
+    half = tmp / "mcu-half"
+    run(szo_cmd("digits-fixed", half, mcu, fault="0:4"))
+
+    def resigned(name: str, change, phrase: str) -> None:
+        from szo.train.checkpoint import save_checkpoint
+
+        d = tmp / f"mcu-{name.replace(' ', '-')}"
+        shutil.copytree(half, d)
+        st = torch_load(d)
+        st["optimizer"]["mcu"]["integers"] = change(st["optimizer"]["mcu"]["integers"])
+        save_checkpoint(d / "checkpoints" / "last.pt", st)  # a fresh sha256 record: only the content is wrong
+        record = (d / "checkpoints" / "last.json").read_text()
+        r = run(szo_cmd("digits-fixed", d, mcu, "--resume"))
+        ok, line = one_line(r, 2, phrase)
+        kept = (d / "checkpoints" / "last.json").read_text() == record  # no step, no new checkpoint
+        row(f"re-signed MCU-ZO checkpoint: {name}", f"exit 2, one line ({phrase}), no step taken",
+            ok and kept, f"exit={r.returncode} '{line}'; checkpoint {'untouched' if kept else 'REWRITTEN'}")
+
+    def mantissa_1000(ints):
+        ints[0].view(-1)[0] = 1000
+        return ints
+
+    resigned("int8 mantissa of 1000", mantissa_1000, "outside the signed 8-bit range")
+    resigned("a bias tensor missing", lambda ints: ints[:-1], "integer tensors where this learner's layers need")
     # --- SIGKILL during a BPTT run (trajectory, model, subspace build), resume: exact?
     bsets = lambda name: TINY + BPTT + [f"subspace.root={tmp / ('st-' + name)}"]  # noqa: E731
     tb = timed_run(szo_cmd("digits-bp", tmp / "bref", bsets("bref")), tmp / "bref")

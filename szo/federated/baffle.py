@@ -30,8 +30,8 @@ from torch import nn
 from szo.functional.zo import rge_coefficients, sample_gaussian
 from szo.zo import HostSpace, LoopEvaluator, ProbeGuard, rge_plan
 
-__all__ = ["dirichlet_split", "round_directions", "loss_differences", "stein_coordinates", "weighted_mean",
-           "MODULUS_RANGE", "secagg_ranges", "secagg_error_bound"]
+__all__ = ["dirichlet_split", "round_directions", "RoundSeeds", "loss_differences", "stein_coordinates",
+           "weighted_mean", "check_value", "MODULUS_RANGE", "secagg_ranges", "secagg_error_bound"]
 
 def dirichlet_split(labels: Sequence[int] | np.ndarray, n_clients: int, alpha: float, seed: int,
                     min_size: int = 1) -> list[np.ndarray]:
@@ -58,6 +58,28 @@ def dirichlet_split(labels: Sequence[int] | np.ndarray, n_clients: int, alpha: f
             return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     raise ValueError(f"no Dirichlet(alpha={alpha}) split gave every one of {n_clients} clients {min_size} "
                      "samples in 1000 draws; raise alpha or lower the number of clients")
+
+
+class RoundSeeds:
+    """The server's round seeds, ``seeds[r]`` for round ``r`` (1-based; ``seeds[0]`` is drawn and
+    unused): the draws of ``numpy.random.default_rng(seed).integers(1, 2**31 - 1)`` in order,
+    made as the rounds are reached. The same numbers as drawing ``rounds + 1`` of them at once
+    (numpy's generator draws them one after another either way), without a table sized by the
+    rounds planned (``--rounds 1000000000`` would be 7.45 GiB before round 1)."""
+
+    CHUNK = 1024
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(int(seed))
+        self._chunks: list[np.ndarray] = []
+
+    def __getitem__(self, rnd: int) -> int:
+        if isinstance(rnd, bool) or not isinstance(rnd, (int, np.integer)) or rnd < 0:
+            raise ValueError(f"a round number is an int >= 0, got {rnd!r}")
+        i, j = divmod(int(rnd), self.CHUNK)
+        while len(self._chunks) <= i:  # up to the round asked for, a chunk at a time
+            self._chunks.append(self._rng.integers(1, 2 ** 31 - 1, size=self.CHUNK))
+        return int(self._chunks[i][j])
 
 
 def round_directions(seed: int, K: int, k: int) -> torch.Tensor:
@@ -114,6 +136,16 @@ def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np
     if any(v.shape != vs[0].shape for v in vs):
         raise ValueError(f"uploads of different shapes: {sorted({v.shape for v in vs})}")
     return sum(wi * v for wi, v in zip(w, vs)) / w.sum()
+
+
+def check_value(clip_range: float) -> float:
+    """The value every client appends to its upload: half the SecAgg+ clip range (never clipped).
+    The weighted mean of the answering clients' check values is this value again (within
+    :func:`secagg_error_bound` under SecAgg+); an aggregate whose last value is off holds an upload
+    that was corrupted, forged or replayed (masks that do not cancel leave noise on the field)."""
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}")
+    return clip_range / 2
 
 
 MODULUS_RANGE: int = 1 << 32

@@ -15,7 +15,7 @@ from szo.rundir import resumed_config
 __all__ = ["register"]
 
 # flag -> federated.KEY (the flag's help says what the key means)
-_FLAGS = {"clients": "client processes", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
+_FLAGS = {"clients": "client processes (at least 3 with SecAgg+)", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
           "sigma": "perturbation scale", "lr": "server learning rate (cosine over the rounds)",
           "momentum": "server heavy-ball momentum (--server-optimizer sgd)",
           "ema": "evaluate an exponential moving average of the model with this decay (BAFFLE: 0.995; 0 = off)", "alpha": "Dirichlet label skew (small = non-IID)",
@@ -64,8 +64,11 @@ def _run(args: argparse.Namespace) -> int:
         cfg = resumed_config(out, cfg, sets)
     fc = cfg.federated
     s = run_federated(cfg, out, resume=args.resume, callbacks=args.callbacks)
+    refused = (f", {s['rounds_refused']} of {s['rounds']} rounds refused (no step; see metrics.jsonl)"
+               if s["rounds_refused"] else "")
+    dropped = f", clients dropped: {s['clients_dropped']}" if s["clients_dropped"] else ""
     print(f"federated {cfg['name']} [BAFFLE, {fc.clients} clients, K={fc.K}, {fc.space}] done in {out}: "
           f"max test acc {100 * s['best_test_acc']:.2f}%, #FP {s['fp']}, #BP 0, "
           f"{s['bytes_down_per_round']:.0f} B down / {s['bytes_up_per_round']:.0f} B up per round, "
-          f"{s['wall_time_min']:.2f} min")
+          f"{s['wall_time_min']:.2f} min{refused}{dropped}")
     return 0

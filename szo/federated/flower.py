@@ -13,7 +13,8 @@ runtimes need Ray or start a process per message). Each round (batch-level BAFFL
   ``{seed, round}``;
 * client: ``K`` central loss differences on one local batch
   (:func:`szo.federated.baffle.loss_differences`) and its BN batch statistics (averaged over its
-  ``2K`` probes), one float64 vector, its weight ``N_c`` (examples it holds);
+  ``2K`` probes), then the check value (:func:`szo.federated.baffle.check_value`), one float64
+  vector, its weight ``N_c`` (examples it holds);
 * SecAgg+ (Bell et al. 2020, Flower's implementation): per round, setup (two key pairs per
   client), key sharing (Shamir shares of the mask seed and of a secret key, encrypted to each
   other client), masked upload (the vector times ``N_c / N``, clipped to ``clip_range`` and
@@ -25,6 +26,13 @@ runtimes need Ray or start a process per message). Each round (batch-level BAFFL
 * server: regenerates the directions from the seed, Stein's estimate, heavy-ball step on ``c``;
   BN running statistics move by ``bn_momentum`` toward the aggregated mean.
 
+Clients and the loopback are not trusted: a client process proves it holds its per-run key
+before it becomes a node (:mod:`szo.federated.grid`); every upload passes :class:`UploadCheck`
+(length, dtype, finiteness or field range, replay, stated weight / client / round) before it is
+aggregated, and a refused one drops its sender in one line; the aggregate's check value must come
+back or the round makes no step. Under SecAgg+ a federation needs :data:`MIN_SECURE_CLIENTS`
+clients. A run in which no round aggregated fails (:class:`FederationFailed`).
+
 Bytes per round are the serialized Flower ``Message`` protobufs of all four SecAgg+ stages (what
 the loopback frames carry, without the 8-byte length prefix), summed over clients. The server
 evaluates on the test set every ``eval_every`` rounds. Client processes are joined with a timeout
@@ -33,6 +41,7 @@ and terminated if they outlive the server.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -69,23 +78,33 @@ from szo.zo import bn_layers, heavy_ball_
 
 try:  # optional (extra "federated"): run_federated says how to install it
     import flwr as fl
-    from flwr.app import Context
+    from flwr.app import Context, Message
+    from flwr.app.message_type import MessageType
     from flwr.client.mod import secaggplus_mod
     from flwr.clientapp import ClientApp
     from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+    from flwr.compat.common.parameter import bytes_to_ndarray
+    from flwr.compat.common.recorddict_compat import recorddict_to_fitins, recorddict_to_fitres
     from flwr.server import LegacyContext, ServerConfig
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
     from flwr.serverapp import ServerApp
 
-    from szo.federated.grid import LoopbackGrid, run_server_app, serve_node
+    from szo.federated.grid import LoopbackGrid, cid_of, run_server_app, serve_node
 except ImportError:  # pragma: no cover - exercised where flwr is missing
     fl = None
 
-__all__ = ["FederatedConfig", "run_federated", "SPACES", "client_app", "client_main", "server_app"]
+__all__ = ["FederatedConfig", "run_federated", "SPACES", "MIN_SECURE_CLIENTS", "UploadCheck", "client_app",
+           "client_main", "server_app"]
 
 SPACES: tuple[str, ...] = FEDERATED_SPACES
 ADAM_BETAS = (0.9, 0.99)
 """``server_optimizer: adam``: BAFFLE's experiments (Feng et al. Sec. 4: Adam, betas (0.9, 0.99))."""
+MIN_SECURE_CLIENTS = 3
+"""Secure aggregation with fewer clients hides nothing: every client gets the next model, from
+which the aggregate follows, and with two clients the aggregate minus one's own upload is the
+other's (docs/federated.md, privacy per client count). A federation starts with at least this
+many, stops when fewer are connected, and a round that fewer answered makes no step."""
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -170,7 +189,7 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
             point = torch.from_numpy(np.asarray(parameters[0], dtype=np.float64))
             delta = B.loss_differences(model, lambda: task.loss_fn(model(x), y), point, z, fc.sigma,
                                        to_params=task.theta, basis=task.basis)
-            upload = np.concatenate([delta.numpy(), task.bn_stats().astype(np.float64)])
+            upload = np.concatenate([delta.numpy(), task.bn_stats().astype(np.float64), [B.check_value(fc.clip_range)]])
             if not np.all(np.isfinite(upload)):
                 raise ValueError(f"client {cid}: a loss difference or BN statistic is not finite; it sends nothing "
                                  "this round")
@@ -182,7 +201,7 @@ def _make_client(cfg: Mapping[str, Any], fc: FederatedConfig, cid: int, indices:
                 # SecAgg+ rounds stochastically with numpy's global generator right after fit():
                 # seeded by round and client, a round's aggregate is reproducible (resume is bit-exact)
                 np.random.seed((seed * 1009 + cid) % 2 ** 32)
-            return [upload], n_local, {"cid": cid}
+            return [upload], n_local, {"cid": cid, "round": int(config["round"])}
 
     return BaffleClient()
 
@@ -216,7 +235,7 @@ def client_main(spec: Mapping[str, Any], mods: Sequence[Callable] = ()) -> None:
     closes the connection. It exits when its server process is gone (killed, crashed)."""
     _exit_with_parent()
     torch.set_num_threads(1)  # many client processes share the cores
-    serve_node(spec["address"], int(spec["cid"]), client_app(spec, mods))
+    serve_node(spec["address"], int(spec["cid"]), client_app(spec, mods), spec["key"])
 
 
 # ----------------------------------------------------------------------------- server
@@ -270,7 +289,7 @@ class BaffleServer:
                  state: ServerState | None, sinks: list[Callback], callbacks: Sequence[Callback]):
         self.cfg, self.fc, self.task, self.n_total, self.run_dir = cfg, cfg.federated, task, n_total, run_dir
         self.test_loader = test_loader
-        self.seeds = np.random.default_rng(int(cfg["seed"])).integers(1, 2 ** 31 - 1, size=self.fc.rounds + 1)
+        self.seeds = B.RoundSeeds(int(cfg["seed"]))  # drawn as the rounds come (no table sized by fc.rounds)
         self.state = state if state is not None else ServerState(
             c=np.zeros(task.dim, dtype=np.float64) if task.basis is not None else task.reference.numpy().copy(),
             v=np.zeros(task.dim, dtype=np.float64), bn=task.bn_stats().astype(np.float64))
@@ -293,13 +312,17 @@ class BaffleServer:
         return {"round": rnd, "seed": int(self.seeds[rnd])}
 
     def step(self, rnd: int, mean: np.ndarray | None, clients: Sequence[int], bytes_down: int, bytes_up: int,
-             why: str | None = None, weight_sum: float | None = None) -> None:
-        """Round ``rnd``: check the aggregate ``mean`` (``[K loss differences, BN statistics]``,
-        the weighted mean over the answering ``clients``; None when there is none, ``why``) and step.
+             why: str | None = None, weight_sum: float | None = None, dropped: Sequence[int] = ()) -> None:
+        """Round ``rnd``: check the aggregate ``mean`` (``[K loss differences, BN statistics, check
+        value]``, the weighted mean over the answering ``clients``; None when there is none,
+        ``why``) and step.
 
-        Clients are not trusted, but only the aggregate is visible. If it is malformed, not
-        finite or a loss difference beyond ``federated.max_loss_difference``, the round makes no
-        step and its BN statistics are not used either (``refused``); aggregated BN statistics that
+        Clients are not trusted (every upload passed :class:`UploadCheck` before it was
+        aggregated), but under SecAgg+ only the aggregate is visible. If it is malformed, its
+        check value is not :func:`~szo.federated.baffle.check_value` (within SecAgg+'s bound: an
+        upload was corrupted, forged or replayed), it is not finite or a loss difference is beyond
+        ``federated.max_loss_difference``, the round makes no step and its BN statistics are not
+        used either (``refused``); aggregated BN statistics that
         are not finite or have a variance below ``-tolerance`` (``weight_sum`` given: SecAgg+'s
         quantization bound) are not used (``dropped_bn``), slightly negative variances within it
         are set to 0. Both are logged in
@@ -311,15 +334,24 @@ class BaffleServer:
         lr = fc.lr * 0.5 * (1 + math.cos(math.pi * (rnd - 1) / fc.rounds))  # cosine, as the recipes
         row: dict[str, Any] = {"round": rnd, "lr": lr, "clients": sorted(int(c) for c in clients),
                                "bytes_down": bytes_down, "bytes_up": bytes_up}
+        if dropped:  # clients whose upload UploadCheck refused this round (gone for the rest of the run)
+            row["dropped"] = sorted(int(c) for c in dropped)
         grad, bn = None, None
         K, n_bn = fc.K, st.bn.size
+        check = B.check_value(fc.clip_range)
+        tol = (1e-9 * check if weight_sum is None else
+               B.secagg_error_bound(max(len(clients), 1), fc.clip_range, B.secagg_ranges(max(fc.clients, 2))[0],
+                                    weight_sum))
         if mean is not None:
             mean = np.asarray(mean)
-            if mean.shape != (K + n_bn,) or mean.dtype.kind != "f":
+            if mean.shape != (K + n_bn + 1,) or mean.dtype.kind != "f":
                 why = (f"the aggregate has shape {mean.shape} ({mean.dtype}), expected [{K} loss differences + "
-                       f"{n_bn} BN statistics]: a client sent a malformed upload")
+                       f"{n_bn} BN statistics + 1 check value]: a client sent a malformed upload")
+            elif not abs(float(mean[-1]) - check) <= tol:
+                why = (f"the aggregate's check value is {float(mean[-1]):.6g}, not {check:g} (+-{tol:.2g}): an upload "
+                       "was corrupted, forged or replayed (its masks do not cancel)")
             else:
-                delta, bn = mean[:K].astype(np.float64), mean[K:].astype(np.float64)
+                delta, bn = mean[:K].astype(np.float64), mean[K:-1].astype(np.float64)
                 if not np.all(np.isfinite(delta)) or float(np.abs(delta).max(initial=0.0)) > fc.max_loss_difference:
                     why = (f"aggregated loss differences out of range (max |dL| = {float(np.abs(delta).max()):.3g} > "
                            f"federated.max_loss_difference = {fc.max_loss_difference:g}): a client sent bad values")
@@ -332,8 +364,7 @@ class BaffleServer:
             row["refused"] = why or "no aggregate"
             print(f"warning: round {rnd}: no step: {row['refused']}", file=sys.stderr, flush=True)
         if n_bn and grad is not None:  # a refused aggregate moves nothing, BN statistics included
-            tol = 0.0 if weight_sum is None else B.secagg_error_bound(len(clients), fc.clip_range,
-                                                                      B.secagg_ranges(fc.clients)[0], weight_sum)
+            tol = 0.0 if weight_sum is None else tol
             var = task.bn_var_index()
             if np.all(np.isfinite(bn)) and np.all(bn[var] >= -tol):
                 bn[var] = np.maximum(bn[var], 0.0)
@@ -399,13 +430,14 @@ class BaffleServer:
         return self.state.c.astype(np.float32)
 
 
-def _make_strategy(server: BaffleServer, bytes_of: Callable[[int], tuple[int, int]]) -> Any:
+def _make_strategy(server: BaffleServer, grid: LoopbackGrid) -> Any:
     """A Flower (legacy API) ``Strategy`` around ``server`` for ``DefaultWorkflow``: every
     connected client every round. ``aggregate_fit`` gets what the fit workflow aggregated (with
     SecAgg+: every result carries the same unmasked weighted mean; without: each client's own
     upload, averaged here); ``evaluate`` (called after every round's fit workflow, also when
-    SecAgg+ halted and nothing was aggregated) makes the server's step. Flower's round numbers
-    count from 1 in this process, so they are offset by the rounds done before."""
+    SecAgg+ halted and nothing was aggregated) makes the server's step, with the round's bytes
+    and dropped clients from ``grid``. Flower's round numbers count from 1 in this process, so
+    they are offset by the rounds done before."""
     fc, offset = server.fc, server.state.rounds_done
 
     class BaffleStrategy(fl.server.strategy.Strategy):
@@ -417,21 +449,25 @@ def _make_strategy(server: BaffleServer, bytes_of: Callable[[int], tuple[int, in
 
         def configure_fit(self, server_round, parameters, client_manager):
             proxies = [p for _, p in sorted(client_manager.all().items())]
-            need = 2 if fc.secure else 1
+            need = MIN_SECURE_CLIENTS if fc.secure else 1
             if len(proxies) < need:
                 raise FederationError(f"round {offset + server_round}: {len(proxies)} client(s) left, "
-                                      f"{'secure aggregation needs 2' if fc.secure else 'none left'}; "
+                                      f"{f'secure aggregation needs {need}' if fc.secure else 'none left'}; "
                                       "the federation cannot go on")
             ins = FitIns(ndarrays_to_parameters([server.params()]), server.round_config(offset + server_round))
             return [(p, ins) for p in proxies]
 
         def aggregate_fit(self, server_round, results, failures):
-            cids = [int(r.metrics.get("cid", -1)) for _, r in results]
+            cids = [cid_of(p.node_id) for p, _ in results]  # the grid's authenticated node, not a claim
             weights = [r.num_examples for _, r in results]
             why = None
             if not results:
                 mean = None
                 why = f"no client answered ({len(failures)} failures)"
+            elif fc.secure and len(results) < MIN_SECURE_CLIENTS:
+                mean = None
+                why = (f"only {len(results)} clients answered: with fewer than {MIN_SECURE_CLIENTS} the model sent "
+                       "back would reveal each one's upload to the other")
             elif fc.secure:  # the workflow put the unmasked aggregate into every result
                 mean = parameters_to_ndarrays(results[0][1].parameters)[0]
             else:
@@ -453,17 +489,127 @@ def _make_strategy(server: BaffleServer, bytes_of: Callable[[int], tuple[int, in
                 return None
             mean, cids, why, weight_sum = self.fitted.pop(server_round, (
                 None, [], "secure aggregation halted: fewer clients answered than its reconstruction threshold", 0.0))
-            down, up = bytes_of(server_round)
+            down, up = grid.bytes.get(str(server_round), (0, 0))
+            dropped = [cid_of(n) for n, g, _ in grid.dropped if g == str(server_round)]
             server.step(offset + server_round, mean, cids, down, up, why=why,
-                        weight_sum=weight_sum if fc.secure and weight_sum > 0 else None)
+                        weight_sum=weight_sum if fc.secure and weight_sum > 0 else None, dropped=dropped)
             row = server.state.history[-1]
             return (row["test_loss"], {"test_acc": row["test_acc"]}) if "test_loss" in row else None
 
     return BaffleStrategy()
 
 
-def server_app(server: BaffleServer, rounds: int, bytes_of: Callable[[int], tuple[int, int]]) -> Any:
-    """The federation's Flower ``ServerApp``: ``DefaultWorkflow`` for ``rounds`` rounds around
+class UploadCheck:
+    """The server's check of every client upload before the workflow aggregates it (the
+    :class:`~szo.federated.grid.LoopbackGrid` 's ``screen``): None, or why the upload is refused;
+    the grid then drops its sender for the rest of the run (one warning line) and the workflow
+    sees a dropout (SecAgg+ rebuilds the sender's pairwise masks from the others' shares).
+
+    Checked, with ``n_values`` the length of a client's vector (K loss differences, BN statistics,
+    the check value) and ``sizes[c]`` client ``c`` 's example count (the server made the split):
+
+    * SecAgg+, the masked-vector stage: exactly two integer arrays, the weight factor ``[1]`` and
+      the vector ``[n_values]``, every word in ``[0, 2**32)`` (a float, a NaN, a vector one value
+      short or one value long is refused before it can be broadcast into the sum); a masked
+      vector equal to one received before (from any client, in any round of this process) is a
+      replay: fresh masks never repeat;
+    * without SecAgg+: one float vector ``[n_values]``, every value finite, the check value exact;
+    * both: the example count it states is its own, its metrics name its own client id and the
+      round asked for (a reply from another round is stale);
+    * SecAgg+'s key stages: the fields the workflow reads, of their types (two public keys; equal
+      lists of destinations and ciphertexts; equal lists of node ids and shares), so that a
+      malformed reply costs its sender, not the server (Flower indexes them unchecked).
+
+    Error replies pass (they are the workflow's dropouts).
+    """
+
+    def __init__(self, n_values: int, sizes: Sequence[int], secure: bool, check: float) -> None:
+        self.n_values, self.sizes, self.secure, self.check = int(n_values), [int(n) for n in sizes], secure, check
+        self._seen: set[bytes] = set()
+
+    def __call__(self, request: Message, reply: Message) -> str | None:
+        if request.metadata.message_type != MessageType.TRAIN:
+            return None
+        configs = request.content.config_records.get(RECORD_KEY_CONFIGS)
+        stage = configs.get(Key.STAGE) if configs is not None else None
+        try:
+            if self.secure and stage != Stage.COLLECT_MASKED_VECTORS:
+                return self._key_stage(stage, reply)
+            why = self._masked(reply) if self.secure else self._plain(reply)
+            return why or self._stated(request, reply)
+        except Exception as e:  # noqa: BLE001 - whatever an untrusted reply makes a parser raise
+            return f"a malformed upload ({type(e).__name__}: {e})"
+
+    _KEY_FIELDS = {Stage.SETUP: ((Key.PUBLIC_KEY_1, bytes), (Key.PUBLIC_KEY_2, bytes)),
+                   Stage.SHARE_KEYS: ((Key.DESTINATION_LIST, int), (Key.CIPHERTEXT_LIST, bytes)),
+                   Stage.UNMASK: ((Key.NODE_ID_LIST, int), (Key.SHARE_LIST, bytes))}
+
+    def _key_stage(self, stage: str | None, reply: Message) -> str | None:
+        fields = self._KEY_FIELDS.get(stage)
+        if fields is None:
+            return None
+        got = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        if got is None:
+            return f"a {stage} reply without its SecAgg+ record"
+        values = []
+        for key, kind in fields:
+            v = got.get(key)
+            ok = isinstance(v, kind) if stage == Stage.SETUP else (
+                isinstance(v, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in v))
+            if not ok:
+                return f"a {stage} reply whose {key!r} is {type(v).__name__}, not {'' if stage == Stage.SETUP else 'a list of '}{kind.__name__}"
+            values.append(v)
+        if stage != Stage.SETUP and len(values[0]) != len(values[1]):
+            return f"a {stage} reply with {len(values[0])} {fields[0][0]!r} for {len(values[1])} {fields[1][0]!r}"
+        return None
+
+    def _masked(self, reply: Message) -> str | None:
+        words = reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
+        if not isinstance(words, list) or len(words) != 2:
+            return f"a masked upload of {len(words) if isinstance(words, list) else 'no'} arrays, not 2"
+        arrays = [bytes_to_ndarray(b) for b in words]
+        for a, shape, what in zip(arrays, [(1,), (self.n_values,)], ["weight factor", "vector"]):
+            if a.shape != shape:
+                return f"a masked {what} of shape {a.shape}, expected {shape}"
+            if a.dtype.kind not in "iu":
+                return f"a masked {what} of dtype {a.dtype}, not integer words"
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= B.MODULUS_RANGE):
+                return f"a masked {what} with words outside [0, 2**32)"
+        digest = hashlib.sha256(b"".join(words)).digest()
+        if digest in self._seen:
+            return "its masked vector repeats one received before (a replay: fresh masks never repeat)"
+        self._seen.add(digest)
+        return None
+
+    def _plain(self, reply: Message) -> str | None:
+        arrays = parameters_to_ndarrays(recorddict_to_fitres(reply.content, keep_input=True).parameters)
+        if len(arrays) != 1 or arrays[0].shape != (self.n_values,) or arrays[0].dtype.kind != "f":
+            got = [f"{a.shape} {a.dtype}" for a in arrays]
+            return f"an upload of {got}, expected one float vector of {self.n_values} values"
+        v = arrays[0]
+        if not np.all(np.isfinite(v)):
+            return "an upload with non-finite values"
+        if float(v[-1]) != self.check:
+            return f"an upload whose check value is {float(v[-1]):.6g}, not {self.check:g}"
+        return None
+
+    def _stated(self, request: Message, reply: Message) -> str | None:
+        """What the upload states in plain text: its example count, client id and round."""
+        res = recorddict_to_fitres(reply.content, keep_input=True)
+        cid = cid_of(reply.metadata.src_node_id)
+        want = int(recorddict_to_fitins(request.content, keep_input=True).config["round"])
+        if not 0 <= cid < len(self.sizes) or res.num_examples != self.sizes[cid]:
+            return f"it states {res.num_examples} examples; it holds {self.sizes[cid] if 0 <= cid < len(self.sizes) else '?'}"
+        if res.metrics.get("cid") != cid:
+            return f"its upload names client {res.metrics.get('cid')!r}"
+        if res.metrics.get("round") != want:
+            return f"its upload is for round {res.metrics.get('round')!r}, not round {want} (stale)"
+        return None
+
+
+def server_app(server: BaffleServer, rounds: int, grid: LoopbackGrid) -> Any:
+    """The federation's Flower ``ServerApp`` on ``grid`` (its bytes and dropped clients go into
+    the metrics): ``DefaultWorkflow`` for ``rounds`` rounds around
     :func:`_make_strategy`, with ``SecAggPlusWorkflow`` as its fit workflow when
     ``federated.secure`` (complete key-sharing graph, ``secagg_threshold`` of the clients to
     reconstruct, weights ``N_c / N``, values in ``[-clip_range, clip_range]`` on
@@ -472,8 +618,8 @@ def server_app(server: BaffleServer, rounds: int, bytes_of: Callable[[int], tupl
     app = ServerApp()
 
     @app.main()
-    def main(grid, context) -> None:
-        legacy = LegacyContext(context=context, strategy=_make_strategy(server, bytes_of),
+    def main(driven, context) -> None:  # ``driven``: the Grid Flower hands the app (``grid`` in run_server_app)
+        legacy = LegacyContext(context=context, strategy=_make_strategy(server, grid),
                                config=ServerConfig(num_rounds=rounds, round_timeout=fc.round_timeout_s))
         fit = None
         if fc.secure:
@@ -481,7 +627,7 @@ def server_app(server: BaffleServer, rounds: int, bytes_of: Callable[[int], tupl
             fit = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=float(fc.secagg_threshold),
                                      max_weight=float(server.n_total), clipping_range=float(fc.clip_range),
                                      quantization_range=q, modulus_range=m, timeout=fc.round_timeout_s)
-        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
+        DefaultWorkflow(fit_workflow=fit)(driven, legacy)
 
     return app
 
@@ -510,9 +656,11 @@ def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Federa
                          f"(e.g. digits-scratch); {cfg.name!r} is kind {cfg.kind!r}")
     if fl is None:
         raise ValueError("szo federated runs on Flower: pip install 'szo[federated]' (flwr)")
-    if cfg.federated.secure and cfg.federated.clients < 2:
-        raise ValueError("secure aggregation (SecAgg+) needs at least 2 clients: raise federated.clients or "
-                         "pass --no-secure")
+    if cfg.federated.secure and cfg.federated.clients < MIN_SECURE_CLIENTS:
+        raise ValueError(f"secure aggregation (SecAgg+) needs at least {MIN_SECURE_CLIENTS} clients, got "
+                         f"{cfg.federated.clients}: with 2 every client can recover the other's upload from the "
+                         "model the server sends back (docs/federated.md); raise federated.clients or pass "
+                         "--no-secure (the server then sees every upload)")
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -573,6 +721,13 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
         raise RuntimeError(f"the federation stopped after {server.state.rounds_done} of {fc.rounds} rounds; "
                            "see the Flower log above")
     summary = _summary(cfg, server, splits)
+    if summary["rounds_aggregated"] == 0:  # nothing was trained: a failure, whatever else went right
+        first = next(r["refused"] for r in server.state.history if "refused" in r)
+        e = FederationFailed(f"no round of {fc.rounds} aggregated (round 1: {first}); nothing was trained: see the "
+                             "warnings above" + ("; raise federated.clip_range if the clients sat out for it"
+                                                 if fc.secure else ""))
+        atomic_write_json(run_dir / "results.json", {**summary, "status": "failed", "error": str(e)})
+        raise e
     atomic_write_json(run_dir / "results.json", summary)
     return summary
 
@@ -580,7 +735,8 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
 def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> None:
     """Start the client processes and run the ServerApp for ``rounds`` rounds on loopback."""
     fc = server.fc
-    grid = LoopbackGrid()
+    grid = LoopbackGrid(screen=UploadCheck(fc.K + server.state.bn.size + 1, [len(s) for s in splits], fc.secure,
+                                           B.check_value(fc.clip_range)))
     procs: list[subprocess.Popen] = []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
@@ -594,7 +750,7 @@ def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> N
         for c in range(fc.clients):  # one OS process per client (its SecAgg+ keys are drawn there), spec on stdin
             p = subprocess.Popen([sys.executable, "-m", "szo.federated.flower"], stdin=subprocess.PIPE, env=env)
             spec = {"cfg": server.cfg.to_dict(), "federated": fc.to_dict(), "cid": c, "indices": splits[c].tolist(),
-                    "address": grid.address}
+                    "address": grid.address, "key": grid.client_key(c)}  # on stdin: no other process sees the key
             p.stdin.write(json.dumps(spec).encode())
             p.stdin.close()
             procs.append(p)
@@ -602,7 +758,7 @@ def _serve(server: BaffleServer, splits: Sequence[np.ndarray], rounds: int) -> N
             grid.wait_for_nodes(fc.clients, fc.startup_timeout_s, check_started)
         except TimeoutError as e:
             raise FederationError(f"{e} (federated.startup_timeout_s)") from None
-        run_server_app(server_app(server, rounds, lambda r: tuple(grid.bytes.get(str(r), (0, 0)))), grid)
+        run_server_app(server_app(server, rounds, grid), grid)
     except BaseException:
         for p in procs:  # the server stops: its clients have nothing left to wait for
             if p.poll() is None:
@@ -623,6 +779,11 @@ class FederationError(RankFailure):
     one line and exit status 3, like a lost torchrun peer (rerun with --resume)."""
 
 
+class FederationFailed(ValueError):
+    """A federation that ran its rounds without aggregating any (every round refused: e.g. every
+    client over ``clip_range``): one line, exit status 2, results.json ``"status": "failed"``."""
+
+
 def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarray]) -> dict[str, Any]:
     fc, st, task = cfg.federated, server.state, server.task
     accs = [r["test_acc"] for r in st.history if "test_acc" in r]
@@ -633,6 +794,9 @@ def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarra
         "aggregation": "secagg+" if fc.secure else "plain",
         "client_sizes": [len(s) for s in splits],
         "best_test_acc": max(accs), "final_test_acc": accs[-1], "fp": st.fp, "bp": 0,
+        "rounds_aggregated": sum("refused" not in r for r in st.history),
+        "rounds_refused": sum("refused" in r for r in st.history),
+        "clients_dropped": sorted({c for r in st.history for c in r.get("dropped", [])}),
         "fp_per_round": 2 * fc.K * fc.clients,
         "bytes_down_per_round": float(np.mean(st.bytes_down)),
         "bytes_up_per_round": float(np.mean(st.bytes_up)),

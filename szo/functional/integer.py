@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 from spikingjelly.activation_based import lava_exchange
 
-__all__ = ["SaturationCounter", "check_int", "int_range", "right_shift_to_zero", "saturate"]
+__all__ = ["SaturationCounter", "check_int", "int_range", "right_shift_to_zero", "round_to_int", "saturate"]
 
 
 def int_range(bits: int, signed: bool = True) -> tuple[int, int]:
@@ -76,6 +76,25 @@ def saturate(x: torch.Tensor, bits: int, counter: SaturationCounter | None = Non
     if counter is not None:
         counter.add(layer, quantity, (y != x).sum())  # a device tensor: no sync here
     return y
+
+
+def round_to_int(x: torch.Tensor, bound_bits: int) -> torch.Tensor:
+    """Round a float tensor to nearest (ties to even) and convert it to int64, every value first
+    clamped to ``+-2**bound_bits`` (``bound_bits <= 62``).
+
+    torch converts a float beyond int64 (and NaN) to ``-2**63``: an update ``round(lr g)`` at a huge
+    ``lr`` would wrap to the opposite sign. Clamped first, a value past ``2**bound_bits`` stays on
+    its own side, so ``sat(theta - step)`` of a ``bits``-wide ``theta`` with ``bound_bits >= bits``
+    saturates exactly as the unbounded step would. NaN has no side: a ValueError.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"round_to_int needs a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if isinstance(bound_bits, bool) or not isinstance(bound_bits, int) or not 1 <= bound_bits <= 62:
+        raise ValueError(f"bound_bits must be an int in [1, 62], got {bound_bits!r}")
+    if bool(torch.isnan(x).any()):
+        raise ValueError("cannot round NaN to an integer (a non-finite estimate or learning rate)")
+    bound = float(1 << bound_bits)  # exact in float64 and float32
+    return torch.round(x.clamp(-bound, bound)).to(torch.int64)  # [-2**62, 2**62]: no wrap
 
 
 def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:

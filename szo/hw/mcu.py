@@ -48,7 +48,7 @@ from torch import nn
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
-from szo.hw.fixed import STATE_SHIFT, SaturationCounter, saturate
+from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
 from szo.methods import register_builder
 from szo.zo import (
     Field,
@@ -224,19 +224,58 @@ class MCUZO(ForwardOnlyBase):
     def integer_state(self, value: list[torch.Tensor] | None) -> None:
         if value is None:
             return
+        value = self._checked_integers(value)  # all of it, before anything is replaced
         if self.net.int_weights is None:
-            self._pending = [t.clone() for t in value]
+            self._pending = value
             return
         it = iter(value)
         for n in self.layers:
             s = self.net.int_weights[n]
-            w = next(it, None)
-            if w is None or w.shape != s.w_int.shape:
-                raise ValueError(f"optimizer state does not fit layer {n!r} (weights {tuple(s.w_int.shape)})")
-            s.w_int = w.to(torch.int64)
+            s.w_int = next(it)
             if s.bias_mant is not None:
-                s.bias_mant = next(it).to(torch.int64)
+                s.bias_mant = next(it)
         self.write_back()
+
+    def integer_layout(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """What :attr:`integer_state` holds, in order: ``(layer, "weights" | "bias", shape, bits)``
+        per tensor -- each layer's weight mantissas (its weight's shape, ``weight_bits`` signed),
+        then its bias mantissas when the synapse has a bias (its own or a folded BatchNorm's;
+        ``bias_mant_bits`` signed). Known from the modules before the weights are frozen."""
+        P, out = self.net.precision, []
+        for n, m in self.layers.items():
+            out.append((n, "weights", tuple(m.weight.shape), P.weight_bits))
+            if m.bias is not None or n in self.net.fused:
+                out.append((n, "bias", (int(m.weight.shape[0]),), P.bias_mant_bits))
+        return out
+
+    def _checked_integers(self, value: Any) -> list[torch.Tensor]:
+        """A checkpoint's integers as int64 copies, or one ValueError: the tensors this learner's
+        layers hold (:meth:`integer_layout`), each an integer tensor of its shape whose values
+        fit its signed width (a checkpoint is data: its mantissas are not trusted to be int8)."""
+        layout = self.integer_layout()
+        if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
+            raise ValueError(f"optimizer state: the integers must be a list of tensors, got {type(value).__name__}")
+        if len(value) != len(layout):
+            want = ", ".join(f"{n} {what}" for n, what, _, _ in layout)
+            raise ValueError(f"optimizer state holds {len(value)} integer tensors where this learner's layers need "
+                             f"{len(layout)} ({want}); the checkpoint was not written by this model's learner "
+                             "(or was altered)")
+        out = []
+        for t, (n, what, shape, bits) in zip(value, layout):
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"optimizer state: layer {n!r} {what} are {t.dtype}, not integer mantissas")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"optimizer state: layer {n!r} {what} have shape {tuple(t.shape)}, the layer's "
+                                 f"are {shape}")
+            lo, hi = int_range(bits)
+            t = t.to(torch.int64)
+            if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+                bad = int(t.max()) if int(t.max()) > hi else int(t.min())
+                raise ValueError(f"optimizer state: layer {n!r} {what} hold {bad}, outside the signed {bits}-bit "
+                                 f"range [{lo}, {hi}] of its mantissas; the checkpoint was not written by this "
+                                 "learner (or was altered)")
+            out.append(t.clone())
+        return out
 
     @property
     def forwards_per_step(self) -> int:

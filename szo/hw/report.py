@@ -27,7 +27,7 @@ from szo.data import collate_time_major, dataset_info, get_dataset
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import ARITHMETICS, Precision, check_arithmetic
 from szo.hw.neurobench import NOTES, neurobench_metrics, szo_counterparts
-from szo.hw.train import learner_state_bits
+from szo.hw.train import check_learner_widths, learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
 from szo.optim.options import IntegerLearnerOptions
@@ -59,6 +59,16 @@ class ChipModel:
                           "flexibly partitioned SRAM per core as reported by secondary sources (e.g. "
                           "open-neuromorphic.org, press coverage of the brief); Intel's own brief may quote a "
                           "different figure (~192 KB): ASSUMPTION, override with --core-kb.")
+
+    def __post_init__(self) -> None:  # chip limits are checked before anything is measured
+        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
+            raise ValueError(f"cores must be an int >= 1 (Loihi 2: 128), got {self.cores!r}")
+        for name, what in (("core_memory_kb", "memory per core (KB; Loihi 2: 128)"),
+                           ("energy_per_synop_pj", "energy per synaptic op (pJ; Loihi: 23.6)"),
+                           ("energy_per_neuron_update_pj", "energy per neuron update (pJ; Loihi: 81)")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{what} must be a finite number > 0, got {v!r}")
 
     @property
     def chip_memory_bytes(self) -> int:
@@ -237,11 +247,14 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     on the same batch, next to szo's counterparts (skipped, with the reason, if ``neurobench``
     is not installed or the target is already a fixed-point network). ``learner``: the widths of
     the on-chip SZO learner's state (basis, coordinates, theta_ref) whose memory is tabulated."""
-    for n, v in (("batch", batch), ("k", k)):
+    for n, v in (("batch", batch), ("k", k), ("input_size", 1 if input_size is None else input_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{n} must be a positive int, got {v!r}")
     check_arithmetic(arithmetic)
-    model, label, cfg = load_target(target)
+    if not isinstance(chip, ChipModel):
+        raise ValueError(f"chip must be a szo.hw.report.ChipModel, got {type(chip).__name__}")
+    check_learner_widths(basis_bits=learner.basis_bits, coord_bits=learner.coord_bits, ref_bits=learner.ref_bits)
+    model, label, cfg = load_target(target)  # the limits above are checked before any of this
     model.eval()
     if isinstance(model, FixedPointNetwork):
         if (arithmetic, reset) != (model.arithmetic, model.reset_override):

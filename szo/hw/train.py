@@ -47,8 +47,9 @@ from szo.zo import (
     rge_plan,
 )
 
-__all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "OnChipSZO", "quantized_zo_update", "basis_error", "dequantize_basis", "evaluate_fixed",
-           "learner_state_bits", "quantize_basis", "quantized_subspace"]
+__all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "LEARNER_WIDTHS", "OnChipSZO", "quantized_zo_update", "basis_error",
+           "check_learner_widths", "dequantize_basis", "evaluate_fixed", "learner_state_bits", "quantize_basis",
+           "quantized_subspace"]
 
 MOMENTUM_SHIFT: int = 8
 """The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
@@ -56,10 +57,25 @@ ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
 ON_CHIP_RULES: tuple[str, ...] = ("momentum", "eq8")
 
 
+LEARNER_WIDTHS: dict[str, tuple[int, int]] = {"basis_bits": (2, 16), "coord_bits": (8, 48), "ref_bits": (2, 48)}
+"""The widths :class:`OnChipSZO` can hold: the basis (:func:`quantize_basis`), the coordinates and
+momentum (signed fixed point), theta_ref (a weight mantissa, ``Precision.weight_bits``)."""
+
+
+def check_learner_widths(**widths: int) -> None:
+    """One ValueError naming the width and its valid range unless every given width (of
+    :data:`LEARNER_WIDTHS`) is an int in its range."""
+    for name, v in widths.items():
+        lo, hi = LEARNER_WIDTHS[name]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+
+
 def learner_state_bits(d: int, k: int, *, basis_bits: int = 8, coord_bits: int = 32,
                        ref_bits: int = 16) -> dict[str, int]:
     """Bits of the on-chip SZO learner state: int P ``[d, k]``, a 32-bit scale per column,
     theta_ref at ``ref_bits``, coordinates c and momentum delta at ``coord_bits``, a 32-bit seed."""
+    check_learner_widths(basis_bits=basis_bits, coord_bits=coord_bits, ref_bits=ref_bits)
     return {"basis_P": d * k * basis_bits, "basis_scale": 32 * k, "theta_ref": d * ref_bits,
             "coordinates": k * coord_bits, "momentum": k * coord_bits, "seed": 32}
 
@@ -176,8 +192,9 @@ class OnChipSZO(ForwardOnlyBase):
         check_hparams(lr=lr, momentum=momentum, q=q)
         if isinstance(mu_lsb, bool) or not isinstance(mu_lsb, int) or mu_lsb < 1:
             raise ValueError(f"mu_lsb must be a positive int (coordinate LSBs), got {mu_lsb!r}")
-        if not 8 <= coord_bits <= 48 or not 0 <= coord_frac < coord_bits:
-            raise ValueError(f"need 8 <= coord_bits <= 48 and 0 <= coord_frac < coord_bits, got {coord_bits}, {coord_frac}")
+        check_learner_widths(basis_bits=basis_bits, coord_bits=coord_bits, ref_bits=ref_bits)
+        if isinstance(coord_frac, bool) or not isinstance(coord_frac, int) or not 0 <= coord_frac < coord_bits:
+            raise ValueError(f"need 0 <= coord_frac < coord_bits = {coord_bits}, got {coord_frac!r}")
         if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
             raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
         theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..functional.integer import SaturationCounter, right_shift_to_zero, saturate
+from ..functional.integer import SaturationCounter, right_shift_to_zero, round_to_int, saturate
 
 __all__ = ["heavy_ball_", "sign_descent_", "integer_heavy_ball", "quantized_zo_update", "Field", "StateCodec", "GENERATOR_COUNTERS"]
 
@@ -41,7 +42,7 @@ def integer_heavy_ball(delta: torch.Tensor, grad: torch.Tensor, *, lr: float, fr
                        layer: str = "coords") -> torch.Tensor:
     """The integer momentum step: ``round(-lr g 2**frac_bits)`` (to nearest) plus
     ``delta * momentum_int >> shift`` (toward zero), each narrowing saturated to ``bits`` and counted."""
-    step = torch.round(-lr * grad * (1 << frac_bits)).to(torch.int64)
+    step = round_to_int(-lr * grad.to(torch.float64) * (1 << frac_bits), min(bits, 62))  # never wraps
     step = saturate(step, bits, counter, layer, "step")
     mom = right_shift_to_zero(delta * momentum_int, shift)
     return saturate(step + mom, bits, counter, layer, "delta")
@@ -64,10 +65,16 @@ def quantized_zo_update(theta_int: torch.Tensor, grad: torch.Tensor, *, lr: floa
     for name, v in (("n", n), ("q", q), ("d", d)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 61:
+        raise ValueError(f"bits must be an int in [2, 61] (the variables' signed width), got {bits!r}")
     if not scale > 0 or not lr >= 0:
         raise ValueError(f"need scale > 0 and lr >= 0, got scale={scale}, lr={lr}")
     factor = n * q / (n * q + d - 1) * lr / scale ** 2
-    step = torch.round(factor * grad.to(torch.float64)).to(torch.int64)  # [.]: round to nearest
+    if not math.isfinite(factor):
+        raise ValueError(f"eq. 8's step factor lr / s**2 = {lr:g} / {scale:g}**2 is not a finite float: lower the lr")
+    # [.]: round to nearest; a step beyond 2**bits saturates theta all the same, so it is clamped
+    # there first (converted unclamped, a step past int64 wraps to the opposite bound)
+    step = round_to_int(factor * grad.to(torch.float64), bits)
     return saturate(theta_int - step, bits, counter, layer, quantity)  # clip(., -Q_N, Q_P)
 
 

@@ -93,6 +93,6 @@ def test_cli_zero_clients_is_one_clear_error(capsys):
     assert err == ["error: 'federated.clients' must be >= 1, got 0"]
     assert main(["federated", "digits-bp", "--clients", "2"]) == 2
     assert "kind: subspace" in capsys.readouterr().err
-    assert main(["federated", "digits-scratch", "--clients", "1"]) == 2  # SecAgg+ needs two
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: secure aggregation (SecAgg+) needs at least 2 clients: raise federated.clients or pass --no-secure")
+    assert main(["federated", "digits-scratch", "--clients", "1"]) == 2  # SecAgg+ needs three
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: secure aggregation (SecAgg+) needs at least 3 clients, got 1: ")

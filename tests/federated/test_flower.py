@@ -8,7 +8,7 @@ pytestmark = pytest.mark.slow  # a Flower server and client processes
 pytest.importorskip("flwr")
 
 
-def test_two_clients_two_rounds_over_loopback(tmp_path):
+def test_three_client_processes_two_rounds_over_loopback(tmp_path):
     import torch
 
     from szo.config import load_recipe
@@ -18,18 +18,19 @@ def test_two_clients_two_rounds_over_loopback(tmp_path):
 
     cfg = load_recipe("digits-scratch", ["progress=false", "model.kwargs={width: 4}", "bptt.epochs=1",
                                          "subspace.k=2", f"subspace.root={tmp_path / 'store'}"])
-    fc = FederatedConfig(clients=2, rounds=2, K=3, eval_every=1, batch_size=16)
+    fc = FederatedConfig(clients=3, rounds=2, K=3, eval_every=1, batch_size=16)
     s = run_federated(cfg, tmp_path / "run", fc)
     # the server ran with one thread but gave the caller's back (it used to leave 1 set, which
     # made a later in-process float32 reference differ from 2-thread worker processes)
     assert torch.get_num_threads() == threads
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and all("test_acc" in r for r in rows)
-    assert s["fp"] == 2 * 2 * 3 * 2 and s["bp"] == 0 and s["dim"] == 2
+    assert s["fp"] == 2 * 3 * 3 * 2 and s["bp"] == 0 and s["dim"] == 2
     assert sum(s["client_sizes"]) == 1437  # the digits train split, partitioned
-    assert s["aggregation"] == "secagg+" and all(r["clients"] == [0, 1] for r in rows)
-    # four SecAgg+ stages per round: keys, encrypted shares, the masked [K=3 + 16 BN statistics], shares to unmask
-    assert 0 < s["bytes_down_per_round"] < 2 * 6000 and 0 < s["bytes_up_per_client_round"] < 6000
+    assert s["aggregation"] == "secagg+" and all(r["clients"] == [0, 1, 2] for r in rows)
+    assert s["rounds_aggregated"] == 2 and s["rounds_refused"] == 0 and s["clients_dropped"] == []
+    # four SecAgg+ stages per round: keys, encrypted shares, the masked [K=3 + 16 BN statistics + check], shares
+    assert 0 < s["bytes_down_per_round"] < 3 * 7000 and 0 < s["bytes_up_per_client_round"] < 7000
     assert json.loads((tmp_path / "run" / "results.json").read_text())["rounds"] == 2
 
 
@@ -48,7 +49,7 @@ def test_killed_federation_resumes_bit_exactly(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     sets = ["progress=false", "model.kwargs={width: 4}", "bptt.epochs=1", "subspace.k=2",
-            f"subspace.root={tmp_path / 'store'}", "federated.clients=2", "federated.rounds=3", "federated.K=2",
+            f"subspace.root={tmp_path / 'store'}", "federated.clients=3", "federated.rounds=3", "federated.K=2",
             "federated.batch_size=16", "federated.eval_every=1"]
     ref = run_federated(load_recipe("digits-scratch", sets), tmp_path / "ref")
     args = ["federated", "digits-scratch", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "run")]
@@ -120,10 +121,11 @@ def _server(tiny_fed, tmp_path):
     return BaffleServer(cfg, task, 300, tmp_path / "run", test, None, [], []), task
 
 
-def _mean(task, K=2, value=0.01):
+def _mean(task, K=2, value=0.01, check=8.0):
+    """An aggregate: K loss differences, the BN statistics, the check value (clip_range 16 / 2)."""
     import numpy as np
 
-    return np.concatenate([np.full(K, value), task.bn_stats().astype(np.float64)])
+    return np.concatenate([np.full(K, value), task.bn_stats().astype(np.float64), [check]])
 
 
 def test_server_checks_the_aggregate_it_cannot_trust(tiny_fed, tmp_path, capsys):
@@ -136,7 +138,7 @@ def test_server_checks_the_aggregate_it_cannot_trust(tiny_fed, tmp_path, capsys)
     server, task = _server(tiny_fed, tmp_path)
     bn0 = server.state.bn.copy()
     bad_bn = _mean(task)
-    bad_bn[2:] = np.nan
+    bad_bn[2:-1] = np.nan
     server.step(1, bad_bn, [0, 1, 2], 10, 10)
     row = server.state.history[-1]
     assert "dropped_bn" in row and "refused" not in row and np.array_equal(server.state.bn, bn0)
@@ -149,6 +151,10 @@ def test_server_checks_the_aggregate_it_cannot_trust(tiny_fed, tmp_path, capsys)
     np.testing.assert_array_equal(server.state.bn, bn1)  # nor a BN update from a suspect aggregate
     server.step(3, np.zeros(5), [0, 1, 2], 10, 10)
     assert "a client sent a malformed upload" in server.state.history[-1]["refused"]
+    np.testing.assert_array_equal(server.state.c, c1)
+    # masks that did not cancel (a replayed or forged upload UploadCheck could not see): the check value is noise
+    server.step(3, _mean(task, check=8.0 + 1e-3), [0, 1, 2], 10, 10, weight_sum=1.0)
+    assert "the aggregate's check value is 8.001, not 8" in server.state.history[-1]["refused"]
     np.testing.assert_array_equal(server.state.c, c1)
     assert np.isfinite(server.state.history[-1]["test_loss"]) and np.all(np.isfinite(server.state.bn))
     err = capsys.readouterr().err
@@ -185,9 +191,10 @@ def test_server_stops_a_diverging_federation_in_one_line(tiny_fed, tmp_path, mon
 
 
 def test_a_client_that_dies_mid_round_does_not_stop_the_federation(tiny_fed, tmp_path, monkeypatch):
-    """Client 2's process exits when round 2 asks for its masked upload (after SecAgg+ key
-    sharing; tests/federated/dropout_client.py): round 2 still aggregates clients 0 and 1 (SecAgg+
-    rebuilds client 2's masks from their shares), round 3 runs with the two of them, the run completes."""
+    """Four clients; client 2's process exits when round 2 asks for its masked upload (after SecAgg+
+    key sharing; tests/federated/dropout_client.py): round 2 still aggregates clients 0, 1 and 3
+    (SecAgg+ rebuilds client 2's masks from their shares), round 3 runs with the three of them, the
+    run completes."""
     import json
     import subprocess
     import sys
@@ -211,11 +218,12 @@ def test_a_client_that_dies_mid_round_does_not_stop_the_federation(tiny_fed, tmp
 
     monkeypatch.setattr(F.subprocess, "Popen", popen)
     out = tmp_path / "run"
-    assert main(["federated", "digits-scratch", *[a for s in sets for a in ("--set", s)], "--out", str(out)]) == 0
+    assert main(["federated", "digits-scratch", *[a for s in [*sets, "federated.clients=4"] for a in ("--set", s)],
+                 "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["clients"] for r in rows] == [[0, 1, 2], [0, 1], [0, 1]]
+    assert [r["clients"] for r in rows] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3]]
     assert not any("refused" in r or "dropped_bn" in r for r in rows)
-    assert rows[-1]["fp"] == 2 * 2 * (3 + 2 + 2)
+    assert rows[-1]["fp"] == 2 * 2 * (4 + 3 + 3)
     assert json.loads((out / "results.json").read_text())["status"] == "completed"
     ck = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert np.all(np.isfinite(ck["c"].numpy())) and float(ck["v"].abs().max()) > 0  # it kept stepping
@@ -323,7 +331,7 @@ def test_adam_and_ema_state_survive_the_checkpoint(tiny_fed, tmp_path):
 
 def test_groupnorm_clients_upload_only_their_loss_differences(tmp_path):
     """spike_convnet with norm=group (BAFFLE's guideline) has no running statistics: the masked upload
-    is the K loss differences alone, and the server has no BN state to move."""
+    is the K loss differences and the check value alone, and the server has no BN state to move."""
     import json
 
     import torch
@@ -334,8 +342,8 @@ def test_groupnorm_clients_upload_only_their_loss_differences(tmp_path):
     cfg = load_recipe("digits-scratch", ["progress=false", "model.kwargs={width: 4, norm: group, groups: 2}",
                                          "model.T=2", "bptt.epochs=1", "bptt.max_steps_per_epoch=4",
                                          "trajectory.every=1", "subspace.k=2", f"subspace.root={tmp_path / 'store'}"])
-    s = run_federated(cfg, tmp_path / "run", FederatedConfig(clients=2, rounds=1, K=3, eval_every=1, batch_size=16))
+    s = run_federated(cfg, tmp_path / "run", FederatedConfig(clients=3, rounds=1, K=3, eval_every=1, batch_size=16))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["clients"] == [0, 1] and "refused" not in rows[0] and s["final_test_acc"] >= 0
+    assert rows[0]["clients"] == [0, 1, 2] and "refused" not in rows[0] and s["final_test_acc"] >= 0
     ck = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert ck["bn"].numel() == 0 and float(ck["c"].abs().max()) > 0

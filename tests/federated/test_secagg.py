@@ -85,7 +85,7 @@ def _federate(client_vectors, weights, rounds=1, grid=None, mods=None):
         def client_fn(context: Context, c=c, vectors=vectors, w=w):
             return _Fixed(c, vectors, w).to_client()
         app = ClientApp(client_fn=_one_arg(client_fn), mods=[*((mods or {}).get(c, [])), secaggplus_mod])
-        threading.Thread(target=serve_node, args=(grid.address, c, app), daemon=True).start()
+        threading.Thread(target=serve_node, args=(grid.address, c, app, grid.client_key(c)), daemon=True).start()
     grid.wait_for_nodes(n, 30)
     strategy = _Keep()
     q, m = B.secagg_ranges(n)

@@ -197,6 +197,65 @@ def test_checkpoint_resumes_bit_exactly():
         assert torch.equal(a, b)
 
 
+def test_an_lr_past_int64_saturates_like_a_large_one():
+    """At lr 1e30 eq. 8's step is past int64: it saturates every moved integer at the same bound as
+    lr 1e15 (it used to wrap: 6 of 10 fc biases ended at the opposite bound)."""
+    x, y = _data()
+    ends = []
+    for lr in (1e15, 1e30):
+        _, net = _net()
+        opt = MCUZO(net, q=2, lr=lr, seed=9)
+        opt.step(lambda: F.cross_entropy(net(x).mean(0), y, reduction="none"))
+        ends.append({n: (s.w_int.clone(), s.bias_mant.clone()) for n, s in net.int_weights.items()})
+    for name in ends[0]:
+        assert torch.equal(ends[0][name][0], ends[1][name][0]) and torch.equal(ends[0][name][1], ends[1][name][1])
+    b = ends[1]["fc"][1]
+    assert bool(((b == 4095) | (b == -4096)).all())  # every fc bias moved, to a bound
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_resume_checks_the_integers_not_only_their_shapes(frozen):
+    """A re-signed checkpoint is still data: int8 mantissas of 1000, a missing or an extra tensor,
+    float tensors are refused in one line when the state is loaded (before any step), whether the
+    network's weights are frozen yet or not; nothing of it is taken."""
+    import copy
+
+    x, y = _data()
+    _, net = _net()
+    opt = MCUZO(net, q=2, lr=0.5, seed=9)
+    opt.step(lambda: F.cross_entropy(net(x).mean(0), y, reduction="none"))
+    sd = opt.state_dict()
+    ints = sd["mcu"]["integers"]
+    big = [t.clone() for t in ints]
+    big[0].view(-1)[0] = 1000
+    bias = [t.clone() for t in ints]
+    bias[5][3] = -5000  # a 13-bit bias mantissa is in [-4096, 4095]
+    cases = {"weights hold 1000, outside the signed 8-bit range [-128, 127]": big,
+             "'fc' bias hold -5000, outside the signed 13-bit range [-4096, 4095]": bias,
+             "holds 5 integer tensors where this learner's layers need 6 (conv1 weights, conv1 bias, conv2 "
+             "weights, conv2 bias, fc weights, fc bias)": ints[:-1],
+             "holds 7 integer tensors where": [*ints, ints[-1]],
+             "'conv1' weights are torch.float32, not integer mantissas": [t.float() for t in ints],
+             "'conv2' weights have shape (4, 4, 1, 3), the layer's are (4, 4, 3, 3)":
+                 [t if i != 2 else t[:, :, :1] for i, t in enumerate(ints)]}
+    for phrase, bad in cases.items():
+        _, net2 = _net()
+        if frozen:
+            net2(x)  # the pooling factor before fc is known after a forward
+            net2.freeze_weights()
+        before = None if not frozen else [s.w_int.clone() for s in net2.int_weights.values()]
+        o2 = MCUZO(net2, q=2, lr=0.5, seed=9)
+        broken = copy.deepcopy(sd)
+        broken["mcu"]["integers"] = bad
+        with pytest.raises(ValueError, match="optimizer state") as e:
+            o2.load_state_dict(broken)
+        assert phrase in str(e.value) and "\n" not in str(e.value)
+        assert o2.integer_state is None if not frozen else all(
+            torch.equal(a, s.w_int) for a, s in zip(before, net2.int_weights.values()))
+    _, net3 = _net()  # the untouched state still loads
+    MCUZO(net3, q=2, lr=0.5, seed=9).load_state_dict(copy.deepcopy(sd))
+
+
 def test_bad_input():
     model, net = _net()
     with pytest.raises(ValueError, match="fixed-point network"):

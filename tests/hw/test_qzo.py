@@ -31,6 +31,41 @@ def test_eq8_bad_input():
         quantized_zo_update(t, t.float(), lr=1.0, scale=1.0, n=1, q=0, d=2, bits=8)
 
 
+@pytest.mark.parametrize("lr", [1e15, 1e30, 1e200])
+def test_eq8_saturates_at_any_lr_and_never_wraps(lr):
+    """Eq. 8 transcribed in Python's unbounded integers, against the int64 update: past 2**63 a torch
+    float -> int64 conversion wraps to -2**63, so at lr 1e30 six of ten biases used to end at the
+    bound opposite to lr 1e15's."""
+    g = torch.tensor([3.5, -2.0, 1e-9, -1e-9, 0.0, 7.0, -7.0, 0.25])
+    theta = torch.tensor([0, 5, -5, 127, -128, -128, 127, 1], dtype=torch.int64)
+    kw = dict(scale=2.0 ** -12, n=1, q=10, d=8, bits=13)
+    factor = 10 / (10 + 8 - 1) * lr / 2.0 ** -24
+    want = [min(4095, max(-4096, t - round(factor * gi))) for t, gi in zip(theta.tolist(), g.tolist())]
+    assert quantized_zo_update(theta, g, lr=lr, **kw).tolist() == want
+    assert want[:2] == [-4096, 4095]  # the sign of the step decides the bound, at every lr
+
+
+def test_eq8_refuses_what_has_no_integer():
+    t = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="cannot round NaN"):
+        quantized_zo_update(t, torch.tensor([float("nan"), 1.0]), lr=0.1, scale=1.0, n=1, q=1, d=2, bits=8)
+    with pytest.raises(ValueError, match="not a finite float: lower the lr"):
+        quantized_zo_update(t, torch.ones(2), lr=float("inf"), scale=1.0, n=1, q=1, d=2, bits=8)
+    with pytest.raises(ValueError, match=r"bits must be an int in \[2, 61\]"):
+        quantized_zo_update(t, torch.ones(2), lr=0.1, scale=1.0, n=1, q=1, d=2, bits=63)
+
+
+def test_integer_momentum_step_saturates_at_any_lr():
+    """The on-chip learner's momentum rule: a step past int64 saturates on its own side too."""
+    from szo.zo import integer_heavy_ball
+
+    g = torch.tensor([1.0, -1.0, 0.0])
+    delta = torch.zeros(3, dtype=torch.int64)
+    for lr in (1e12, 1e30):
+        out = integer_heavy_ball(delta, g, lr=lr, frac_bits=16, momentum_int=230, shift=8, bits=32)
+        assert out.tolist() == [-(2 ** 31), 2 ** 31 - 1, 0]
+
+
 class _Quadratic(nn.Module):
     """A 'model' with flat_params / load_flat_params whose loss is a known quadratic."""
 

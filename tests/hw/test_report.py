@@ -59,6 +59,34 @@ def test_bad_target_is_clear(tmp_path):
         hw_report("spike_convnet", data="cifar")
 
 
+@pytest.mark.parametrize("flags, phrase", [
+    (["--core-kb", "0"], "memory per core (KB; Loihi 2: 128) must be a finite number > 0, got 0.0"),
+    (["--core-kb", "inf"], "memory per core (KB; Loihi 2: 128) must be a finite number > 0, got inf"),
+    (["--core-kb", "nan"], "memory per core (KB; Loihi 2: 128) must be a finite number > 0, got nan"),
+    (["--energy-pj", "-1"], "energy per synaptic op (pJ; Loihi: 23.6) must be a finite number > 0, got -1.0"),
+    (["--cores", "0"], "cores must be an int >= 1 (Loihi 2: 128), got 0"),
+    (["--coord-bits", "0"], "coord_bits must be an int in [8, 48], got 0"),
+    (["--basis-bits", "0"], "basis_bits must be an int in [2, 16], got 0"),
+    (["--ref-bits", "64"], "ref_bits must be an int in [2, 48], got 64"),
+    (["--input-size", "0"], "input_size must be a positive int, got 0"),
+])
+def test_chip_limits_are_checked_before_any_measurement(flags, phrase, tmp_path, capsys, monkeypatch):
+    """--core-kb 0 / inf used to be a traceback after the whole measurement, a negative --energy-pj or
+    --coord-bits 0 a report saying "fits: True": now one line, exit 2, nothing measured or written."""
+    import szo.hw.report as R
+
+    def measured(*a, **k):
+        raise AssertionError("the target was loaded: the limits were not checked first")
+
+    from szo.cli import main as szo
+
+    monkeypatch.setattr(R, "load_target", measured)
+    assert szo(["hw-report", "spike_convnet", *flags, "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {phrase}"]
+    assert not (tmp_path / "rep").exists()
+
+
 def test_digits_batch_is_standardised_like_training():
     from szo.data import get_dataset
     from szo.hw.report import input_batch
