@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from szo.cli import COMMAND_GROUP, build_parser, main
 
 
@@ -148,3 +150,16 @@ def test_broken_plugins_never_break_help(tmp_path):
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "plugin-ok" in r.stdout and "recipe" in r.stdout
     assert len(_warnings(r.stderr)) == len(_PLUGINS) - 1
+
+
+@pytest.mark.parametrize("missing", ["flwr", "nir", "nirtorch", "tonic", "tensorboard", "imagecorruptions"])
+def test_every_command_registers_without_an_optional_extra(missing):
+    """An optional extra absent (a GPU image without flwr made every `szo` command fail with a
+    NameError at import of szo.federated.flower): the CLI still builds, every command listed."""
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            "from szo.cli import build_parser\n"
+            "p = build_parser(); print(sorted(p._subparsers._group_actions[0].choices))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for cmd in ("recipe", "demo", "study", "federated", "adapt", "export", "hw-report"):
+        assert f"'{cmd}'" in out.stdout, (cmd, out.stdout)

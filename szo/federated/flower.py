@@ -94,6 +94,13 @@ try:  # optional (extra "federated"): run_federated says how to install it
 except ImportError:  # pragma: no cover - exercised where flwr is missing
     fl = None
 
+# the fields of a SecAgg+ key-exchange reply per stage, with their types (Flower indexes them
+# unchecked); empty without flwr, so the module (and the CLI that registers it) imports anyway
+KEY_FIELDS: dict = {} if fl is None else {
+    Stage.SETUP: ((Key.PUBLIC_KEY_1, bytes), (Key.PUBLIC_KEY_2, bytes)),
+    Stage.SHARE_KEYS: ((Key.DESTINATION_LIST, int), (Key.CIPHERTEXT_LIST, bytes)),
+    Stage.UNMASK: ((Key.NODE_ID_LIST, int), (Key.SHARE_LIST, bytes))}
+
 __all__ = ["FederatedConfig", "run_federated", "SPACES", "MIN_SECURE_CLIENTS", "UploadCheck", "client_app",
            "client_main", "server_app"]
 
@@ -540,12 +547,8 @@ class UploadCheck:
         except Exception as e:  # noqa: BLE001 - whatever an untrusted reply makes a parser raise
             return f"a malformed upload ({type(e).__name__}: {e})"
 
-    _KEY_FIELDS = {Stage.SETUP: ((Key.PUBLIC_KEY_1, bytes), (Key.PUBLIC_KEY_2, bytes)),
-                   Stage.SHARE_KEYS: ((Key.DESTINATION_LIST, int), (Key.CIPHERTEXT_LIST, bytes)),
-                   Stage.UNMASK: ((Key.NODE_ID_LIST, int), (Key.SHARE_LIST, bytes))}
-
     def _key_stage(self, stage: str | None, reply: Message) -> str | None:
-        fields = self._KEY_FIELDS.get(stage)
+        fields = KEY_FIELDS.get(stage)
         if fields is None:
             return None
         got = reply.content.config_records.get(RECORD_KEY_CONFIGS)
