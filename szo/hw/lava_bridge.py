@@ -284,7 +284,7 @@ def check_summary(rep: dict[str, Any]) -> list[str]:
         what = "readout a_out" if path in rep["readout"] else f"spikes ({v['spikes_szo']} szo, {v['spikes_lava']} Lava)"
         diff = "" if v["first_diff"] is None else f"; first difference at [sample, step, neuron] {v['first_diff']}"
         lines.append(f"  {path}: {what}: {v['equal']}/{v['elements']} equal"
-                     f" (Lava {v['delay_steps']} steps late, aligned){diff}")
+                     f" (Lava {v['delay_steps']} step{'' if v['delay_steps'] == 1 else 's'} late, aligned){diff}")
     acc = ""
     if rep["accuracy_szo"] is not None:
         acc = f"; test accuracy szo {100 * rep['accuracy_szo']:.2f}%, Lava {100 * rep['accuracy_lava']:.2f}%"

@@ -26,11 +26,12 @@ from szo.hw.lava_bridge import check_int32_bound, export_network, require_python
 from szo.hw.lava_runner import network_delays, write_bundle
 from szo.hw.report import input_batch, load_target
 from szo.io import sha256_file
+from szo.models import SpikingModel
 
 __all__ = ["export_run", "lava_check"]
 
 
-def _model_and_net(target: str, reset: str | None):
+def _model_and_net(target: str | SpikingModel, reset: str | None):
     model, label, cfg = load_target(target)
     model.eval()
     hw = (cfg or {}).get("hw") or {}
@@ -44,7 +45,7 @@ def _static_shape(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.shape[-3:])
 
 
-def export_run(target: str, out: str | os.PathLike, *, reset: str | None = None, input_size: int | None = None
+def export_run(target: str | SpikingModel, out: str | os.PathLike, *, reset: str | None = None, input_size: int | None = None
                ) -> tuple[Path, dict[str, Any]]:
     """``szo export --to lava``: the network bundle (no inputs) of a run directory or registered model."""
     model, label, cfg, net = _model_and_net(target, reset)
@@ -66,7 +67,7 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> list[int] | None:
 
 
 @torch.no_grad()
-def lava_check(target: str, samples: int = 100, *, data: str = "test", reset: str | None = None, seed: int = 0,
+def lava_check(target: str | SpikingModel, samples: int = 100, *, data: str = "test", reset: str | None = None, seed: int = 0,
                python: str | os.PathLike | None = None, keep: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run ``samples`` test samples through Lava and through szo's ``loihi`` simulator of the same network;
     compare every spike of every neuron layer, every readout value (Dense ``a_out``) and every
@@ -85,6 +86,7 @@ def lava_check(target: str, samples: int = 100, *, data: str = "test", reset: st
     check_int32_bound(meta, arrays, int(np.abs(inputs).max()) if inputs.size else 0)
     arrays["inputs"] = inputs.astype(np.int32)
     meta["source"]["target"] = label
+    net.reset_counters()
     t0 = time.perf_counter()
     net(x_seq)  # szo's simulator, recording every layer
     szo_s = time.perf_counter() - t0
@@ -127,7 +129,7 @@ def lava_check(target: str, samples: int = 100, *, data: str = "test", reset: st
         "accuracy_lava": None if labels is None else float((lava_pred == labels).mean()),
         "bit_exact": bool(exact and np.array_equal(lava_sum, szo_sum.numpy())),
         "seconds": {"lava_runner": round(lava_s, 2), "lava_network": res.meta.get("seconds"), "szo": round(szo_s, 3)},
-        "weight_exps": {names[l_["name"]]: l_["weight_exp"] for l_ in meta["layers"] if l_["kind"] == "dense"},
+        "lava_weight_exps": {names[l_["name"]]: l_["weight_exp"] for l_ in meta["layers"] if l_["kind"] == "dense"},
         "saturations": net.saturation_counts(),
         "weights_sha256": _weights_digest(target),
     }
