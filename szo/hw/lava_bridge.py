@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -83,15 +84,22 @@ def require_python(python: str | os.PathLike | None) -> Path:
 
 
 def run_lava(request: str | os.PathLike, out: str | os.PathLike, *, python: str | os.PathLike | None = None,
-             timeout_s: float = 1800.0) -> Bundle:
+             timeout_s: float = 600.0) -> Bundle:
     """Run a request bundle in the Lava interpreter (``lava_runner.py IN OUT``); returns the result bundle.
-    A failure in Lava raises RuntimeError with the runner's last error line."""
+    A failure in Lava raises RuntimeError with the runner's last error line; past ``timeout_s`` the
+    runner and the processes Lava's runtime started are killed (one process group)."""
     exe = require_python(python)
     # -I: isolated mode, so the script's own directory (szo/hw) is not on sys.path and PYTHON* variables are ignored
     cmd = [str(exe), "-I", str(Path(lava_runner.__file__)), str(request), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner leads its own session: Lava's workers go with it
+        proc.communicate()
+        raise RuntimeError(f"Lava runner ({exe}) did not finish within {timeout_s:g} s; killed") from None
     if proc.returncode != 0:
-        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        lines = [ln for ln in (stderr or stdout).splitlines() if ln.strip()]
         raise RuntimeError(f"Lava runner failed ({exe}, exit {proc.returncode}): {lines[-1] if lines else 'no output'}")
     return read_bundle(out, "result")
 

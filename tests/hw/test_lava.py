@@ -400,3 +400,24 @@ def test_cli_lava_check_of_a_run_directory_shows_in_hw_report(tmp_path, capsys):
     assert "predicted labels agree on 6/6" in out and "bit-exact: yes" in out and (run / CHECK_FILE).is_file()
     md = to_markdown(hw_report(str(run), data="test", batch=4, k=4, neurobench=False))
     assert "## Intel Lava agreement (szo hw lava-check)" in md and "bit-exact: yes" in md and "changed" not in md
+
+
+def test_runner_refuses_a_bad_bundle_in_one_line(tmp_path, capsys):
+    from szo.hw import lava_runner
+
+    p = _lif_bundle(tmp_path)
+    (p / "exchange.json").write_text((p / "exchange.json").read_text().replace('"version": 1', '"version": 7'))
+    assert lava_runner.main([str(p), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().endswith("this reader reads version 1 only (export the bundle again with "
+                                                    "this szo)")
+    assert lava_runner.main([]) == 2 and not (tmp_path / "out").exists()
+
+
+@needs_lava
+def test_a_runner_past_its_time_is_killed(tmp_path):
+    regimes = [{"du": 0, "dv": 0, "vth": 1}]
+    arrays = {"a_in": np.ones((1, 5000, 4), np.int32), "bias_mant": np.zeros((1, 4), np.int16),
+              "bias_exp": np.zeros((1, 4), np.int16)}
+    write_bundle(tmp_path / "req", "lif", {"regimes": regimes}, arrays)
+    with pytest.raises(RuntimeError, match="did not finish within 0.5 s; killed"):
+        run_lava(tmp_path / "req", tmp_path / "res", python=LAVA, timeout_s=0.5)
