@@ -8,12 +8,14 @@ PYTEST_ARGS ?=
 
 # Intel Lava (lava-nc, the oracle of the fixed-point `loihi` arithmetic) installs on Python 3.10 only:
 # `make lava` builds its own interpreter, .venv-lava, from LAVA_PYTHON (default: python3.10 on PATH,
-# else pyenv's newest 3.10); szo drives it through files and a subprocess (szo/hw/lava_runner.py).
+# else a pyenv 3.10, also without pyenv on PATH); szo drives it through files and a subprocess
+# (szo/hw/lava_runner.py).
 LAVA_VENV ?= .venv-lava
 LAVA_NC ?= 0.10.0
 LAVA_STAMP := $(LAVA_VENV)/.lava-installed
 IS_PY310 := -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))'
-LAVA_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python; do \
+LAVA_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python \
+	$${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python; do \
 	if "$$p" $(IS_PY310) >/dev/null 2>&1; then command -v "$$p"; break; fi; done)
 
 .PHONY: help install demo lint test quick bench data clean lava lava-python
