@@ -6,7 +6,19 @@ STAMP := $(VENV)/.szo-installed
 OUT ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: help install demo lint test quick bench data clean
+# Intel Lava (lava-nc, the oracle of the fixed-point `loihi` arithmetic) installs on Python 3.10 only:
+# `make lava` builds its own interpreter, .venv-lava, from LAVA_PYTHON (default: python3.10 on PATH,
+# else a pyenv 3.10, also without pyenv on PATH); szo drives it through files and a subprocess
+# (szo/hw/lava_runner.py).
+LAVA_VENV ?= .venv-lava
+LAVA_NC ?= 0.10.0
+LAVA_STAMP := $(LAVA_VENV)/.lava-installed
+IS_PY310 := -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))'
+LAVA_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python \
+	$${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python; do \
+	if "$$p" $(IS_PY310) >/dev/null 2>&1; then command -v "$$p"; break; fi; done)
+
+.PHONY: help install demo lint test quick bench data clean lava lava-python
 
 help:
 	@echo "make demo   - install into $(VENV) and run the digits quickstart (BPTT -> subspace -> SZO)"
@@ -14,6 +26,7 @@ help:
 	@echo "make quick  - the same without the slow (multi-process) tests"
 	@echo "make bench  - speed / memory / convergence benchmarks (writes bench/results/)"
 	@echo "make data   - Fashion-MNIST for the fmnist recipes (Debian package as root, else torchvision's download)"
+	@echo "make lava   - $(LAVA_VENV): lava-nc $(LAVA_NC) on Python 3.10 (LAVA_PYTHON=...); make test then runs the Lava oracle tests"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +58,19 @@ data: $(STAMP)
 	then echo "dataset-fashion-mnist installed"; \
 	else $(PY) -c "from szo.data import get_dataset as g; [g('fmnist', s, download=True) for s in ('train', 'test')]"; fi
 	$(PY) -c "from szo.data import get_dataset as g; print('fmnist:', len(g('fmnist', 'train')), 'train,', len(g('fmnist', 'test')), 'test')"
+
+lava-python:
+	@if [ -z "$(LAVA_PYTHON)" ] || ! "$(LAVA_PYTHON)" $(IS_PY310) >/dev/null 2>&1; then echo "make lava: no Python 3.10 found$(if $(LAVA_PYTHON), (LAVA_PYTHON=$(LAVA_PYTHON) is not one)) - lava-nc $(LAVA_NC) needs >=3.10,<3.11: install one (pyenv install 3.10) or set LAVA_PYTHON=/path/to/python3.10" >&2; exit 1; fi
+	@echo "$(LAVA_PYTHON)"
+
+$(LAVA_STAMP):
+	@$(MAKE) -s lava-python >/dev/null
+	$(LAVA_PYTHON) -m venv $(LAVA_VENV)
+	$(LAVA_VENV)/bin/python -m pip install --quiet "lava-nc==$(LAVA_NC)"
+	$(LAVA_VENV)/bin/python -c "import lava.proc.lif.models, lava.proc.dense.models; print('lava-nc', '$(LAVA_NC)', 'in $(LAVA_VENV)')"
+	touch $(LAVA_STAMP)
+
+lava: $(LAVA_STAMP)
 
 clean:
 	rm -rf runs bench/results .pytest_cache

@@ -1,8 +1,13 @@
-"""``szo export TARGET --to nir OUT.nir`` and ``szo import IN.nir`` (``register(subparsers)``).
+"""``szo export TARGET --to nir OUT.nir``, ``szo export RUN_DIR --to lava OUT_DIR`` and ``szo import IN.nir``
+(``register(subparsers)``).
 
 ``szo export`` writes the NIR graph of a run directory's model (or of a registered model,
 random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead (dequantised
-weights, integer mantissas / exponents in node metadata). ``szo import`` reads a ``.nir``
+weights, integer mantissas / exponents in node metadata). ``--to lava`` writes the ``loihi``
+fixed-point network as a szo-lava exchange bundle (``szo.hw.lava_runner``: the integer weights
+and exponents of one Lava ``Dense`` per synapse, du / dv / vth and bias mantissa / exponent of
+one ``LIF`` per neuron layer), which ``lava_runner.build_network``
+turns into Lava processes; ``szo hw lava-check`` runs it against szo's simulator. ``szo import`` reads a ``.nir``
 file into a :class:`szo.export.NIRNetwork` (SpikingJelly layers, the zoo's forward
 interface), prints what it holds and, with ``--data``, its test accuracy; ``--compare
 RUN_DIR`` also runs the run's own model on the same batches and prints the largest logit
@@ -17,7 +22,7 @@ import torch
 
 __all__ = ["register", "run_export", "run_import"]
 
-TARGETS: tuple[str, ...] = ("nir",)
+TARGETS: tuple[str, ...] = ("nir", "lava")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,13 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("target", metavar="RUN_DIR_OR_MODEL",
                    help="run directory (config.yaml + model.safetensors or checkpoints/last.pt) or registered model name")
-    e.add_argument("--to", choices=TARGETS, default="nir", help="exchange format (default nir)")
-    e.add_argument("out", metavar="OUT.nir", type=Path)
+    e.add_argument("--to", choices=TARGETS, default="nir",
+                   help="exchange format (default nir; lava: the fixed-point network for Intel Lava)")
+    e.add_argument("out", metavar="OUT", type=Path, help="OUT.nir, or with --to lava the bundle directory")
     e.add_argument("--input-size", type=int, default=None,
                    help="H = W of one frame (default: the run's data set; 8 for spike_convnet, else 32)")
     e.add_argument("--dt", type=float, default=None, help="seconds per time step in NIR time constants (default 1e-4)")
     e.add_argument("--fixed", action="store_true", help="export the fixed-point network (szo.hw) instead of the float one")
     e.add_argument("--weight-bits", type=int, default=8, help="with --fixed: weight mantissa bits")
+    e.add_argument("--reset", choices=("zero",), default=None,
+                   help="with --to lava: deploy every LIF with the hard reset of a standard Lava LIF "
+                        "(default: the run's hw.reset)")
     e.set_defaults(func=run_export)
 
     i = subparsers.add_parser("import", help="load a NIR graph as a szo model; optionally evaluate it",
@@ -46,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if args.to == "lava":
+        return _export_lava(args)
     from szo.export.nir_exchange import DEFAULT_DT, to_nir, write_nir
     from szo.hw.report import input_batch, load_target
 
@@ -70,6 +81,17 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} ({'fixed-point' if args.fixed else 'float'} {label}, input {list(shape)}, "
           f"T={model.T}, {len(graph.nodes)} nodes: "
           + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + f"; sha256 {digest[:12]})")
+    return 0
+
+
+def _export_lava(args: argparse.Namespace) -> int:
+    from szo.hw.lava_check import export_run
+
+    path, meta = export_run(args.target, args.out, reset=args.reset, input_size=args.input_size)
+    parts = [f"{ly['name']}: Dense {ly['n_out']}x{ly['n_in']} exp {ly['weight_exp']}" if ly["kind"] == "dense"
+             else f"{ly['name']}: LIF du {ly['du']} dv {ly['dv']} vth {ly['vth']}" for ly in meta["layers"]]
+    print(f"wrote {path} (Lava network of {meta['source']['target']}, input {meta['in_shape']}, T={meta['T']}: "
+          + "; ".join(parts) + ")")
     return 0
 
 

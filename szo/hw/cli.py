@@ -1,4 +1,5 @@
-"""``szo hw-report MODEL_OR_RUN``: CLI wiring (``register(subparsers)``; also ``python -m szo.hw.cli``)."""
+"""``szo hw-report MODEL_OR_RUN`` (``register``) and ``szo hw lava-check RUN_DIR`` (``register_hw``): CLI wiring
+(also ``python -m szo.hw.cli``)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ from szo.hw.neuron import RESETS
 from szo.hw.report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
 from szo.optim.options import IntegerLearnerOptions
 
-__all__ = ["register", "run_hw_report", "main"]
+__all__ = ["register", "register_hw", "run_hw_report", "run_lava_check", "main"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -62,9 +63,49 @@ def run_hw_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def register_hw(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``szo hw lava-check``: a trained fixed-point network run in Intel Lava against szo's simulator."""
+    p = subparsers.add_parser("hw", help="fixed-point hardware tools (szo hw lava-check)")
+    sub = p.add_subparsers(dest="hw_command", metavar="HW_COMMAND", required=True)
+    c = sub.add_parser("lava-check", help="run N test samples through Intel Lava (.venv-lava, make lava) and through "
+                                          "szo's 'loihi' simulator; compare every spike, readout value and label",
+                       description="Exports the run's network to Lava (conv as the Dense of its Toeplitz matrix, "
+                                   "sum pooling folded into the next synapse, hard-reset LIF), runs the samples back "
+                                   "to back in Lava's own runtime (Loihi2SimCfg, fixed_pt: PyDenseModelBitAcc, "
+                                   "PyLifResetModelBitAcc), aligns Lava's one-step Dense delays and compares. Writes "
+                                   "RUN_DIR/lava_check.json (shown by szo hw-report). Exit status 1 where anything "
+                                   "differs.")
+    c.add_argument("target", metavar="RUN_DIR", help="run directory (or a registered model name: random init)")
+    c.add_argument("--samples", type=int, default=100, help="test samples (default 100)")
+    c.add_argument("--data", choices=DATA_CHOICES, default="test",
+                   help="test: the run's own test set (default); digits; random")
+    c.add_argument("--reset", choices=("zero",), default=None,
+                   help="deploy every LIF with the hard reset of a standard Lava LIF (default: the run's hw.reset)")
+    c.add_argument("--seed", type=int, default=0, help="which test samples (a seeded random subset)")
+    c.add_argument("--keep", type=Path, default=None, help="keep the request / result exchange bundles in this directory")
+    c.add_argument("--lava-python", default=None,
+                   help="interpreter with lava-nc (default $SZO_LAVA_PYTHON, else .venv-lava/bin/python)")
+    c.set_defaults(func=run_lava_check)
+    return p
+
+
+def run_lava_check(args: argparse.Namespace) -> int:
+    from szo.hw.lava_bridge import check_summary, write_check
+    from szo.hw.lava_check import lava_check
+
+    rep = lava_check(args.target, args.samples, data=args.data, reset=args.reset, seed=args.seed,
+                     python=args.lava_python, keep=args.keep)
+    print("\n".join(check_summary(rep)))
+    if Path(args.target).is_dir():
+        print(f"wrote {write_check(rep, args.target)}")
+    return 0 if rep["bit_exact"] and rep["labels_agree"] == rep["samples"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="szo")
-    register(parser.add_subparsers(dest="command", required=True))
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    register_hw(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -51,7 +51,7 @@ from szo.models.base import SpikingModel
 from szo.precision import exact_fp32
 
 __all__ = ["BACKENDS", "FLOAT32_EXACT", "FLOAT64_EXACT", "FixedPointNetwork", "IntSynapse", "SUPPORTED_LAYERS",
-           "UnsupportedLayerError", "backend", "to_fixed"]
+           "UnsupportedLayerError", "backend", "pool_window", "to_fixed"]
 
 BACKENDS: tuple[str, ...] = ("float", "fixed")
 FLOAT32_EXACT: int = 1 << 24  # every integer of magnitude <= 2**24 is exact in float32
@@ -160,6 +160,19 @@ def _fold_bn(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.BatchNorm2d
     w = w * scale.view(-1, *([1] * (w.dim() - 1)))
     b0 = b if b is not None else torch.zeros_like(scale)
     return w, (b0 - bn.running_mean.to(torch.float64)) * scale + beta
+
+
+def pool_window(path: str, m: nn.Module, hw: tuple[int, int]) -> tuple[Any, Any, Any]:
+    """``(kernel, stride, padding)`` of a pooling layer on an ``hw = (H, W)`` input; an
+    ``AdaptiveAvgPool2d`` must divide its input evenly (uniform windows, else UnsupportedLayerError)."""
+    if isinstance(m, nn.AdaptiveAvgPool2d):
+        H, W = hw
+        oh, ow = (m.output_size, m.output_size) if isinstance(m.output_size, int) else m.output_size
+        oh, ow = oh or H, ow or W
+        if H % oh or W % ow:
+            raise _unsupported(path, _type_name(m), f"input {H}x{W} is not a multiple of output {oh}x{ow}")
+        return (H // oh, W // ow), (H // oh, W // ow), 0
+    return m.kernel_size, m.stride, m.padding
 
 
 class FixedPointNetwork(SpikingModel):
@@ -356,6 +369,12 @@ class FixedPointNetwork(SpikingModel):
     def saturation_counts(self) -> dict[str, dict[str, int]]:
         return self.counter.as_dict()
 
+    def quantize_input(self, x_seq: torch.Tensor) -> torch.Tensor:
+        """The graded input spikes the forward sees: ``round(x * 2**ACT_SHIFT)`` (to nearest), saturated to
+        ``precision.input_bits`` (counted as ``input``)."""
+        q = torch.round(x_seq.to(torch.float64) * (1 << ACT_SHIFT)).to(torch.int64)  # round to nearest
+        return saturate(q, self.precision.input_bits, self.counter, "input", "input")
+
     @torch.no_grad()
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         if not x_seq.is_floating_point():
@@ -368,9 +387,7 @@ class FixedPointNetwork(SpikingModel):
         result = None
         for node in self.graph.nodes:
             if node.op == "placeholder":
-                q = torch.round(x_seq.to(torch.float64) * (1 << ACT_SHIFT)).to(torch.int64)  # round to nearest
-                env[node] = _Val(saturate(q, self.precision.input_bits, self.counter, "input", "input"),
-                                 "act", frac=ACT_SHIFT)
+                env[node] = _Val(self.quantize_input(x_seq), "act", frac=ACT_SHIFT)
             elif node.op == "call_module":
                 env[node] = self._call(node.target, self._mods[node.target], env[node.args[0]])
             elif node.op in ("call_function", "call_method"):
@@ -422,15 +439,7 @@ class FixedPointNetwork(SpikingModel):
             raise _unsupported(path, _type_name(m), "pooling of currents; pool spikes instead")
         T, N = x.data.shape[:2]
         flat = x.data.flatten(0, 1)
-        if isinstance(m, nn.AdaptiveAvgPool2d):
-            H, W = flat.shape[-2:]
-            oh, ow = (m.output_size, m.output_size) if isinstance(m.output_size, int) else m.output_size
-            oh, ow = oh or H, ow or W
-            if H % oh or W % ow:
-                raise _unsupported(path, _type_name(m), f"input {H}x{W} is not a multiple of output {oh}x{ow}")
-            k, s, p = (H // oh, W // ow), (H // oh, W // ow), 0
-        else:
-            k, s, p = m.kernel_size, m.stride, m.padding
+        k, s, p = pool_window(path, m, tuple(flat.shape[-2:]))
         kh, kw = (k, k) if isinstance(k, int) else k
         if isinstance(m, nn.MaxPool2d):
             if not x.binary:

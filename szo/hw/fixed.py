@@ -168,25 +168,41 @@ def threshold_to_int(v_threshold: float) -> int:
     return int(round(mant)) << (STATE_SHIFT - VTH_SHIFT)
 
 
+REQUANT_TOL: float = 2.0 ** -20
+"""Relative slack of the exponent choice: a weight written back as ``w_int 2**e`` through a float32
+parameter (and a BN scale) may come back ``(1 + ~2**-23)`` times larger; it still gets ``e``."""
+
+
+def _exponent(x: torch.Tensor, lo: int, hi: int, e_min: int, e_max: int) -> int:
+    """The smallest ``e`` in ``[e_min, e_max]`` with every ``x / 2**e`` in ``[lo, hi]`` (up to REQUANT_TOL):
+    the negative side may reach ``lo = -2**(bits-1)``, so ``w_int 2**e`` re-quantises to ``(w_int, e)``
+    for every mantissa, -128 included."""
+    top = float(x.max()) if x.numel() else 0.0
+    bottom = float(x.min()) if x.numel() else 0.0
+    need = max(top / hi, bottom / lo, 0.0)  # lo < 0: bottom / lo > 0 for a negative bottom
+    if need == 0.0:
+        return e_min
+    e = math.ceil(math.log2(need / (1.0 + REQUANT_TOL)))
+    while top / 2.0**e > hi * (1.0 + REQUANT_TOL) or bottom / 2.0**e < lo * (1.0 + REQUANT_TOL):
+        e += 1  # guard log2 rounding
+    return min(max(e, e_min), e_max)
+
+
 def quantize_weight(w: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, int, int]:
     """Float weights -> ``(w_int, e, n_saturated)`` with ``W ~= w_int * 2**e``, ``w_int`` signed ``weight_bits``.
 
-    ``e`` is the smallest exponent in ``[weight_exp_min, weight_exp_max]`` for which the largest
-    weight fits (per-layer exponent, lava ``quantize_8b`` with a power-of-two scale). Rounding is
-    to nearest (ties to even); weights beyond the range at ``weight_exp_max`` saturate.
+    ``e`` is the smallest exponent in ``[weight_exp_min, weight_exp_max]`` for which every weight
+    fits ``[-2**(bits-1), 2**(bits-1) - 1]`` (per-layer exponent, lava ``quantize_8b`` with a
+    power-of-two scale): the negative side reaches -128, so the weights an integer learner writes
+    back (``szo.hw.mcu``: mantissas clipped to [-128, 127]) re-quantise to the same integers.
+    Rounding is to nearest (ties to even); weights beyond the range at ``weight_exp_max`` saturate.
     """
     lo, hi = int_range(precision.weight_bits)
     w = w.detach().to(torch.float64)
     amax = float(w.abs().max()) if w.numel() else 0.0  # NaN if any weight is NaN, inf if any is infinite
     if not math.isfinite(amax):
         raise ValueError("weights contain NaN or Inf; cannot quantise")
-    if amax == 0.0:
-        e = precision.weight_exp_min
-    else:
-        e = math.ceil(math.log2(amax / hi))
-        if amax / 2.0**e > hi:  # guard log2 rounding
-            e += 1
-        e = min(max(e, precision.weight_exp_min), precision.weight_exp_max)
+    e = _exponent(w, lo, hi, precision.weight_exp_min, precision.weight_exp_max)
     q = torch.round(w * 2.0 ** (-e))  # exact: scaling by a power of two, then round to nearest
     n_sat = int(((q < lo) | (q > hi)).sum())
     return q.clamp(lo, hi).to(torch.int64), e, n_sat  # saturate out-of-range weights
@@ -199,10 +215,7 @@ def quantize_bias(b_state: torch.Tensor, precision: Precision) -> tuple[torch.Te
     """
     lo, hi = int_range(precision.bias_mant_bits)
     b = b_state.detach().to(torch.float64)
-    amax = float(b.abs().max()) if b.numel() else 0.0
-    exp = 0
-    while exp < precision.bias_exp_max and amax / 2.0**exp > hi:
-        exp += 1
+    exp = _exponent(b, lo, hi, 0, precision.bias_exp_max)  # -4096 << exp re-quantises to itself too
     mant = torch.round(b / 2.0**exp)  # round to nearest (ties to even)
     n_sat = int(((mant < lo) | (mant > hi)).sum())
     return mant.clamp(lo, hi).to(torch.int64) << exp, exp, n_sat  # saturate the mantissa

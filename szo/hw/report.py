@@ -26,6 +26,7 @@ from torch import nn
 from szo.data import collate_time_major, dataset_info, get_dataset
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import ARITHMETICS, Precision, check_arithmetic
+from szo.hw.lava_bridge import check_summary, read_check
 from szo.hw.neurobench import NOTES, neurobench_metrics, szo_counterparts
 from szo.hw.train import check_learner_widths, learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
@@ -317,6 +318,8 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     }
     if neurobench:
         rep["neurobench"] = _neurobench_section(model, net, x, rep)
+    if isinstance(target, (str, Path)) and Path(str(target)).is_dir():
+        rep["lava_check"] = read_check(target)  # written by szo hw lava-check; None before one has run
     return rep
 
 
@@ -388,6 +391,8 @@ def to_markdown(rep: dict[str, Any]) -> str:
               "(weight sharing); synops = measured input events x exact fan-out.",
               f"- saturations during the measured forward: {rep['saturations'] or 'none'}", ""]
     lines += _arithmetics_markdown(rep)
+    if rep.get("lava_check"):
+        lines += _lava_markdown(rep["lava_check"])
     if "neurobench" in rep:
         lines += _neurobench_markdown(rep["neurobench"])
     return "\n".join(lines)
@@ -451,6 +456,14 @@ def _neurobench_markdown(sec: dict[str, Any]) -> list[str]:
              f"| connection sparsity | {_fmt(nb['connection_sparsity'])} | {_fmt(own['connection_sparsity'])} | "
              f"{NOTES['connection_sparsity']} |", ""]
     return lines
+
+
+def _lava_markdown(check: dict[str, Any]) -> list[str]:
+    """``szo hw lava-check``'s agreement of Lava's own runtime with szo's simulator (its lava_check.json)."""
+    lines = ["## Intel Lava agreement (szo hw lava-check)", ""]
+    if check.get("stale"):
+        lines += [f"- the run's weights changed after this check ({check['stale']}): run szo hw lava-check again", ""]
+    return lines + [f"    {ln.strip()}" for ln in check_summary(check)] + [""]
 
 
 def write_report(rep: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:

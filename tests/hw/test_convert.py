@@ -362,3 +362,30 @@ def test_on_chip_szo_and_evaluate_fixed_with_a_cuda_model():
     assert opt.forward_passes == 2 and f.fc.weight.is_cuda
     acc = evaluate_fixed(f, [(x, y)])  # CPU batches are moved to the network's device
     assert acc == float((f.last_readout_sum.argmax(1).cpu() == y).float().mean())
+
+
+def test_quantize_weight_round_trips_every_mantissa_including_the_most_negative():
+    """``w_int 2**e`` -> ``(w_int, e)`` for mantissas in [-128, 127] (what an integer learner writes back),
+    also through a float32 parameter divided by a BN scale and folded again."""
+    from szo.hw.fixed import Precision, quantize_bias, quantize_weight
+
+    P = Precision()
+    g = torch.Generator().manual_seed(0)
+    for e in (-12, -9, -3, 0, 1):
+        for ends in ([-128, 5], [-128, 127], [-3, 127], [-64, 63], [-1, 0]):
+            w_int = torch.randint(-127, 127, (40,), generator=g)
+            w_int[:2] = torch.tensor(ends)
+            w_int = w_int.clamp(min(ends), max(ends))
+            scale = torch.rand(40, generator=g, dtype=torch.float64) + 0.5
+            stored = ((w_int.double() * 2.0**e) / scale).float()  # the parameter, as written back
+            q, e2, n_sat = quantize_weight(stored.double() * scale, P)
+            if int(w_int.max()) > 63 or int(w_int.min()) < -64 or e == P.weight_exp_min:  # no finer exponent fits
+                assert (e2, n_sat) == (e, 0) and torch.equal(q, w_int), (e, ends)
+            else:  # a finer exponent holds the same values exactly
+                assert torch.equal(q.double() * 2.0**e2, w_int.double() * 2.0**e), (e, ends)
+    w, e, _ = quantize_weight(torch.tensor([-128.0, 127.0]), P)
+    assert e == 0 and w.tolist() == [-128, 127]
+    w, e, _ = quantize_weight(torch.tensor([-128.5, 10.0]), P)  # beyond -128: the next exponent
+    assert e == 1 and w.tolist() == [-64, 5]
+    b, bexp, _ = quantize_bias(torch.tensor([-4096.0 * 4, 100.0]), P)  # bias mantissa -4096 << 2
+    assert bexp == 2 and b.tolist() == [-16384, 100]
