@@ -131,7 +131,7 @@ def forward_gradient(
         )
     if not isinstance(q, int) or q < 1:
         raise ValueError(f"q must be an integer >= 1, got {q!r}")
-    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype)
+    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype).to(directions.device)  # CPU draws
     jvps = torch.empty(q, dtype=torch.float64)
     for j in range(q):
         value, tangent = torch.func.jvp(loss_fn, (theta,), (directions @ z[j],))
@@ -188,7 +188,7 @@ def rge(
     k = _validate(theta, directions, mu)
     if q < 1:
         raise ValueError(f"q must be >= 1, got {q}")
-    z = sample_gaussian(q, k, generator, dtype=theta.dtype if directions is None else directions.dtype)
+    z = sample_gaussian(q, k, generator, dtype=theta.dtype if directions is None else directions.dtype).to(theta.device)
     lp = torch.empty(q, dtype=torch.float64)
     lm = torch.empty(q, dtype=torch.float64)
     for j in range(q):
@@ -211,7 +211,7 @@ def one_point(
     _validate(theta, directions, mu)
     if q < 1:
         raise ValueError(f"q must be >= 1, got {q}")
-    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype)
+    z = sample_gaussian(q, directions.shape[1], generator, dtype=directions.dtype).to(directions.device)  # CPU draws
     center = check_loss(loss_fn(theta), "loss_fn")
     lp = torch.empty(q, dtype=torch.float64)
     for j in range(q):
