@@ -26,6 +26,14 @@ DIR=${SZO_BENCH_RESULTS:-${OUT:+$OUT/gpu}}
 DIR=${DIR:-bench/results/gpu}
 mkdir -p "$DIR"
 export SZO_BENCH_RESULTS=$DIR OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+PARTS="device devtests tests probe step reference memory memopt epoch study anchor"
+[ $# -eq 0 ] && set -- all
+[ "$1" = all ] && set -- $PARTS
+[ "$1" = quick ] && set -- device devtests probe reference memopt
+for part in "$@"; do  # every part known before anything is installed or run
+    case " $PARTS " in *" $part "*) ;; *)
+        echo "gpu_suite: unknown part '$part'; valid: quick all $PARTS" >&2; exit 2 ;; esac
+done
 WHEELS=${WHEELS:-.whl}
 if ! $PY -c "import szo.cli, spikingjelly, nir" 2>/dev/null && [ -d "$WHEELS" ]; then
     SITE=${SZO_SITE:-/tmp/szo-site}
@@ -40,9 +48,6 @@ if ! $PY -c "import torch, szo.cli, sys; sys.exit(0 if torch.cuda.is_available()
     echo "gpu_suite: $PY cannot import torch + szo, or torch sees no CUDA device" >&2
     exit 2
 fi
-[ $# -eq 0 ] && set -- all
-[ "$1" = all ] && set -- device tests probe step reference memory memopt epoch study anchor
-[ "$1" = quick ] && set -- device devtests probe reference memopt
 rc=0
 run() {  # run PART CMD...: console to $DIR/PART.log and to stdout
     local part=$1; shift
