@@ -390,8 +390,9 @@ class RecipeConfig(Section):
     # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     compile: bool | str = False
     # the arithmetic of every stage (szo.precision): fp32 (IEEE; TF32 off) | tf32 (TF32 convolutions and
-    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (tf32 for BPTT / BP-Subspace / Tent, fp32 for
-    # forward-only probes: docs/evidence.md, "precision"); PyTorch's own defaults are never used
+    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (the measured choice per kind of training,
+    # szo.precision.AUTO: fp32 for BPTT and for forward-only probes, docs/evidence.md "Precision");
+    # PyTorch's own defaults are never used
     precision: Precision = "auto"
     # replay the no-grad forwards (every SZO probe, the BN forward, evaluation) as captured CUDA graphs
     # (szo.models.graphed): same result, fewer kernel launches; CUDA only (CPU forwards stay eager)
