@@ -9,7 +9,7 @@ directory, and keeps the run-directory contract (docs/runs.md): the lock, the re
 * :func:`subspace_stage` -- train ``cfg.method`` in the stored subspace (scratch or continual;
   float or fixed-point backend), :func:`subspace_model` prepares the model it trains;
 * :func:`evaluate_stage` -- a run directory's model on the recipe's test set;
-* adaptation and export: ``szo.adapt.cli.run_recipe`` and ``szo.commands.export`` build on these.
+* adaptation and export: ``szo.adapt.stage.tta_stage`` and ``szo.commands.export`` build on these.
 
 Model initialisation draws from torch's global RNG inside ``torch.random.fork_rng`` seeded
 with ``cfg.seed`` (``szo.runs.build_model``); everything else (data order, RGE directions) uses
