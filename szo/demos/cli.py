@@ -54,7 +54,7 @@ def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
 
     d = StreamConfig()
     for key, (typ, text) in _FLAGS.items():
-        default = "" if key in ("lr", "model") else f" (default {getattr(d, key)})"
+        default = "" if getattr(d, key) is None else f" (default {getattr(d, key)})"
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None, help=text + default)
     p.add_argument("--sensor-size", dest="sensor_size", type=int, nargs=3, metavar=("W", "H", "P"), default=None,
                    help="sensor of a FILE source (default: the model's input, 32 32 2); W, H must be an integer "

@@ -28,7 +28,7 @@ import yaml
 
 from szo.config import RecipeConfig, Section, load_recipe, write_config
 from szo.data import get_dataset
-from szo.data.dvs import EventStream, load_event_file
+from szo.data.dvs import EventStream, check_sensor_size, load_event_file
 from szo.data.synthetic_events import check_shift, random_stream
 from szo.demos.online import OnlineClassifier, plot_timeline, replay
 from szo.export import from_nir
@@ -59,12 +59,12 @@ class StreamConfig(Section):
 
     source: str = "synthetic"              # synthetic | a .npy event file
     labels_file: str | None = None         # FILE source: .npy segments (start_us, end_us, label)
-    sensor_size: list | None = None        # FILE source: (W, H, P); null = the model's input
+    sensor_size: list | tuple | None = None  # FILE source: (W, H, P); null = the model's input
     gestures: int = _f(30, min=1)          # synthetic: stream length
     shift: dict | None = _f(None, free=True)  # synthetic: from half way (SHIFT_KEYS); null = DEFAULT_SHIFT
     model: str | None = None               # a finished run directory or .nir file; null = train the recipe
     recipe: str = "synthetic-gesture"
-    overrides: list = field(default_factory=list)  # --set KEY=VALUE of the recipe
+    overrides: list | tuple = field(default_factory=list)  # --set KEY=VALUE of the recipe
     window_ms: float = _f(50.0, gt=0.0)
     adapt: str = _f("szo-cge", choices=lambda: ADAPT_METHODS)
     loss: Loss = "auto"
@@ -90,9 +90,10 @@ class StreamConfig(Section):
         if loss == "labels" and not (synthetic or self.labels_file):
             raise ValueError("loss 'labels' needs a labelled stream (the synthetic source, or labels_file for a FILE)")
         resolved = {"loss": loss, "lr": self.lr if self.lr is not None else LABELS_LR if loss == "labels" else ENTROPY_LR,
-                    "shift": check_shift(DEFAULT_SHIFT if self.shift is None and synthetic else self.shift)}
+                    "shift": check_shift(DEFAULT_SHIFT if self.shift is None and synthetic else self.shift),
+                    "overrides": list(self.overrides)}  # lists: what config.yaml holds
         if self.sensor_size is not None:
-            resolved["sensor_size"] = [int(v) for v in self.sensor_size]
+            resolved["sensor_size"] = list(check_sensor_size(self.sensor_size))
         for k, v in resolved.items():
             object.__setattr__(self, k, v)
 
