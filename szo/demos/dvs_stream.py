@@ -160,9 +160,8 @@ def load_source_model(path: str | Path) -> SourceModel:
     if not (path / "config.yaml").is_file() or not (path / "model.safetensors").is_file():
         raise ValueError(f"{path} is neither a finished recipe run (config.yaml, model.safetensors) nor a .nir file; "
                          "omit --model to train one")
-    src = _frames_of(load_recipe(path / "config.yaml"), path)
-    src.model, cfg = load_run_model(path)
-    src.subspace = subspace_store_for(cfg).load(cfg.subspace.name, model=src.model)
+    src, (model, cfg) = _frames_of(load_recipe(path / "config.yaml"), path), load_run_model(path)
+    src.model, src.subspace = model.eval(), subspace_store_for(cfg).load(cfg.subspace.name, model=model)
     results = path / "results.json"
     src.test_acc = json.loads(results.read_text(encoding="utf-8")).get("final_test_acc") if results.is_file() else None
     return src
