@@ -1,6 +1,6 @@
 """``szo demo dvs-stream``: argparse wiring for ``szo.demos.dvs_stream.run_demo``.
 
-Every flag below is one setting of ``szo.demos.dvs_stream.StreamConfig`` (its default and its
+Every flag below is one setting of ``szo.demos.settings.StreamConfig`` (its default and its
 check live there); a flag not given keeps the default, or with ``--resume`` the run's own
 config.yaml. ``register_demo(demo_subparsers)`` adds the subcommand to the main CLI's ``demo``
 group; ``python -m szo.demos.cli dvs-stream ...`` runs it standalone.
@@ -50,7 +50,7 @@ def _shift_arg(text: str) -> dict[str, Any]:
 
 def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
     """The dvs-stream options (shared by the main CLI and the standalone entry point)."""
-    from szo.demos.dvs_stream import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig
+    from szo.demos.settings import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig
 
     d = StreamConfig()
     for key, (typ, text) in _FLAGS.items():
@@ -81,7 +81,8 @@ def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from szo.demos.dvs_stream import StreamConfig, resumed_settings, run_demo
+    from szo.demos.dvs_stream import run_demo
+    from szo.demos.settings import StreamConfig, resumed_settings
 
     given = {k: v for k in (*_FLAGS, "sensor_size", "adapt", "loss", "shift", "compare", "overrides")
              if (v := getattr(args, k)) is not None}

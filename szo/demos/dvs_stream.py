@@ -9,7 +9,7 @@ Source model: the recipe ``recipe`` (``synthetic-gesture``, ``overrides`` on top
 ``OUT/source`` by ``szo.stages.bptt_stage`` (trajectory, checkpoints, subspace in ``OUT/subspaces``),
 or ``model``: a finished run directory of such a recipe, or a ``.nir`` file exported from one.
 
-Run contract (docs/runs.md): ``run_demo`` holds ``OUT/.lock`` and writes its settings to
+Settings: ``szo.demos.settings.StreamConfig``. Run contract (docs/runs.md): ``run_demo`` holds ``OUT/.lock`` and writes its settings to
 ``OUT/config.yaml``; a directory holding a demo run is refused unless ``resume``, which continues it
 with its own settings (a changed one is refused in one line): the BPTT stage from its checkpoint (its
 config pinned there), then the replays (one pass over the stream) again, giving the same predictions.
@@ -17,100 +17,26 @@ config pinned there), then the replays (one pass over the stream) again, giving 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable
 
-import yaml
-
-from szo.config import RecipeConfig, Section, load_recipe, write_config
+from szo.config import RecipeConfig, load_recipe, write_config
 from szo.data import get_dataset
-from szo.data.dvs import EventStream, check_sensor_size, load_event_file
-from szo.data.synthetic_events import check_shift, random_stream
+from szo.data.dvs import EventStream, load_event_file
+from szo.data.synthetic_events import random_stream
 from szo.demos.online import OnlineClassifier, plot_timeline, replay
+from szo.demos.settings import StreamConfig, resumed_settings
 from szo.export import from_nir
 from szo.io import atomic_write_json
-from szo.methods import NO_ADAPTATION, TTA_METHODS, get_method
+from szo.methods import NO_ADAPTATION
 from szo.rundir import check_resume_config, run_lock
 from szo.runs import load_run_model, subspace_store_for
 from szo.stages import bptt_stage, device_for
 
-__all__ = ["ADAPT_METHODS", "StreamConfig", "SourceModel", "load_source_model", "train_source_model",
-           "resumed_settings", "run_demo"]
-
-#: the on-line adaptation methods (forward-only SZO in the source subspace), then no adaptation
-ADAPT_METHODS = tuple(m for m in TTA_METHODS if get_method(m).adapter == "subspace-zo") + (NO_ADAPTATION,)
-DEFAULT_SHIFT = {"noise_rate_hz": 5.0}
-LABELS_LR, ENTROPY_LR = 0.2, 0.005  # the SZO lr per loss (labels: tuned on the synthetic noise shift)
-Loss = Literal["auto", "entropy", "labels"]
-
-
-def _f(default: Any, **meta: Any) -> Any:
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True, eq=False)
-class StreamConfig(Section):
-    """The demo's settings, each checked when built (one line naming it); ``loss: auto`` (labels for a
-    labelled stream), ``lr: null`` and ``shift: null`` are resolved here, so config.yaml says what ran."""
-
-    source: str = "synthetic"              # synthetic | a .npy event file
-    labels_file: str | None = None         # FILE source: .npy segments (start_us, end_us, label)
-    sensor_size: list | tuple | None = None  # FILE source: (W, H, P); null = the model's input
-    gestures: int = _f(30, min=1)          # synthetic: stream length
-    shift: dict | None = _f(None, free=True)  # synthetic: from half way (SHIFT_KEYS); null = DEFAULT_SHIFT
-    model: str | None = None               # a finished run directory or .nir file; null = train the recipe
-    recipe: str = "synthetic-gesture"
-    overrides: list | tuple = field(default_factory=list)  # --set KEY=VALUE of the recipe
-    window_ms: float = _f(50.0, gt=0.0)
-    adapt: str = _f("szo-cge", choices=lambda: ADAPT_METHODS)
-    loss: Loss = "auto"
-    lr: float | None = _f(None, min=0.0)
-    mu: float = _f(0.5, gt=0.0)
-    momentum: float = _f(0.0, min=0.0, below=1.0)
-    q: int = _f(4, min=1)                  # RGE directions per step
-    buffer: int = _f(1, min=1)             # the SZO loss over the last N windows
-    seed: int = _f(0, min=0)               # stream and RGE seed
-    compare: bool = True                   # also replay the stream without adaptation
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        synthetic = self.source == "synthetic"
-        for bad, why in ((synthetic and self.labels_file is not None, "labels_file is only for a FILE source"),
-                         (synthetic and self.sensor_size is not None, "sensor_size is only for a FILE source"),
-                         (not synthetic and bool(self.shift), "shift is only for the synthetic source"),
-                         (self.model is not None and bool(self.overrides),
-                          "overrides (--set) are for the recipe trained here, not for a given model")):
-            if bad:
-                raise ValueError(why)
-        loss = self.loss if self.loss != "auto" else "labels" if synthetic or self.labels_file else "entropy"
-        if loss == "labels" and not (synthetic or self.labels_file):
-            raise ValueError("loss 'labels' needs a labelled stream (the synthetic source, or labels_file for a FILE)")
-        resolved = {"loss": loss, "lr": self.lr if self.lr is not None else LABELS_LR if loss == "labels" else ENTROPY_LR,
-                    "shift": check_shift(DEFAULT_SHIFT if self.shift is None and synthetic else self.shift),
-                    "overrides": list(self.overrides)}  # lists: what config.yaml holds
-        if self.sensor_size is not None:
-            resolved["sensor_size"] = list(check_sensor_size(self.sensor_size))
-        for k, v in resolved.items():
-            object.__setattr__(self, k, v)
-
-
-def resumed_settings(out_dir: str | Path, given: Mapping[str, Any]) -> StreamConfig:
-    """The settings ``--resume`` continues: ``OUT/config.yaml`` with ``given`` on top (only ``given``
-    when ``OUT`` holds no run); ``run_demo`` then refuses any that differs from the file."""
-    path = Path(out_dir) / "config.yaml"
-    saved = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {"demo": "dvs-stream"}
-    if not isinstance(saved, dict) or saved.pop("demo", None) != "dvs-stream":
-        raise ValueError(f"{path} is not a dvs-stream demo's config (another kind of run); use another --out")
-    names = [f.name for f in dataclasses.fields(StreamConfig)]
-    unknown = sorted(set(saved) - set(names))
-    if unknown:
-        raise ValueError(f"{path}: unknown dvs-stream setting(s) {unknown}; valid: {', '.join(names)}")
-    return StreamConfig(**{**saved, **given})
-
+__all__ = ["SourceModel", "load_source_model", "train_source_model", "run_demo"]
 
 # ----------------------------------------------------------------------------- source model
 @dataclass
@@ -212,7 +138,7 @@ def run_demo(out_dir: str | Path, cfg: StreamConfig | None = None, *, resume: bo
                 raise ValueError(f"{out} already holds a dvs-stream run; pass --resume to continue it, or use another "
                                  f"--out (--model {out / 'source'} replays its source model)")
             resumed_settings(out, {})  # a dvs-stream run's config.yaml, or one line
-            check_resume_config(out, {"demo": "dvs-stream", **cfg.to_dict()})
+            check_resume_config(out, cfg.as_written())
         rc = None if cfg.model else load_recipe(cfg.recipe, [f"subspace.root={(out / 'subspaces').resolve()}",
                                                              *cfg.overrides])
         src = load_source_model(cfg.model) if rc is None else _frames_of(rc, out / "source")
@@ -220,7 +146,7 @@ def run_demo(out_dir: str | Path, cfg: StreamConfig | None = None, *, resume: bo
             raise ValueError(f"{cfg.model} is an exported NIR model: it has no subspace to adapt in; run it with "
                              "--adapt none")
         stream, report = _stream(cfg, src, log)  # every input checked and read before config.yaml and training
-        write_config({"demo": "dvs-stream", **cfg.to_dict()}, out / "config.yaml")
+        write_config(cfg.as_written(), out / "config.yaml")
         if rc is not None:
             src = train_source_model(rc, out / "source", resume=resume)
         window_us, runs = round(cfg.window_ms * 1000), {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -18,12 +18,10 @@ from spikingjelly.activation_based.base import MemoryModule
 
 from szo import plots
 from szo.data.dvs import EventStream
+from szo.demos.settings import StreamConfig
 from szo.losses import entropy_loss, tet_loss
 from szo.methods import NO_ADAPTATION, method_label
 from szo.optim import build_optimizer
-
-if TYPE_CHECKING:
-    from szo.demos.dvs_stream import StreamConfig
 
 __all__ = ["snapshot_state", "restore_state", "stack_states", "OnlineClassifier", "replay", "plot_timeline"]
 

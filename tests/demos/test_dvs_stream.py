@@ -14,6 +14,7 @@ from spikingjelly.activation_based.base import MemoryModule
 from szo.demos import dvs_stream as ds
 from szo.demos.cli import main
 from szo.demos.online import OnlineClassifier, plot_timeline, snapshot_state
+from szo.demos.settings import StreamConfig, resumed_settings
 from szo.rundir import ResumeMismatchError
 
 # a tiny synthetic-gesture source: 11 train samples (one step per epoch), 100 ms gestures of 10 frames
@@ -22,8 +23,8 @@ TINY = ["model.kwargs={width: 4}", "data.kwargs={T: 10, n_per_class: 1, duration
 QUIET = dict(print_every=0, log=lambda m: None)
 
 
-def _settings(**kw) -> ds.StreamConfig:
-    return ds.StreamConfig(**{"overrides": TINY, "gestures": 4, "window_ms": 20, "shift": {"noise_rate_hz": 20.0},
+def _settings(**kw) -> StreamConfig:
+    return StreamConfig(**{"overrides": TINY, "gestures": 4, "window_ms": 20, "shift": {"noise_rate_hz": 20.0},
                               "lr": 0.05, **kw})
 
 
@@ -73,10 +74,10 @@ def test_a_second_run_is_refused_and_resume_replays_the_same(run, tmp_path):
     with pytest.raises(ValueError, match="already holds a dvs-stream run; pass --resume"):
         ds.run_demo(out, _settings(), **QUIET)
     with pytest.raises(ResumeMismatchError, match="adapt is 'szo-cge' in its config.yaml but 'szo-rge' now"):
-        ds.run_demo(out, ds.resumed_settings(out, {"adapt": "szo-rge"}), resume=True, **QUIET)
+        ds.run_demo(out, resumed_settings(out, {"adapt": "szo-rge"}), resume=True, **QUIET)
     metrics = (out / "source" / "metrics.jsonl").read_text()
     torch.manual_seed(99)
-    ds.run_demo(out, ds.resumed_settings(out, {}), resume=True, **QUIET)
+    ds.run_demo(out, resumed_settings(out, {}), resume=True, **QUIET)
     assert _windows(out) == _windows(run[0])  # same predictions and SZO losses
     assert (out / "source" / "metrics.jsonl").read_text() == metrics  # the finished source is not trained again
 
@@ -132,7 +133,7 @@ def test_cli_file_source_drops_malformed_events(run, tmp_path, capsys):
 ])
 def test_bad_settings_are_one_line_each(kw, match):
     with pytest.raises(ValueError, match=match):
-        ds.StreamConfig(**kw)
+        StreamConfig(**kw)
 
 
 def test_bad_inputs_are_refused_before_config_and_training(run, tmp_path):
@@ -147,7 +148,7 @@ def test_bad_inputs_are_refused_before_config_and_training(run, tmp_path):
     with pytest.raises(ValueError, match="neither a finished recipe run"):
         ds.load_source_model(tmp_path)
     with pytest.raises(ValueError, match="not a dvs-stream demo's config"):
-        ds.resumed_settings(run[0] / "source", {})
+        resumed_settings(run[0] / "source", {})
     d = tmp_path / "digits-run"
     shutil.copytree(run[0] / "source", d)
     cfg = yaml.safe_load((d / "config.yaml").read_text())
@@ -177,7 +178,7 @@ def test_windows_one_by_one_equal_concatenation(source):
 @pytest.mark.parametrize("buffer", [1, 2])
 def test_probes_start_from_saved_state_and_leave_it(source, buffer):
     model = source.fresh_model()
-    clf = OnlineClassifier(model, source.subspace, ds.StreamConfig(loss="entropy", lr=0.5, mu=0.5, buffer=buffer))
+    clf = OnlineClassifier(model, source.subspace, StreamConfig(loss="entropy", lr=0.5, mu=0.5, buffer=buffer))
     lif = [m for m in model.modules() if isinstance(m, MemoryModule)][0]
     seen: list[torch.Tensor] = []
     ws = [w[:, 0] for w in _frames(3)]
@@ -212,12 +213,12 @@ def test_exported_nir_model_runs_the_stream_like_the_source(run, tmp_path):
     assert szo_main(["export", str(run[0] / "source"), "--to", "nir", str(nir_path)]) == 0
     runs = {}
     for name, model in (("torch", str(run[0] / "source")), ("nir", str(nir_path))):
-        ds.run_demo(tmp_path / name, ds.StreamConfig(model=model, gestures=3, window_ms=20, adapt="none"), **QUIET)
+        ds.run_demo(tmp_path / name, StreamConfig(model=model, gestures=3, window_ms=20, adapt="none"), **QUIET)
         runs[name] = _windows(tmp_path / name, ("window", "label", "pred"))["none"]  # (timings differ)
     assert len(runs["nir"]) == 15
     assert runs["nir"] == runs["torch"]  # same windows, same predictions (BN folded: same spikes)
     with pytest.raises(ValueError, match="--adapt none"):
-        ds.run_demo(tmp_path / "x", ds.StreamConfig(model=str(nir_path), window_ms=20), **QUIET)
+        ds.run_demo(tmp_path / "x", StreamConfig(model=str(nir_path), window_ms=20), **QUIET)
 
 
 def test_timeline_names_classes_and_keeps_legends_off_the_data(tmp_path, figures):
