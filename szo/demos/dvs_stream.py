@@ -9,10 +9,11 @@ Source model: the recipe ``recipe`` (``synthetic-gesture``, ``overrides`` on top
 ``OUT/source`` by ``szo.stages.bptt_stage`` (trajectory, checkpoints, subspace in ``OUT/subspaces``),
 or ``model``: a finished run directory of such a recipe, or a ``.nir`` file exported from one.
 
-Settings: ``szo.demos.settings.StreamConfig``. Run contract (docs/runs.md): ``run_demo`` holds ``OUT/.lock`` and writes its settings to
-``OUT/config.yaml``; a directory holding a demo run is refused unless ``resume``, which continues it
-with its own settings (a changed one is refused in one line): the BPTT stage from its checkpoint (its
-config pinned there), then the replays (one pass over the stream) again, giving the same predictions.
+Settings: ``szo.demos.settings.StreamConfig``. Run contract (docs/runs.md): ``run_demo`` holds
+``OUT/.lock`` and writes the settings to ``OUT/config.yaml``; a directory holding a demo run is
+refused unless ``resume``, which continues it with its own settings (a changed one is refused in one
+line): the BPTT stage from its checkpoint (its config pinned there), then the replays (one pass over
+the stream) again, giving the same predictions.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The on-line loop of ``szo demo dvs-stream``: a network that keeps its neuron state from window to
 window (``with model.persistent_state():``), classifies each window and then, with an adapting
-method, takes one SZO step on it (and the ``buffer - 1`` windows before it) in the source subspace:
-every probe starts each window from the neuron state saved before it (``snapshot_state``: the
+method, takes one SZO step on it (and the ``buffer - 1`` windows before it) in the source subspace,
+on the TET loss against the windows' labels (``loss: labels``) or their prediction entropy: every
+probe starts each window from the neuron state saved before it (``snapshot_state``: the
 memories SpikingJelly's ``named_memories()`` lists), and the stream's state is put back after the
 step, so probes never disturb the stream. A window is always classified before adapting on it.
 """
