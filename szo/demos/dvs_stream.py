@@ -143,6 +143,9 @@ def run_demo(out_dir: str | Path, cfg: StreamConfig | None = None, *, resume: bo
         rc = None if cfg.model else load_recipe(cfg.recipe, [f"subspace.root={(out / 'subspaces').resolve()}",
                                                              *cfg.overrides])
         src = load_source_model(cfg.model) if rc is None else _frames_of(rc, out / "source")
+        if rc is not None and (out / "source" / "source.json").is_file():  # its trajectory would be continued
+            raise ValueError(f"{out / 'source'} holds a source model of an earlier szo (source.json); remove it or "
+                             "use another --out")
         if rc is None and src.subspace is None and cfg.adapt != NO_ADAPTATION:
             raise ValueError(f"{cfg.model} is an exported NIR model: it has no subspace to adapt in; run it with "
                              "--adapt none")

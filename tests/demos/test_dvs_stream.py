@@ -145,6 +145,10 @@ def test_bad_inputs_are_refused_before_config_and_training(run, tmp_path):
     with pytest.raises(ValueError, match="event file .* does not exist"):
         ds.run_demo(out, _settings(source=str(tmp_path / "none.npy"), shift={}), **QUIET)
     assert not (out / "config.yaml").exists() and not (out / "source").exists()  # nothing to resume or refuse
+    (out / "source").mkdir()
+    (out / "source" / "source.json").write_text("{}")  # an earlier szo's source directory: not continued
+    with pytest.raises(ValueError, match="source model of an earlier szo"):
+        ds.run_demo(out, _settings(), **QUIET)
     with pytest.raises(ValueError, match="neither a finished recipe run"):
         ds.load_source_model(tmp_path)
     with pytest.raises(ValueError, match="not a dvs-stream demo's config"):
