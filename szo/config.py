@@ -708,21 +708,14 @@ def _check_method_options(full: RecipeConfig) -> None:
     known up front."""
     method, sz = full.method, full.szo
     spec = get_method(method)
-    if full.train.weight_decay and not spec.weight_decay:
-        raise ValueError(f"method {method!r} uses no weight decay (paper App. G / its seed paper); "
-                         "set train.weight_decay=0")
-    if full.train.momentum and not spec.momentum:
-        raise ValueError(f"method {method!r} takes no momentum (seed 001 Algorithm 1 / seed 004 eq. 8: plain "
-                         f"steps); set train.momentum=0 (got {full.train.momentum})")
+    spec.check_capabilities(weight_decay=full.train.weight_decay, momentum=full.train.momentum, engine=sz.engine,
+                            recipe=True)
     if sz.time_chunk is not None and not spec.streaming:
         why = ("backpropagates" if spec.backprop else "takes forward-mode derivatives" if spec.jvp
                else "perturbs layer outputs over all T steps at once")
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
                          f"{method!r} {why}; valid methods with szo.time_chunk: "
                          f"{', '.join(list_methods(streaming=True))}")
-    if sz.engine not in spec.engines:
-        raise ValueError(f"szo.engine {sz.engine!r} evaluates SZO probe plans; method {method!r} runs with "
-                         f"engine 'loop'; valid methods for it: {', '.join(list_methods(engines=sz.engine))}")
     spec.check_options(sz, prefix="szo.")
     if sz.chunk is not None and sz.engine != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
