@@ -14,7 +14,8 @@
 #
 # quick = device devtests probe reference memopt. Each part stays under 10 minutes, so a device session
 # can run them one call each. Results (JSON, PNG, the console log of every part) go to
-# $SZO_BENCH_RESULTS, or $OUT/gpu when $OUT is set (the device tool's output folder), else
+# $SZO_BENCH_RESULTS, or $OUT/gpu when $OUT is set (the device tool's output folder; packed into
+# $OUT/gpu.tgz at the end, since the tool brings back only a few files), else
 # bench/results/gpu. $PYTHON picks the interpreter (default: python3); it must import torch (CUDA).
 # Where it cannot import this package's dependencies and $WHEELS (default .whl) holds wheels
 # (spikingjelly, mlxtend, tensorly, loguru, nir, nirtorch: `pip download --no-deps ...`, see
@@ -107,5 +108,10 @@ for part in "$@"; do
             "memory memopt epoch study" >&2; exit 2 ;;
     esac
 done
+if [ -n "${OUT:-}" ] && [ "$DIR" = "$OUT/gpu" ]; then  # the device tool brings back a handful of files:
+    # one archive (the JSON, PNG and logs; no checkpoints) instead of a folder it would cut short
+    tar czf "$OUT/gpu.tgz" -C "$OUT" --exclude='*.safetensors' --exclude='*.pt' gpu && rm -rf "$DIR" \
+        && DIR=$OUT/gpu.tgz
+fi
 echo "results in $DIR"
 exit $rc

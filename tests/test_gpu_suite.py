@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,21 @@ def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
     r = _run("quick", results=str(tmp_path), WHEELS=str(tmp_path / "no-wheels"))
     assert r.returncode == 2 and "torch sees no CUDA device" in r.stderr
     assert list(tmp_path.iterdir()) == []  # no part ran, no log written
+
+
+def test_under_the_device_tool_the_results_come_back_as_one_archive(tmp_path):
+    """The device tool returns a handful of files from $OUT: the suite packs its folder into
+    $OUT/gpu.tgz (logs and JSON, never checkpoints). An interpreter that answers every check with
+    success stands in for the GPU machine's; nvidia-smi may be missing (the part fails, the run goes on)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SZO_BENCH_RESULTS"}
+    r = subprocess.run(["bash", str(SUITE), "device"], capture_output=True, text=True, timeout=120,
+                       env={**env, "OUT": str(out), "PYTHON": str(fake), "WHEELS": str(tmp_path / "none")})
+    assert f"results in {out}/gpu.tgz" in r.stdout, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.tgz"]
+    with tarfile.open(out / "gpu.tgz") as tar:
+        assert "gpu/device.log" in tar.getnames()
