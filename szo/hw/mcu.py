@@ -520,7 +520,7 @@ def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks:
     block) from the same integers, its gain of accuracy on that held-out part (:func:`select_block`).
 
     Freezes the network's weights to integers first (a forward of one training sample gives the
-    pooling factors). Returns ``{"block", "layers", "blocks", "gains", "baseline", "forwards",
+    pooling factors) and leaves integers and float parameters as it found them. Returns ``{"block", "layers", "blocks", "gains", "baseline", "forwards",
     "time_s", ...}``; with ``run_dir`` it is written to ``run_dir/block_selection.json`` (atomically)
     and a later call with the same settings reads it instead of selecting again (a resumed run keeps
     its block; other settings: one error).
@@ -553,9 +553,13 @@ def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks:
         net.freeze_weights()
     names = list(trainable_layers(net, layers))
     cut = split_blocks(names, blocks)
+    floats = {k: v.clone() for k, v in net.state_dict().items()}
     t = time.perf_counter()
     res = select_block(net, cut, batches, lambda: evaluate(net, held, loss_fn, device)[1], loss_fn,
                        lambda ls: MCUZO(net, layers=ls, q=q, lr=lr, seed=int(seed) % 0xFFFFFFFF + 1))
+    # select_block put the integers back; the float parameters too (its write-back left the tried
+    # blocks dequantised), so a resumed run, which freezes them again, gets the same integers
+    net.load_state_dict(floats)
     res.update(layers=cut[res["block"]], blocks=cut, time_s=time.perf_counter() - t, steps_per_block=len(batches),
                heldout_samples=n_held, settings=settings)
     if path is not None:

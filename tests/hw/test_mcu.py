@@ -300,13 +300,18 @@ def test_block_selection_stage_records_its_choice_and_a_resume_keeps_it(tmp_path
     loss = lambda out, yy, reduction="mean": F.cross_entropy(out.mean(0), yy, reduction=reduction)  # noqa: E731
     kw = dict(blocks=4, epochs=1, heldout=0.2, batch_size=8, q=2, lr=0.05, seed=3, loss_fn=loss)
     ds = TensorDataset(x, y)
+    floats = {k: v.clone() for k, v in net.state_dict().items()}
     out = block_selection_stage(net, ds, run_dir=tmp_path, **kw)
+    assert all(torch.equal(v, floats[k]) for k, v in net.state_dict().items())  # as it found them
     assert out["blocks"] == [["conv1"], ["conv2"], ["fc"]]  # three synapses: three blocks
     assert out["layers"] == out["blocks"][out["block"]] and len(out["gains"]) == 3
     assert out["gains"][out["block"]] == max(out["gains"])
     assert (out["heldout_samples"], out["steps_per_block"]) == (8, 4)  # 32 training samples, batches of 8
     assert out["forwards"] == 3 * 4 * (1 + 2)
     start = {n: s.w_int.clone() for n, s in net.int_weights.items()}  # frozen by the stage, then put back
+    refrozen = to_fixed(_net()[0])
+    refrozen(x[:1])
+    assert all(torch.equal(s.w_int, start[n]) for n, s in refrozen.freeze_weights().items())
     again = block_selection_stage(net, ds, run_dir=tmp_path, **kw)  # read from the run directory
     assert again == json.loads((tmp_path / SELECTION_FILE).read_text()) and again["block"] == out["block"]
     assert all(torch.equal(s.w_int, start[n]) for n, s in net.int_weights.items())
