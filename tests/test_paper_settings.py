@@ -73,3 +73,19 @@ def test_tt_zo_paper_variant_beside_the_tuned_recipe():
     assert (p.tt.sign_lr, p.tt.sign_q, p.tt.sign_mu, p.tt.cge, p.tt.cores) == (0.001, 10, 0.1, "one-sided", 4)
     assert (t.szo.coords_per_step, t.szo.mu, t.train.lr, t.tt.sign_lr) == (20, 0.1, 0.3, 0.01)
     assert (p.model, p.subspace, p.train.epochs) == (t.model, t.subspace, t.train.epochs)
+
+
+def test_resume_of_a_run_stopped_in_its_source_stage_continues_the_recipe(tmp_path):
+    """A recipe with a source stopped during that source's BPTT stage holds only DIR/bptt/config.yaml
+    (the source's): --resume continues the recipe (whose BPTT stage then checks that file), not the
+    source recipe; a directory whose own config.yaml is another recipe's is still refused."""
+    from szo.config import write_config
+    from szo.rundir import ResumeMismatchError, resumed_config
+
+    cfg = load_recipe("digits-c-mcu", ["train.epochs=3"])
+    (tmp_path / "bptt").mkdir()
+    write_config(source_config(cfg), tmp_path / "bptt" / "config.yaml")
+    assert resumed_config(tmp_path, cfg, ["train.epochs=3"]) is cfg
+    write_config(load_recipe("digits-continual"), tmp_path / "config.yaml")
+    with pytest.raises(ResumeMismatchError, match=r"holds a run of recipe 'digits-continual', not 'digits-c-mcu'"):
+        resumed_config(tmp_path, cfg, [])
