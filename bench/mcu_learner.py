@@ -4,14 +4,15 @@ The pretrained model (a BP run's ``model.safetensors``, BN statistics included) 
 the fixed-point backend, its weights frozen to int8 (``FixedPointNetwork.freeze_weights``), and
 trained on the corrupted *train* split with ``szo.hw.mcu.MCUZO`` (1-LSB XORShift32 Rademacher
 probes, layer-wise adaptive WP/NP, eq. 8); accuracy on the corrupted *test* split before and
-after. ``--blocks B``: first the paper's BP-free block selection (Sec. 3.3.1: ``--select-steps``
-steps of test training per block from the same integers, gain of held-out accuracy on the last
-10 % of the corrupted train split), then only the chosen block trains (sparse). ``--float``: the
+after. ``--blocks B``: first the paper's BP-free block selection (Sec. 3.3.1: one epoch of test
+training per block from the same integers, or ``--select-steps`` steps; gain of held-out accuracy on
+the last 10 % of the corrupted train split), then only the chosen block trains (sparse). The recipe
+``digits-c-mcu`` runs the same selection as a stage (``szo.hw.mcu.block_selection_stage``). ``--float``: the
 same budget (steps, batch, q, layers) with the float layer-wise learner (``LayerwiseZO``,
 adaptive, Gaussian, momentum 0.9, the recipes' mu 0.1) and with BP (SGD) on the float model.
 
     python bench/mcu_learner.py --dataset digits --pretrained RUN/bptt --steps 60 --float
-    python bench/mcu_learner.py --dataset digits --pretrained RUN/bptt --blocks 4 --select-steps 10
+    python bench/mcu_learner.py --dataset digits --pretrained RUN/bptt --blocks 4 --q 100 --lr 0.01 --batch 100
     python bench/mcu_learner.py --dataset mnist5k --pretrained RUN/bptt --layers fc --batch 16 --steps 40
 
 Writes bench/results/mcu_learner_<dataset>[_<name>].json and prints one markdown row per learner.
@@ -74,7 +75,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.1, help="eq. 8's global rate")
     p.add_argument("--layers", nargs="+", default=None, help="train only these synapses (sparse)")
     p.add_argument("--blocks", type=int, default=0, help="select one of this many blocks first (0: no selection)")
-    p.add_argument("--select-steps", type=int, default=10)
+    p.add_argument("--select-steps", type=int, default=None,
+                   help="test-training steps per block (default: one epoch of the training part, the paper's)")
     p.add_argument("--float", action="store_true", help="also the float layer-wise learner and BP, same budget")
     p.add_argument("--float-lr", type=float, default=0.01)
     p.add_argument("--bp-lr", type=float, default=0.01)
@@ -103,7 +105,8 @@ def main() -> None:
     if a.blocks:
         blocks = split_blocks(synapses, a.blocks)
         t = time.perf_counter()
-        selection = select_block(net, blocks, batches(fit_set, a.batch, a.select_steps, a.seed + 1),
+        steps = a.select_steps if a.select_steps is not None else len(fit_set) // a.batch  # one epoch (drop_last)
+        selection = select_block(net, blocks, batches(fit_set, a.batch, steps, a.seed + 1),
                                  lambda: accuracy(net, held), loss_fn,
                                  lambda ls: MCUZO(net, layers=ls, q=a.q, lr=a.lr, seed=a.seed + 1))
         selection.update(blocks=blocks, time_s=time.perf_counter() - t)

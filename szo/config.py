@@ -51,7 +51,7 @@ __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
     "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides", "parse_override", "validate",
     "resolve", "write_config", "method_label", "config_dict", "TTA_SETTINGS", "TTA_PREDICT", "TENT_OPTIMIZERS",
-    "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS",
+    "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS", "SOURCE_SECTIONS", "source_config",
 ]
 
 Kind = Literal["bp", "subspace", "tta"]
@@ -254,6 +254,14 @@ class HWConfig(Section):
     ref_bits: int = _opt(16, min=2, max=32)
     arithmetic: HWArithmetic = "szo"
     reset: HWReset | None = None
+    # method mcu-zo: seed 004's BP-free block selection (Sec. 3.3.1), a stage before training
+    # (szo.hw.mcu.block_selection_stage): the synapses cut into `blocks` contiguous blocks (the paper's
+    # 4; fewer when there are fewer layers), each test-trained for `select_epochs` epochs from the same
+    # integers on the train split less its last `heldout` fraction, the block with the best held-out
+    # accuracy gain then trained alone (sparse); null: no selection (szo.layers, or every layer)
+    blocks: int | None = _opt(None, min=1)
+    select_epochs: int = _opt(1, min=1)
+    heldout: float = _opt(0.1, gt=0.0, below=1.0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -366,6 +374,11 @@ class RecipeConfig(Section):
     description: str = ""
     kind: Kind = "bp"            # bp: BPTT (+ trajectory + subspace); subspace: train in a subspace; tta
     mode: Mode = "scratch"       # subspace recipes: scratch (reference = first sample) | continual
+    # kind subspace: the recipe (shipped name or YAML path) whose BPTT stage pretrains the model and
+    # builds subspace.name when the store lacks it, on that recipe's data and loss, with this recipe's
+    # model / bptt / trajectory / subspace sections (SOURCE_SECTIONS) -- an adaptation recipe's clean
+    # pretraining (digits-c-mcu: digits-continual); null: this recipe's own BPTT stage, on its own data
+    source: str | None = None
     method: str = "szo-cge"      # subspace stage optimizer (szo.methods); kind tta: "all" or a comma list
     setting: TTASetting = "both"  # kind tta: reset | continual | both
     seed: int = _opt(0, min=0, max=2 ** 63 - 1)
@@ -652,6 +665,7 @@ def validate(cfg: Mapping[str, Any]) -> RecipeConfig:
         raise ValueError("a subspace recipe needs 'subspace.name' (the store entry to train in)")
     if full.kind == "subspace":
         _check_method_options(full)
+    _check_source(full)
     _check_hw(full)
     _check_compile(full)
     _check_cuda_graphs(full)
@@ -722,6 +736,41 @@ def _check_method_options(full: RecipeConfig) -> None:
                          "set szo.engine=batched or leave szo.chunk null")
 
 
+SOURCE_SECTIONS: tuple[str, ...] = ("model", "bptt", "trajectory", "subspace", "seed", "device", "progress",
+                                     "precision", "compile", "cuda_graphs")
+"""What a subspace recipe hands its ``source``'s BPTT stage: the same model, BPTT stage, trajectory,
+store entry and run settings; the source gives its data and loss (an adaptation recipe's clean pretraining)."""
+
+
+def source_config(cfg: Mapping[str, Any]) -> "RecipeConfig":
+    """The config whose BPTT stage builds a ``kind: subspace`` recipe's store entry: the recipe
+    named by its ``source`` with this recipe's :data:`SOURCE_SECTIONS` (one ValueError if that
+    recipe does not load or is not a recipe with its own BPTT stage)."""
+    name = cfg["source"]
+    try:
+        src = load_recipe(name, [(k, config_dict(cfg[k]) if isinstance(cfg[k], Mapping) else cfg[k])
+                                 for k in SOURCE_SECTIONS])
+    except ValueError as e:
+        raise ValueError(f"source {name!r}: {e}") from None
+    if src.kind not in ("bp", "subspace") or src.source is not None:
+        raise ValueError(f"source {name!r} must be a recipe with its own BPTT stage (kind bp or subspace, no source "
+                         f"of its own); it is kind: {src.kind}" + (f", source: {src.source}" if src.source else ""))
+    return src
+
+
+def _check_source(full: RecipeConfig) -> None:
+    """``source`` is for ``kind: subspace`` recipes, names another recipe, and that one builds this
+    recipe's store entry (checked here, before anything runs)."""
+    if full.source is None:
+        return
+    if full.kind != "subspace":
+        raise ValueError(f"'source' names the recipe whose BPTT stage builds a subspace recipe's store entry; this "
+                         f"recipe is kind: {full.kind} (leave source null)")
+    if full.source == full.name:
+        raise ValueError(f"'source' names this recipe itself ({full.source!r}); leave it null to run its own BPTT stage")
+    source_config(full)
+
+
 def _check_compile(full: RecipeConfig) -> None:
     """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
     own multi-step forward (batched engine, streaming forward, integer backend)."""
@@ -785,6 +834,13 @@ def _check_hw(full: RecipeConfig) -> None:
                          f"backend 'fixed' and a method in: {', '.join(list_methods(integer_learner=True))}")
     if full.bn_stats == "deployed" and full.kind != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
+    if hw.blocks is not None:
+        if full.method != "mcu-zo" or full.kind != "subspace":
+            raise ValueError(f"hw.blocks (seed 004's BP-free block selection) applies to method mcu-zo in a subspace "
+                             f"recipe; method {full.method!r} does not select blocks: leave hw.blocks null")
+        if full.szo.layers is not None:
+            raise ValueError("hw.blocks selects the trained layers itself (one block); leave szo.layers null, or "
+                             "hw.blocks null to train szo.layers")
 
 
 def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:

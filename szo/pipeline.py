@@ -8,7 +8,8 @@
   (``subspace.root`` or ``$SZO_SUBSPACE_ROOT`` or ``./subspaces``); its provenance records
   ``source_model`` (the model file) and ``source_run``.
 * ``kind: subspace`` recipes first run that BPTT stage in ``out_dir/bptt`` if the store has
-  no ``subspace.name`` yet, then train in the subspace in ``out_dir`` with ``method``:
+  no ``subspace.name`` yet (the BPTT stage of the recipe named by ``source`` when it is set: an
+  adaptation recipe's clean pretraining), then train in the subspace in ``out_dir`` with ``method``:
   scratch runs start at the subspace reference (first trajectory sample) with fresh BN
   statistics; continual runs load the pretrained model (``provenance["source_model"]``,
   parameters and BN buffers) and set the parameters to the reference (last sample).
@@ -47,6 +48,7 @@ from szo.report import collect_runs, render, write_report
 from szo.rundir import check_resume_config, run_lock
 from szo.runs import build_model, load_run_model, subspace_store_for
 from szo.stages import (
+    bptt_source,
     bptt_stage,
     check_store_entry,
     device_for,
@@ -104,7 +106,7 @@ def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
     store = subspace_store_for(cfg)
     if not store.exists(cfg["subspace"]["name"]):
         check_store_entry(cfg)
-        bptt_stage(cfg, out / "bptt", device=dev, resume=resume)
+        bptt_stage(bptt_source(cfg), out / "bptt", device=dev, resume=resume)  # the recipe's, or its source's
     return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks)
 
 

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
-from szo.config import apply_overrides, resolve
+from szo.config import apply_overrides, resolve, source_config
 from szo.distributed import main_decides
 
 __all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunDirError", "RunLockedError", "ResumeMismatchError", "run_lock",
@@ -270,6 +270,14 @@ def check_pins(run_dir: str | os.PathLike, saved: Mapping[str, Any], cfg: Mappin
             "or start a new run with another --out")
 
 
+def _source_stage(run_dir: str | os.PathLike, cfg: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
+    """``run_dir`` holds only the BPTT stage that ``cfg``'s ``source`` recipe runs for it (a subspace
+    recipe with a clean source, stopped before its own stage wrote config.yaml)."""
+    if cfg.get("source") is None or (Path(run_dir) / "config.yaml").is_file():
+        return False
+    return saved.get("name") == source_config(cfg)["name"]
+
+
 def resumed_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], overrides: list[str]) -> dict[str, Any]:
     """The config ``szo recipe NAME --out RUN_DIR --resume [--set ...]`` continues: the run
     directory's own config.yaml with the ``--set`` overrides on top (``cfg``, the recipe's
@@ -289,6 +297,8 @@ def resumed_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], overrides
                                   f"({str(e).splitlines()[0]})") from None
     if not isinstance(saved, dict):
         raise ResumeMismatchError(f"cannot resume {run_dir}: its config.yaml is not a config mapping")
+    if saved.get("name") != cfg.get("name") and _source_stage(run_dir, cfg, saved):
+        return cfg  # stopped in its source's BPTT stage: that stage checks DIR/bptt/config.yaml itself
     if saved.get("name") != cfg.get("name"):
         raise ResumeMismatchError(f"cannot resume {run_dir}: it holds a run of recipe {saved.get('name')!r}, "
                                   f"not {cfg.get('name')!r}; resume it with `szo recipe {saved.get('name')} "

@@ -18,6 +18,7 @@ the run's own ``torch.Generator``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,10 @@ import torch
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
-from szo.config import write_config
+from szo.config import source_config, write_config
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
+from szo.hw.mcu import block_selection_stage
 from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import load_weights, save_weights
 from szo.methods import get_method, method_label
@@ -43,7 +45,7 @@ from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
 from szo.zo import trainable_layers
 
-__all__ = ["bptt_stage", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
+__all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
            "metric_sinks", "preflight"]
 
@@ -120,6 +122,13 @@ def preflight(cfg: Mapping[str, Any]) -> None:
         if n > most:
             where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
             raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
+
+
+def bptt_source(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config whose BPTT stage builds a subspace recipe's store entry: the recipe itself, or the
+    recipe its ``source`` names with this recipe's model, BPTT, trajectory, subspace and run settings
+    (``szo.config.source_config``: an adaptation recipe's clean pretraining)."""
+    return cfg if cfg.get("source") is None else source_config(cfg)
 
 
 def check_store_entry(cfg: Mapping[str, Any]) -> None:
@@ -376,7 +385,16 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
         sm.model.set_streaming(sz["time_chunk"], sz["stream_bn"])  # probes and evaluation, if asked for
         run = RunOptions(generator=g, distributed=par.mode if par is not None else None,
                          sync_bn=par.sync_bn if par is not None else True, start="current")  # at sub.reference already
-        opt = build_optimizer(cfg["method"], sm.net, subspace=sm.subspace, options=optimizer_options(cfg), run=run)
+        options, hw = optimizer_options(cfg), cfg["hw"]
+        if hw["blocks"] is not None:  # mcu-zo: seed 004's BP-free block selection, then only that block trains
+            sel = block_selection_stage(sm.net, train.dataset, blocks=hw["blocks"], epochs=hw["select_epochs"],
+                                        heldout=hw["heldout"], batch_size=cfg["data"]["batch_size"], q=options.q,
+                                        lr=options.lr, seed=int(cfg["seed"]), loss_fn=loss_for(cfg), device=device,
+                                        run_dir=run_dir)
+            options = dataclasses.replace(options, layers=tuple(sel["layers"]))
+            sm.extra["block_selection"] = {k: sel[k] for k in ("block", "layers", "blocks", "gains", "baseline",
+                                                               "forwards", "steps_per_block", "heldout_samples")}
+        opt = build_optimizer(cfg["method"], sm.net, subspace=sm.subspace, options=options, run=run)
         info = _info(cfg, cfg["method"], cfg["mode"])
         info.update(subspace=cfg["subspace"]["name"], k=sm.subspace.k, **sm.extra)
         late = ResultFields(lambda: _late_results(sm.net, opt, sm.extra))

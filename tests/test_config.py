@@ -183,16 +183,34 @@ def test_method_table_is_shared():
         M.get_method("sgd", trainable=True)
 
 
-def test_new_methods_resolve_in_every_subspace_recipe():
+def _extends(name: str, base: str) -> bool:
+    """Recipe ``name`` is ``base`` or extends it (directly or through others)."""
+    from szo.config import recipe_path
+
+    while name is not None:
+        if name == base:
+            return True
+        name = yaml.safe_load(recipe_path(name).read_text(encoding="utf-8")).get("extends")
+    return False
+
+
+def _float_subspace_recipes() -> list[str]:
+    """The subspace recipes any float method runs in (not the fixed-point ones: digits-fixed, and
+    digits-c-mcu, seed 004's integer learner)."""
     from szo.config import _raw_recipe
 
-    subspace = [n for n in recipe_names() if _raw_recipe(n).get("kind") == "subspace" and n != "digits-fixed"]
-    assert "digits-scratch" in subspace and "imagenet-continual" in subspace
+    return [n for n in recipe_names() if _raw_recipe(n).get("kind") == "subspace"
+            and _raw_recipe(n).get("backend", "float") == "float" and not _extends(n, "digits-fixed")]
+
+
+def test_new_methods_resolve_in_every_subspace_recipe():
+    subspace = _float_subspace_recipes()
+    assert "digits-scratch" in subspace and "imagenet-continual" in subspace and "digits-c-mcu" not in subspace
     for name in subspace:
         for method, lr in (("fg", 1e-3), ("tt-zo", 1e-3), ("fg-subspace", 1.0)):
             cfg = load_recipe(name, [f"method={method}"])
             assert cfg["method"] == method
-            if name != "digits-scratch":  # digits-scratch overrides them (method_defaults)
+            if not _extends(name, "digits-scratch"):  # digits-scratch overrides them (method_defaults)
                 assert cfg["train"]["lr"] == lr, (name, method)
 
 
@@ -242,12 +260,9 @@ def test_coords_per_step_refused_where_ignored():
 def test_asyncfgd_method_options():
     c = load_recipe("digits-scratch", ["method=asyncfgd"])  # method_defaults: K = 2, plain SGD
     assert c["szo"]["stages"] == 2 and c["train"]["momentum"] == 0.0 and c["train"]["lr"] == 0.01
-    from szo.config import _raw_recipe
-
-    for name in recipe_names():  # every subspace recipe, given plain SGD
-        if _raw_recipe(name).get("kind") == "subspace" and name != "digits-fixed":
-            cfg = load_recipe(name, ["method=asyncfgd", "train.momentum=0"])
-            assert cfg["method"] == "asyncfgd" and cfg["szo"]["stages"] in (None, 2)
+    for name in _float_subspace_recipes():  # every subspace recipe, given plain SGD
+        cfg = load_recipe(name, ["method=asyncfgd", "train.momentum=0"])
+        assert cfg["method"] == "asyncfgd" and cfg["szo"]["stages"] in (None, 2)
     with pytest.raises(ValueError, match="'asyncfgd' takes no momentum .* set train.momentum=0"):
         load_recipe("cifar10-scratch", ["method=asyncfgd"])
     with pytest.raises(ValueError, match="'szo.stages' .* applies to methods 'asyncfgd', 'asyncfgd-adam'; method 'fg'"):

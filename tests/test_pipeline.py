@@ -333,3 +333,36 @@ def test_evaluate_stage_is_the_runs_own_test_accuracy(bp_run):
     root, _, summary = bp_run
     got = evaluate_stage(root / "bp")
     assert got["samples"] == 360 and got["test_acc"] == pytest.approx(summary["final_test_acc"])
+
+
+def test_mcu_adaptation_recipe_pretrains_on_clean_data_and_selects_a_block(tmp_path):
+    """digits-c-mcu (seed 004's setting): the store entry comes from its source's BPTT stage on clean
+    digits (not the corrupted training data it adapts on), then the block selection stage picks one
+    block and only that block trains (1 + q per step)."""
+    sets = TINY + [f"subspace.root={tmp_path / 'subspaces'}", "bptt.epochs=1", "bptt.max_steps_per_epoch=6",
+                   "trajectory.every=1", "subspace.k=3", "subspace.window=null", "szo.q=2", "train.epochs=1",
+                   "train.max_steps_per_epoch=2"]
+    s = run_recipe(load_recipe("digits-c-mcu", sets), tmp_path / "run")
+    bptt = yaml.safe_load((tmp_path / "run" / "bptt" / "config.yaml").read_text())
+    assert (bptt["name"], bptt["data"]["name"], bptt["model"]["T"]) == ("digits-continual", "digits", 2)
+    sel = s["block_selection"]
+    assert sel["blocks"] == [["conv1"], ["conv2"], ["fc"]] and sel["layers"] == sel["blocks"][sel["block"]]
+    assert sel == {k: v for k, v in json.loads((tmp_path / "run" / "block_selection.json").read_text()).items()
+                   if k in sel}
+    assert s["fp"] == 2 * (1 + 2 * len(sel["layers"])) and set(s["mcu"]["modes"]) == set(sel["layers"])
+    assert s["dataset"] == "digits-c" and 0.0 <= s["conversion"]["fixed_test_acc"] <= 1.0
+
+
+def test_mcu_block_selection_run_resumes_exactly(tmp_path):
+    """A run stopped after its first epoch and resumed keeps its selected block (block_selection.json)
+    and ends with the integers of the uninterrupted run."""
+    sets = TINY + [f"subspace.root={tmp_path / 'subspaces'}", "bptt.epochs=1", "bptt.max_steps_per_epoch=6",
+                   "trajectory.every=1", "subspace.k=3", "subspace.window=null", "szo.q=2",
+                   "train.max_steps_per_epoch=2", "train.scheduler=constant", "hw.heldout=0.5"]
+    whole = run_recipe(load_recipe("digits-c-mcu", sets + ["train.epochs=2"]), tmp_path / "whole")
+    run_recipe(load_recipe("digits-c-mcu", sets + ["train.epochs=1"]), tmp_path / "part")
+    resumed = run_recipe(load_recipe("digits-c-mcu", sets + ["train.epochs=2"]), tmp_path / "part", resume=True)
+    assert resumed["block_selection"] == whole["block_selection"]
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["mcu"]["integers"]
+            for d in ("whole", "part"))
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))

@@ -62,7 +62,7 @@ from szo.federated import baffle as B
 from szo.io import atomic_write_json
 from szo.rundir import check_pins, run_pins
 from szo.runs import build_model, loss_for, subspace_store_for
-from szo.stages import bptt_stage, metric_sinks, run_dir_guard
+from szo.stages import bptt_source, bptt_stage, metric_sinks, run_dir_guard
 from szo.train import (
     DIVERGE_FACTOR,
     Callback,
@@ -697,7 +697,7 @@ def _run_federated(cfg: RecipeConfig, run_dir: Path, resume: bool, callbacks: Se
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _start_state(run_dir, resume, cfg)  # a refused directory costs no compute
     if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
-        bptt_stage(cfg, run_dir / "bptt", resume=resume)  # the subspace the clients download once
+        bptt_stage(bptt_source(cfg), run_dir / "bptt", resume=resume)  # the subspace the clients download once
     write_config(cfg, run_dir / "config.yaml")
     atomic_write_json(run_dir / "federated.json", fc.to_dict())
     train = _dataset(cfg, "train")

@@ -93,7 +93,10 @@ def rge_coefficients(loss_plus: torch.Tensor, loss_minus: torch.Tensor, z: torch
 def forward_difference_coefficients(
     loss_plus: torch.Tensor, loss_center: float, z: torch.Tensor, mu: float
 ) -> torch.Tensor:
-    """One-sided ("one-point", paper App. F / Table 13) estimate ``(1/q) sum_j (L+_j - L(theta))/mu z_j``.
+    """One-sided estimate along q random directions, ``(1/q) sum_j (L+_j - L(theta))/mu z_j``: szo's
+    random-direction variant (``szo-1pt``), not the paper's. Seed 003's one-point estimate (App. F,
+    Table 13) is coordinate-wise, ``(L(theta + mu v_i) - L(theta))/mu`` along every basis vector
+    (``szo.zo.coord_one_point_plan``, ``szo-cge-1pt``).
 
     It needs q + 1 forward passes per step instead of 2q.
     """
@@ -207,7 +210,9 @@ def one_point(
     q: int,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One-sided estimate (paper App. F): q + 1 evaluations."""
+    """One-sided estimate along q random directions ``directions @ z_j``: q + 1 evaluations. szo's
+    random-direction variant (``szo-1pt``); seed 003's one-point estimate (App. F, Table 13) is the
+    coordinate-wise one, ``szo.zo.coord_one_point_plan`` (``szo-cge-1pt``)."""
     _validate(theta, directions, mu)
     if q < 1:
         raise ValueError(f"q must be >= 1, got {q}")

@@ -36,10 +36,13 @@ loss), ``"probe-mean"`` sets them to the mean over the step's forwards (``step``
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as TF
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.functional.zo import per_sample_node_estimate
 from szo.methods import register_builder
@@ -58,9 +61,170 @@ from szo.zo import (
     trainable_layers,
 )
 
-__all__ = ["LayerwiseZO", "PERTURBATIONS", "trainable_layers"]
+__all__ = ["LayerwiseZO", "PERTURBATIONS", "NODE_BN", "CleanBatchStatistics", "trainable_layers"]
 
 PERTURBATIONS: tuple[str, ...] = ("node", "weight", "adaptive")
+NODE_BN: tuple[str, ...] = ("bn-vjp", "frozen", "live")
+"""What a batch-statistics (train-mode) BatchNorm after a node-perturbed layer does during that
+layer's per-sample probes (Algorithm 1 assumes no batch-dependent operation after the node):
+
+* ``"live"``: the probe's own batch statistics. One sample's perturbation moves them and so every
+  other sample's loss, which the per-sample estimate does not see: biased (szo before issue 32);
+* ``"frozen"``: every such BN normalises with the clean forward's batch statistics, so a sample's
+  perturbation reaches only its own loss; unbiased for the gradient *with the statistics held
+  constant*, which misses the same cross-sample terms;
+* ``"bn-vjp"`` (default): ``"frozen"``, then the node estimate is carried through the local
+  vector-Jacobian product of the BN layer the perturbed layer feeds (its batch statistics
+  included, at the clean forward's input), as eq. 10 carries it through the layer itself. Where
+  that BN is the only batch-dependent operation after the layer this is unbiased for the true
+  gradient; BN layers further on stay frozen (their statistics' terms are still missing).
+
+docs/methods.md measures the three (cosine to the true gradient, accuracy)."""
+
+
+def _batch_stat_bn(m: nn.Module) -> bool:
+    """A BN layer that normalises with the statistics of its batch (train mode, or no running statistics)."""
+    return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
+
+
+def _bn_axes(m: nn.Module) -> tuple[int, ...]:
+    """The axes a BN layer keeps of its input: the channel, and time for per-time-step BN
+    (SpikingJelly multi-step ``[T, N, C, ...]``; a single-step layer's input is ``[N, C, ...]``)."""
+    if getattr(m, "step_mode", "s") == "m":
+        return (0, 2) if getattr(m, "bn_time", "shared") == "per-step" else (2,)
+    return (1,)
+
+
+def _keepdim(t: torch.Tensor, keep: tuple[int, ...], ndim: int) -> torch.Tensor:
+    """Statistics shaped by the kept axes, viewed to broadcast over an ``ndim`` input."""
+    shape = [1] * ndim
+    for i, ax in enumerate(keep):
+        shape[ax] = t.shape[i]
+    return t.reshape(shape)
+
+
+class CleanBatchStatistics:
+    """The batch statistics every batch-statistics BatchNorm of ``model`` computed in one recorded
+    (clean) forward; forwards in which chosen BN layers normalise with them instead of their own
+    batch's; the local VJP of the BN a trained layer feeds.
+
+    Inside :meth:`session`: the forward run under :meth:`recording` stores, per BN layer, the mean
+    and biased variance of its input over what the layer normalises over (``_bn_axes``), the order
+    in which the BN and trained layers ran (:meth:`after`), and which BN takes a trained layer's
+    output itself as its input (:meth:`bn_vjp`); under :meth:`frozen` the given BN layers' outputs
+    are replaced by ``F.batch_norm`` of their input with the recorded statistics (eval-mode
+    arithmetic, the layer's affine parameters and eps). Running statistics are not touched here
+    (the probe guard restores them around every probe). A BN layer run twice in one forward is one
+    error: its statistics would be ambiguous.
+    """
+
+    def __init__(self, model: nn.Module, layers: dict[str, nn.Module]):
+        self.bns = [m for m in model.modules() if _batch_stat_bn(m)]
+        self.layers = layers
+        self.stats: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.order: dict[nn.Module, int] = {}
+        self.direct: dict[nn.Module, tuple[nn.Module, torch.Tensor]] = {}  # layer -> (the BN it feeds, its input)
+        self._recording = False
+        self._frozen: set[nn.Module] = set()
+        self._last: tuple[nn.Module, torch.Tensor] | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.bns)
+
+    def _pre(self, m: nn.Module, args) -> None:
+        if not self._recording:
+            return None
+        if m in self.order:
+            if isinstance(m, _BatchNorm):
+                raise ValueError(f"{type(m).__name__} ran twice in one forward; node perturbation with its batch "
+                                 "statistics frozen needs each BatchNorm layer once per forward (or node_bn='live')")
+            return None  # a trained layer run again: its first call orders it (conservative)
+        self.order[m] = len(self.order)
+        if not isinstance(m, _BatchNorm):
+            return None
+        x = args[0].detach()
+        keep = _bn_axes(m)
+        var, mean = torch.var_mean(x, [d for d in range(x.dim()) if d not in keep], unbiased=False)
+        self.stats[m] = (mean, var)
+        if self._last is not None and args[0] is self._last[1]:  # the trained layer's output itself
+            self.direct.setdefault(self._last[0], (m, x))
+        return None
+
+    def _post(self, m: nn.Module, args, out):
+        if self._recording and m in self.layers.values():
+            self._last = (m, out)
+            return None
+        if m not in self._frozen:
+            return None
+        x = args[0]
+        mean, var = self.stats[m]
+        keep = _bn_axes(m)
+        if keep == (1,):
+            return TF.batch_norm(x, mean, var, m.weight, m.bias, False, 0.0, m.eps)
+        if keep == (2,):
+            return TF.batch_norm(x.flatten(0, 1), mean, var, m.weight, m.bias, False, 0.0, m.eps).view_as(x)
+        return torch.stack([TF.batch_norm(x[t], mean[t], var[t], m.weight, m.bias, False, 0.0, m.eps)
+                            for t in range(x.shape[0])])
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator["CleanBatchStatistics"]:
+        """Hooks on the BN and trained layers for one step; what was recorded ends with it."""
+        handles = []
+        for m in (*self.bns, *self.layers.values()):
+            handles.append(m.register_forward_pre_hook(self._pre))
+            handles.append(m.register_forward_hook(self._post))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self.stats, self.order, self.direct, self._frozen, self._recording = {}, {}, {}, set(), False
+            self._last = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        self.stats, self.order, self.direct, self._recording = {}, {}, {}, True
+        try:
+            yield
+        finally:
+            self._recording, self._last = False, None
+
+    def after(self, layer: nn.Module) -> list[nn.Module]:
+        """The batch-statistics BN layers that ran after ``layer`` in the recorded forward (the ones
+        its output can reach; conservative for branches)."""
+        at = self.order.get(layer)
+        if at is None:
+            return []
+        return [m for m in self.bns if self.order.get(m, -1) > at]
+
+    @contextlib.contextmanager
+    def frozen(self, bns: Sequence[nn.Module]) -> Iterator[None]:
+        self._frozen = set(bns)
+        try:
+            yield
+        finally:
+            self._frozen = set()
+
+    def bn_vjp(self, layer: nn.Module, g: torch.Tensor) -> torch.Tensor:
+        """``g`` (the gradient at ``layer``'s output with every BN's statistics held constant) carried
+        through the batch statistics of the BN that takes that output as its input, at the recorded
+        input ``x``: ``g - mean(g) - x_hat mean(g x_hat)`` over the BN's normalised axes, ``x_hat =
+        (x - mean) / sqrt(var + eps)`` (BatchNorm's backward with ``gamma / sigma`` factored out, which
+        the constant-statistics gradient already holds). ``g`` unchanged if no BN takes the output.
+        Assumes the output feeds nothing else (a convolution followed by its BN)."""
+        if layer not in self.direct:
+            return g
+        bn, x = self.direct[layer]
+        keep = _bn_axes(bn)
+        dims = [d for d in range(x.dim()) if d not in keep]
+        mean, var = self.stats[bn]
+        x64 = x.to(torch.float64)
+        xh = (x64 - _keepdim(mean.to(torch.float64), keep, x.dim())) / torch.sqrt(
+            _keepdim(var.to(torch.float64), keep, x.dim()) + bn.eps)
+        g64 = g.to(device=x.device, dtype=torch.float64).view_as(x)
+        out = g64 - g64.mean(dims, keepdim=True) - xh * (g64 * xh).mean(dims, keepdim=True)
+        return out.to(g.dtype).view_as(g)
 
 
 class LayerwiseZO(ForwardOnlyBase):
@@ -78,6 +242,15 @@ class LayerwiseZO(ForwardOnlyBase):
     for ``reduction="none"``), and weight perturbation uses their mean. The estimate is of the
     batch-mean loss's gradient (Algorithm 1 sums over n; the 1/N is the mean's). ``per_sample=False``:
     the batch-mean form szo had before (every node weighted by the batch loss's difference).
+
+    ``node_bn`` (:data:`NODE_BN`): Algorithm 1 assumes no batch-dependent operation after the
+    perturbed node. With a train-mode BatchNorm after a node-perturbed layer, one sample's
+    perturbation moves the batch statistics and so every other sample's loss, and the per-sample
+    estimate is biased (``"live"``, the earlier behaviour). ``"bn-vjp"`` (default) runs that
+    layer's probes with every such BN normalising with the clean forward's batch statistics
+    (:class:`CleanBatchStatistics`) and carries the node estimate through the local VJP of the BN
+    the layer feeds (``"frozen"``: without that VJP). Weight perturbation and the batch-mean form
+    are unbiased with live statistics and never freeze them.
     """
 
     # state_dict()["layerwise"]: generator, forward count, per-layer modes
@@ -85,9 +258,15 @@ class LayerwiseZO(ForwardOnlyBase):
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
-                 generator: torch.Generator | None = None, bn_update: str = "recompute", per_sample: bool = True):
+                 generator: torch.Generator | None = None, bn_update: str = "recompute", per_sample: bool = True,
+                 node_bn: str = "bn-vjp"):
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"unknown perturbation {perturbation!r}; valid: {', '.join(PERTURBATIONS)}")
+        if node_bn not in NODE_BN:
+            raise ValueError(f"unknown node_bn {node_bn!r}; valid: {', '.join(NODE_BN)} (bn-vjp / frozen: BatchNorm "
+                             "after a node-perturbed layer normalises its probes with the clean forward's batch "
+                             "statistics, bn-vjp then carries the estimate through the BN's batch statistics; live: "
+                             "the probes' own statistics, a biased per-sample estimate)")
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
         self.layers = trainable_layers(model, layers)
         params = [p for m in self.layers.values() for p in m.parameters(recurse=False) if p.requires_grad]
@@ -99,6 +278,8 @@ class LayerwiseZO(ForwardOnlyBase):
         self.q = q
         self.per_sample = bool(per_sample) and perturbation != "weight"
         self.loss_reduction = "none" if self.per_sample else "mean"
+        self.node_bn = node_bn
+        self.clean_stats = CleanBatchStatistics(model, self.layers) if self.per_sample and node_bn != "live" else None
         self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
         self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
@@ -143,10 +324,12 @@ class LayerwiseZO(ForwardOnlyBase):
         grads: dict[nn.Parameter, torch.Tensor] = {}
         losses_all: list[float] = []
         ev, ps = self.evaluator, self.per_sample
-        with ev.session():
+        cs = self.clean_stats if self.clean_stats is not None and self.clean_stats.active else None
+        with ev.session(), (cs.session() if cs is not None else contextlib.nullcontext()):
             handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
             try:
-                clean = ev.centre(closure, per_sample=ps)  # l_n [N] (per sample) or l
+                with cs.recording() if cs is not None else contextlib.nullcontext():
+                    clean = ev.centre(closure, per_sample=ps)  # l_n [N] (per sample) or l
                 l0 = float(clean.mean()) if ps else clean
             finally:
                 for h in handles:
@@ -158,10 +341,14 @@ class LayerwiseZO(ForwardOnlyBase):
                 own = self.spaces[name]
                 if self._mode(name, m, node_dim) == "node":
                     plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
-                    losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe",
-                                    per_sample=ps)
+                    # the BN layers this layer's output reaches normalise with the clean batch's statistics
+                    with cs.frozen(cs.after(m)) if cs is not None else contextlib.nullcontext():
+                        losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe",
+                                        per_sample=ps)
                     if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
                         g_z = per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
+                        if cs is not None and self.node_bn == "bn-vjp":  # through the BN it feeds
+                            g_z = cs.bn_vjp(m, g_z)
                         losses = losses.mean(1)
                     else:
                         g_z = plan.estimate(losses, centre=l0).view(shape)

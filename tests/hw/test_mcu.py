@@ -4,6 +4,7 @@ The transcription below is written from the paper (App. A Algorithm 1, eq. 6 / 9
 Sec. 3.2.2's adaptive rule) with plain loops and explicit sums; it uses the fixed-point network
 only as the forward (``net.int_weights`` and ``net.acc_hooks``), never the learner's code.
 """
+import json
 import math
 
 import pytest
@@ -284,3 +285,38 @@ def test_select_block_restores_and_picks_the_best_gain():
     assert out["forwards"] == 3 * (1 + 2)
     for n, s in net.int_weights.items():
         assert torch.equal(s.w_int, start[n])
+
+
+def test_block_selection_stage_records_its_choice_and_a_resume_keeps_it(tmp_path):
+    """Seed 004 Sec. 3.3.1 as a run's stage: the synapses cut into blocks, one epoch of test training
+    per block on the train split less its held-out tail, from the same integers (put back after), the
+    best held-out gain chosen; block_selection.json makes a resumed run keep the block."""
+    from torch.utils.data import TensorDataset
+
+    from szo.hw.mcu import SELECTION_FILE, block_selection_stage
+
+    x, y = _data(40)
+    _, net = _net()
+    loss = lambda out, yy, reduction="mean": F.cross_entropy(out.mean(0), yy, reduction=reduction)  # noqa: E731
+    kw = dict(blocks=4, epochs=1, heldout=0.2, batch_size=8, q=2, lr=0.05, seed=3, loss_fn=loss)
+    ds = TensorDataset(x, y)
+    floats = {k: v.clone() for k, v in net.state_dict().items()}
+    out = block_selection_stage(net, ds, run_dir=tmp_path, **kw)
+    assert all(torch.equal(v, floats[k]) for k, v in net.state_dict().items())  # as it found them
+    assert out["blocks"] == [["conv1"], ["conv2"], ["fc"]]  # three synapses: three blocks
+    assert out["layers"] == out["blocks"][out["block"]] and len(out["gains"]) == 3
+    assert out["gains"][out["block"]] == max(out["gains"])
+    assert (out["heldout_samples"], out["steps_per_block"]) == (8, 4)  # 32 training samples, batches of 8
+    assert out["forwards"] == 3 * 4 * (1 + 2)
+    start = {n: s.w_int.clone() for n, s in net.int_weights.items()}  # frozen by the stage, then put back
+    refrozen = to_fixed(_net()[0])
+    refrozen(x[:1])
+    assert all(torch.equal(s.w_int, start[n]) for n, s in refrozen.freeze_weights().items())
+    again = block_selection_stage(net, ds, run_dir=tmp_path, **kw)  # read from the run directory
+    assert again == json.loads((tmp_path / SELECTION_FILE).read_text()) and again["block"] == out["block"]
+    assert all(torch.equal(s.w_int, start[n]) for n, s in net.int_weights.items())
+    with pytest.raises(ValueError, match=r"block_selection.json records a block selection with settings .* remove"):
+        block_selection_stage(net, ds, run_dir=tmp_path, **{**kw, "q": 3})
+    with pytest.raises(ValueError, match=r"8 training samples after holding out 32 of 40 \(80%\) are fewer than one "
+                                         r"batch of 16"):
+        block_selection_stage(net, ds, **{**kw, "heldout": 0.8, "batch_size": 16})
