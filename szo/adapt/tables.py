@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from szo import plots
 from szo.io import atomic_write_json, atomic_write_text
-from szo.methods import NO_ADAPTATION, method_label
+from szo.methods import NO_ADAPTATION, get_method, method_label
 
 from .methods import USES_BP
 from .subspace import LABEL_LEAK
@@ -112,7 +112,8 @@ def plot_accuracy(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
     markers = {m: plots.MARKERS[i % len(plots.MARKERS)] for i, m in enumerate(methods)}
     points = [m for m in methods if m != NO_ADAPTATION]
     dx = {m: (j - (len(points) - 1) / 2) * min(0.13, 0.8 / max(len(points), 1)) for j, m in enumerate(points)}
-    diff_ref = "bn" if "bn" in methods else None
+    # the difference panel's reference: the BN-statistics adaptation where it ran (the registry's adapter)
+    diff_ref = next((m for m in methods if get_method(m).adapter == "batch-statistics"), None)
     ratios = [3, 2] if diff_ref else [3]
     fig = plots.pyplot().figure(figsize=(13, len(settings) * (sum(ratios) * 1.3 + 1.0)), layout="constrained")
     subs = fig.subfigures(len(settings), 1, squeeze=False)[:, 0]

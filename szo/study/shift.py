@@ -38,7 +38,7 @@ from subspace_store import build_subspace
 from szo import plots
 from szo.data import dataset_info, get_dataset, make_loader
 from szo.io import atomic_write_json, atomic_write_text
-from szo.methods import get_method, method_label
+from szo.methods import get_method, list_methods, method_label
 from szo.optim import build_optimizer
 from szo.rundir import run_lock
 from szo.runs import load_run_model, loss_for
@@ -48,7 +48,9 @@ from szo.trajectory import Trajectory
 
 __all__ = ["ShiftSettings", "study_shift", "adaptation_subspace", "bn_adapt", "render_shift", "plot_shift"]
 
-NOT_TRAINING = ("none", "bn")
+#: the methods that change no weight (no adaptation, BN statistics): the registry's non-trainable ones
+#: with a source or batch-statistics adapter
+NOT_TRAINING = list_methods(trainable=False, adapter=lambda a: a in ("source", "batch-statistics"))
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,10 @@ def _cell(bp_run: Path, method: str, n: int, st: ShiftSettings, sub: Any, pool: 
     loader = make_loader(Subset(pool, order), st.batch, shuffle=True, generator=gen)
     t0 = time.perf_counter()
     fp = bp = 0
-    if method == "bn":
+    spec = get_method(method, trainable=None)
+    if spec.adapter == "batch-statistics":
         fp = bn_adapt(model, loader)
-    elif method != "none":
-        spec = get_method(method, trainable=True)
+    elif spec.trainable:
         model.train()
         opt = build_optimizer(method, model, subspace=sub if spec.subspace else None, lr=st.lr_of(method),
                               momentum=st.momentum, mu=st.mu, q=st.q, generator=torch.Generator().manual_seed(st.seed),
@@ -198,7 +200,7 @@ def study_shift(bp_run: str | os.PathLike, settings: ShiftSettings = ShiftSettin
         for n in settings.samples:
             for m in settings.methods:
                 res = _cell(bp_run, m, n, settings, sub, pool, test_loader, out / f"n{n}" / m)
-                rows.append({"method": m, "label": _label(m), "n": n, "test_acc": res["final_test_acc"],
+                rows.append({"method": m, "label": method_label(m), "n": n, "test_acc": res["final_test_acc"],
                              "fp": int(res.get("fp", 0)), "bp": int(res.get("bp", 0)),
                              "seconds": round(float(res.get("adapt_seconds", res.get("wall_time_min", 0) * 60)), 2)})
                 if progress:
@@ -217,10 +219,6 @@ def study_shift(bp_run: str | os.PathLike, settings: ShiftSettings = ShiftSettin
     return result
 
 
-def _label(method: str) -> str:
-    return {"none": "No adapt.", "bn": "BN adapt."}.get(method) or method_label(method)
-
-
 def render_shift(result: dict[str, Any]) -> str:
     """Markdown: test accuracy per method (rows) and N (columns), with #FP / #BP per cell."""
     st = result["settings"]
@@ -233,7 +231,7 @@ def render_shift(result: dict[str, Any]) -> str:
     for m in dict.fromkeys(r["method"] for r in result["rows"]):
         cells = {r["n"]: r for r in result["rows"] if r["method"] == m}
         last = cells[ns[-1]]
-        lines.append(f"| {_label(m)} | " + " | ".join(f"{100 * cells[n]['test_acc']:.2f}" for n in ns)
+        lines.append(f"| {method_label(m)} | " + " | ".join(f"{100 * cells[n]['test_acc']:.2f}" for n in ns)
                      + f" | {last['fp']} / {last['bp']} |")
     return "\n".join(lines) + "\n"
 
@@ -245,9 +243,9 @@ def plot_shift(result: dict[str, Any], path: str | os.PathLike) -> Path:
     for i, m in enumerate(dict.fromkeys(r["method"] for r in result["rows"])):
         rs = sorted((r for r in result["rows"] if r["method"] == m), key=lambda r: r["n"])
         mk = plots.MARKERS[i % len(plots.MARKERS)]
-        axes[0].plot([r["n"] for r in rs], [100 * r["test_acc"] for r in rs], marker=mk, label=_label(m))
+        axes[0].plot([r["n"] for r in rs], [100 * r["test_acc"] for r in rs], marker=mk, label=method_label(m))
         cost = [max(r["fp"] + 2 * r["bp"], 1) for r in rs]
-        axes[1].plot(cost, [100 * r["test_acc"] for r in rs], marker=mk, label=_label(m))
+        axes[1].plot(cost, [100 * r["test_acc"] for r in rs], marker=mk, label=method_label(m))
     axes[0].set_xlabel("labelled samples N (seen once)")
     axes[1].set_xlabel("forward-equivalents (FP + 2 BP)")
     axes[1].set_xscale("log")
