@@ -46,6 +46,7 @@ from szo.models.compiled import check_compile
 from szo.models.neurons import ACTIVATIONS
 from szo.models.streaming import BN_TIMES, STREAM_BN_MODES
 from szo.zo.bn import BN_UPDATES
+from szo.zo.scale import SCALES
 
 __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
@@ -235,6 +236,7 @@ class SZOConfig(Section):
     engine: str = _opt("loop", choices=lambda: ENGINES)
     chunk: int | None = _opt(None, min=1)
     bn_update: str = _opt("recompute", choices=lambda: BN_UPDATES)
+    scale: str = _opt("absolute", choices=lambda: SCALES)
     layers: list | None = None  # np-zo / wp-zo / awp-zo: layers to train (sparse), null = all
     stages: int | None = _opt(None, min=1)  # asyncfgd: pipeline stages K, null = 2
     # np-zo / awp-zo: node perturbation weighs each sample's nodes by its own loss difference (seed 004

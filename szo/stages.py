@@ -36,6 +36,7 @@ from szo.methods import get_method, list_methods, method_label
 from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
 from szo.optim import MCUZO, HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
+from szo.optim.subspace import SubspaceOptimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
@@ -300,6 +301,7 @@ def optimizer_options(cfg: Mapping[str, Any]) -> OptimizerOptions:
     return OptimizerOptions(
         lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
         coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
+        scale=sz["scale"],
         layers=None if sz["layers"] is None else tuple(sz["layers"]), stages=sz["stages"],
         node_losses=sz["node_losses"],
         tt=TTOptions(**{k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step", "cge")}),
@@ -382,6 +384,8 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
         opt = build_optimizer(cfg["method"], sm.net, subspace=sm.subspace, options=optimizer_options(cfg), run=run)
         info = _info(cfg, cfg["method"], cfg["mode"])
         info.update(subspace=cfg["subspace"]["name"], k=sm.subspace.k, **sm.extra)
+        if isinstance(opt, SubspaceOptimizer):  # the units its mu / lr are in (szo.zo.scale)
+            info["scale"] = opt.scale_info
         late = ResultFields(lambda: _late_results(sm.net, opt, sm.extra))
         digest = subspace_store_for(cfg).digest(cfg["subspace"]["name"])
         return fit(sm.net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),

@@ -148,7 +148,7 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
         source, sub, t["data"], cfg["method"], settings, severity=t["severity"], batch_size=t["batch_size"],
         lr_reset=t["lr_reset"], lr_continual=t["lr_continual"], data_dir=t["data_dir"], seed=seed, out_dir=out,
         corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
-        q=int(szo_cfg.get("q", 10)), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
+        q=int(szo_cfg.get("q", 10)), scale=szo_cfg.get("scale", "absolute"), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
         tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
         dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False, precision=cfg["precision"],
         info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from szo.data import CORRUPTIONS, get_dataset, make_loader
 from szo.methods import get_method
 from szo.precision import check_precision, precision_policy
+from szo.zo.scale import coordinate_scales, scale_record
 
 from .methods import (
     METHODS,
@@ -108,6 +109,7 @@ class TTAOptions:
     mu: float = 1.0
     momentum: float = 0.9
     q: int = 10
+    scale: str = "absolute"
     predict: str = "before"
     tent_optimizer: str = "adam"
     tent_lr: float = 1e-3
@@ -213,7 +215,8 @@ class _TTARun:
     def _adapter(self, method: str, model: nn.Module, setting: str, c: str, gen: torch.Generator) -> Any:
         o = self.o
         return build_adapter(method, model, subspace=self.subspace_for(c), lr=o.lr_of(method, setting) or None,
-                             momentum=o.momentum, mu=o.mu, q=o.q, predict=o.predict, tent_optimizer=o.tent_optimizer,
+                             momentum=o.momentum, mu=o.mu, q=o.q, scale=o.scale, predict=o.predict,
+                             tent_optimizer=o.tent_optimizer,
                              tent_lr=o.tent_lr, tent_momentum=o.tent_momentum, generator=gen)
 
     def _run_method(self, setting: str, method: str) -> dict[str, Any]:
@@ -289,6 +292,17 @@ class _TTARun:
                        f"  #FP {done['fp']} #BP {done['bp']}  ({elapsed:.1f}s)")
         return row
 
+    def _scale_record(self) -> dict[str, Any]:
+        """The units of mu / lr of the subspace methods (``szo.zo.scale``): the rule and each direction's
+        unit in the adaptation subspace (one record per corruption for per-corruption subspaces)."""
+        o, sub = self.o, self.subspace
+        if sub is None or o.scale == "absolute":
+            return scale_record(o.scale, None)
+        if not self.per_corruption:
+            return scale_record(o.scale, coordinate_scales(sub.eigenvalues, o.scale))
+        return {"rule": o.scale, "per_corruption": {c: scale_record(o.scale, coordinate_scales(sub[c].eigenvalues, o.scale))
+                                                    for c in self.corruptions}}
+
     def _results(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         o = self.o
         return {
@@ -296,7 +310,7 @@ class _TTARun:
             "corruptions": self.corruptions, "methods": self.methods, "settings": self.settings, "results": results,
             "config": {
                 "batch_size": o.batch_size, "lr_reset": o.lr_reset, "lr_continual": o.lr_continual, "mu": o.mu,
-                "momentum": o.momentum, "q": o.q, "k": self.k, "predict": o.predict, "tent_optimizer": o.tent_optimizer,
+                "momentum": o.momentum, "q": o.q, "scale": self._scale_record(), "k": self.k, "predict": o.predict, "tent_optimizer": o.tent_optimizer,
                 "tent_lr": o.tent_lr, "tent_momentum": o.tent_momentum, "seed": o.seed, "max_batches": o.max_batches,
                 "subspace_per_corruption": self.per_corruption,
                 **dict(o.info or {}),

@@ -54,6 +54,7 @@ from szo.zo import (
     resolve_model,
     rge_plan,
 )
+from szo.zo.scale import SCALES, coordinate_scales, scale_record
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
@@ -102,18 +103,24 @@ class SubspaceOptimizer(CodecOptimizer):
     codecs = (StateCodec("subspace", COORDS, check=check_k),)
 
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
-                 start: str | None = None):
+                 start: str | None = None, scale: str = "absolute"):
         model_first = isinstance(params, nn.Module)
         params, model = resolve_model(params, model, type(self).__name__)
         if isinstance(params[0], dict):
             raise ValueError("subspace optimizers take one flat list of parameters (no param groups)")
         check_hparams(lr=defaults["lr"], momentum=defaults["momentum"])
         check_layout(subspace, params, model)
+        if scale not in SCALES:
+            raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+        units = None if scale == "absolute" else coordinate_scales(subspace.eigenvalues, scale)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
         super().__init__(params, defaults)
         self.model = model
-        self.space = SubspaceSpace(params, subspace.basis)
+        # the coordinates' units (szo.zo.scale): None under "absolute", the paper's arithmetic unchanged
+        self.scale = scale
+        self.units = units
+        self.space = SubspaceSpace(params, subspace.basis, scales=units)
         self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
@@ -122,6 +129,11 @@ class SubspaceOptimizer(CodecOptimizer):
             "delta": torch.zeros(self.k, dtype=torch.float64),
             "step": 0,
         }
+
+    @property
+    def scale_info(self) -> dict:
+        """The units mu and lr are expressed in (results.json ``scale``: the rule, each direction's unit)."""
+        return scale_record(self.scale, self.units)
 
     @property
     def coordinates(self) -> torch.Tensor:
@@ -221,6 +233,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         compile: bool = False,
         bn_update: str = "recompute",
         start: str | None = None,
+        scale: str = "absolute",
     ):
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
@@ -235,7 +248,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         check_hparams(mu=mu, q=q if estimator != "cge" else None)
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
-                                   start=start)
+                                   start=start, scale=scale)
         model = self.model
         if distributed == "data" and sync_bn and model is not None and any(
                 getattr(m, "bn_time", "shared") == "per-step" for m in model.modules()):
@@ -336,8 +349,9 @@ class BPSubspace(SubspaceOptimizer):
         momentum: float = 0.9,
         model: nn.Module | None = None,
         start: str | None = None,
+        scale: str = "absolute",
     ):
-        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start)
+        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start, scale=scale)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):  # type: ignore[override]
@@ -353,7 +367,7 @@ class BPSubspace(SubspaceOptimizer):
 # ---------------------------------------------------------------------- registry builders
 @register_builder("bp-subspace")
 def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
-    return BPSubspace(model, subspace, lr=o.lr, momentum=o.momentum, start=run.start)
+    return BPSubspace(model, subspace, lr=o.lr, momentum=o.momentum, start=run.start, scale=o.scale)
 
 
 @register_builder("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt")
@@ -361,4 +375,5 @@ def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
                generator=run.generator, distributed=run.distributed, sync_bn=run.sync_bn,
-               process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start)
+               process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start,
+               scale=o.scale)
