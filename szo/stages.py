@@ -384,8 +384,6 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
         opt = build_optimizer(cfg["method"], sm.net, subspace=sm.subspace, options=optimizer_options(cfg), run=run)
         info = _info(cfg, cfg["method"], cfg["mode"])
         info.update(subspace=cfg["subspace"]["name"], k=sm.subspace.k, **sm.extra)
-        if isinstance(opt, SubspaceOptimizer):  # the units its mu / lr are in (szo.zo.scale)
-            info["scale"] = opt.scale_info
         late = ResultFields(lambda: _late_results(sm.net, opt, sm.extra))
         digest = subspace_store_for(cfg).digest(cfg["subspace"]["name"])
         return fit(sm.net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
@@ -407,6 +405,8 @@ def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> d
         out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
     if isinstance(opt, HybridZO):
         out["tt"] = dict(extra.get("tt", {}), switched_at_step=opt.hybrid_state["switched_at"])
+    if isinstance(opt, SubspaceOptimizer):  # the units its mu / lr were in (szo.zo.scale)
+        out["scale"] = opt.scale_info
     if isinstance(opt, MCUZO):  # seed 004's learner: its layers' modes and every clamped int8 weight / probe
         out["mcu"] = {"modes": opt.mode_names, "saturations": opt.counter.as_dict()}
     return out

@@ -36,6 +36,7 @@ from szo.config import RecipeConfig, resolve, write_config
 from szo.precision import PRECISIONS
 from szo.runs import load_run_model
 from szo.stages import bptt_stage, run_dir_guard
+from szo.zo.scale import SCALES
 
 from .methods import METHODS, PREDICT, SETTINGS, SUBSPACE_METHODS, TENT_OPTIMIZERS
 from .subspace import LABEL_LEAK
@@ -147,8 +148,9 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str =
     res = run_tta(
         source, sub, t["data"], cfg["method"], settings, severity=t["severity"], batch_size=t["batch_size"],
         lr_reset=t["lr_reset"], lr_continual=t["lr_continual"], data_dir=t["data_dir"], seed=seed, out_dir=out,
-        corruptions=t["corruptions"], mu=float(szo_cfg.get("mu", 1.0)), momentum=t["momentum"],
-        q=int(szo_cfg.get("q", 10)), scale=szo_cfg.get("scale", "absolute"), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
+        corruptions=t["corruptions"], mu=float(szo_cfg["mu"]), momentum=t["momentum"],
+        q=int(szo_cfg.get("q", 10)), scale=szo_cfg["scale"], predict=t["predict"], tent_optimizer=t["tent_optimizer"],
+        tent_lr=t["tent_lr"],
         tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
         dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False, precision=cfg["precision"],
         info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})
@@ -182,9 +184,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--method", default="all", help=f"all or comma list of: {', '.join(METHODS)}")
     p.add_argument("--setting", default="both", help=f"both or one of: {', '.join(SETTINGS)}")
     p.add_argument("--batch-size", type=int, default=100)
-    p.add_argument("--lr-reset", type=float, default=1.0)
-    p.add_argument("--lr-continual", type=float, default=0.1)
-    p.add_argument("--mu", type=float, default=1.0)
+    p.add_argument("--scale", default=None, choices=SCALES,
+                   help="units of --mu / --lr-* (szo.scale; default trajectory for the subspace methods)")
+    p.add_argument("--lr-reset", type=float, default=None, help="default: the scale's (absolute: 1.0, App. G)")
+    p.add_argument("--lr-continual", type=float, default=None, help="default: the scale's (absolute: 0.1, App. G)")
+    p.add_argument("--mu", type=float, default=None, help="default: the scale's (absolute: 1.0, App. G)")
     p.add_argument("--q", type=int, default=10)
     p.add_argument("--predict", default="before", choices=PREDICT)
     p.add_argument("--tent-optimizer", default="adam", choices=TENT_OPTIMIZERS)
@@ -204,7 +208,7 @@ def flags_config(args: argparse.Namespace) -> RecipeConfig:
     return resolve({
         "name": "adapt", "kind": "tta", "method": args.method, "setting": args.setting, "seed": args.seed,
         "device": args.device, "precision": args.precision, "progress": True, "subspace": {"name": args.subspace, "root": args.subspace_root},
-        "szo": {"mu": args.mu, "q": args.q},
+        "szo": {"mu": args.mu, "q": args.q, "scale": args.scale},
         "tta": {"data": args.data, "data_dir": args.data_dir, "severity": args.severity, "batch_size": args.batch_size,
                 "lr_reset": args.lr_reset, "lr_continual": args.lr_continual, "predict": args.predict,
                 "tent_optimizer": args.tent_optimizer, "tent_lr": args.tent_lr, "max_batches": args.max_batches,

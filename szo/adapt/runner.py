@@ -45,10 +45,12 @@ from .methods import (
 )
 from .tables import write_tables
 
-__all__ = ["run_tta", "TTAOptions", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
+__all__ = ["run_tta", "TTAOptions", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS", "APP_G_LR"]
 
 #: methods whose predictions do not depend on the setting (no parameter change, batch-local)
 SETTING_FREE_METHODS = tuple(m for m in METHODS if adapter_class(m).setting_free)
+#: the subspace methods' learning rate per setting under szo.scale absolute (paper App. G)
+APP_G_LR = {"reset": 1.0, "continual": 0.1}
 
 
 def _resolve_names(what: str, value: str | Sequence[str], valid: Sequence[str], everything: str) -> list[str]:
@@ -89,7 +91,9 @@ class TTAOptions:
     """How :func:`run_tta` adapts and evaluates (everything but the source, subspace, data set,
     methods and settings).
 
-    ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (App. G);
+    ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (None: the default of
+    ``scale``: absolute 1.0 / 0.1, App. G; trajectory: each method's relative ``train.lr``, ``szo.methods``);
+    ``scale``: the units of ``mu`` and the learning rates (``szo.zo.scale``);
     ``corruptions``: default ``szo.data.CORRUPTIONS`` (the 15, table order); ``predict``:
     ``"before"`` | ``"after"`` (see ``szo.adapt.methods``); ``max_batches``: adapt on at most this
     many batches per corruption (quick checks); ``get_data``: ``corruption -> Dataset`` instead of
@@ -101,8 +105,8 @@ class TTAOptions:
     batch_size: int
     out_dir: str | os.PathLike
     severity: int = 5
-    lr_reset: float = 1.0
-    lr_continual: float = 0.1
+    lr_reset: float | None = None
+    lr_continual: float | None = None
     data_dir: str | os.PathLike | None = None
     seed: int = 0
     corruptions: Sequence[str] | None = None
@@ -140,7 +144,14 @@ class TTAOptions:
         option = adapter_class(method).lr_option
         if option == "tent_lr":
             return self.tent_lr
-        return (self.lr_reset if setting == "reset" else self.lr_continual) if option == "lr" else None
+        if option != "lr":
+            return None
+        lr = self.lr_reset if setting == "reset" else self.lr_continual
+        if lr is not None:
+            return lr
+        if self.scale == "trajectory":
+            return get_method(method).relative["train.lr"]
+        return APP_G_LR[setting]
 
 
 class _TTARun:

@@ -24,6 +24,7 @@ digits: 28 % instead of 90 % after 2 epochs, issue 17).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -54,7 +55,7 @@ from szo.zo import (
     resolve_model,
     rge_plan,
 )
-from szo.zo.scale import SCALES, coordinate_scales, scale_record
+from szo.zo.scale import NORMALISED, SCALES, coordinate_scales, normalise_, scale_record
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
@@ -93,7 +94,8 @@ def check_k(opt, section: dict) -> None:
 
 
 COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
-           Field("step", "int", "subspace_state.step"))
+           Field("step", "int", "subspace_state.step"),
+           Field("calibration", "plain", "subspace_state.calibration", optional=True))
 
 
 class SubspaceOptimizer(CodecOptimizer):
@@ -128,12 +130,20 @@ class SubspaceOptimizer(CodecOptimizer):
             "c": torch.zeros(self.k, dtype=torch.float64),
             "delta": torch.zeros(self.k, dtype=torch.float64),
             "step": 0,
+            # a normalised scale (szo.zo.scale.NORMALISED): the RMS gradient length of the first steps
+            "calibration": {"n": 0, "sq": 0.0} if scale in NORMALISED else None,
         }
+
+    @property
+    def calibration_steps(self) -> int:
+        """Steps whose estimates set a normalised scale's gradient unit (one: an exact or coordinate-wise
+        estimate sees every direction in one step)."""
+        return 1
 
     @property
     def scale_info(self) -> dict:
         """The units mu and lr are expressed in (results.json ``scale``: the rule, each direction's unit)."""
-        return scale_record(self.scale, self.units)
+        return scale_record(self.scale, self.units, self.subspace_state["calibration"])
 
     @property
     def coordinates(self) -> torch.Tensor:
@@ -145,7 +155,10 @@ class SubspaceOptimizer(CodecOptimizer):
         """Eq. (6) in coordinates (heavy ball on delta), then theta += P delta."""
         group = self.param_groups[0]
         st = self.subspace_state
-        heavy_ball_(st["delta"], g_c.to(torch.float64), lr=group["lr"], momentum=group["momentum"])
+        g = g_c.to(torch.float64)
+        if st["calibration"] is not None:  # lr is a step length in the subspace's units
+            g = normalise_(st["calibration"], g, self.calibration_steps)
+        heavy_ball_(st["delta"], g, lr=group["lr"], momentum=group["momentum"])
         st["c"] += st["delta"]
         st["step"] += 1
         self.space.add_coords(st["delta"])
@@ -293,6 +306,14 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
                   "coord-one-point": self.k + 1}[self.estimator]
         return probes + int(self.recomputes)
 
+    @property
+    def calibration_steps(self) -> int:
+        """A random-direction estimate sees q of the k directions per step: ceil(k / q) steps set the
+        gradient unit of a normalised scale (one for the coordinate estimators)."""
+        if self.estimator in ("cge", "coord-one-point"):
+            return 1
+        return -(-self.k // self.q)
+
     def plan(self) -> Plan:
         """This step's probes (draws the RGE / one-point directions from ``generator``).
 
@@ -306,6 +327,8 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         if self.estimator == "coord-one-point":
             return coord_one_point_plan(self.k, mu)
         z = gaussian_rows(self.q, self.k, self.generator)
+        if self.units is not None:  # relative scale: mu is the probe's length in units, as for CGE (E|z|^2 = k)
+            mu = mu / math.sqrt(self.k)
         return rge_plan(z, mu) if self.estimator == "rge" else one_point_plan(z, mu)
 
     def probe_plan(self) -> tuple[torch.Tensor, torch.Tensor | None]:

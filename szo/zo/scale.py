@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SCALES", "coordinate_scales", "scale_record"]
+__all__ = ["SCALES", "NORMALISED", "coordinate_scales", "scale_record", "normalise_"]
 
-SCALES: tuple[str, ...] = ("absolute", "trajectory", "global", "whiten")
+SCALES: tuple[str, ...] = ("absolute", "trajectory", "global", "whiten", "global-n", "whiten-n")
+#: the rules whose lr is a step length: the gradient (in the scaled coordinates) is divided by its RMS
+#: over the first steps, so lr is the length of the first step in units of the coordinates
+NORMALISED: tuple[str, ...] = ("trajectory", "global-n", "whiten-n")
 
 
 def coordinate_scales(eigenvalues: torch.Tensor, scale: str) -> torch.Tensor | None:
@@ -39,13 +42,32 @@ def coordinate_scales(eigenvalues: torch.Tensor, scale: str) -> torch.Tensor | N
     if lam.numel() < 1 or not bool(torch.isfinite(lam).all()) or not bool((lam > 0).all()):
         raise ValueError(f"scale {scale!r} needs the subspace's eigenvalues (finite, > 0, one per direction); "
                          f"got {lam.tolist()[:8]}: use scale 'absolute' for a subspace without them")
-    if scale in ("trajectory", "global"):
+    if scale in ("trajectory", "global", "global-n"):
         return lam.sum().sqrt().expand(lam.numel()).clone()
     return lam.sqrt()
 
 
-def scale_record(scale: str, scales: torch.Tensor | None) -> dict:
-    """What a run records about its units (results.json ``scale``): the rule and each direction's unit."""
-    if scales is None:
-        return {"rule": scale}
-    return {"rule": scale, "units": [float(v) for v in scales]}
+def normalise_(calibration: dict, g: torch.Tensor, steps: int) -> torch.Tensor:
+    """``g`` divided by the RMS length of the estimates of the first ``steps`` nonzero steps
+    (``calibration``: ``{"n": steps seen, "sq": their mean squared length}``, updated in place);
+    zeros while no nonzero estimate has been seen."""
+    sq = float(g.pow(2).sum())
+    n = int(calibration["n"])
+    if n < steps and sq > 0:
+        calibration["sq"] = (float(calibration["sq"]) * n + sq) / (n + 1)
+        calibration["n"] = n + 1
+    if float(calibration["sq"]) <= 0:
+        return torch.zeros_like(g)
+    return g / float(calibration["sq"]) ** 0.5
+
+
+def scale_record(scale: str, scales: torch.Tensor | None, calibration: dict | None = None) -> dict:
+    """What a run records about its units (results.json ``scale``): the rule, each direction's unit
+    and, for a normalised rule, the gradient length its lr is divided by."""
+    out: dict = {"rule": scale}
+    if scales is not None:
+        out["units"] = [float(v) for v in scales]
+    if calibration is not None:
+        out["gradient_unit"] = float(calibration["sq"]) ** 0.5
+        out["calibration_steps"] = int(calibration["n"])
+    return out

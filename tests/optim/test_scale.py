@@ -42,46 +42,84 @@ def test_unknown_scale_is_refused_with_the_choices():
         SZO(model, scaled_subspace(model, 3), scale="relative")
 
 
-@pytest.mark.parametrize("estimator", ["cge", "rge", "one-point", "coord-one-point"])
-def test_scaled_szo_is_absolute_szo_on_the_basis_p_times_units(estimator):
-    """Every estimator under a relative scale = the absolute optimizer on the basis P diag(s):
-    probes of mu * s_i along direction i, updates lr * s_i**2 per unit gradient."""
+def sigma(sub):
+    return float(sub.eigenvalues.sum().sqrt())
+
+
+def step_all(opts_models, x, y, n):
+    for _ in range(n):
+        for opt, model in opts_models:
+            opt.step(lambda model=model: nn.functional.cross_entropy(model(x), y))
+
+
+def test_first_step_has_length_lr_sigma_then_eq6_with_that_lr():
+    """trajectory = absolute SZO-CGE at mu * sigma whose lr makes the first step lr * sigma long:
+    lr_abs = lr * sigma**2 / |g_u| with g_u the first estimate in units (= sigma * |g_c|)."""
     torch.manual_seed(0)
-    model = Tiny().double()
-    ref = Tiny().double()
+    model, ref, start = Tiny().double(), Tiny().double(), Tiny().double()
     ref.load_state_dict(model.state_dict())
+    start.load_state_dict(model.state_dict())
     sub = scaled_subspace(model, 4)
-    s = coordinate_scales(sub.eigenvalues, "trajectory")
-    explicit = SimpleNamespace(basis=sub.basis * s[None, :], layout=sub.layout)
+    sg = sigma(sub)
     x, y = data()
     x = x.double()
-    kw = dict(mu=0.3, lr=0.2, momentum=0.9, estimator=estimator, q=3, start="current")
-    a = SZO(model, sub, scale="trajectory", generator=torch.Generator().manual_seed(1), **kw)
-    b = SZO(ref, explicit, generator=torch.Generator().manual_seed(1), **kw)
-    for _ in range(4):
-        a.step(lambda: nn.functional.cross_entropy(model(x), y))
-        b.step(lambda: nn.functional.cross_entropy(ref(x), y))
-    assert not torch.equal(flat(model), flat(Tiny().double()))
+    a = SZO(model, sub, mu=0.3, lr=0.05, momentum=0.0, scale="trajectory", start="current")
+    step_all([(a, model)], x, y, 1)
+    torch.testing.assert_close(float((flat(model) - flat(start)).norm()), 0.05 * sg, rtol=1e-9, atol=0)
+    unit = a.scale_info["gradient_unit"]
+    assert a.scale_info["calibration_steps"] == 1 and a.scale_info["units"] == [sg] * 4
+    b = SZO(ref, sub, mu=0.3 * sg, lr=0.05 * sg ** 2 / unit, momentum=0.0, scale="absolute", start="current")
+    step_all([(b, ref)], x, y, 1)
     torch.testing.assert_close(flat(model), flat(ref), rtol=0, atol=1e-12)
-    assert a.scale_info == {"rule": "trajectory", "units": [float(v) for v in s]}
+    for opt in (a, b):
+        opt.param_groups[0]["momentum"] = 0.9
+    step_all([(a, model), (b, ref)], x, y, 4)
+    torch.testing.assert_close(flat(model), flat(ref), rtol=0, atol=1e-12)
+    assert a.scale_info["gradient_unit"] == unit  # set by the first step, then fixed
 
 
-def test_scaled_bp_subspace_steps_lr_times_units_squared():
-    """BP-Subspace: g_u = S P^T grad, so theta moves by -lr P S^2 P^T grad (no momentum, one step)."""
-    torch.manual_seed(0)
+@pytest.mark.parametrize("estimator", ["rge", "one-point"])
+def test_random_directions_probe_mu_sigma_long_and_calibrate_over_k_over_q_steps(estimator):
+    model = Tiny().double()
+    sub = scaled_subspace(model, 5)
+    opt = SZO(model, sub, mu=0.3, lr=0.05, estimator=estimator, q=2, scale="trajectory", start="current")
+    plan = opt.plan()
+    assert plan.mu == pytest.approx(0.3 / 5 ** 0.5)  # a probe mu sigma z / sqrt(k): expected length mu sigma
+    assert opt.calibration_steps == 3  # ceil(k / q) = ceil(5 / 2)
+    x, y = data()
+    x = x.double()
+    step_all([(opt, model)], x, y, 5)
+    assert opt.scale_info["calibration_steps"] == 3
+
+
+def test_a_zero_estimate_moves_nothing_and_leaves_the_calibration_open():
     model = Tiny().double()
     sub = scaled_subspace(model, 3)
-    s = coordinate_scales(sub.eigenvalues, "trajectory")
+    opt = SZO(model, sub, mu=0.3, lr=0.05, scale="trajectory", start="current")
+    before = flat(model)
+    opt.step(lambda: torch.tensor(1.0, dtype=torch.float64))  # a constant loss: every difference is 0
+    assert torch.equal(flat(model), before)
+    assert opt.scale_info["calibration_steps"] == 0 and opt.scale_info["gradient_unit"] == 0.0
+
+
+def test_calibration_survives_a_checkpoint_and_absolute_state_keeps_its_keys():
+    torch.manual_seed(0)
     x, y = data()
     x = x.double()
-    opt = BPSubspace(model, sub, lr=0.5, momentum=0.0, scale="trajectory", start="current")
-    before = flat(model)
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    opt.step()
-    P = sub.basis
-    torch.testing.assert_close(flat(model) - before, -0.5 * P @ (s ** 2 * (P.t() @ grad)), rtol=0, atol=1e-12)
+    model = Tiny().double()
+    sub = scaled_subspace(model, 3)
+    opt = SZO(model, sub, mu=0.3, lr=0.05, scale="trajectory", start="current")
+    step_all([(opt, model)], x, y, 2)
+    sd = opt.state_dict()
+    assert sd["subspace"]["calibration"]["n"] == 1
+    twin = Tiny().double()
+    twin.load_state_dict(model.state_dict())
+    again = SZO(twin, sub, mu=0.3, lr=0.05, scale="trajectory", start="current")
+    again.load_state_dict(sd)
+    step_all([(opt, model), (again, twin)], x, y, 2)
+    assert torch.equal(flat(model), flat(twin))
+    plain = SZO(Tiny().double(), sub, mu=1.0, lr=1.0, start="current")
+    assert "calibration" not in plain.state_dict()["subspace"]  # the paper's checkpoint format as it was
 
 
 def test_absolute_leaves_the_space_bit_for_bit():
