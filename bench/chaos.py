@@ -14,7 +14,9 @@ build), and right after a random optimizer step of an SZO-CGE run and of seed 00
 then resumed; a re-signed mcu-zo checkpoint with int8 mantissas of 1000 or a bias tensor missing; a flipped byte / truncated / empty / random / record-less checkpoint; a BPTT
 checkpoint copied into an SZO run; a trajectory sample flipped before a resume; resuming
 with an override that changes the run; two runs started at once on one --out; a diverging
-run (zo-rge at a huge learning rate); ``subspace.k`` larger than the trajectory allows.
+run (zo-rge at a huge learning rate); ``subspace.k`` larger than the trajectory allows; ``szo demo
+dvs-stream`` (its source model's BPTT stage, then the on-line replays) SIGKILLed at a random moment and
+resumed with ``--resume``, rerun on its --out without ``--resume``, and resumed with a changed setting.
 """
 from __future__ import annotations
 
@@ -37,6 +39,12 @@ TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_si
 SZO = ["train.epochs=2", "train.max_steps_per_epoch=12", "train.checkpoint_every_steps=3"]
 BPTT = ["bptt.epochs=2", "bptt.max_steps_per_epoch=8", "trajectory.every=1", "subspace.k=6", "bptt.lr=0.5",
         "bptt.checkpoint_every_steps=3"]
+# szo demo dvs-stream on a tiny source (22 synthetic gestures of 100 ms: 4 epochs x 2 steps) and a 6-gesture stream
+DVS = ["--gestures", "6", "--window-ms", "20", "--print-every", "0"]
+for _s in ("model.kwargs={width: 4}", "data.kwargs={T: 10, n_per_class: 2, duration_us: 100000}", "bptt.epochs=4",
+           "trajectory.every=1", "subspace.k=4", "data.test_batch_size=22", "progress=false",
+           "bptt.checkpoint_every_steps=1"):
+    DVS += ["--set", _s]
 
 
 def _env() -> dict:
@@ -51,6 +59,17 @@ def szo_cmd(recipe: str, out: Path, sets: list[str], *extra: str, fault: str | N
     for s in sets:
         cmd += ["--set", s]
     return cmd + list(extra)
+
+
+def dvs_cmd(out: Path, *extra: str) -> list[str]:
+    """``python -m szo demo dvs-stream`` on the tiny source (``DVS``)."""
+    return [sys.executable, "-m", "szo", "demo", "dvs-stream", "--out", str(out), *DVS, *extra]
+
+
+def dvs_windows(out: Path) -> dict:
+    """Each replay's (window, label, prediction, SZO loss) records (timings left out)."""
+    recs = json.loads((out / "windows.json").read_text())
+    return {k: [(r["window"], r["label"], r["pred"], r["loss"]) for r in v] for k, v in recs.items()}
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -142,7 +161,7 @@ def kill_and_resume(cmd: list[str], out: Path, rng: random.Random, t_run: float,
         p.kill()
     p.wait()
     rec = out / "checkpoints" / "last.json"
-    for d in (out, out / "bptt"):
+    for d in (out, out / "bptt", out / "source"):
         if (d / "checkpoints" / "last.json").is_file():
             rec = d / "checkpoints" / "last.json"
     at = json.loads(rec.read_text())["step"] if rec.is_file() else None
@@ -263,6 +282,24 @@ def main() -> int:
         row(f"SIGKILL BPTT run #{i + 1}", "exact resume", ok,
             f"killed {killed}; stale lock taken over: {'yes' if stale else 'no'}; resume exit={code}, "
             f"model + trajectory {'bit-identical' if ok else 'DIFFER'}")
+    # --- szo demo dvs-stream: SIGKILL at a random moment (BPTT of its source, subspace build, replays), --resume
+    td = timed_run(dvs_cmd(tmp / "dvs-ref"), tmp / "dvs-ref")
+    dref, dsrc = dvs_windows(tmp / "dvs-ref"), final_state(tmp / "dvs-ref" / "source", True)
+    for i in range(args.kills):
+        out = tmp / f"dvs-kill{i}"
+        killed, resumes, stale, code = kill_and_resume(dvs_cmd(out), out, rng, td)
+        ok = code == 0 and dvs_windows(out) == dref and same(final_state(out / "source", True), dsrc)
+        ok = ok and same_trajectory(out / "source" / "trajectory", tmp / "dvs-ref" / "source" / "trajectory")
+        row(f"SIGKILL szo demo dvs-stream #{i + 1}", "exact resume", ok,
+            f"killed {killed}; stale lock taken over: {'yes' if stale else 'no'}; resume exit={code}, source model + "
+            f"trajectory and every window's prediction and SZO loss {'identical' if ok else 'DIFFER'}")
+    r = run(dvs_cmd(tmp / "dvs-ref"))
+    ok, line = one_line(r, 2, "already holds a dvs-stream run; pass --resume")
+    row("szo demo dvs-stream again on its --out", "exit 2, one line", ok, f"exit={r.returncode} '{line}'")
+    r = run(dvs_cmd(tmp / "dvs-ref", "--resume", "--adapt", "szo-rge"))
+    ok, line = one_line(r, 2, "adapt is 'szo-cge' in its config.yaml but 'szo-rge' now")
+    row("szo demo dvs-stream --resume --adapt szo-rge", "exit 2, one line naming key and both values", ok,
+        f"exit={r.returncode} '{line}'")
     # --- torchrun: rank 1 SIGKILLs itself after step 5; resume; equal to an uninterrupted 2-process run
     if not args.no_torchrun:
         def cmd(out: Path, fault: str | None = None) -> list[str]:

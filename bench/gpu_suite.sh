@@ -14,7 +14,8 @@
 #
 # quick = device devtests probe reference memopt. Each part stays under 10 minutes, so a device session
 # can run them one call each. Results (JSON, PNG, the console log of every part) go to
-# $SZO_BENCH_RESULTS, or $OUT/gpu when $OUT is set (the device tool's output folder), else
+# $SZO_BENCH_RESULTS, or $OUT/gpu when $OUT is set (the device tool's output folder; packed into
+# $OUT/gpu.tgz at the end, since the tool brings back only a few files), else
 # bench/results/gpu. $PYTHON picks the interpreter (default: python3); it must import torch (CUDA).
 # Where it cannot import this package's dependencies and $WHEELS (default .whl) holds wheels
 # (spikingjelly, mlxtend, tensorly, loguru, nir, nirtorch: `pip download --no-deps ...`, see
@@ -26,6 +27,14 @@ DIR=${SZO_BENCH_RESULTS:-${OUT:+$OUT/gpu}}
 DIR=${DIR:-bench/results/gpu}
 mkdir -p "$DIR"
 export SZO_BENCH_RESULTS=$DIR OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+PARTS="device devtests tests probe step reference memory memopt epoch study anchor"
+[ $# -eq 0 ] && set -- all
+[ "$1" = all ] && set -- $PARTS
+[ "$1" = quick ] && set -- device devtests probe reference memopt
+for part in "$@"; do  # every part known before anything is installed or run
+    case " $PARTS " in *" $part "*) ;; *)
+        echo "gpu_suite: unknown part '$part'; valid: quick all $PARTS" >&2; exit 2 ;; esac
+done
 WHEELS=${WHEELS:-.whl}
 if ! $PY -c "import szo.cli, spikingjelly, nir" 2>/dev/null && [ -d "$WHEELS" ]; then
     SITE=${SZO_SITE:-/tmp/szo-site}
@@ -40,9 +49,6 @@ if ! $PY -c "import torch, szo.cli, sys; sys.exit(0 if torch.cuda.is_available()
     echo "gpu_suite: $PY cannot import torch + szo, or torch sees no CUDA device" >&2
     exit 2
 fi
-[ $# -eq 0 ] && set -- all
-[ "$1" = all ] && set -- device tests probe step reference memory memopt epoch study anchor
-[ "$1" = quick ] && set -- device devtests probe reference memopt
 rc=0
 run() {  # run PART CMD...: console to $DIR/PART.log and to stdout
     local part=$1; shift
@@ -102,5 +108,10 @@ for part in "$@"; do
             "memory memopt epoch study" >&2; exit 2 ;;
     esac
 done
+if [ -n "${OUT:-}" ] && [ "$DIR" = "$OUT/gpu" ]; then  # the device tool brings back a handful of files:
+    # one archive (the JSON, PNG and logs; no checkpoints) instead of a folder it would cut short
+    tar czf "$OUT/gpu.tgz" -C "$OUT" --exclude='*.safetensors' --exclude='*.pt' gpu && rm -rf "$DIR" \
+        && DIR=$OUT/gpu.tgz
+fi
 echo "results in $DIR"
 exit $rc

@@ -230,8 +230,8 @@ class SZOConfig(Section):
     # free, biased); szo.zo.bn and docs/bn.md
     # scale: the units of mu and train.lr / tta.lr_* of the subspace methods (szo.zo.scale, docs/methods.md):
     # absolute (the paper's: lengths in parameter space, App. G mu 1 / lr 1) | trajectory (mu: the probe's length,
-    # lr: the first step's length, both in units of the subspace's spread); null = trajectory for the methods
-    # whose record has relative defaults (szo.methods), absolute for the others. mu null = the default of the
+    # lr: the first step's length, both in units of the subspace's spread; the methods whose record has
+    # relative defaults, szo.methods); null = absolute. mu null = the default of the
     # scale (absolute: 1.0, App. G; trajectory: the method's)
     mu: float | None = _opt(None, gt=0.0)
     scale: str | None = _opt(None, choices=lambda: SCALES)
@@ -399,8 +399,9 @@ class RecipeConfig(Section):
     # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     compile: bool | str = False
     # the arithmetic of every stage (szo.precision): fp32 (IEEE; TF32 off) | tf32 (TF32 convolutions and
-    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (tf32 for BPTT / BP-Subspace / Tent, fp32 for
-    # forward-only probes: docs/evidence.md, "precision"); PyTorch's own defaults are never used
+    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (the measured choice per kind of training,
+    # szo.precision.AUTO: fp32 for BPTT and for forward-only probes, docs/evidence.md "Precision");
+    # PyTorch's own defaults are never used
     precision: Precision = "auto"
     # replay the no-grad forwards (every SZO probe, the BN forward, evaluation) as captured CUDA graphs
     # (szo.models.graphed): same result, fewer kernel launches; CUDA only (CPU forwards stay eager)
@@ -716,21 +717,14 @@ def _check_method_options(full: RecipeConfig) -> None:
     known up front."""
     method, sz = full.method, full.szo
     spec = get_method(method)
-    if full.train.weight_decay and not spec.weight_decay:
-        raise ValueError(f"method {method!r} uses no weight decay (paper App. G / its seed paper); "
-                         "set train.weight_decay=0")
-    if full.train.momentum and not spec.momentum:
-        raise ValueError(f"method {method!r} takes no momentum (seed 001 Algorithm 1 / seed 004 eq. 8: plain "
-                         f"steps); set train.momentum=0 (got {full.train.momentum})")
+    spec.check_capabilities(weight_decay=full.train.weight_decay, momentum=full.train.momentum, engine=sz.engine,
+                            recipe=True)
     if sz.time_chunk is not None and not spec.streaming:
         why = ("backpropagates" if spec.backprop else "takes forward-mode derivatives" if spec.jvp
                else "perturbs layer outputs over all T steps at once")
         raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
                          f"{method!r} {why}; valid methods with szo.time_chunk: "
                          f"{', '.join(list_methods(streaming=True))}")
-    if sz.engine not in spec.engines:
-        raise ValueError(f"szo.engine {sz.engine!r} evaluates SZO probe plans; method {method!r} runs with "
-                         f"engine 'loop'; valid methods for it: {', '.join(list_methods(engines=sz.engine))}")
     spec.check_options(sz, prefix="szo.")
     if sz.chunk is not None and sz.engine != "batched":
         raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
@@ -818,9 +812,9 @@ def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
 
 
 def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
-    """``szo.scale: null`` -> trajectory where every subspace method the run trains (kind tta: adapts with)
-    has relative defaults in its record and the learner is the float one, else absolute; ``trajectory``
-    elsewhere is refused in one line. ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
+    """``szo.scale: null`` -> absolute (the paper's units); ``trajectory`` is refused in one line unless
+    every subspace method the run trains (kind tta: adapts with) has relative defaults in its record and
+    the learner is the float one. ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
     sz = full.szo
     if full.kind == "tta":
         methods = [m for m in _tta_names("method", full.method, TTA_METHODS, "all") if get_method(m).subspace]
@@ -828,7 +822,7 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
         methods = [full.method]
     specs = [get_method(m) for m in methods]
     relative = bool(specs) and all(s.relative is not None for s in specs) and full.hw.learner != "integer"
-    scale = sz.scale or ("trajectory" if relative else "absolute")
+    scale = sz.scale or "absolute"  # trajectory is opt-in until measured on every data set (docs/evidence.md)
     if scale == "trajectory" and not relative:
         why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if full.hw.learner == "integer"
                else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))

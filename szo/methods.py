@@ -119,6 +119,26 @@ class MethodSpec:
                                  f"{self.name!r} does not use it: leave {prefix}{key} "
                                  f"{'null' if unset is None else unset}")
 
+    def check_capabilities(self, *, weight_decay: float = 0.0, momentum: float = 0.0, engine: str = "loop",
+                           parallel: str | None = None, recipe: bool = False) -> None:
+        """The registry's rules on what this method takes -- weight decay, momentum, the probe engine,
+        a multi-process mode -- one message each, for config validation (``recipe``: the keys spelled
+        as a recipe spells them, ``train.`` / ``szo.``) and ``build_optimizer`` alike."""
+        train, szo = ("train.", "szo.") if recipe else ("", "")
+        if weight_decay and not self.weight_decay:
+            raise ValueError(f"method {self.name!r} uses no weight decay (paper App. G / its seed paper); set "
+                             f"{train}weight_decay=0 (got {weight_decay})")
+        if momentum and not self.momentum:
+            raise ValueError(f"method {self.name!r} takes no momentum (seed 001 Algorithm 1 / seed 004 eq. 8: plain "
+                             f"steps); set {train}momentum=0 (got {momentum})")
+        if engine not in self.engines:
+            raise ValueError(f"{szo}engine {engine!r} evaluates SZO probe plans: it applies to "
+                             f"{which_methods(engines=engine)}; method {self.name!r} runs with {szo}engine "
+                             f"{' / '.join(map(repr, self.engines))}")
+        if parallel is not None and parallel not in self.parallel:
+            raise ValueError(f"method {self.name!r} does not run on several processes; multi-process (torchrun) "
+                             f"runs support: {', '.join(list_methods(parallel=parallel))} (or run it in one process)")
+
     def builder(self, integer: bool = False) -> Callable[..., Any]:
         """The optimizer factory ``builder(spec, model, subspace, options, run)`` (``szo.optim``):
         the float one, or (``integer``, always for an ``integer`` method) the integer on-chip learner's."""

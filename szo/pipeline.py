@@ -15,7 +15,7 @@
 
 The stages themselves are public functions of ``szo.stages`` (``bptt_stage``,
 ``subspace_build_stage``, ``subspace_stage``, ``evaluate_stage``); this module composes them per
-recipe kind (``kind: tta`` runs ``szo.adapt.cli.run_recipe``) and holds the digits quickstart.
+recipe kind (``kind: tta`` runs ``szo.adapt.stage.tta_stage``) and holds the digits quickstart.
 
 Every run dir holds config.yaml (resolved), metrics.jsonl, checkpoints/, results.json and
 training_curve.png. A run holds its directory's lock (``szo.rundir.run_lock``, rank 0 only);
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from szo import distributed as D
-from szo.adapt.cli import run_recipe as run_tta_recipe
+from szo.adapt.stage import tta_stage
 from szo.config import load_recipe
 from szo.report import collect_runs, render, write_report
 from szo.rundir import check_resume_config, run_lock
@@ -98,7 +98,7 @@ def run_or_reuse(cfg: Mapping[str, Any], run_dir: str | os.PathLike, device: str
 def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
                 callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     if cfg["kind"] == "tta":
-        return run_tta_recipe(cfg, out, device=dev)
+        return tta_stage(cfg, out, device=dev)
     if cfg["kind"] == "bp":
         return bptt_stage(cfg, out, device=dev, resume=resume)
     store = subspace_store_for(cfg)

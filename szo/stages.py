@@ -9,7 +9,7 @@ directory, and keeps the run-directory contract (docs/runs.md): the lock, the re
 * :func:`subspace_stage` -- train ``cfg.method`` in the stored subspace (scratch or continual;
   float or fixed-point backend), :func:`subspace_model` prepares the model it trains;
 * :func:`evaluate_stage` -- a run directory's model on the recipe's test set;
-* adaptation and export: ``szo.adapt.cli.run_recipe`` and ``szo.commands.export`` build on these.
+* adaptation and export: ``szo.adapt.stage.tta_stage`` and ``szo.commands.export`` build on these.
 
 Model initialisation draws from torch's global RNG inside ``torch.random.fork_rng`` seeded
 with ``cfg.seed`` (``szo.runs.build_model``); everything else (data order, RGE directions) uses
@@ -32,7 +32,7 @@ from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import load_weights, save_weights
-from szo.methods import get_method, list_methods, method_label
+from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
 from szo.optim import MCUZO, HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
@@ -266,10 +266,7 @@ def parallel_for(cfg: Mapping[str, Any]) -> Any:
 
 def check_distributed(cfg: Mapping[str, Any]) -> None:
     """Everything a multi-process run does not support, checked before any work starts."""
-    if cfg["distributed"]["mode"] not in get_method(cfg["method"]).parallel:
-        raise ValueError(f"method {cfg['method']!r} does not run on several processes; multi-process (torchrun) "
-                         f"runs support: {', '.join(list_methods(parallel=cfg['distributed']['mode']))} "
-                         "(or run it in one process)")
+    get_method(cfg["method"]).check_capabilities(parallel=cfg["distributed"]["mode"])
     sz = cfg["szo"]
     for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
                       (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),

@@ -153,9 +153,10 @@ def test_compile_option():
 def test_method_specific_options_rejected_before_anything_runs():
     # each combination used to pass validation and fail only when the optimizer was built,
     # i.e. after a recipe's BPTT stage had already run
-    with pytest.raises(ValueError, match="szo.engine 'batched' evaluates SZO probe plans; method 'bp-subspace'"):
+    with pytest.raises(ValueError, match="szo.engine 'batched' evaluates SZO probe plans: it applies to methods "
+                                         "'szo-cge', 'szo-rge', 'szo-1pt', 'szo-cge-1pt'; method 'bp-subspace' runs with szo.engine 'loop'"):
         load_recipe("digits-scratch", ["method=bp-subspace", "szo.engine=batched"])
-    with pytest.raises(ValueError, match="valid methods for it: szo-cge, szo-rge, szo-1pt"):
+    with pytest.raises(ValueError, match="it applies to methods 'szo-cge', 'szo-rge', 'szo-1pt', 'szo-cge-1pt'; method 'zo-cge'"):
         load_recipe("digits-scratch", ["method=zo-cge", "szo.engine=batched"])
     with pytest.raises(ValueError, match="'szo.chunk' .* applies to szo.engine 'batched'"):
         load_recipe("digits-scratch", ["szo.chunk=4"])
@@ -261,3 +262,30 @@ def test_memory_format_reaches_the_model():
     assert build_model(load_recipe("digits-scratch")).memory_format == "auto"
     m = build_model(load_recipe("digits-scratch", ["model.memory_format=channels_last"]))
     assert m.memory_format == "channels_last"
+
+
+@pytest.mark.parametrize("rule,sets,kw", [
+    ("uses no weight decay", ["method=szo-cge", "train.weight_decay=0.1"], dict(weight_decay=0.1)),
+    ("takes no momentum", ["method=asyncfgd", "train.momentum=0.9", "szo.stages=2"], dict(momentum=0.9, stages=2)),
+    ("evaluates SZO probe plans", ["method=bp-subspace", "szo.engine=batched"], dict(engine="batched")),
+])
+def test_a_capability_rule_has_one_home_and_one_message(rule, sets, kw):
+    """The registry's record says what a method takes (MethodSpec.check_capabilities); config
+    validation and build_optimizer ask it, so both give the same message (keys spelled their way)."""
+    import re
+
+    import torch
+
+    from szo.models import create
+    from szo.optim import build_optimizer
+
+    with pytest.raises(ValueError, match=rule) as recipe_err:
+        load_recipe("digits-scratch", sets)
+    method = sets[0].split("=")[1]
+    model = create("spike_convnet", num_classes=10, T=2, width=2)
+    sub = type("S", (), {"basis": torch.eye(model.num_params(), 2), "layout": model.param_layout(),
+                         "reference": model.flat_params()})()
+    with pytest.raises(ValueError, match=rule) as build_err:
+        build_optimizer(method, model, subspace=sub, lr=0.1, **{"momentum": 0.0, **kw})
+    unprefixed = re.sub(r"\b(train|szo)\.", "", str(recipe_err.value))
+    assert unprefixed == str(build_err.value)

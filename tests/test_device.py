@@ -24,7 +24,7 @@ from szo.losses import tet_loss
 from szo.models import create
 from szo.optim import build_optimizer
 from szo.pipeline import run_recipe
-from szo.precision import precision_policy, tf32_flags
+from szo.precision import AUTO, precision_policy, tf32_flags
 from szo.runs import subspace_store_for
 from szo.stages import subspace_build_stage
 
@@ -150,9 +150,9 @@ TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_si
 def test_scratch_continual_and_tta_recipes_on_the_device(tmp_path, device):
     sets = TINY + [f"subspace.root={tmp_path / 'subspaces'}", f"device={device}"]
     bp = run_recipe(load_recipe("digits-bp", sets), tmp_path / "bp")
-    assert bp["status"] == "completed" and bp["precision"]["name"] == "tf32"  # auto: BPTT
+    assert bp["status"] == "completed" and bp["precision"]["name"] == AUTO["backprop"]
     s = run_recipe(load_recipe("digits-scratch", sets), tmp_path / "scratch")
-    assert s["status"] == "completed" and s["fp"] == 2 * (2 * 4 + 1) and s["precision"]["name"] == "fp32"
+    assert s["status"] == "completed" and s["fp"] == 2 * (2 * 4 + 1) and s["precision"]["name"] == AUTO["forward-only"]
     assert s["precision"]["device"] == device.type
     cont = load_recipe("digits-continual", sets + ["subspace.window=1-2", "subspace.k=3"])
     subspace_build_stage(cont, tmp_path / "bp", progress=False)

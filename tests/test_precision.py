@@ -105,7 +105,7 @@ def _loaders():
 
 
 @pytest.mark.parametrize("precision,forward_only,name", [("auto", False, AUTO["backprop"]), ("bf16", False, "bf16"),
-                                                         ("fp32", False, "fp32")])
+                                                         ("tf32", False, "tf32"), ("fp32", False, "fp32")])
 def test_fit_runs_in_the_precision_and_records_it(tmp_path, flags, precision, forward_only, name):
     m = _model()
     train, test, g = _loaders()

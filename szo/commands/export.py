@@ -96,8 +96,8 @@ def _export_lava(args: argparse.Namespace) -> int:
 
 
 def _stream_metadata(target: Path) -> dict | None:
-    """``{"model", "bin_us", "sensor_size", "duration_us"}`` of a dvs-stream source model directory (source.json)
-    or a synthetic-gesture BPTT recipe run; None for anything else."""
+    """``{"model", "bin_us", "sensor_size", "duration_us"}`` of a synthetic-gesture BPTT recipe run (the source
+    model of ``szo demo dvs-stream``); None for anything else."""
     if not target.is_dir():
         return None
     is_gesture_run = False
@@ -106,13 +106,13 @@ def _stream_metadata(target: Path) -> dict | None:
 
         raw = yaml.safe_load((target / "config.yaml").read_text(encoding="utf-8")) or {}
         is_gesture_run = (raw.get("data") or {}).get("name") == "synthetic-gesture" and raw.get("kind") == "bp"
-    if not ((target / "source.json").is_file() or is_gesture_run):
+    if not is_gesture_run:
         return None
     from szo.demos.dvs_stream import load_source_model
 
     src = load_source_model(target)
     return {"model": src.model, "bin_us": int(src.bin_us), "sensor_size": list(src.sensor_size),
-            "duration_us": int(src.meta["settings"]["duration_us"])}
+            "duration_us": int(src.duration_us)}
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""DVS128 Gesture (IBM) through tonic, event validation and the event -> frame pipeline.
+"""DVS128 Gesture (IBM) through tonic, event validation and the event -> frame pipeline, event streams.
 
 Paper setting (Sec. 6, App. G): 11 classes, each sample integrated into ``T = 20`` frames,
 batch 16. Frames are ``float32 [T, 2, H, W]`` (polarity channel 0 = OFF, 1 = ON).
@@ -17,6 +17,10 @@ folder (a subclass overriding ``_check_exists``; tonic's directory walk and ``__
 are used unchanged; the subclass keeps the name ``DVSGesture`` because tonic derives the
 folder ``<save_to>/<class name>`` from it), so an extracted copy without the archive works offline, and the
 download is attempted only when the folder is missing and ``download=True``.
+
+A continuous stream (``EventStream``: an event file read by ``load_event_file``, or
+``szo.data.synthetic_events.random_stream``) is cut into fixed time windows, each binned into
+frames by ``window_frames`` (tonic's ``ToFrame`` with a fixed time window).
 
 Frames are cached as one ``.npy`` per recording under
 ``<data_dir>/cache/<settings-hash>/<split>/`` (written atomically, loaded without pickle).
@@ -46,8 +50,13 @@ __all__ = [
     "REQUIRED_FIELDS",
     "DataNotFoundError",
     "EventReport",
+    "check_sensor_size",
     "validate_events",
     "EventsToFrames",
+    "EventStream",
+    "load_event_file",
+    "segment_labels_at",
+    "window_frames",
     "DVSGestureFrames",
     "get_dataset",
     "default_data_dir",
@@ -110,7 +119,8 @@ class EventReport:
         return dict(self.__dict__)
 
 
-def _check_sensor_size(sensor_size: Any) -> tuple[int, int, int]:
+def check_sensor_size(sensor_size: Any) -> tuple[int, int, int]:
+    """``(W, H, P)`` as ints, or one ValueError line saying what is valid."""
     try:
         w, h, p = (int(v) for v in sensor_size)
     except (TypeError, ValueError):
@@ -135,7 +145,7 @@ def validate_events(
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    w, h, n_pol = _check_sensor_size(sensor_size)
+    w, h, n_pol = check_sensor_size(sensor_size)
     names = getattr(getattr(events, "dtype", None), "names", None)
     if not isinstance(events, np.ndarray) or names is None:
         raise ValueError(
@@ -205,7 +215,7 @@ class EventsToFrames:
     policy: str = "drop"
 
     def __post_init__(self) -> None:
-        w, h, _ = _check_sensor_size(self.sensor_size)
+        w, h, _ = check_sensor_size(self.sensor_size)
         if not isinstance(self.T, (int, np.integer)) or isinstance(self.T, bool) or self.T < 1:
             raise ValueError(f"T (number of frames) must be a positive int, got {self.T!r}")
         if self.size is not None:
@@ -223,12 +233,12 @@ class EventsToFrames:
 
     @property
     def out_sensor_size(self) -> tuple[int, int, int]:
-        w, h, p = _check_sensor_size(self.sensor_size)
+        w, h, p = check_sensor_size(self.sensor_size)
         return (w, h, p) if self.size is None else (int(self.size), int(self.size), p)
 
     def settings(self) -> dict[str, Any]:
         return {
-            "sensor_size": list(_check_sensor_size(self.sensor_size)),
+            "sensor_size": list(check_sensor_size(self.sensor_size)),
             "T": int(self.T),
             "size": None if self.size is None else int(self.size),
             "denoise_us": None if self.denoise_us is None else float(self.denoise_us),
@@ -249,6 +259,103 @@ class EventsToFrames:
             events = tonic.transforms.Downsample(spatial_factor=factor)(events)
         frames = tonic.transforms.ToFrame(sensor_size=(w, h, p), n_time_bins=int(self.T))(events)
         return np.asarray(frames, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- streams
+def segment_labels_at(segments: np.ndarray, t_us: np.ndarray | int) -> np.ndarray:
+    """Label of the segment (``start_us``, ``end_us``, ``label``; sorted) containing each time
+    ``t_us`` (-1 outside every segment)."""
+    t = np.asarray(t_us, dtype=np.int64)
+    if len(segments) == 0:
+        return np.full(t.shape, -1, dtype=np.int64)
+    idx = np.searchsorted(segments["start_us"], t, side="right") - 1
+    inside = (idx >= 0) & (t < segments["end_us"][np.clip(idx, 0, None)])
+    return np.where(inside, segments["label"][np.clip(idx, 0, None)], -1)
+
+
+def window_frames(events: np.ndarray, t0: int, t1: int, bins: int, sensor_size: tuple[int, int, int],
+                  downsample: int = 1) -> np.ndarray:
+    """Event counts of ``events`` (valid for ``sensor_size``, sorted by t) with ``t0 <= t < t1``
+    in ``bins`` equal time bins: ``tonic.transforms.ToFrame(time_window=(t1 - t0) // bins,
+    start_time=t0, end_time=t1)``, x and y first divided by the integer ``downsample``.
+    Returns float32 ``[bins, P, H // downsample, W // downsample]``."""
+    tonic = _require_tonic()
+    w, h, p = check_sensor_size(sensor_size)
+    if t1 <= t0 or (t1 - t0) % bins:
+        raise ValueError(f"the window [{t0}, {t1}) us must be a positive multiple of its {bins} bins")
+    size = (w // downsample, h // downsample, p)
+    t = events["t"]
+    ev = events[np.searchsorted(t, t0):np.searchsorted(t, t1)]
+    if len(ev) == 0:  # tonic's ToFrame returns one frame, W and H swapped, for no events
+        return np.zeros((bins, p, size[1], size[0]), dtype=np.float32)
+    if downsample != 1:  # integer division: tonic's Downsample multiplies by a float (1/3 rounds down)
+        ev = ev.copy()
+        ev["x"] //= downsample
+        ev["y"] //= downsample
+    frames = tonic.transforms.ToFrame(sensor_size=size, time_window=(t1 - t0) // bins, start_time=t0,
+                                      end_time=t1)(ev)
+    return np.asarray(frames, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A continuous event stream: valid, time-sorted ``events`` (x, y, t, p; t in microseconds)
+    on ``sensor_size`` (W, H, P), its labelled ``segments`` (``start_us``, ``end_us``, ``label``,
+    sorted; None: unlabelled) and ``shift_at`` (when a domain shift begins, or None)."""
+
+    events: np.ndarray
+    segments: np.ndarray | None
+    sensor_size: tuple[int, int, int]
+    shift_at: int | None = None
+
+    def window_starts(self, window_us: int) -> np.ndarray:
+        """Start times of the ``window_us`` windows covering the segments (else the events)."""
+        ev, seg = self.events, self.segments
+        labelled = seg is not None and len(seg) > 0
+        t0 = int(seg["start_us"][0]) if labelled else int(ev["t"][0]) if len(ev) else 0
+        t1 = max(int(ev["t"][-1]) + 1 if len(ev) else t0, int(seg["end_us"][-1]) if labelled else t0)
+        starts = np.arange(t0, t1, window_us, dtype=np.int64)
+        if len(starts) == 0:
+            raise ValueError("the stream holds no complete window (no events / empty time range)")
+        return starts
+
+    def labels_at(self, t_us: np.ndarray) -> np.ndarray:
+        """The segment label at each time (-1: unlabelled)."""
+        if self.segments is None:
+            return np.full(np.shape(t_us), -1, dtype=np.int64)
+        return segment_labels_at(self.segments, t_us)
+
+    def frames(self, t0: int, t1: int, bins: int, downsample: int = 1) -> torch.Tensor:
+        """``window_frames`` of ``[t0, t1)`` as a tensor."""
+        return torch.from_numpy(window_frames(self.events, t0, t1, bins, self.sensor_size, downsample))
+
+
+def _load_npy(path: Path, what: str) -> np.ndarray:
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot read {path} as a .npy array without pickle: {e}") from None
+
+
+def load_event_file(path: str | os.PathLike, sensor_size: tuple[int, int, int],
+                    labels_path: str | os.PathLike | None = None) -> tuple[EventStream, EventReport]:
+    """A ``.npy`` structured event array (x, y, t, p; t in microseconds) as a validated stream.
+
+    Malformed events (outside the sensor, negative t, bad polarity) are dropped and counted;
+    unsorted timestamps are sorted (``validate_events``). ``labels_path``: a ``.npy``
+    structured array with fields ``start_us``, ``end_us``, ``label``, one row per labelled
+    segment (as ``szo.data.synthetic_events.stream`` returns them)."""
+    events, report = validate_events(_load_npy(Path(path), "event file"), sensor_size, policy="drop")
+    segments = None
+    if labels_path is not None:
+        segments = _load_npy(Path(labels_path), "labels file")
+        if not {"start_us", "end_us", "label"} <= set(segments.dtype.names or ()):
+            raise ValueError(f"labels file {labels_path} must be a structured array with fields start_us, end_us, "
+                             f"label; got dtype {segments.dtype}")
+        segments = np.sort(segments, order="start_us")
+    return EventStream(events, segments, check_sensor_size(sensor_size)), report
 
 
 # --------------------------------------------------------------------------- data set

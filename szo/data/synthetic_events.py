@@ -11,25 +11,29 @@ p bool) sorted by t.
 
 Domain-shift knobs (used by the streaming demo): ``noise_rate_hz``, ``speed`` (multiplies
 the rate of motion), ``offset`` (pixels added to the gesture centre, (dx, dy)).
+``random_stream`` strings seeded random gestures together, the shift from half way on.
 """
 from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
 
-from szo.data.dvs import EventsToFrames
+from szo.data.dvs import EventsToFrames, EventStream, segment_labels_at
 
 __all__ = [
     "CLASSES",
     "EVENT_DTYPE",
     "SEGMENT_DTYPE",
     "SPLITS",
+    "SHIFT_KEYS",
+    "check_shift",
     "generate_sample",
     "stream",
+    "random_stream",
     "segment_labels_at",
     "SyntheticGesture",
     "get_dataset",
@@ -124,6 +128,19 @@ def _render(label: int, u: np.ndarray, w: int, h: int, centre: tuple[float, floa
     return blob(np.full_like(u, cx0), np.full_like(u, cy0), on)
 
 
+def check_shift(shift: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A domain shift (keys from ``SHIFT_KEYS``) checked, as a plain dict (``offset`` a list)."""
+    shift = dict(shift or {})
+    unknown = sorted(set(shift) - set(SHIFT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown shift key(s) {unknown}; valid keys: {', '.join(SHIFT_KEYS)}")
+    kw = {"noise_rate_hz": 1.0, "speed": 1.0, "offset": (0.0, 0.0), **shift}
+    _check_knobs((32, 32, 2), 1000, kw["noise_rate_hz"], kw["speed"], kw["offset"])
+    if "offset" in shift:
+        shift["offset"] = [float(v) for v in shift["offset"]]
+    return shift
+
+
 def generate_sample(
     label: int,
     *,
@@ -213,10 +230,7 @@ def stream(
     labels = [_check_label(v) for v in labels]
     if not labels:
         raise ValueError("labels must hold at least one gesture label")
-    shift = dict(shift or {})
-    unknown = sorted(set(shift) - set(SHIFT_KEYS))
-    if unknown:
-        raise ValueError(f"unknown shift key(s) {unknown}; valid keys: {SHIFT_KEYS}")
+    shift = check_shift(shift)
     if shift and shift_at is None:
         raise ValueError("shift given without shift_at (the stream time in microseconds where it starts)")
     if shift_at is not None and (not isinstance(shift_at, (int, np.integer)) or shift_at < 0):
@@ -238,14 +252,19 @@ def stream(
     return np.concatenate(parts), segments
 
 
-def segment_labels_at(segments: np.ndarray, t_us: np.ndarray | int) -> np.ndarray:
-    """Label of the segment containing each time ``t_us`` (-1 outside every segment)."""
-    t = np.asarray(t_us, dtype=np.int64)
-    if len(segments) == 0:
-        return np.full(t.shape, -1, dtype=np.int64)
-    idx = np.searchsorted(segments["start_us"], t, side="right") - 1
-    inside = (idx >= 0) & (t < segments["end_us"][np.clip(idx, 0, None)])
-    return np.where(inside, segments["label"][np.clip(idx, 0, None)], -1)
+def random_stream(n_gestures: int, *, seed: int, segment_us: int, sensor_size: tuple[int, int, int] = (32, 32, 2),
+                  shift: Mapping[str, Any] | None = None, shift_fraction: float = 0.5) -> EventStream:
+    """``n_gestures`` random gestures back to back (labels and events from
+    ``np.random.default_rng([seed, 7])``), the settings in ``shift`` applied from
+    ``shift_fraction`` of the stream on."""
+    if isinstance(n_gestures, bool) or not isinstance(n_gestures, (int, np.integer)) or n_gestures < 1:
+        raise ValueError(f"n_gestures must be a positive int, got {n_gestures!r}")
+    rng = np.random.default_rng([int(seed), 7])
+    labels = [int(v) for v in rng.integers(0, len(CLASSES), n_gestures)]
+    shift_at = int(round(n_gestures * shift_fraction)) * segment_us if shift else None
+    events, segments = stream(labels, segment_us=segment_us, rng=rng, sensor_size=sensor_size, shift_at=shift_at,
+                              shift=shift)
+    return EventStream(events, segments, tuple(int(v) for v in sensor_size), shift_at)
 
 
 class SyntheticGesture(torch.utils.data.Dataset):

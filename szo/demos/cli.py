@@ -1,7 +1,9 @@
 """``szo demo dvs-stream``: argparse wiring for ``szo.demos.dvs_stream.run_demo``.
 
-``register_demo(demo_subparsers)`` adds the subcommand to the main CLI's ``demo`` group;
-``python -m szo.demos.cli dvs-stream ...`` runs it standalone.
+Every flag below is one setting of ``szo.demos.settings.StreamConfig`` (its default and its
+check live there); a flag not given keeps the default, or with ``--resume`` the run's own
+config.yaml. ``register_demo(demo_subparsers)`` adds the subcommand to the main CLI's ``demo``
+group; ``python -m szo.demos.cli dvs-stream ...`` runs it standalone.
 """
 from __future__ import annotations
 
@@ -10,6 +12,24 @@ import json
 from typing import Any, Sequence
 
 __all__ = ["register_demo", "add_dvs_stream_arguments", "main"]
+
+# setting -> (type, help); the rest of the flags are added one by one below
+_FLAGS = {
+    "source": (str, "'synthetic' (random gestures, a domain shift half way) or a .npy structured event array "
+                    "with fields x, y, t (microseconds), p"),
+    "labels_file": (str, "for a FILE source: .npy structured array with fields start_us, end_us, label"),
+    "gestures": (int, "synthetic stream length in gestures"),
+    "window_ms": (float, "window length in ms (a multiple of the model's frame length)"),
+    "lr": (float, "SZO learning rate (default 0.2 with the labels loss, 0.005 with entropy)"),
+    "mu": (float, "SZO perturbation scale"),
+    "momentum": (float, "SZO momentum"),
+    "q": (int, "RGE directions per step"),
+    "buffer": (int, "SZO loss over the last N windows, each from its own saved state"),
+    "seed": (int, "stream / RGE seed"),
+    "model": (str, "RUN_DIR of a finished synthetic-gesture recipe run (e.g. OUT/source of an earlier demo) or a "
+                   ".nir file exported from one (runs with --adapt none); default: train the recipe in OUT/source"),
+    "recipe": (str, "the source model's recipe (a synthetic-gesture BPTT recipe or YAML file)"),
+}
 
 
 def _shift_arg(text: str) -> dict[str, Any]:
@@ -22,7 +42,7 @@ def _shift_arg(text: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(f"shift must be key=value[,key=value], got {text!r}")
         k, v = (s.strip() for s in part.split("=", 1))
         try:
-            out[k] = tuple(float(x) for x in v.split(":")) if k == "offset" else float(v)
+            out[k] = [float(x) for x in v.split(":")] if k == "offset" else float(v)
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad number in shift {part!r}") from None
     return out
@@ -30,60 +50,44 @@ def _shift_arg(text: str) -> dict[str, Any]:
 
 def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
     """The dvs-stream options (shared by the main CLI and the standalone entry point)."""
-    from szo.demos.dvs_stream import ADAPT_METHODS, DEFAULT_SHIFT, LABELS_LR, StreamSettings
+    from szo.demos.settings import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig
 
-    d = StreamSettings()
-    p.add_argument("--source", default="synthetic",
-                   help="'synthetic' (random gestures, domain shift half way) or a .npy structured event "
-                        "array with fields x, y, t (microseconds), p (default: synthetic)")
-    p.add_argument("--labels-file", default=None,
-                   help="for a FILE source: .npy structured array with fields start_us, end_us, label")
-    p.add_argument("--sensor-size", type=int, nargs=3, metavar=("W", "H", "P"), default=None,
-                   help="sensor of a FILE source (default: the model's input, 32 32 2); W, H must be an "
-                        "integer multiple of the model's input size (events are downsampled)")
-    p.add_argument("--adapt", choices=ADAPT_METHODS, default=d.adapt,
+    d = StreamConfig()
+    for key, (typ, text) in _FLAGS.items():
+        default = "" if getattr(d, key) is None else f" (default {getattr(d, key)})"
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None, help=text + default)
+    p.add_argument("--sensor-size", dest="sensor_size", type=int, nargs=3, metavar=("W", "H", "P"), default=None,
+                   help="sensor of a FILE source (default: the model's input, 32 32 2); W, H must be an integer "
+                        "multiple of the model's input size (events are downsampled)")
+    p.add_argument("--adapt", choices=ADAPT_METHODS, default=None,
                    help=f"on-line adaptation (default {d.adapt}); an adapting run is compared with 'none'")
-    p.add_argument("--loss", choices=("auto", "entropy", "labels"), default="auto",
+    p.add_argument("--loss", choices=("auto", "entropy", "labels"), default=None,
                    help="SZO loss: 'entropy' (unlabeled, Tent), 'labels' (TET against the stream's labels), "
                         "'auto' (default): labels for the synthetic source (entropy minimisation collapses "
                         "under its noise shift), entropy for a FILE source unless --labels-file is given")
-    p.add_argument("--labels", action="store_true", help="same as --loss labels")
-    p.add_argument("--window-ms", type=float, default=d.window_ms, help=f"window length (default {d.window_ms:g})")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"SZO learning rate (default {LABELS_LR:g} with labels, {d.lr:g} with entropy)")
-    p.add_argument("--mu", type=float, default=d.mu, help=f"SZO perturbation scale (default {d.mu:g})")
-    p.add_argument("--momentum", type=float, default=d.momentum, help=f"SZO momentum (default {d.momentum:g})")
-    p.add_argument("--q", type=int, default=d.q, help=f"RGE directions per step (default {d.q})")
-    p.add_argument("--buffer", type=int, default=d.buffer,
-                   help=f"SZO loss over the last N windows, each from its own saved state (default {d.buffer})")
-    p.add_argument("--model", default=None, metavar="RUN_DIR|OUT.nir",
-                   help="source-model directory from an earlier run (OUT/source), or a .nir file exported from "
-                        "one with szo export (runs with --adapt none); default: train one (cached under OUT/source)")
-    p.add_argument("--out", default="runs/dvs-stream", help="output directory (default runs/dvs-stream)")
-    p.add_argument("--seed", type=int, default=d.seed, help="stream / RGE seed (default 0)")
-    p.add_argument("--gestures", type=int, default=30, help="synthetic stream length in gestures (default 30)")
+    p.add_argument("--labels", dest="loss", action="store_const", const="labels", help="same as --loss labels")
     p.add_argument("--shift", type=_shift_arg, default=None,
-                   help="synthetic domain shift from half way, e.g. noise_rate_hz=30 or speed=2 or "
-                        f"offset=4:0 (default {','.join(f'{k}={v:g}' for k, v in DEFAULT_SHIFT.items())}; "
-                        "'none' for no shift)")
-    p.add_argument("--no-compare", action="store_true", help="do not also replay the stream without adaptation")
+                   help="synthetic domain shift from half way, e.g. noise_rate_hz=30 or speed=2 or offset=4:0 "
+                        f"(default {','.join(f'{k}={v:g}' for k, v in DEFAULT_SHIFT.items())}; 'none' for no shift)")
+    p.add_argument("--no-compare", dest="compare", action="store_const", const=False, default=None,
+                   help="do not also replay the stream without adaptation")
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
+                   help="override a value of the source model's recipe (repeatable), e.g. --set bptt.epochs=3")
+    p.add_argument("--out", default="runs/dvs-stream", help="run directory (default runs/dvs-stream)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (killed or finished) with its own config.yaml: the source "
+                        "model's BPTT from its last checkpoint, then the replays (a changed setting is refused)")
     p.add_argument("--print-every", type=int, default=20, help="a status line every N windows (1: every window)")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from szo.demos.dvs_stream import LABELS_LR, StreamSettings, run_demo
+    from szo.demos.dvs_stream import run_demo
+    from szo.demos.settings import StreamConfig, resumed_settings
 
-    loss = "labels" if args.labels else args.loss
-    if loss == "auto":
-        loss = "labels" if args.source == "synthetic" or args.labels_file else "entropy"
-    stream = StreamSettings(window_ms=args.window_ms, adapt=args.adapt, use_labels=loss == "labels",
-                            lr=args.lr if args.lr is not None else (LABELS_LR if loss == "labels" else StreamSettings().lr),
-                            mu=args.mu, momentum=args.momentum, q=args.q, buffer=args.buffer,
-                            seed=args.seed)
-    summary = run_demo(args.out, source=args.source, labels_file=args.labels_file, model_dir=args.model,
-                       stream=stream, n_gestures=args.gestures, shift=args.shift,
-                       sensor_size=tuple(args.sensor_size) if args.sensor_size else None,
-                       compare=not args.no_compare, print_every=max(0, args.print_every))
+    given = {k: v for k in (*_FLAGS, "sensor_size", "adapt", "loss", "shift", "compare", "overrides")
+             if (v := getattr(args, k)) is not None}
+    cfg = resumed_settings(args.out, given) if args.resume else StreamConfig(**given)
+    summary = run_demo(args.out, cfg, resume=args.resume, print_every=max(0, args.print_every))
     print(json.dumps(summary["runs"], indent=1))
     return 0
 
@@ -93,8 +97,8 @@ def register_demo(demo_subparsers: Any) -> argparse.ArgumentParser:
     p = demo_subparsers.add_parser(
         "dvs-stream", help="classify an event stream window by window, adapting on-line with SZO",
         description="Replay an event stream in fixed windows with a persistent network state, classify "
-                    "each window on-line and optionally adapt with SZO; writes summary.json, windows.json "
-                    "and timeline.png.")
+                    "each window on-line and optionally adapt with SZO; writes config.yaml, summary.json, "
+                    "windows.json and timeline.png.")
     add_dvs_stream_arguments(p)
     p.set_defaults(func=_run)
     return p

@@ -65,21 +65,13 @@ def build_bp(spec, model: nn.Module, subspace, o: OptimizerOptions, run: RunOpti
 def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     """What the registry says a method can take, checked once for every method."""
     m = spec.name
-    if run.distributed is not None and run.distributed not in spec.parallel:
-        raise ValueError(f"method {m!r} does not run on several processes; multi-process (torchrun) runs "
-                         f"support: {', '.join(list_methods(parallel=run.distributed))}")
-    if o.engine not in spec.engines:
-        raise ValueError(f"engine {o.engine!r} applies to the SZO methods ({', '.join(list_methods(engines=o.engine))}); "
-                         f"method {m!r} runs with engine 'loop'")
+    spec.check_capabilities(weight_decay=o.weight_decay, momentum=o.momentum, engine=o.engine, parallel=run.distributed)
     if not isinstance(model, nn.Module):
         raise ValueError(f"build_optimizer needs the model (a torch.nn.Module), got {type(model).__name__}")
     if not list(model.parameters()):
         raise ValueError(f"the model ({type(model).__name__}) has no parameters to train")
     if spec.subspace and subspace is None:
         raise ValueError(f"method {m!r} needs a subspace (build one with `szo subspace build`)")
-    if o.weight_decay and not spec.weight_decay:
-        raise ValueError(f"method {m!r} uses no weight decay (paper App. G / its seed paper); "
-                         f"got weight_decay={o.weight_decay}")
     spec.check_options({key: getattr(o, key) for key in METHOD_OPTIONS})
     if o.integer is not None and not spec.integer_learner:
         raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "

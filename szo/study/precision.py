@@ -213,10 +213,11 @@ def plot_precision(result: dict[str, Any], path: str | os.PathLike) -> Path:
         est = "CGE" if r["estimator"] == "cge" else f"RGE q={r['q']}"
         series.setdefault((r["precision"], est), []).append((r["mu"], r["cosine"]))
     styles = {p: c for p, c in zip(result["precisions"], ("C0", "C1", "C2", "C3"))}
-    for (p, est), pts in series.items():
+    marks = {e: m for e, m in zip(dict.fromkeys(e for _, e in series), ("o-", "s--", "^:", "v-.", "D--"))}
+    for (p, est), pts in series.items():  # colour: precision; marker and line: estimator
         pts.sort()
-        ax.plot([m for m, _ in pts], [c for _, c in pts], "o-" if est == "CGE" else "s--",
-                color=styles.get(p, "C4"), label=f"{p} {est}", alpha=0.9)
+        ax.plot([m for m, _ in pts], [c for _, c in pts], marks[est], color=styles.get(p, "C4"),
+                label=f"{p} {est}", alpha=0.9)
     ax.set_xscale("log")
     ax.set_xlabel("mu")
     ax.set_ylabel("cosine to the fp32 BPTT gradient")

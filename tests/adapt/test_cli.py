@@ -104,3 +104,44 @@ def test_adaptation_subspace_from_both_trajectories(tta_run):
     assert p["adapt_corruption"] == "gaussian_noise" and p["adapt_severity"] == 5 and p["n_source"] == 2
     assert p["source_trajectory"] == str((root / "out" / "source" / "trajectory").resolve())
     assert p["adapt_trajectory"] == str((root / "out" / "finetune" / "trajectory").resolve())
+
+
+def test_szo_adapt_flags_are_the_schemas_keys(tmp_path):
+    """Each flag is a schema key: one not given takes the schema's default (szo.q is 1 there; the CLI
+    once had its own 10), one given lands in the config, and the help names the key and its default."""
+    import argparse
+
+    from szo.adapt import cli
+    from szo.config import SZOConfig, TTAConfig
+
+    p = argparse.ArgumentParser().add_subparsers()
+    parser = cli.register(p)
+    args = parser.parse_args(["--source", str(tmp_path), "--out", str(tmp_path / "o"), "--mu", "0.3"])
+    cfg = cli.flags_config(args)
+    assert cfg.szo.q == SZOConfig().q and cfg.szo.mu == 0.3 and cfg.tta.lr_reset == TTAConfig().lr_reset
+    assert cfg.method == "all" and cfg.setting == "both" and cfg.tta.source_run == str(tmp_path)
+    text = parser.format_help()
+    assert "(szo.q; default 1)" in text and "(tta.lr_continual; default 0.1)" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--source", "x", "--out", "y", "--predict", "never"])  # a Literal's choices
+
+
+def test_the_library_never_imports_a_command_module():
+    """Commands sit above the library: no module of the package imports a ``cli`` module or
+    ``szo.commands`` (the command modules themselves and the ``szo`` entry point excepted)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in list((root / "szo").rglob("*.py")) + list((root / "subspace_store").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if path.name in ("cli.py", "__main__.py") or "/commands/" in rel:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.ImportFrom) and node.level and node.module in ("cli", None):
+                names = [f".{a.name}" for a in node.names] if node.module is None else [".cli"]
+            offenders += [f"{rel}: {n}" for n in names if n.endswith(".cli") or n == ".cli" or ".commands" in n]
+    assert offenders == []

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from szo.adapt import METHODS, resolve_methods, resolve_settings, run_tta
+from szo.adapt.stage import tta_stage
 from szo.adapt.tables import corruption_table, summary_table
 from szo.config import validate
 
@@ -128,14 +129,12 @@ def test_bad_method_and_setting_names(tmp_path):
 
 
 def test_recipe_without_source_gives_clear_error(tmp_path):
-    from szo.adapt.cli import run_recipe
-
     cfg = {"name": "x", "kind": "tta", "method": "bn", "setting": "reset", "model": {"name": "spike_convnet"},
            "tta": {"data": "digits-c"}}
     with pytest.raises(ValueError, match="tta.source_run=RUN_DIR .* or tta.train_source=true"):
-        run_recipe(cfg, tmp_path, "cpu")
+        tta_stage(cfg, tmp_path, "cpu")
     with pytest.raises(ValueError, match="unknown method 'tent2'"):
-        run_recipe(dict(cfg, method="tent2"), tmp_path, "cpu")
+        tta_stage(dict(cfg, method="tent2"), tmp_path, "cpu")
 
 
 def test_event_sequences_reach_the_model_time_major(tmp_path):

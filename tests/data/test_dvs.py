@@ -198,3 +198,64 @@ def test_error_type_and_data_dir_are_the_registry_ones():
 
     assert dvs.DataNotFoundError is szo.data.DataNotFoundError  # `except szo.data.DataNotFoundError` catches DVS too
     assert dvs.default_data_dir is szo.data.default_data_dir
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def _hand_window(ev: np.ndarray, t0: int, t1: int, bins: int, w: int, h: int, d: int) -> np.ndarray:
+    """Independent oracle: every event of [t0, t1) counted once in its time bin and (x // d, y // d) pixel."""
+    out = np.zeros((bins, 2, h // d, w // d), dtype=np.float32)
+    for x, y, t, p in zip(ev["x"], ev["y"], ev["t"], ev["p"]):
+        if t0 <= t < t1:
+            out[(t - t0) * bins // (t1 - t0), int(p), y // d, x // d] += 1
+    return out
+
+
+@pytest.mark.parametrize("sensor, d, bins", [((32, 32, 2), 1, 1), ((32, 32, 2), 1, 5), ((96, 48, 2), 3, 2)])
+def test_window_frames_match_oracle(sensor, d, bins):
+    stream = se.random_stream(3, seed=2, segment_us=60_000, sensor_size=sensor, shift={"noise_rate_hz": 40.0})
+    starts = stream.window_starts(30_000)
+    assert starts.tolist() == list(range(0, 180_000, 30_000))
+    for t0 in starts.tolist():
+        got = dvs.window_frames(stream.events, t0, t0 + 30_000, bins, sensor, d)
+        np.testing.assert_array_equal(got, _hand_window(stream.events, t0, t0 + 30_000, bins, sensor[0],
+                                                        sensor[1], d))
+        assert got.dtype == np.float32
+    assert sum(float(stream.frames(t, t + 30_000, bins, d).sum()) for t in starts.tolist()) == len(stream.events)
+
+
+def test_window_frames_empty_window_and_bad_bins():
+    ev = _events([1], [2], [5_000], [1])
+    out = dvs.window_frames(ev, 10_000, 20_000, 2, (32, 16, 2))
+    assert out.shape == (2, 2, 16, 32) and out.sum() == 0  # no events: zeros of the right shape
+    with pytest.raises(ValueError, match="multiple of its 3 bins"):
+        dvs.window_frames(ev, 0, 10_000, 3, (32, 32, 2))
+
+
+def test_event_stream_labels_and_range():
+    seg = np.array([(100, 200, 4), (200, 300, 7)], dtype=[("start_us", np.int64), ("end_us", np.int64),
+                                                           ("label", np.int64)])
+    ev = _events([0, 0], [0, 0], [150, 420], [0, 1])
+    stream = dvs.EventStream(ev, seg, (32, 32, 2))
+    assert stream.window_starts(100).tolist() == [100, 200, 300, 400]  # from the first segment to the last event
+    assert stream.labels_at(np.array([150, 250, 350])).tolist() == [4, 7, -1]
+    assert dvs.EventStream(ev, None, (32, 32, 2)).labels_at(np.array([150])).tolist() == [-1]
+    with pytest.raises(ValueError, match="no complete window"):
+        dvs.EventStream(ev[:0], None, (32, 32, 2)).window_starts(100)
+
+
+def test_load_event_file_validates_and_names_bad_files(tmp_path):
+    ev = _events(x=[3, 40, 3], y=[1, 1, 1], t=[20, 10, 5], p=[1, 0, 0], dtype=INT_DTYPE)
+    np.save(tmp_path / "ev.npy", ev)
+    stream, rep = dvs.load_event_file(tmp_path / "ev.npy", (32, 32, 2))
+    assert stream.events["t"].tolist() == [5, 20] and rep.n_dropped == 1 and rep.n_unsorted == 1
+    assert stream.segments is None and stream.sensor_size == (32, 32, 2)
+    (tmp_path / "x.npy").write_bytes(b"not numpy")
+    with pytest.raises(ValueError, match="cannot read .*x.npy as a .npy array without pickle"):
+        dvs.load_event_file(tmp_path / "x.npy", (32, 32, 2))
+    with pytest.raises(ValueError, match="event file .*missing.npy does not exist"):
+        dvs.load_event_file(tmp_path / "missing.npy", (32, 32, 2))
+    np.save(tmp_path / "seg.npy", np.zeros(2, dtype=[("start", np.int64), ("label", np.int64)]))
+    with pytest.raises(ValueError, match="fields start_us, end_us, label"):
+        dvs.load_event_file(tmp_path / "ev.npy", (32, 32, 2), tmp_path / "seg.npy")

@@ -157,3 +157,25 @@ def test_frames_cached_per_index(monkeypatch):
 def test_segment_labels_at_without_segments():
     none = np.empty(0, dtype=se.SEGMENT_DTYPE)  # e.g. a labels file with no rows
     assert list(se.segment_labels_at(none, [0, 5])) == [-1, -1]
+
+
+def test_random_stream_is_seeded_and_shifts_from_half_way():
+    a = se.random_stream(6, seed=3, segment_us=100_000, shift={"noise_rate_hz": 30.0})
+    b = se.random_stream(6, seed=3, segment_us=100_000, shift={"noise_rate_hz": 30.0})
+    assert np.array_equal(a.events, b.events) and np.array_equal(a.segments, b.segments)
+    assert a.shift_at == 300_000 and list(a.segments["shifted"]) == [False] * 3 + [True] * 3
+    assert not np.array_equal(a.segments["label"], se.random_stream(6, seed=4, segment_us=100_000).segments["label"])
+    none = se.random_stream(6, seed=3, segment_us=100_000)
+    assert none.shift_at is None and not none.segments["shifted"].any()
+    assert list(none.segments["label"]) == list(a.segments["label"])  # the labels come first from the seed
+    with pytest.raises(ValueError, match="n_gestures must be a positive int"):
+        se.random_stream(0, seed=0, segment_us=100_000)
+
+
+def test_check_shift_is_one_line_per_mistake():
+    assert se.check_shift(None) == {} and se.check_shift({"offset": (4, 0)}) == {"offset": [4.0, 0.0]}
+    for shift, match in (({"blur": 1.0}, "unknown shift key.*valid keys: noise_rate_hz, speed, offset"),
+                         ({"speed": 0.0}, "speed must be"), ({"offset": (1.0,)}, "offset must be a pair"),
+                         ({"noise_rate_hz": "loud"}, "noise_rate_hz must be")):
+        with pytest.raises(ValueError, match=match):
+            se.check_shift(shift)

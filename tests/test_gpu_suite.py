@@ -1,0 +1,50 @@
+"""bench/gpu_suite.sh refuses what it cannot run before it installs or runs anything."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+SUITE = Path(__file__).resolve().parent.parent / "bench" / "gpu_suite.sh"
+
+
+def _run(*parts, **env):
+    return subprocess.run(["bash", str(SUITE), *parts], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SZO_BENCH_RESULTS": env.pop("results"), "PYTHON": sys.executable, **env})
+
+
+def test_an_unknown_part_is_one_line_with_the_valid_ones(tmp_path):
+    r = _run("probe", "bogus", results=str(tmp_path))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == ("gpu_suite: unknown part 'bogus'; valid: quick all device devtests tests probe step "
+                                "reference memory memopt epoch study anchor")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
+    r = _run("quick", results=str(tmp_path), WHEELS=str(tmp_path / "no-wheels"))
+    assert r.returncode == 2 and "torch sees no CUDA device" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no part ran, no log written
+
+
+def test_under_the_device_tool_the_results_come_back_as_one_archive(tmp_path):
+    """The device tool returns a handful of files from $OUT: the suite packs its folder into
+    $OUT/gpu.tgz (logs and JSON, never checkpoints). An interpreter that answers every check with
+    success stands in for the GPU machine's; nvidia-smi may be missing (the part fails, the run goes on)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SZO_BENCH_RESULTS"}
+    r = subprocess.run(["bash", str(SUITE), "device"], capture_output=True, text=True, timeout=120,
+                       env={**env, "OUT": str(out), "PYTHON": str(fake), "WHEELS": str(tmp_path / "none")})
+    assert f"results in {out}/gpu.tgz" in r.stdout, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.tgz"]
+    with tarfile.open(out / "gpu.tgz") as tar:
+        assert "gpu/device.log" in tar.getnames()
