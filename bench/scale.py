@@ -36,7 +36,9 @@ from common import RESULTS, machine_info  # noqa: F401  (sys.path: this checkout
 
 from szo.config import load_recipe
 from szo.io import atomic_write_json, atomic_write_text
-from szo.methods import method_label
+from szo.methods import get_method, method_label
+from szo.runs import subspace_store_for
+from szo.stages import subspace_build_stage
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,18 @@ TUNED: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("fmnist", "tta", "*"): ("szo.mu=0.1", "tta.lr_reset=0.1", "tta.lr_continual=0.01"),
 }
 
-RELATIVE: tuple[str, ...] = ("szo.scale=trajectory",)
+#: (c): szo.scale trajectory at the registry's relative defaults (``MethodSpec.relative``), given explicitly:
+#: the recipes pin the paper's absolute mu / lr (and method_defaults), which a user's own recipe under
+#: trajectory would leave null
+REL = get_method("szo-cge").relative
+
+
+def relative(setting: str) -> tuple[str, ...]:
+    """The (c) overrides: the scale and the registry's relative mu / lr (TTA: the lr of both settings)."""
+    mu, lr = REL["szo.mu"], REL["train.lr"]
+    if setting == "tta":
+        return ("szo.scale=trajectory", f"szo.mu={mu}", f"tta.lr_reset={lr}", f"tta.lr_continual={lr}")
+    return ("szo.scale=trajectory", f"szo.mu={mu}", f"train.lr={lr}")
 VARIANTS = ("paper", "tuned", "relative")
 SETTINGS = ("scratch", "continual", "tta")
 
@@ -115,7 +128,7 @@ def overrides(data: str, setting: str, method: str, variant: str) -> tuple[str, 
     if variant == "tuned":
         base = PAPER["tta" if setting == "tta" else "train"]
         return base + (tuned(data, setting, method) or ())
-    return RELATIVE
+    return relative(setting)
 
 
 # ----------------------------------------------------------------------------- the chain of one seed
@@ -147,9 +160,6 @@ class Chain:
         self.szo(self.ds.bp, self.bp_dir, [f"subspace.name={self.scratch_name}"])
         cfg = load_recipe(self.ds.continual, [f"subspace.root={self.store}", f"subspace.name={self.continual_name}",
                                               "progress=false", f"seed={self.seed}"])
-        from szo.runs import subspace_store_for
-        from szo.stages import subspace_build_stage
-
         if not subspace_store_for(cfg).exists(self.continual_name):
             subspace_build_stage(cfg, self.bp_dir, progress=False)
 

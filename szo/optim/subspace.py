@@ -141,6 +141,12 @@ class SubspaceOptimizer(CodecOptimizer):
         return 1
 
     @property
+    def signal_fraction(self) -> float:
+        """Under a normalised scale, the factor on the normalised estimate: 1 for an estimate that is
+        the gradient along every direction (BP-Subspace, CGE)."""
+        return 1.0
+
+    @property
     def scale_info(self) -> dict:
         """The units mu and lr are expressed in (results.json ``scale``: the rule, each direction's unit)."""
         return scale_record(self.scale, self.units, self.subspace_state["calibration"])
@@ -157,7 +163,7 @@ class SubspaceOptimizer(CodecOptimizer):
         st = self.subspace_state
         g = g_c.to(torch.float64)
         if st["calibration"] is not None:  # lr is a step length in the subspace's units
-            g = normalise_(st["calibration"], g, self.calibration_steps)
+            g = normalise_(st["calibration"], g, self.calibration_steps) * self.signal_fraction
         heavy_ball_(st["delta"], g, lr=group["lr"], momentum=group["momentum"])
         st["c"] += st["delta"]
         st["step"] += 1
@@ -313,6 +319,18 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         if self.estimator in ("cge", "coord-one-point"):
             return 1
         return -(-self.k // self.q)
+
+    @property
+    def signal_fraction(self) -> float:
+        """A random-direction estimate ``g_hat`` (q Gaussian directions in k) has ``E|g_hat|^2 =
+        (k + q + 1) / q |g|^2``: normalised by its RMS length, its gradient part is ``sqrt(q / (k + q + 1))``
+        of a unit step and the rest is noise. Scaling it by that factor once more makes the expected
+        step ``lr q / (k + q + 1)`` along the gradient, the noise-optimal fraction of a coordinate
+        estimate's step (SGD with gradient noise of variance k / q times the signal), so one relative
+        lr serves CGE and RGE of any q (docs/evidence.md, "Scale-free mu and lr")."""
+        if self.estimator in ("cge", "coord-one-point"):
+            return 1.0
+        return math.sqrt(self.q / (self.k + self.q + 1))
 
     def plan(self) -> Plan:
         """This step's probes (draws the RGE / one-point directions from ``generator``).

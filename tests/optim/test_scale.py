@@ -86,9 +86,14 @@ def test_random_directions_probe_mu_sigma_long_and_calibrate_over_k_over_q_steps
     plan = opt.plan()
     assert plan.mu == pytest.approx(0.3 / 5 ** 0.5)  # a probe mu sigma z / sqrt(k): expected length mu sigma
     assert opt.calibration_steps == 3  # ceil(k / q) = ceil(5 / 2)
+    assert opt.signal_fraction == pytest.approx((2 / (5 + 2 + 1)) ** 0.5)
     x, y = data()
     x = x.double()
-    step_all([(opt, model)], x, y, 5)
+    step_all([(opt, model)], x, y, 1)
+    # the first step: the estimate normalised by its own length, times the signal fraction, times lr
+    first = float(opt.subspace_state["delta"].norm())
+    assert first == pytest.approx(0.05 * opt.signal_fraction, rel=1e-9)
+    step_all([(opt, model)], x, y, 4)
     assert opt.scale_info["calibration_steps"] == 3
 
 
