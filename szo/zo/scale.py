@@ -14,6 +14,14 @@ in parameter space a step of ``lr * s_i**2`` per unit gradient along direction `
 estimators, BP-Subspace's projected gradient and the batched / distributed evaluators need no
 change: they all see the basis ``P S`` (``SubspaceSpace(..., scales=s)``).
 
+Both relative rules are *normalised*: the estimate in ``u`` is divided by its RMS length over the
+first steps (:func:`normalise_`; the loss's own scale is not the subspace's), so ``lr`` is the length
+of the first step in units of ``s``, and a random-direction estimate is multiplied once more by its
+signal fraction ``sqrt(q / (k + q + 1))`` (``SZO.signal_fraction``). ``trajectory``: one unit for
+every direction, the trajectory's spread ``sqrt(sum lambda_i)``: the paper's estimator and update up
+to a change of units. ``whitened``: each direction's own spread ``sqrt(lambda_i)``: a diagonal
+preconditioner as well. Measured in docs/evidence.md ("Scale-free mu and lr").
+
 :func:`coordinate_scales` is the one place the rule lives.
 """
 from __future__ import annotations
@@ -22,10 +30,10 @@ import torch
 
 __all__ = ["SCALES", "NORMALISED", "coordinate_scales", "scale_record", "normalise_"]
 
-SCALES: tuple[str, ...] = ("absolute", "trajectory", "global", "whiten", "global-n", "whiten-n")
-#: the rules whose lr is a step length: the gradient (in the scaled coordinates) is divided by its RMS
-#: over the first steps, so lr is the length of the first step in units of the coordinates
-NORMALISED: tuple[str, ...] = ("trajectory", "global-n", "whiten-n")
+SCALES: tuple[str, ...] = ("absolute", "trajectory", "whitened")
+#: the rules whose lr is a step length: the estimate (in the scaled coordinates) is divided by its RMS
+#: length over the first steps, so lr is the length of the first step in units of the coordinates
+NORMALISED: tuple[str, ...] = ("trajectory", "whitened")
 
 
 def coordinate_scales(eigenvalues: torch.Tensor, scale: str) -> torch.Tensor | None:
@@ -42,9 +50,9 @@ def coordinate_scales(eigenvalues: torch.Tensor, scale: str) -> torch.Tensor | N
     if lam.numel() < 1 or not bool(torch.isfinite(lam).all()) or not bool((lam > 0).all()):
         raise ValueError(f"scale {scale!r} needs the subspace's eigenvalues (finite, > 0, one per direction); "
                          f"got {lam.tolist()[:8]}: use scale 'absolute' for a subspace without them")
-    if scale in ("trajectory", "global", "global-n"):
+    if scale == "trajectory":  # one unit for every direction: the trajectory's spread sqrt(sum lambda)
         return lam.sum().sqrt().expand(lam.numel()).clone()
-    return lam.sqrt()
+    return lam.sqrt()  # whitened: each direction's own spread
 
 
 def normalise_(calibration: dict, g: torch.Tensor, steps: int) -> torch.Tensor:
