@@ -40,12 +40,13 @@ from szo import models as szo_models
 from szo.engine import ENGINES
 from szo.io import atomic_write_text
 from szo.losses import LOSSES
-from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label
+from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label, which_methods
 from szo.models.base import MEMORY_FORMATS
 from szo.models.compiled import check_compile
 from szo.models.neurons import ACTIVATIONS
 from szo.models.streaming import BN_TIMES, STREAM_BN_MODES
 from szo.zo.bn import BN_UPDATES
+from szo.zo.scale import SCALES
 
 __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
@@ -227,7 +228,13 @@ class SZOConfig(Section):
     # bn_update: BN running statistics after a forward-only step: recompute (one unperturbed
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.zo.bn and docs/bn.md
-    mu: float = _opt(1.0, gt=0.0)
+    # scale: the units of mu and train.lr / tta.lr_* of the subspace methods (szo.zo.scale, docs/methods.md):
+    # absolute (the paper's: lengths in parameter space, App. G mu 1 / lr 1) | trajectory (mu: the probe's length,
+    # lr: the first step's length, both in units of the subspace's spread; the methods whose record has
+    # relative defaults, szo.methods); null = absolute. mu null = the default of the
+    # scale (absolute: 1.0, App. G; trajectory: the method's)
+    mu: float | None = _opt(None, gt=0.0)
+    scale: str | None = _opt(None, choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1)
@@ -318,8 +325,10 @@ class TTAConfig(Section):
     download: bool = False
     kwargs: dict = _opt({}, free=True)  # extra get_dataset keywords of the corrupted set
     corruptions: list | None = None     # null = the 15 in table order
-    lr_reset: float = _opt(1.0, min=0.0)  # App. G (subspace methods)
-    lr_continual: float = _opt(0.1, min=0.0)
+    # the subspace methods' lr per setting; null = the default of szo.scale: absolute 1.0 / 0.1 (App. G),
+    # trajectory each method's relative train.lr (szo.methods)
+    lr_reset: float | None = _opt(None, min=0.0)
+    lr_continual: float | None = _opt(None, min=0.0)
     momentum: float = _opt(0.9, min=0.0, below=1.0)
     predict: TTAPredict = "before"
     tent_optimizer: TentOptimizer = "adam"  # Tent's CIFAR setting; sgd (lr 2.5e-4 @ batch 64) for ImageNet
@@ -844,15 +853,42 @@ def _check_hw(full: RecipeConfig) -> None:
 
 
 def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
-    """``validate`` plus defaults that depend on other values (``train.lr: null`` -> the method's
-    default: its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
-    ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G))."""
-    full = validate(cfg)
+    """``validate`` plus defaults that depend on other values: ``szo.scale`` / ``szo.mu`` (:func:`_resolve_scale`)
+    and ``train.lr: null`` -> the method's default: under ``szo.scale: trajectory`` its record's relative
+    ``train.lr``, else its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
+    ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G)."""
+    full = _resolve_scale(validate(cfg))
     if full.kind == "tta" or full.train.lr is not None:
         return full
     spec = get_method(full.method)
+    if full.szo.scale == "trajectory":
+        return dataclasses.replace(full, train=full.train.replace(lr=spec.relative["train.lr"]))
     default = full.bptt.lr if spec.backprop and not spec.subspace else 1.0
     return dataclasses.replace(full, train=full.train.replace(lr=spec.defaults.get("train.lr", default)))
+
+
+def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
+    """``szo.scale: null`` -> absolute (the paper's units); ``trajectory`` is refused in one line unless
+    every subspace method the run trains (kind tta: adapts with) has relative defaults in its record and
+    the learner is the float one. ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
+    sz = full.szo
+    if full.kind == "tta":
+        methods = [m for m in _tta_names("method", full.method, TTA_METHODS, "all") if get_method(m).subspace]
+    else:
+        methods = [full.method]
+    specs = [get_method(m) for m in methods]
+    relative = bool(specs) and all(s.relative is not None for s in specs) and full.hw.learner != "integer"
+    scale = sz.scale or "absolute"  # trajectory is opt-in until measured on every data set (docs/evidence.md)
+    if scale == "trajectory" and not relative:
+        why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if full.hw.learner == "integer"
+               else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
+        raise ValueError(f"szo.scale 'trajectory' (mu / lr in units of the subspace) does not apply here: {why}; "
+                         "use szo.scale absolute")
+    mu = sz.mu
+    if mu is None:
+        mus = {s.relative.get("szo.mu") for s in specs if s.relative and "szo.mu" in s.relative}
+        mu = mus.pop() if scale == "trajectory" and len(mus) == 1 else 1.0
+    return dataclasses.replace(full, szo=sz.replace(scale=scale, mu=mu))
 
 
 def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -70,7 +70,10 @@ class MethodSpec:
       adapter that runs it (``szo.adapt``: source, batch-statistics, tent, subspace-gradient,
       subspace-zo), None if it does not adapt;
     * ``defaults``: recipe values that hold for this method unless the recipe sets them
-      (dotted keys, e.g. ``{"train.lr": 1e-3}``).
+      (dotted keys, e.g. ``{"train.lr": 1e-3}``);
+    * ``relative``: its recipe defaults under ``szo.scale: trajectory`` (``szo.mu``: the probe's length,
+      ``train.lr``: the first step's length, both in units of the subspace's spread; ``szo.zo.scale``),
+      which is then its default scale; None: its mu / lr are absolute only (``szo.scale: absolute``).
     """
 
     name: str
@@ -94,6 +97,7 @@ class MethodSpec:
     trainable: bool = True
     adapter: str | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    relative: Mapping[str, Any] | None = None
 
     @property
     def forward_only(self) -> bool:
@@ -235,6 +239,9 @@ def method_label(method: str, q: int | None = None, activation: str = "lif", *, 
 
 # ---------------------------------------------------------------------- the records
 _FO = dict(streaming=True)  # forward-only, single-evaluation probes: the streaming forward applies
+# szo.scale trajectory (szo.zo.scale): a probe of 0.3 sigma, a first step of 0.03 sigma (sigma: the subspace's
+# spread), one setting for every subspace method on digits, mnist5k and Fashion-MNIST (docs/evidence.md)
+_REL = {"szo.mu": 0.3, "train.lr": 0.03}
 for _spec in (
     # test-time adaptation only (szo.adapt): no recipe trains with them
     MethodSpec(NO_ADAPTATION, "No adapt.", "test-time", "1", trainable=False, adapter="source"),
@@ -242,17 +249,19 @@ for _spec in (
     MethodSpec("tent", "Tent (BP)", "test-time", "1 FP + 1 BP", backprop=True, trainable=False, adapter="tent"),
     MethodSpec("bp", "BP", "backprop", "1 FP + 1 BP", backprop=True, weight_decay=True),
     MethodSpec("bp-subspace", "BP-Subspace", "backprop", "1 FP + 1 BP", subspace=True, backprop=True,
-               adapter="subspace-gradient"),
+               adapter="subspace-gradient", relative={"train.lr": _REL["train.lr"]}),
     MethodSpec("szo-cge", "SZO-CGE", "subspace-zo", "2k + 1", subspace=True, engines=("loop", "batched"),
-               parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, adapter="subspace-zo", variant="cge", **_FO),
+               parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, adapter="subspace-zo", variant="cge",
+               relative=_REL, **_FO),
     MethodSpec("szo-rge", "SZO-RGE", "subspace-zo", "2q + 1", subspace=True, engines=("loop", "batched"),
                parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, q_labeled=True,
-               adapter="subspace-zo", variant="rge", **_FO),
+               adapter="subspace-zo", variant="rge", relative=_REL, **_FO),
     MethodSpec("szo-1pt", "SZO-1pt", "subspace-zo", "q + 1 + 1", subspace=True, engines=("loop", "batched"),
-               parallel=("data", "perturbation"), fixed_backend=True, q_labeled=True, variant="one-point", **_FO),
+               parallel=("data", "perturbation"), fixed_backend=True, q_labeled=True, variant="one-point",
+               relative=_REL, **_FO),
     MethodSpec("szo-cge-1pt", "SZO-CGE (one-point)", "subspace-zo", "k + 1 + 1", subspace=True,
                engines=("loop", "batched"), parallel=("data", "perturbation"), fixed_backend=True,
-               variant="coord-one-point", **_FO),
+               variant="coord-one-point", relative=_REL, **_FO),
     MethodSpec("zo-cge", "ZO-CGE", "full-space-zo", "2n + 1", options=("coords_per_step",), variant="cge", **_FO),
     MethodSpec("zo-rge", "ZO-RGE", "full-space-zo", "2q + 1", q_labeled=True, variant="rge", **_FO),
     MethodSpec("fg", "FG", "forward-gradient", "q (JVP passes)", jvp=True, q_labeled=True,

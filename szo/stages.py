@@ -38,6 +38,7 @@ from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
 from szo.optim import MCUZO, HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
+from szo.optim.subspace import SubspaceOptimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
@@ -306,6 +307,7 @@ def optimizer_options(cfg: Mapping[str, Any]) -> OptimizerOptions:
     return OptimizerOptions(
         lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
         coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
+        scale=sz["scale"],
         layers=None if sz["layers"] is None else tuple(sz["layers"]), stages=sz["stages"],
         node_losses=sz["node_losses"],
         tt=TTOptions(**{k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step", "cge")}),
@@ -418,6 +420,8 @@ def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> d
         out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
     if isinstance(opt, HybridZO):
         out["tt"] = dict(extra.get("tt", {}), switched_at_step=opt.hybrid_state["switched_at"])
+    if isinstance(opt, SubspaceOptimizer):  # the units its mu / lr were in (szo.zo.scale)
+        out["scale"] = opt.scale_info
     if isinstance(opt, MCUZO):  # seed 004's learner: its layers' modes and every clamped int8 weight / probe
         out["mcu"] = {"modes": opt.mode_names, "saturations": opt.counter.as_dict()}
     return out

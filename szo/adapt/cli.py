@@ -25,12 +25,15 @@ __all__ = ["register", "main", "flags_config"]
 _FLAGS = {
     "data": ("tta", "data", "corrupted data set"), "data_dir": ("tta", "data_dir", "its directory"),
     "severity": ("tta", "severity", "corruption severity"), "batch_size": ("tta", "batch_size", "test batch"),
-    "lr_reset": ("tta", "lr_reset", "subspace methods' lr, reset setting"),
-    "lr_continual": ("tta", "lr_continual", "subspace methods' lr, continual setting"),
+    "lr_reset": ("tta", "lr_reset", "subspace methods' lr, reset setting (null: szo.scale's; absolute 1.0)"),
+    "lr_continual": ("tta", "lr_continual",
+                     "subspace methods' lr, continual setting (null: szo.scale's; absolute 0.1)"),
     "predict": ("tta", "predict", "predict before or after the batch's adaptation step"),
     "tent_optimizer": ("tta", "tent_optimizer", "Tent's optimizer"), "tent_lr": ("tta", "tent_lr", "Tent's lr"),
     "max_batches": ("tta", "max_batches", "adapt on at most this many batches per corruption"),
-    "mu": ("szo", "mu", "SZO perturbation scale"), "q": ("szo", "q", "SZO-RGE directions per step"),
+    "mu": ("szo", "mu", "SZO perturbation scale (null: szo.scale's; absolute 1.0)"),
+    "q": ("szo", "q", "SZO-RGE directions per step"),
+    "scale": ("szo", "scale", "units of --mu / --lr-* (szo.zo.scale)"),
 }
 _SECTIONS = {"tta": TTAConfig, "szo": SZOConfig}
 
@@ -40,9 +43,11 @@ def _add_schema_flag(p: argparse.ArgumentParser, flag: str, section: str, key: s
     default = getattr(cls(), key)
     hint = typing.get_type_hints(cls)[key]
     choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-    base = type(default) if default is not None else (int if "int" in str(hint) else str)
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]  # X of ``X | None``
+    base = type(default) if default is not None else inner[0] if len(inner) == 1 and inner[0] in (int, float) else str
+    shown = "null" if default is None else default
     p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, choices=choices,
-                   type=None if choices else base, help=f"{what} ({section}.{key}; default {default})")
+                   type=None if choices else base, help=f"{what} ({section}.{key}; default {shown})")
 
 
 # --------------------------------------------------------------------------- CLI

@@ -326,11 +326,12 @@ class BPSubspaceAdapt(_GradientAdapter):
     kind = "subspace-gradient"
     lr_option = "lr"
 
-    def __init__(self, model: nn.Module, subspace, *, lr: float, momentum: float = 0.9,
+    def __init__(self, model: nn.Module, subspace, *, lr: float, momentum: float = 0.9, scale: str = "absolute",
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         configure_bn(model)
         model.requires_grad_(True)
-        opt = build_optimizer("bp-subspace", model, subspace=subspace, lr=lr, momentum=momentum, start="current")
+        opt = build_optimizer("bp-subspace", model, subspace=subspace, lr=lr, momentum=momentum, start="current",
+                              scale=scale)
         super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
 
 
@@ -346,14 +347,14 @@ class SZOAdapt(Adapter):
         return probes + 1, 0  # + one clean prediction forward (before or after the step)
 
     def __init__(self, model: nn.Module, subspace, *, method: str = "szo-cge", lr: float, mu: float = 1.0,
-                 momentum: float = 0.9, q: int = 10, generator: torch.Generator | None = None,
+                 momentum: float = 0.9, q: int = 10, generator: torch.Generator | None = None, scale: str = "absolute",
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         check_choice("SZO method", method, [m for m in METHODS if get_method(m).adapter == self.kind])
         configure_bn(model)
         # adaptation starts from the source model; BN normalises with test-batch statistics and
         # never uses its running statistics, so an unperturbed BN forward per step would buy nothing
         opt = build_optimizer(method, model, subspace=subspace, lr=lr, momentum=momentum, mu=mu, q=q,
-                              generator=generator, start="current", bn_update="probe-mean")
+                              generator=generator, start="current", bn_update="probe-mean", scale=scale)
         super().__init__(model, opt, predict=predict, loss_fn=loss_fn)
         self.method = method
 
@@ -371,8 +372,8 @@ class SZOAdapt(Adapter):
 
 @dataclass(frozen=True)
 class AdaptOptions:
-    """An adapter's settings: ``lr`` / ``momentum`` / ``mu`` / ``q`` / ``generator`` are the
-    subspace methods' (bp-subspace, szo-*); Tent has its own ``tent_optimizer`` / ``tent_lr`` /
+    """An adapter's settings: ``lr`` / ``momentum`` / ``mu`` / ``q`` / ``generator`` / ``scale`` (the
+    units of mu and lr, ``szo.zo.scale``) are the subspace methods' (bp-subspace, szo-*); Tent has its own ``tent_optimizer`` / ``tent_lr`` /
     ``tent_momentum``; ``predict`` and ``loss_fn`` apply to every method."""
 
     subspace: object = None
@@ -380,6 +381,7 @@ class AdaptOptions:
     momentum: float = 0.9
     mu: float = 1.0
     q: int = 10
+    scale: str = "absolute"
     predict: str = "before"
     tent_optimizer: str = "adam"
     tent_lr: float = 1e-3
@@ -411,6 +413,6 @@ def build_adapter(method: str, model: nn.Module, **options) -> Adapter:
     if o.lr is None:
         raise ValueError(f"method {method!r} needs lr (paper App. G: 1.0 for reset, 0.1 for continual)")
     if cls is BPSubspaceAdapt:
-        return BPSubspaceAdapt(model, o.subspace, lr=o.lr, momentum=o.momentum, **common)
+        return BPSubspaceAdapt(model, o.subspace, lr=o.lr, momentum=o.momentum, scale=o.scale, **common)
     return SZOAdapt(model, o.subspace, method=method, lr=o.lr, mu=o.mu, momentum=o.momentum, q=o.q,
-                    generator=o.generator, **common)
+                    generator=o.generator, scale=o.scale, **common)

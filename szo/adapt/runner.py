@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from szo.data import CORRUPTIONS, get_dataset, make_loader
 from szo.methods import get_method
 from szo.precision import check_precision, precision_policy
+from szo.zo.scale import coordinate_scales, scale_record
 
 from .methods import (
     METHODS,
@@ -44,10 +45,12 @@ from .methods import (
 )
 from .tables import write_tables
 
-__all__ = ["run_tta", "TTAOptions", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS"]
+__all__ = ["run_tta", "TTAOptions", "resolve_methods", "resolve_settings", "SETTING_FREE_METHODS", "APP_G_LR"]
 
 #: methods whose predictions do not depend on the setting (no parameter change, batch-local)
 SETTING_FREE_METHODS = tuple(m for m in METHODS if adapter_class(m).setting_free)
+#: the subspace methods' learning rate per setting under szo.scale absolute (paper App. G)
+APP_G_LR = {"reset": 1.0, "continual": 0.1}
 
 
 def _resolve_names(what: str, value: str | Sequence[str], valid: Sequence[str], everything: str) -> list[str]:
@@ -88,7 +91,9 @@ class TTAOptions:
     """How :func:`run_tta` adapts and evaluates (everything but the source, subspace, data set,
     methods and settings).
 
-    ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (App. G);
+    ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (None: the default of
+    ``scale``: absolute 1.0 / 0.1, App. G; trajectory: each method's relative ``train.lr``, ``szo.methods``);
+    ``scale``: the units of ``mu`` and the learning rates (``szo.zo.scale``);
     ``corruptions``: default ``szo.data.CORRUPTIONS`` (the 15, table order); ``predict``:
     ``"before"`` | ``"after"`` (see ``szo.adapt.methods``); ``max_batches``: adapt on at most this
     many batches per corruption (quick checks); ``get_data``: ``corruption -> Dataset`` instead of
@@ -100,14 +105,15 @@ class TTAOptions:
     batch_size: int
     out_dir: str | os.PathLike
     severity: int = 5
-    lr_reset: float = 1.0
-    lr_continual: float = 0.1
+    lr_reset: float | None = None
+    lr_continual: float | None = None
     data_dir: str | os.PathLike | None = None
     seed: int = 0
     corruptions: Sequence[str] | None = None
     mu: float = 1.0
     momentum: float = 0.9
     q: int = 10
+    scale: str = "absolute"
     predict: str = "before"
     tent_optimizer: str = "adam"
     tent_lr: float = 1e-3
@@ -138,7 +144,14 @@ class TTAOptions:
         option = adapter_class(method).lr_option
         if option == "tent_lr":
             return self.tent_lr
-        return (self.lr_reset if setting == "reset" else self.lr_continual) if option == "lr" else None
+        if option != "lr":
+            return None
+        lr = self.lr_reset if setting == "reset" else self.lr_continual
+        if lr is not None:
+            return lr
+        if self.scale == "trajectory":
+            return get_method(method).relative["train.lr"]
+        return APP_G_LR[setting]
 
 
 class _TTARun:
@@ -213,7 +226,8 @@ class _TTARun:
     def _adapter(self, method: str, model: nn.Module, setting: str, c: str, gen: torch.Generator) -> Any:
         o = self.o
         return build_adapter(method, model, subspace=self.subspace_for(c), lr=o.lr_of(method, setting) or None,
-                             momentum=o.momentum, mu=o.mu, q=o.q, predict=o.predict, tent_optimizer=o.tent_optimizer,
+                             momentum=o.momentum, mu=o.mu, q=o.q, scale=o.scale, predict=o.predict,
+                             tent_optimizer=o.tent_optimizer,
                              tent_lr=o.tent_lr, tent_momentum=o.tent_momentum, generator=gen)
 
     def _run_method(self, setting: str, method: str) -> dict[str, Any]:
@@ -289,6 +303,17 @@ class _TTARun:
                        f"  #FP {done['fp']} #BP {done['bp']}  ({elapsed:.1f}s)")
         return row
 
+    def _scale_record(self) -> dict[str, Any]:
+        """The units of mu / lr of the subspace methods (``szo.zo.scale``): the rule and each direction's
+        unit in the adaptation subspace (one record per corruption for per-corruption subspaces)."""
+        o, sub = self.o, self.subspace
+        if sub is None or o.scale == "absolute":
+            return scale_record(o.scale, None)
+        if not self.per_corruption:
+            return scale_record(o.scale, coordinate_scales(sub.eigenvalues, o.scale))
+        return {"rule": o.scale, "per_corruption": {c: scale_record(o.scale, coordinate_scales(sub[c].eigenvalues, o.scale))
+                                                    for c in self.corruptions}}
+
     def _results(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         o = self.o
         return {
@@ -296,7 +321,7 @@ class _TTARun:
             "corruptions": self.corruptions, "methods": self.methods, "settings": self.settings, "results": results,
             "config": {
                 "batch_size": o.batch_size, "lr_reset": o.lr_reset, "lr_continual": o.lr_continual, "mu": o.mu,
-                "momentum": o.momentum, "q": o.q, "k": self.k, "predict": o.predict, "tent_optimizer": o.tent_optimizer,
+                "momentum": o.momentum, "q": o.q, "scale": self._scale_record(), "k": self.k, "predict": o.predict, "tent_optimizer": o.tent_optimizer,
                 "tent_lr": o.tent_lr, "tent_momentum": o.tent_momentum, "seed": o.seed, "max_batches": o.max_batches,
                 "subspace_per_corruption": self.per_corruption,
                 **dict(o.info or {}),

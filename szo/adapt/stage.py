@@ -142,7 +142,7 @@ def tta_stage(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str = 
         source, sub, t["data"], cfg["method"], settings, severity=t["severity"], batch_size=t["batch_size"],
         lr_reset=t["lr_reset"], lr_continual=t["lr_continual"], data_dir=t["data_dir"], seed=seed, out_dir=out,
         corruptions=t["corruptions"], mu=float(sz["mu"]), momentum=t["momentum"],
-        q=int(sz["q"]), predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
+        q=int(sz["q"]), scale=sz["scale"], predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
         tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
         dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False, precision=cfg["precision"],
         info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})

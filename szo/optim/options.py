@@ -53,6 +53,7 @@ class OptimizerOptions:
     engine: Literal["loop", "batched"] = "loop"
     chunk: int | None = None
     bn_update: Literal["recompute", "probe-mean"] = "recompute"
+    scale: str = "absolute"  # units of mu / lr of the subspace methods (szo.zo.scale): absolute | trajectory
     layers: tuple[str, ...] | None = None
     stages: int | None = None
     node_losses: Literal["per-sample", "batch-mean"] = "per-sample"

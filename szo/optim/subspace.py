@@ -24,6 +24,7 @@ digits: 28 % instead of 90 % after 2 epochs, issue 17).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -54,6 +55,7 @@ from szo.zo import (
     resolve_model,
     rge_plan,
 )
+from szo.zo.scale import NORMALISED, SCALES, coordinate_scales, normalise_, scale_record
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
@@ -92,7 +94,8 @@ def check_k(opt, section: dict) -> None:
 
 
 COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
-           Field("step", "int", "subspace_state.step"))
+           Field("step", "int", "subspace_state.step"),
+           Field("calibration", "plain", "subspace_state.calibration", optional=True))
 
 
 class SubspaceOptimizer(CodecOptimizer):
@@ -102,18 +105,24 @@ class SubspaceOptimizer(CodecOptimizer):
     codecs = (StateCodec("subspace", COORDS, check=check_k),)
 
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
-                 start: str | None = None):
+                 start: str | None = None, scale: str = "absolute"):
         model_first = isinstance(params, nn.Module)
         params, model = resolve_model(params, model, type(self).__name__)
         if isinstance(params[0], dict):
             raise ValueError("subspace optimizers take one flat list of parameters (no param groups)")
         check_hparams(lr=defaults["lr"], momentum=defaults["momentum"])
         check_layout(subspace, params, model)
+        if scale not in SCALES:
+            raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+        units = None if scale == "absolute" else coordinate_scales(subspace.eigenvalues, scale)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
         super().__init__(params, defaults)
         self.model = model
-        self.space = SubspaceSpace(params, subspace.basis)
+        # the coordinates' units (szo.zo.scale): None under "absolute", the paper's arithmetic unchanged
+        self.scale = scale
+        self.units = units
+        self.space = SubspaceSpace(params, subspace.basis, scales=units)
         self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
@@ -121,7 +130,26 @@ class SubspaceOptimizer(CodecOptimizer):
             "c": torch.zeros(self.k, dtype=torch.float64),
             "delta": torch.zeros(self.k, dtype=torch.float64),
             "step": 0,
+            # a normalised scale (szo.zo.scale.NORMALISED): the RMS gradient length of the first steps
+            "calibration": {"n": 0, "sq": 0.0} if scale in NORMALISED else None,
         }
+
+    @property
+    def calibration_steps(self) -> int:
+        """Steps whose estimates set a normalised scale's gradient unit (one: an exact or coordinate-wise
+        estimate sees every direction in one step)."""
+        return 1
+
+    @property
+    def signal_fraction(self) -> float:
+        """Under a normalised scale, the factor on the normalised estimate: 1 for an estimate that is
+        the gradient along every direction (BP-Subspace, CGE)."""
+        return 1.0
+
+    @property
+    def scale_info(self) -> dict:
+        """The units mu and lr are expressed in (results.json ``scale``: the rule, each direction's unit)."""
+        return scale_record(self.scale, self.units, self.subspace_state["calibration"])
 
     @property
     def coordinates(self) -> torch.Tensor:
@@ -133,7 +161,10 @@ class SubspaceOptimizer(CodecOptimizer):
         """Eq. (6) in coordinates (heavy ball on delta), then theta += P delta."""
         group = self.param_groups[0]
         st = self.subspace_state
-        heavy_ball_(st["delta"], g_c.to(torch.float64), lr=group["lr"], momentum=group["momentum"])
+        g = g_c.to(torch.float64)
+        if st["calibration"] is not None:  # lr is a step length in the subspace's units
+            g = normalise_(st["calibration"], g, self.calibration_steps) * self.signal_fraction
+        heavy_ball_(st["delta"], g, lr=group["lr"], momentum=group["momentum"])
         st["c"] += st["delta"]
         st["step"] += 1
         self.space.add_coords(st["delta"])
@@ -221,6 +252,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         compile: bool = False,
         bn_update: str = "recompute",
         start: str | None = None,
+        scale: str = "absolute",
     ):
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
@@ -235,7 +267,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         check_hparams(mu=mu, q=q if estimator != "cge" else None)
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
-                                   start=start)
+                                   start=start, scale=scale)
         model = self.model
         if distributed == "data" and sync_bn and model is not None and any(
                 getattr(m, "bn_time", "shared") == "per-step" for m in model.modules()):
@@ -280,6 +312,26 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
                   "coord-one-point": self.k + 1}[self.estimator]
         return probes + int(self.recomputes)
 
+    @property
+    def calibration_steps(self) -> int:
+        """A random-direction estimate sees q of the k directions per step: ceil(k / q) steps set the
+        gradient unit of a normalised scale (one for the coordinate estimators)."""
+        if self.estimator in ("cge", "coord-one-point"):
+            return 1
+        return -(-self.k // self.q)
+
+    @property
+    def signal_fraction(self) -> float:
+        """A random-direction estimate ``g_hat`` (q Gaussian directions in k) has ``E|g_hat|^2 =
+        (k + q + 1) / q |g|^2``: normalised by its RMS length, its gradient part is ``sqrt(q / (k + q + 1))``
+        of a unit step and the rest is noise. Scaling it by that factor once more makes the expected
+        step ``lr q / (k + q + 1)`` along the gradient, the noise-optimal fraction of a coordinate
+        estimate's step (SGD with gradient noise of variance k / q times the signal), so one relative
+        lr serves CGE and RGE of any q (docs/evidence.md, "Scale-free mu and lr")."""
+        if self.estimator in ("cge", "coord-one-point"):
+            return 1.0
+        return math.sqrt(self.q / (self.k + self.q + 1))
+
     def plan(self) -> Plan:
         """This step's probes (draws the RGE / one-point directions from ``generator``).
 
@@ -293,6 +345,8 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         if self.estimator == "coord-one-point":
             return coord_one_point_plan(self.k, mu)
         z = gaussian_rows(self.q, self.k, self.generator)
+        if self.units is not None:  # relative scale: mu is the probe's length in units, as for CGE (E|z|^2 = k)
+            mu = mu / math.sqrt(self.k)
         return rge_plan(z, mu) if self.estimator == "rge" else one_point_plan(z, mu)
 
     def probe_plan(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -336,8 +390,9 @@ class BPSubspace(SubspaceOptimizer):
         momentum: float = 0.9,
         model: nn.Module | None = None,
         start: str | None = None,
+        scale: str = "absolute",
     ):
-        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start)
+        super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start, scale=scale)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):  # type: ignore[override]
@@ -353,7 +408,7 @@ class BPSubspace(SubspaceOptimizer):
 # ---------------------------------------------------------------------- registry builders
 @register_builder("bp-subspace")
 def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
-    return BPSubspace(model, subspace, lr=o.lr, momentum=o.momentum, start=run.start)
+    return BPSubspace(model, subspace, lr=o.lr, momentum=o.momentum, start=run.start, scale=o.scale)
 
 
 @register_builder("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt")
@@ -361,4 +416,5 @@ def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
                generator=run.generator, distributed=run.distributed, sync_bn=run.sync_bn,
-               process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start)
+               process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start,
+               scale=o.scale)

@@ -169,17 +169,25 @@ def _locate(i: int, bounds: list[int]) -> tuple[int, int]:
 class SubspaceSpace(ParamSpace):
     """``theta = theta_0 + P c``: probes and updates move the parameters along ``P``'s columns.
 
+    ``scales`` (``s [k]``, ``szo.zo.scale``): coordinates in units of ``s``, i.e. the space's basis
+    is ``P diag(s)`` (``basis_t`` its rows); None keeps ``P`` itself.
+
     ``basis_t`` is ``P^T`` on the parameters' device and dtype, row-contiguous, so that direction
     ``i`` is one contiguous row; ``basis_views[t]`` is its ``[k, numel]`` block of parameter ``t``.
     A probe is ``torch.add(theta, (u @ P^T_t), alpha=sign mu)`` per parameter (the basis row itself
     for a coordinate probe: ``e_i @ P^T`` is that row exactly).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], basis: torch.Tensor):
+    def __init__(self, params: Sequence[torch.Tensor], basis: torch.Tensor, scales: torch.Tensor | None = None):
         super().__init__(params)
         if basis.dim() != 2 or basis.shape[0] != self.d:
             raise ValueError(f"basis must be [d, k] with d = {self.d}, got {tuple(basis.shape)}")
         bt = basis.detach().t()
+        if scales is not None:  # coordinates in the subspace's units (szo.zo.scale): rows of (P S)^T, a new tensor
+            scales = torch.as_tensor(scales, dtype=torch.float64).reshape(-1)
+            if scales.numel() != bt.shape[0] or not bool((scales > 0).all()):
+                raise ValueError(f"scales must be [k] = [{bt.shape[0]}] positive units, got {tuple(scales.shape)}")
+            bt = bt.to(device=self.device, dtype=self.dtype) * scales.to(device=self.device, dtype=self.dtype)[:, None]
         self.basis_t = (bt if bt.is_contiguous() else bt.contiguous()).to(device=self.device, dtype=self.dtype)
         self.k = int(self.basis_t.shape[0])
         self.basis_views: list[torch.Tensor] = []
