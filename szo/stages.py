@@ -37,14 +37,13 @@ from szo.io import load_weights, save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
-from szo.optim import MCUZO, HybridZO, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
-from szo.optim.subspace import SubspaceOptimizer
+from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
-from szo.zo import trainable_layers
+from szo.zo import ReportsResults, trainable_layers
 
 __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
@@ -410,20 +409,19 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
 
 
 def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
-    """What is known only after training: every clamp of the integer forwards (backend fixed),
-    when a tensor-train run left signRGE for CGE (``HybridZO.hybrid_state``), and seed 004's
-    learner's per-layer modes and clamps."""
+    """What is known only after training: the model's CUDA-graph counts and every clamp of its
+    integer forwards (backend fixed), and what the optimizer reports of itself
+    (``szo.zo.ReportsResults``: a tensor-train run's switch step, a subspace method's units, seed
+    004's learner's modes and clamps), merged into the stage's own record under the same key."""
     out: dict[str, Any] = {}
     if isinstance(net, SpikingModel) and net.cuda_graphs is not None:  # captures, replays, eager forwards by reason
         out["cuda_graphs"] = net.cuda_graphs.stats.as_dict()
     if isinstance(net, FixedPointNetwork):
         out.update(saturations=net.saturation_counts(), saturations_total=net.counter.total())
-    if isinstance(opt, HybridZO):
-        out["tt"] = dict(extra.get("tt", {}), switched_at_step=opt.hybrid_state["switched_at"])
-    if isinstance(opt, SubspaceOptimizer):  # the units its mu / lr were in (szo.zo.scale)
-        out["scale"] = opt.scale_info
-    if isinstance(opt, MCUZO):  # seed 004's learner: its layers' modes and every clamped int8 weight / probe
-        out["mcu"] = {"modes": opt.mode_names, "saturations": opt.counter.as_dict()}
+    if isinstance(opt, ReportsResults):
+        for key, value in opt.result_fields().items():
+            mine = extra.get(key)
+            out[key] = {**mine, **value} if isinstance(mine, Mapping) and isinstance(value, Mapping) else value
     return out
 
 

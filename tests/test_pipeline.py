@@ -46,6 +46,7 @@ def test_scratch_szo_cge_in_subspace(bp_run):
     s = run_recipe(cfg, root / "cge")
     # 2k probes + the unperturbed BN forward (bn_update=recompute) per step
     assert s["fp"] == 2 * 4 * (2 * 6 + 1) and s["bp"] == 0 and s["k"] == 6 and s["label"] == "SZO-CGE"
+    assert s["scale"] == {"rule": "absolute"}  # the optimizer's own report (szo.zo.ReportsResults)
     assert not (root / "cge" / "bptt").exists()  # the subspace was in the store already
     # the model started at the reference and moved only inside the subspace
     ck = torch.load(root / "cge" / "checkpoints" / "last.pt", weights_only=True)
@@ -82,9 +83,12 @@ def test_continual_and_rge_and_report(bp_run):
     s = run_recipe(cont, root / "cont")
     assert s["mode"] == "continual" and s["fp"] == 3 * (2 * 4 + 1)
     rge = load_recipe("digits-scratch", sets + ["method=szo-rge", "szo.q=2", "train.epochs=1",
-                                                "train.max_steps_per_epoch=3"])
+                                                "train.max_steps_per_epoch=3", "szo.scale=trajectory"])
     s = run_recipe(rge, root / "rge")
     assert s["fp"] == 3 * (2 * 2 + 1) and s["label"] == "SZO-RGE(q=2)"
+    sc = s["scale"]  # units of the k = 6 subspace; the gradient unit from the first ceil(k / q) = 3 steps
+    assert sc["rule"] == "trajectory" and len(sc["units"]) == 6 and sc["calibration_steps"] == 3
+    assert sc["gradient_unit"] > 0
     md = render(collect_runs([root]))
     assert "SZO-RGE(q=2)" in md and "| digits | spike_convnet |" in md
 

@@ -218,6 +218,11 @@ class MCUZO(ForwardOnlyBase):
     def mode_names(self) -> dict[str, str]:
         return {n: p.mode for n, p in self.plans.items()}
 
+    def result_fields(self) -> dict:
+        """Seed 004's learner: its layers' modes and every clamped int8 weight / probe
+        (``szo.zo.ReportsResults``)."""
+        return {"mcu": {"modes": self.mode_names, "saturations": self.counter.as_dict()}}
+
     @property
     def integer_state(self) -> list[torch.Tensor] | None:
         """The trained layers' integers (weight mantissas, then bias mantissas, per layer)."""

@@ -151,6 +151,10 @@ class SubspaceOptimizer(CodecOptimizer):
         """The units mu and lr are expressed in (results.json ``scale``: the rule, each direction's unit)."""
         return scale_record(self.scale, self.units, self.subspace_state["calibration"])
 
+    def result_fields(self) -> dict:
+        """``{"scale": ...}``: the units its mu / lr were in (``szo.zo.ReportsResults``)."""
+        return {"scale": self.scale_info}
+
     @property
     def coordinates(self) -> torch.Tensor:
         """Current subspace coordinates c (float64 [k]); theta = theta_0 + P c."""

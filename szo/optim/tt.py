@@ -100,6 +100,11 @@ class HybridZO(FullSpaceZO):
         self.phase = "sign-rge" if switch_step != 0 else "cge"
         self.hybrid_state = {"steps": 0, "window_losses": [], "previous_mean": None, "switched_at": None}
 
+    def result_fields(self) -> dict:
+        """``{"tt": {"switched_at_step": ...}}``: when the run left signRGE for CGE, None if it never
+        did (``szo.zo.ReportsResults``)."""
+        return {"tt": {"switched_at_step": self.hybrid_state["switched_at"]}}
+
     @property
     def forwards_per_step(self) -> int:
         """signRGE: the centre and ``sign_q`` probes; CGE: ``FullSpaceZO``'s; each plus the BN

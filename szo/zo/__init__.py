@@ -32,7 +32,7 @@ from .plans import (
                     rademacher_rows,
                     rge_plan,
 )
-from .protocol import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, HasSubspace, StepInfo, is_forward_only
+from .protocol import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, HasSubspace, ReportsResults, StepInfo, is_forward_only
 from .space import (
                     LAYER_TYPES,
                     START_POINTS,
@@ -57,7 +57,7 @@ from .update import (
 
 __all__ = [
     "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
-    "HasSubspace", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
+    "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",

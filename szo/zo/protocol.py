@@ -12,7 +12,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["StepInfo", "ForwardOnlyOptimizer", "HasSubspace", "is_forward_only", "PROTOCOL_MEMBERS"]
+__all__ = ["StepInfo", "ForwardOnlyOptimizer", "HasSubspace", "ReportsResults", "is_forward_only", "PROTOCOL_MEMBERS"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,16 @@ class ForwardOnlyOptimizer(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+@runtime_checkable
+class ReportsResults(Protocol):
+    """An optimizer with facts of its own for a run's results.json, known only after training (a
+    tensor-train run's switch step, the units of a subspace method's mu / lr, the integer learner's
+    modes and clamps): ``result_fields()`` -> ``{key: value}``; the stage that trains it merges them
+    (a dict value into the stage's own dict under the same key)."""
+
+    def result_fields(self) -> dict: ...
 
 
 @runtime_checkable
