@@ -28,7 +28,7 @@ import torch
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
-from szo.config import source_config, write_config
+from szo.config import RecipeConfig, source_config, write_config
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.mcu import block_selection_stage
@@ -50,21 +50,21 @@ __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage"
            "metric_sinks", "preflight"]
 
 
-def device_for(cfg: Mapping[str, Any], device: str | None = None) -> str:
+def device_for(cfg: RecipeConfig, device: str | None = None) -> str:
     """``device`` or the recipe's; one line when CUDA is asked for and not there."""
-    dev = device or cfg["device"]
+    dev = device or cfg.device
     if str(dev).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {dev!r} requested but CUDA is not available here; valid: cpu")
     return str(dev)
 
 
-def _set_forward(model: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+def _set_forward(model: torch.nn.Module, cfg: RecipeConfig) -> None:
     """The recipe's ``compile`` and ``cuda_graphs`` settings on the model (every stage, so BPTT and
     SZO timings stay comparable)."""
-    c = cfg["compile"]
+    c = cfg.compile
     if c is not False:
         model.set_compile(True, backend="inductor" if c is True else c)
-    if cfg["cuda_graphs"]:
+    if cfg.cuda_graphs:
         model.set_cuda_graphs(True)
 
 
@@ -74,13 +74,13 @@ def _scheduler(opt: torch.optim.Optimizer, stage: Mapping[str, Any]):
     return None
 
 
-def metric_sinks(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> list[Callback]:
+def metric_sinks(cfg: RecipeConfig, run_dir: str | os.PathLike) -> list[Callback]:
     """The metric sinks a run adds to metrics.jsonl: TensorBoard event files with ``log.tensorboard``."""
-    return [TensorBoardSink(Path(run_dir) / "tensorboard")] if cfg["log"]["tensorboard"] else []
+    return [TensorBoardSink(Path(run_dir) / "tensorboard")] if cfg.log.tensorboard else []
 
 
 @contextlib.contextmanager
-def run_dir_guard(run_dir: str | os.PathLike, cfg: Mapping[str, Any], *, resume: bool,
+def run_dir_guard(run_dir: str | os.PathLike, cfg: RecipeConfig, *, resume: bool,
                   stage: str | None = None) -> Iterator[None]:
     """Hold ``run_dir``'s lock for the block (rank 0 of a multi-process run; re-entrant) and,
     when resuming a directory that holds a checkpoint, refuse a config that changes what
@@ -95,12 +95,12 @@ def run_dir_guard(run_dir: str | os.PathLike, cfg: Mapping[str, Any], *, resume:
         yield
 
 
-def preflight(cfg: Mapping[str, Any]) -> None:
+def preflight(cfg: RecipeConfig) -> None:
     """What the config alone cannot tell, checked before the first forward of a run: the subspace
     store root is a directory (or can become one), the model builds from ``model.kwargs`` (once,
     on the CPU), and the subspace stage's method options fit that model and subspace
     (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs)."""
-    if cfg["kind"] == "tta" and not cfg["tta"]["train_source"]:
+    if cfg.kind == "tta" and not cfg.tta.train_source:
         return
     root = subspace_store_for(cfg).root
     for p in (root, *root.parents):
@@ -110,41 +110,41 @@ def preflight(cfg: Mapping[str, Any]) -> None:
                                  "is a directory of entries); choose another subspace.root")
             break
     model = build_model(cfg)
-    if cfg["kind"] != "subspace":
+    if cfg.kind != "subspace":
         return
-    sz, spec = cfg["szo"], get_method(cfg["method"])
+    sz, spec = cfg.szo, get_method(cfg.method)
     if sz["layers"] is not None:
         trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
     n = sz["coords_per_step"]
     if n is not None and "coords_per_step" in spec.options:
         d = model.num_params()
-        most = min(d, cfg["subspace"]["k"]) if spec.subspace else d
+        most = min(d, cfg.subspace.k) if spec.subspace else d
         if n > most:
             where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
             raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
 
 
-def bptt_source(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+def bptt_source(cfg: RecipeConfig) -> Mapping[str, Any]:
     """The config whose BPTT stage builds a subspace recipe's store entry: the recipe itself, or the
     recipe its ``source`` names with this recipe's model, BPTT, trajectory, subspace and run settings
     (``szo.config.source_config``: an adaptation recipe's clean pretraining)."""
-    return cfg if cfg.get("source") is None else source_config(cfg)
+    return cfg if cfg.source is None else source_config(cfg)
 
 
-def check_store_entry(cfg: Mapping[str, Any]) -> None:
+def check_store_entry(cfg: RecipeConfig) -> None:
     """A store entry directory without its manifest (an interrupted or foreign write) blocks
     the name: say so before any compute, with the way out."""
     store = subspace_store_for(cfg)
-    name = cfg["subspace"]["name"]
+    name = cfg.subspace.name
     if name is not None and store.path(name).exists() and not store.exists(name):
         raise ValueError(f"subspace store entry {name!r} in {store.root} is incomplete (no manifest.json: an "
                          f"interrupted or foreign write); remove it (szo subspace rm {name} --root {store.root}) "
                          f"or pass --set subspace.name=OTHER")
 
 
-def _check_trajectory_size(cfg: Mapping[str, Any], steps_per_epoch: int) -> None:
+def _check_trajectory_size(cfg: RecipeConfig, steps_per_epoch: int) -> None:
     """``subspace.k`` against the samples the BPTT stage will record (k <= N - 1), before it runs."""
-    st, tr, sp = cfg["bptt"], cfg["trajectory"], cfg["subspace"]
+    st, tr, sp = cfg.bptt, cfg.trajectory, cfg.subspace
     spe = min(steps_per_epoch, st["max_steps_per_epoch"] or steps_per_epoch)
     n = planned_samples(st["epochs"], spe, every=tr["every"], record_initial=tr["record_initial"], window=sp["window"])
     if sp["k"] > n - 1:
@@ -156,21 +156,21 @@ def _check_trajectory_size(cfg: Mapping[str, Any], steps_per_epoch: int) -> None
                          "more bptt.epochs)")
 
 
-def _info(cfg: Mapping[str, Any], method: str, mode: str) -> dict[str, Any]:
+def _info(cfg: RecipeConfig, method: str, mode: str) -> dict[str, Any]:
     """What results.json says of the run besides its numbers."""
-    q = cfg["szo"]["q"] if get_method(method).q_labeled else None
-    label = method_label(method, q, cfg["model"]["activation"])
-    return {"recipe": cfg["name"], "label": label, "method": method, "mode": mode, "dataset": cfg["data"]["name"],
-            "model": cfg["model"]["name"], "activation": cfg["model"]["activation"], "q": q, "seed": cfg["seed"],
-            "name": f"{cfg['name']} {label}"}
+    q = cfg.szo.q if get_method(method).q_labeled else None
+    label = method_label(method, q, cfg.model.activation)
+    return {"recipe": cfg.name, "label": label, "method": method, "mode": mode, "dataset": cfg.data.name,
+            "model": cfg.model.name, "activation": cfg.model.activation, "q": q, "seed": cfg.seed,
+            "name": f"{cfg.name} {label}"}
 
 
 # ----------------------------------------------------------------------------- BPTT + subspace build
-def subspace_build_stage(cfg: Mapping[str, Any], bptt_dir: str | os.PathLike, *, overwrite: bool = False,
+def subspace_build_stage(cfg: RecipeConfig, bptt_dir: str | os.PathLike, *, overwrite: bool = False,
                          progress: bool = True) -> Subspace:
     """Build ``cfg.subspace`` from the trajectory in ``bptt_dir`` and save it in the store."""
     bptt_dir = Path(bptt_dir).resolve()
-    s = cfg["subspace"]
+    s = cfg.subspace
     sub = build_subspace(bptt_dir / "trajectory", s["k"], window=s["window"], reference=s["reference"],
                          progress=progress)
     sub.provenance["source_model"] = str(bptt_dir / "model.safetensors")
@@ -179,7 +179,7 @@ def subspace_build_stage(cfg: Mapping[str, Any], bptt_dir: str | os.PathLike, *,
     return sub
 
 
-def bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
+def bptt_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
                build: bool = True) -> dict[str, Any]:
     """BPTT with the trajectory recorder, final model as safetensors, then (``build``) the subspace.
 
@@ -190,15 +190,15 @@ def bptt_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: st
         return _bptt(cfg, Path(run_dir), device=device, resume=resume, build=build)
 
 
-def _bptt(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, build: bool) -> dict[str, Any]:
+def _bptt(cfg: RecipeConfig, run_dir: Path, *, device: str, resume: bool, build: bool) -> dict[str, Any]:
     store = subspace_store_for(cfg)
-    name = cfg["subspace"]["name"]
+    name = cfg.subspace.name
     if build and name is not None and store.exists(name) and not resume:
         raise ValueError(f"subspace {name!r} already exists in {store.root}; remove it "
                          f"(szo subspace rm {name}) or pass --set subspace.name=OTHER")
     if build:
         check_store_entry(cfg)
-    g = torch.Generator().manual_seed(int(cfg["seed"]))
+    g = torch.Generator().manual_seed(int(cfg.seed))
     train, test = loaders_for(cfg, g)
     if build and name is not None and not store.exists(name):
         _check_trajectory_size(cfg, len(train))
@@ -208,42 +208,42 @@ def _bptt(cfg: Mapping[str, Any], run_dir: Path, *, device: str, resume: bool, b
     write_config(cfg, run_dir / "config.yaml")
     model = build_model(cfg).to(device)
     _set_forward(model, cfg)
-    st = cfg["bptt"]
+    st = cfg.bptt
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
-    rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg["model"]["name"],
-                             every=cfg["trajectory"]["every"], record_initial=cfg["trajectory"]["record_initial"])
+    rec = TrajectoryRecorder(run_dir / "trajectory", model, model_name=cfg.model.name,
+                             every=cfg.trajectory.every, record_initial=cfg.trajectory.record_initial)
     summary = fit(model, train, test, opt, epochs=st["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, st),
                   device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(rec), *metric_sinks(cfg, run_dir)],
-                  generator=g, resume=resume, eval_every=st["eval_every"], progress=cfg["progress"],
+                  generator=g, resume=resume, eval_every=st["eval_every"], progress=cfg.progress,
                   max_steps_per_epoch=st["max_steps_per_epoch"], checkpoint_every_steps=st["checkpoint_every_steps"],
-                  info=_info(cfg, "bp", "bptt"), pins=run_pins(cfg), precision=cfg["precision"],
+                  info=_info(cfg, "bp", "bptt"), pins=run_pins(cfg), precision=cfg.precision,
                   check_pins=lambda saved: check_pins(run_dir, saved, cfg, "bptt"))
     save_weights(run_dir / "model.safetensors", model.state_dict(),
-                 {"model": cfg["model"]["name"], "fingerprint": model.fingerprint()})
+                 {"model": cfg.model.name, "fingerprint": model.fingerprint()})
     if build and name is not None and not store.exists(name):
-        subspace_build_stage(cfg, run_dir, progress=cfg["progress"])
+        subspace_build_stage(cfg, run_dir, progress=cfg.progress)
     return summary
 
 
 # ----------------------------------------------------------------------------- the subspace stage
-def _source_state(cfg: Mapping[str, Any], sub: Subspace) -> dict[str, torch.Tensor]:
+def _source_state(cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor]:
     """The pretrained model (parameters + BN buffers) the subspace was built from."""
     src = sub.provenance.get("source_model")
     if not src or not Path(src).is_file():
-        need = "continual training" if cfg["mode"] == "continual" else "bn_stats 'deployed'"
-        raise ValueError(f"{need} needs the pretrained model: subspace {cfg['subspace']['name']!r} "
+        need = "continual training" if cfg.mode == "continual" else "bn_stats 'deployed'"
+        raise ValueError(f"{need} needs the pretrained model: subspace {cfg.subspace.name!r} "
                          f"has provenance source_model={src!r}, which is not a file")
     return load_weights(src)
 
 
 @torch.no_grad()
-def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _conversion_check(model: torch.nn.Module, test_loader, cfg: RecipeConfig) -> dict[str, Any]:
     """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN).
 
     ``fixed_test_acc`` is the configured ``hw.arithmetic`` / ``hw.reset``; ``arithmetics`` has
     both arithmetics with each LIF's own reset and with the standard Loihi LIF's hard reset.
     """
-    hw = cfg["hw"]
+    hw = cfg.hw
     _, acc_float = evaluate(model, test_loader, loss_for(cfg))
     runs = {}
     for arithmetic in ("szo", "loihi"):
@@ -259,7 +259,7 @@ def _conversion_check(model: torch.nn.Module, test_loader, cfg: Mapping[str, Any
             "arithmetic": hw["arithmetic"], "reset": hw["reset"], "arithmetics": runs}
 
 
-def parallel_for(cfg: Mapping[str, Any]) -> Any:
+def parallel_for(cfg: RecipeConfig) -> Any:
     """``szo.distributed.Parallel`` for this rank when the process group spans > 1 process, else None."""
     if not D.get_info().enabled:
         if D.env_world_size() > 1:
@@ -268,24 +268,24 @@ def parallel_for(cfg: Mapping[str, Any]) -> Any:
                              "szo.distributed.launch()")
         return None
     check_distributed(cfg)
-    dc = cfg["distributed"]
+    dc = cfg.distributed
     return D.Parallel(mode=dc["mode"], sync_bn=dc["sync_bn"])
 
 
-def check_distributed(cfg: Mapping[str, Any]) -> None:
+def check_distributed(cfg: RecipeConfig) -> None:
     """Everything a multi-process run does not support, checked before any work starts."""
-    get_method(cfg["method"]).check_capabilities(parallel=cfg["distributed"]["mode"])
-    sz = cfg["szo"]
+    get_method(cfg.method).check_capabilities(parallel=cfg.distributed.mode)
+    sz = cfg.szo
     for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
                       (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
-                      (cfg["hw"]["learner"] == "integer", "hw.learner 'integer': use 'float'"),
+                      (cfg.hw.learner == "integer", "hw.learner 'integer': use 'float'"),
                       # a compiled graph does not see forward hooks added after it was traced, and
                       # synchronised BN all-reduces the batch statistics from such hooks
-                      (cfg["compile"] is not False and cfg["distributed"]["mode"] == "data"
-                       and cfg["distributed"]["sync_bn"],
+                      (cfg.compile is not False and cfg.distributed.mode == "data"
+                       and cfg.distributed.sync_bn,
                        "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
                        "distributed.sync_bn=false or distributed.mode=perturbation"),
-                      (cfg["cuda_graphs"] and cfg["distributed"]["mode"] == "data" and cfg["distributed"]["sync_bn"],
+                      (cfg.cuda_graphs and cfg.distributed.mode == "data" and cfg.distributed.sync_bn,
                        "cuda_graphs with distributed.mode 'data' and distributed.sync_bn (a replay does not run the "
                        "hooks that synchronise BN): set cuda_graphs=false, distributed.sync_bn=false or "
                        "distributed.mode=perturbation")):
@@ -293,16 +293,16 @@ def check_distributed(cfg: Mapping[str, Any]) -> None:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
 
-def optimizer_options(cfg: Mapping[str, Any]) -> OptimizerOptions:
+def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
     """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets (``train`` /
     ``szo`` / ``tt`` / ``hw`` sections), for the subspace stage and for tools that build the same
     optimizer outside a run (``bench/methods.py``)."""
-    tr, sz, tt, hw = cfg["train"], cfg["szo"], cfg["tt"], cfg["hw"]
+    tr, sz, tt, hw = cfg.train, cfg.szo, cfg.tt, cfg.hw
     integer = None
     if hw["learner"] == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
         integer = IntegerLearnerOptions(basis_bits=hw["basis_bits"] or 16, coord_bits=hw["coord_bits"],
                                         coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
-                                        seed=int(cfg["seed"]) % 0xFFFFFFFF + 1)
+                                        seed=int(cfg.seed) % 0xFFFFFFFF + 1)
     return OptimizerOptions(
         lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
         coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
@@ -325,27 +325,27 @@ class SubspaceModel:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def subspace_model(cfg: Mapping[str, Any], test_loader: Any = None) -> SubspaceModel:
+def subspace_model(cfg: RecipeConfig, test_loader: Any = None) -> SubspaceModel:
     """The model at the subspace's reference point: a continual run loads the pretrained model,
     ``bn_stats: deployed`` its BN buffers; ``backend: fixed`` converts it (after comparing the
     pretrained model's float and fixed-point accuracy on ``test_loader``) and quantises the basis
     at ``hw.basis_bits``; ``tt-zo`` turns its large weights into TT cores."""
     model = build_model(cfg)
-    sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
-    extra: dict[str, Any] = {"backend": cfg["backend"], "bn_stats": cfg["bn_stats"]}
-    if cfg["mode"] == "continual" or cfg["bn_stats"] == "deployed":
+    sub = subspace_store_for(cfg).load(cfg.subspace.name, model=model)
+    extra: dict[str, Any] = {"backend": cfg.backend, "bn_stats": cfg.bn_stats}
+    if cfg.mode == "continual" or cfg.bn_stats == "deployed":
         state = _source_state(cfg, sub)
-        if cfg["mode"] == "continual":
+        if cfg.mode == "continual":
             model.load_state_dict(state)
         else:  # scratch with deployed statistics: only the BN buffers of the pretrained model
             names = {n for n, _ in model.named_parameters()}
             model.load_state_dict({n: t for n, t in state.items() if n not in names}, strict=False)
-        if cfg["backend"] == "fixed":
+        if cfg.backend == "fixed":
             model.load_state_dict(state)
             extra["conversion"] = _conversion_check(model, test_loader, cfg)
     model.load_flat_params(sub.reference)
-    net, hw = model, cfg["hw"]
-    if cfg["backend"] == "fixed":
+    net, hw = model, cfg.hw
+    if cfg.backend == "fixed":
         net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset=hw["reset"])
         extra["hw"] = dict(hw)
         if hw["basis_bits"] is not None:
@@ -354,13 +354,13 @@ def subspace_model(cfg: Mapping[str, Any], test_loader: Any = None) -> SubspaceM
                 extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
             else:  # the integer learner quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
-    if get_method(cfg["method"]).family == "tensor-train-zo":  # TT-SVD of the start point
-        tt = cfg["tt"]
+    if get_method(cfg.method).family == "tensor-train-zo":  # TT-SVD of the start point
+        tt = cfg.tt
         extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
     return SubspaceModel(model, net, sub, extra)
 
 
-def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
+def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
                    callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual),
     holding the run directory's lock (a resume first checks the config against its config.yaml);
@@ -377,34 +377,34 @@ def subspace_stage(cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, device
         if par is None or par.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_config(cfg, run_dir / "config.yaml")
-        g = torch.Generator().manual_seed(int(cfg["seed"]))
+        g = torch.Generator().manual_seed(int(cfg.seed))
         train, test = loaders_for(cfg, g, par)
         sm = subspace_model(cfg, test)
         sm.net.to(device)
         _set_forward(sm.model, cfg)
-        tr, sz = cfg["train"], cfg["szo"]
+        tr, sz = cfg.train, cfg.szo
         sm.model.set_streaming(sz["time_chunk"], sz["stream_bn"])  # probes and evaluation, if asked for
         run = RunOptions(generator=g, distributed=par.mode if par is not None else None,
                          sync_bn=par.sync_bn if par is not None else True, start="current")  # at sub.reference already
-        options, hw = optimizer_options(cfg), cfg["hw"]
+        options, hw = optimizer_options(cfg), cfg.hw
         if hw["blocks"] is not None:  # mcu-zo: seed 004's BP-free block selection, then only that block trains
             sel = block_selection_stage(sm.net, train.dataset, blocks=hw["blocks"], epochs=hw["select_epochs"],
-                                        heldout=hw["heldout"], batch_size=cfg["data"]["batch_size"], q=options.q,
-                                        lr=options.lr, seed=int(cfg["seed"]), loss_fn=loss_for(cfg), device=device,
+                                        heldout=hw["heldout"], batch_size=cfg.data.batch_size, q=options.q,
+                                        lr=options.lr, seed=int(cfg.seed), loss_fn=loss_for(cfg), device=device,
                                         run_dir=run_dir)
             options = dataclasses.replace(options, layers=tuple(sel["layers"]))
             sm.extra["block_selection"] = {k: sel[k] for k in ("block", "layers", "blocks", "gains", "baseline",
                                                                "forwards", "steps_per_block", "heldout_samples")}
-        opt = build_optimizer(cfg["method"], sm.net, subspace=sm.subspace, options=options, run=run)
-        info = _info(cfg, cfg["method"], cfg["mode"])
-        info.update(subspace=cfg["subspace"]["name"], k=sm.subspace.k, **sm.extra)
+        opt = build_optimizer(cfg.method, sm.net, subspace=sm.subspace, options=options, run=run)
+        info = _info(cfg, cfg.method, cfg.mode)
+        info.update(subspace=cfg.subspace.name, k=sm.subspace.k, **sm.extra)
         late = ResultFields(lambda: _late_results(sm.net, opt, sm.extra))
-        digest = subspace_store_for(cfg).digest(cfg["subspace"]["name"])
+        digest = subspace_store_for(cfg).digest(cfg.subspace.name)
         return fit(sm.net, train, test, opt, epochs=tr["epochs"], loss_fn=loss_for(cfg), scheduler=_scheduler(opt, tr),
                    device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
-                   progress=cfg["progress"], max_steps_per_epoch=tr["max_steps_per_epoch"],
-                   checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg["bn_stats"],
-                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks], precision=cfg["precision"],
+                   progress=cfg.progress, max_steps_per_epoch=tr["max_steps_per_epoch"],
+                   checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg.bn_stats,
+                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks], precision=cfg.precision,
                    pins=run_pins(cfg, digest), check_pins=lambda saved: check_pins(run_dir, saved, cfg, "subspace", digest))
 
 
@@ -430,6 +430,6 @@ def evaluate_stage(run_dir: str | os.PathLike, *, device: str = "cpu") -> dict[s
     """The model a run directory holds, evaluated on its recipe's test set: ``{"test_loss",
     "test_acc", "samples"}`` (eval-mode BN, the recipe's loss)."""
     model, cfg = load_run_model(run_dir, device)
-    _, test = loaders_for(cfg, torch.Generator().manual_seed(int(cfg["seed"])))
+    _, test = loaders_for(cfg, torch.Generator().manual_seed(int(cfg.seed)))
     loss, acc = evaluate(model, test, loss_for(cfg), device)
     return {"test_loss": loss, "test_acc": acc, "samples": len(test.dataset)}
