@@ -293,24 +293,35 @@ def check_distributed(cfg: RecipeConfig) -> None:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
 
+#: OptimizerOptions fields that a section of the recipe sets under the same name (the rest: ``tt``,
+#: ``integer``, built below); the szo section first, then train's lr / momentum / weight_decay
+_NESTED_OPTIONS = ("tt", "integer")
+
+
 def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
     """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets (``train`` /
     ``szo`` / ``tt`` / ``hw`` sections), for the subspace stage and for tools that build the same
-    optimizer outside a run (``bench/methods.py``)."""
+    optimizer outside a run (``bench/methods.py``). Each option is the recipe key of the same name
+    (``szo.X`` or ``train.X``): a new SZO hyperparameter is a field in ``SZOConfig`` and in
+    ``OptimizerOptions``, and nothing here (docs/architecture.md, "Adding a hyperparameter")."""
     tr, sz, tt, hw = cfg.train, cfg.szo, cfg.tt, cfg.hw
     integer = None
-    if hw["learner"] == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
-        integer = IntegerLearnerOptions(basis_bits=hw["basis_bits"] or 16, coord_bits=hw["coord_bits"],
-                                        coord_frac=hw["coord_frac"], ref_bits=hw["ref_bits"],
+    if hw.learner == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
+        integer = IntegerLearnerOptions(basis_bits=hw.basis_bits or 16, coord_bits=hw.coord_bits,
+                                        coord_frac=hw.coord_frac, ref_bits=hw.ref_bits,
                                         seed=int(cfg.seed) % 0xFFFFFFFF + 1)
-    return OptimizerOptions(
-        lr=tr["lr"], momentum=tr["momentum"], weight_decay=tr["weight_decay"], mu=sz["mu"], q=sz["q"],
-        coords_per_step=sz["coords_per_step"], engine=sz["engine"], chunk=sz["chunk"], bn_update=sz["bn_update"],
-        scale=sz["scale"],
-        layers=None if sz["layers"] is None else tuple(sz["layers"]), stages=sz["stages"],
-        node_losses=sz["node_losses"],
-        tt=TTOptions(**{k: tt[k] for k in ("sign_lr", "sign_q", "sign_mu", "window", "tol", "switch_step", "cge")}),
-        integer=integer)
+    values = {}
+    for f in dataclasses.fields(OptimizerOptions):
+        if f.name in _NESTED_OPTIONS:
+            continue
+        section = sz if f.name in sz else tr
+        if f.name not in section:
+            raise ValueError(f"OptimizerOptions.{f.name} has no recipe key szo.{f.name} or train.{f.name}")
+        values[f.name] = section[f.name]
+    if values["layers"] is not None:
+        values["layers"] = tuple(values["layers"])
+    return OptimizerOptions(**values, tt=TTOptions(**{f.name: tt[f.name] for f in dataclasses.fields(TTOptions)}),
+                            integer=integer)
 
 
 @dataclass

@@ -304,3 +304,25 @@ def test_a_capability_rule_has_one_home_and_one_message(rule, sets, kw):
         build_optimizer(method, model, subspace=sub, lr=0.1, **{"momentum": 0.0, **kw})
     unprefixed = re.sub(r"\b(train|szo)\.", "", str(recipe_err.value))
     assert unprefixed == str(build_err.value)
+
+
+def test_optimizer_options_are_the_recipe_keys_of_the_same_name():
+    """A new SZO hyperparameter is a field of SZOConfig and of OptimizerOptions; optimizer_options
+    carries it by name (no hand-written mapping to forget): every option but the nested records is a
+    szo.X or train.X key, every TTOptions field a tt.X key, and a value set in the recipe arrives."""
+    import dataclasses
+
+    from szo.config import SZOConfig, StageConfig, TTConfig
+    from szo.optim import OptimizerOptions, TTOptions
+    from szo.stages import optimizer_options
+
+    szo_keys, train_keys = set(SZOConfig().keys()), set(StageConfig().keys())
+    for f in dataclasses.fields(OptimizerOptions):
+        if f.name not in ("tt", "integer"):
+            assert f.name in szo_keys | train_keys, f.name
+    assert {f.name for f in dataclasses.fields(TTOptions)} <= set(TTConfig().keys())
+    o = optimizer_options(load_recipe("digits-scratch", ["method=np-zo", "szo.layers=[conv1]", "szo.q=7",
+                                                         "szo.node_losses=batch-mean", "train.momentum=0.5",
+                                                         "szo.scale=absolute", "tt.sign_q=3"]))
+    assert (o.layers, o.q, o.node_losses, o.momentum, o.scale, o.tt.sign_q) == (
+        ("conv1",), 7, "batch-mean", 0.5, "absolute", 3)
