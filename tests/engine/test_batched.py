@@ -277,7 +277,7 @@ def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
     from szo.optim import build_optimizer
 
     model = M.create("spike_convnet", T=2)
-    with pytest.raises(ValueError, match="applies to the SZO methods"):
+    with pytest.raises(ValueError, match="evaluates SZO probe plans: it applies to methods 'szo-cge'"):
         build_optimizer("bp", model, lr=0.1, engine="batched")
 
 
