@@ -18,10 +18,17 @@ e.g. ``recipe``) costs one ``warning:`` line on stderr naming it and is left out
 ``szo --help`` or another command. Its ``register`` is first tried on a scratch parser holding the
 names already taken, so a plugin failing halfway adds nothing.
 
-Command modules (this one, ``*/cli.py``, ``szo.commands``) import the library inside the
-function that runs a command, and only there: ``szo --help`` and argument errors then cost
-~0.06 s instead of the ~2.2 s of importing torch, SpikingJelly and every subpackage. Library
-modules import at module level; none imports a command module.
+szo's own commands are declared here as data, the way pip keeps its own (the table at the end of
+the registrars below): a :class:`Command` is a name, the one-line help ``szo --help`` shows, and
+the ``"module:function"`` that adds the command's arguments and ``func`` to its parser; the
+entry points name the :class:`Registrar` objects holding them. Their parsers are
+:class:`CommandParser` s, built (and the command's module, ``*/cli.py`` or ``szo.commands.*``,
+imported) the first time the command is parsed or its help printed; ``recipe``, ``report`` and
+``demo digits`` have light parsers here and run through :class:`Run`, which imports their module
+when they run. This module imports only the standard library and two torch-free modules
+(``szo.exits``, ``szo.recipes``), so ``szo --help`` and ``szo recipe --list`` import no torch
+(docs/performance.md, "Start-up of the szo command"). Command modules import at module level;
+library modules never import a command module.
 
 Bad input (unknown recipe / key / choice, missing data) prints one line ``error: ...`` and
 exits with status 2, without a traceback. Under torchrun every rank that fails prints its own
@@ -33,12 +40,19 @@ its results.json says ``"status": "diverged"``. Only rank 0 prints the summary l
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+import traceback
+from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["main", "build_parser"]
+from szo.exits import RankFailure, TrainingDiverged, env_world_size
+from szo.recipes import recipe_description, recipe_names
+
+__all__ = ["main", "build_parser", "CommandParser", "Command", "Registrar", "Run", "load", "ADAPT", "DVS_STREAM", "EXPORT",
+           "FEDERATED", "HW", "HW_REPORT", "STUDY", "SUBSPACE"]
 
 COMMAND_GROUP = "szo.commands"
 """Entry-point group of the subcommands: ``name = "module:register"`` (``register(subparsers)``)."""
@@ -48,6 +62,110 @@ DEMO_GROUP = "szo.demos"
 
 SZO_DISTRIBUTION = "szo"
 """The distribution whose entry points are szo's own (errors in them propagate)."""
+
+
+def load(target: str) -> Callable[..., Any]:
+    """The function ``"package.module:function"`` names, its module imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose arguments may be added later: :meth:`defer` names the builder,
+    which runs the first time the parser parses or formats its help or usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._builder: str | None = None
+
+    def defer(self, build: str) -> None:
+        """Add the arguments when first needed: ``build`` is ``"module:function"``, ``function(parser)``."""
+        self._builder = build
+
+    def _build(self) -> None:
+        if self._builder is not None:
+            build, self._builder = self._builder, None
+            load(build)(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None):
+        self._build()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._build()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._build()
+        return super().format_usage()
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand as data: ``name``, its one-line ``help`` and ``build``, the
+    ``"module:function"`` that adds its arguments and ``func`` to the parser."""
+
+    name: str
+    help: str
+    build: str
+
+    def add_to(self, subparsers: Any) -> argparse.ArgumentParser:
+        """Add the command to ``subparsers``: built when first used under ``szo`` (a
+        :class:`CommandParser`), at once under any other parser."""
+        parser = subparsers.add_parser(self.name, help=self.help)
+        if isinstance(parser, CommandParser):
+            parser.defer(self.build)
+        else:
+            load(self.build)(parser)
+        return parser
+
+
+class Registrar:
+    """What an entry point of szo's own commands names: ``registrar(subparsers)`` adds its
+    commands and returns their parsers."""
+
+    def __init__(self, *commands: Command) -> None:
+        self.commands = commands
+
+    def __call__(self, subparsers: Any) -> tuple[argparse.ArgumentParser, ...]:
+        return tuple(c.add_to(subparsers) for c in self.commands)
+
+
+@dataclass(frozen=True)
+class Run:
+    """``args.func`` of a command whose code is imported only when it runs:
+    ``Run("module:function")(args)`` imports the module and calls ``function(args)``."""
+
+    target: str
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        return load(self.target)(args)
+
+
+# ----------------------------------------------------------------------------- szo's own commands
+# the objects the entry points of pyproject.toml name ([project.entry-points."szo.commands"] and
+# ."szo.demos")
+SUBSPACE = Registrar(Command("subspace", "build / list / show / remove trajectory subspaces",
+                             "subspace_store.cli:add_subcommands"))
+HW_REPORT = Registrar(Command("hw-report", "on-chip memory / synaptic ops / energy of SZO on a Loihi-class chip",
+                              "szo.hw.cli:add_hw_report_arguments"))
+HW = Registrar(Command("hw", "fixed-point hardware tools (szo hw lava-check)", "szo.hw.cli:add_hw_arguments"))
+ADAPT = Registrar(Command("adapt", "test-time adaptation on a corrupted test set (paper Sec. 6.3)",
+                          "szo.adapt.cli:add_arguments"))
+EXPORT = Registrar(
+    Command("export", "write a trained model as a NIR graph (snnTorch, Norse, Lava, Sinabs...)",
+            "szo.commands.export:add_export_arguments"),
+    Command("import", "load a NIR graph as a szo model; optionally evaluate it",
+            "szo.commands.export:add_import_arguments"))
+FEDERATED = Registrar(Command("federated", "forward-only federated training (BAFFLE on Flower, one process per client)",
+                              "szo.federated.cli:add_arguments"))
+STUDY = Registrar(
+    Command("diagnose", "ZO estimate variance / cosine to the BPTT gradient on a run's model",
+            "szo.study.cli:add_diagnose_arguments"),
+    Command("study", "evidence studies (szo study subspaces BP_RUN | q RECIPE | precision RECIPE | shift BP_RUN)",
+            "szo.study.cli:add_study_arguments"))
+DVS_STREAM = Registrar(Command("dvs-stream", "classify an event stream window by window, adapting on-line with SZO",
+                               "szo.demos.cli:add_arguments"))
 
 
 def _own(ep: metadata.EntryPoint) -> bool:
@@ -100,65 +218,22 @@ def _register_plugin(group: str, ep: metadata.EntryPoint, target: Any) -> None:
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
-    from szo.config import load_recipe, recipe_names
-
+    """``--list`` from the recipe files; a run in ``szo.commands.recipe``."""
     if args.list:
         for n in recipe_names():
-            print(f"{n:<22} {load_recipe(n)['description']}")
+            print(f"{n:<22} {recipe_description(n)}")
         return 0
     if not args.name:
         raise ValueError(f"give a recipe name or --list; valid recipes: {', '.join(recipe_names())}")
-    from szo.distributed import launch
-    from szo.pipeline import run_recipe
-
-    # --device is one more override, so it is validated like the rest and lands in config.yaml
-    sets = (args.set or []) + ([f"device={args.device}"] if args.device else [])
-    cfg = load_recipe(args.name, sets)
-    out = args.out or f"runs/{cfg['name']}"
-    with launch(device=cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
-        if args.resume:  # the run's own config.yaml (+ --set); stages refuse what changes the run
-            from szo.rundir import resumed_config
-
-            cfg = resumed_config(out, cfg, sets)
-        s = run_recipe(cfg, out, resume=args.resume, callbacks=args.callbacks)
-    if info.rank != 0:
-        return 0
-    acc = s.get("best_test_acc") if isinstance(s, dict) else None
-    if acc is None:
-        print(f"{cfg['name']} done in {out}")
-        return 0
-    print(f"{cfg['name']} [{s.get('label')}] done in {out}: max test acc {100 * acc:.2f}% at epoch "
-          f"{s.get('converged_epoch')}, #FP {s.get('fp')}, #BP {s.get('bp')}")
-    conv = s.get("conversion")
-    if conv and "arithmetics" in conv:  # backend fixed: the pretrained model in both integer arithmetics
-        runs = "; ".join(f"{k} {100 * r['test_acc']:.2f}%" for k, r in conv["arithmetics"].items())
-        print(f"  pretrained model, test acc: float {100 * conv['float_test_acc']:.2f}%; {runs}")
-    return 0
+    return _RUN_RECIPE(args)
 
 
-def _cmd_demo_digits(args: argparse.Namespace) -> int:
-    from szo.pipeline import run_demo_digits
-
-    run_demo_digits(args.out, device=args.device, full_space=not args.no_full_space, seed=args.seed)
-    return 0
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    from szo.report import collect_runs, like_runs, render, write_report
-
-    runs = collect_runs(args.run_dirs)
-    for note in like_runs(runs)[1]:
-        print(f"warning: {note}", file=sys.stderr)
-    print(render(runs))
-    if args.out:
-        paths = write_report(runs, args.out)
-        print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+_RUN_RECIPE = Run("szo.commands.recipe:run")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="szo", description="Forward-only (zeroth-order) SNN training in trajectory subspaces")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
 
     r = sub.add_parser("recipe", help="run a shipped recipe (szo recipe --list) or a recipe YAML file")
@@ -180,12 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     dd.add_argument("--no-full-space", action="store_true", help="skip the full-space ZO-CGE comparison runs")
     dd.add_argument("--seed", type=int, default=0, help="seed of every stage (BPTT, subspace, SZO runs; default 0)")
-    dd.set_defaults(func=_cmd_demo_digits)
+    dd.set_defaults(func=Run("szo.commands.demo:run_digits"))
 
     rp = sub.add_parser("report", help="paper-style tables and plots from run directories")
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (searched recursively)")
     rp.add_argument("--out", help="write report.md, report.json and accuracy.png here")
-    rp.set_defaults(func=_cmd_report)
+    rp.set_defaults(func=Run("szo.commands.report:run"))
 
     for group, target in ((COMMAND_GROUP, sub), (DEMO_GROUP, dsub)):
         for ep in _entry_points(group):
@@ -214,10 +289,6 @@ def _error_line(text: str) -> None:
 def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) -> int:
     """Entry point of the ``szo`` console script; returns the exit status. ``callbacks``: extra
     ``szo.train.Callback`` objects for the training loop of ``szo recipe`` (a library user's hooks)."""
-    from szo.data import DataNotFoundError
-    from szo.distributed import RankFailure, env_world_size
-    from szo.train import TrainingDiverged
-
     parser = build_parser()
     args = parser.parse_args(argv)
     args.callbacks = tuple(callbacks)
@@ -234,7 +305,7 @@ def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) ->
     except TrainingDiverged as e:
         _error_line(f"error: {who}{_one_line(e)}")
         code = 4
-    except (ValueError, DataNotFoundError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # szo.data.DataNotFoundError is a FileNotFoundError
         _error_line(f"error: {who}{_one_line(e)}")
         code = 2
     except KeyboardInterrupt:
@@ -243,8 +314,6 @@ def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) ->
     except BaseException:
         if world <= 1:
             raise
-        import traceback
-
         traceback.print_exc()  # an unexpected error on one rank: the traceback, then out (below)
         code = 1
     if world > 1:

@@ -29,8 +29,6 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import yaml
@@ -45,6 +43,7 @@ from szo.models.base import MEMORY_FORMATS
 from szo.models.compiled import check_compile
 from szo.models.neurons import ACTIVATIONS
 from szo.models.streaming import BN_TIMES, STREAM_BN_MODES
+from szo.recipes import deep_merge, read_recipe, recipe_names, recipe_path
 from szo.zo.bn import BN_UPDATES
 from szo.zo.scale import SCALES
 
@@ -436,71 +435,6 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-# ----------------------------------------------------------------------------- recipes
-def _recipe_dir():
-    """The shipped recipes: package ``szo._recipes`` (``recipes/`` of the source tree, mapped by the
-    install); from an uninstalled source checkout on ``sys.path`` (``PYTHONPATH=.``, pytest's rootdir
-    before an installed copy), that checkout's ``recipes/`` itself."""
-    try:
-        return resources.files("szo._recipes")
-    except ModuleNotFoundError:
-        source = Path(__file__).resolve().parent.parent / "recipes"
-        if source.is_dir():
-            return source
-        raise
-
-
-def recipe_names() -> list[str]:
-    """Names of the recipes shipped in the package (``szo._recipes/*.yaml``)."""
-    return sorted(p.name[: -len(".yaml")] for p in _recipe_dir().iterdir() if p.name.endswith(".yaml"))
-
-
-def recipe_path(name: str):
-    """The shipped YAML of recipe ``name`` (an importlib.resources Traversable)."""
-    if name not in recipe_names():
-        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(recipe_names())}")
-    return _recipe_dir() / f"{name}.yaml"
-
-
-def _read_yaml(text: str, where: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"{where}: invalid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: a recipe must be a YAML mapping, got {type(data).__name__}")
-    return data
-
-
-def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def _raw_recipe(name_or_path: str | os.PathLike, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        data, key = _read_yaml(p.read_text(encoding="utf-8"), str(p)), str(p.resolve())
-    else:
-        name = str(name_or_path)
-        data, key = _read_yaml(recipe_path(name).read_text(encoding="utf-8"), f"recipe {name}"), name
-        data.setdefault("name", name)
-    if key in _seen:
-        raise ValueError(f"recipe 'extends' cycle: {' -> '.join(_seen + (key,))}")
-    base = data.pop("extends", None)
-    if base is not None:
-        parent = _raw_recipe(base, _seen + (key,))
-        parent.pop("name", None)
-        parent.pop("description", None)
-        data = _deep_merge(parent, data)
-    return data
-
-
 # ----------------------------------------------------------------------------- overrides
 def parse_override(item: str) -> tuple[str, Any]:
     """``"a.b=value"`` -> ``("a.b", yaml.safe_load(value))``."""
@@ -639,7 +573,7 @@ def _build(cls: type[Section], given: Any, prefix: str = "") -> Section:
         sub = _section_type(hints[f.name])
         if sub is not None:
             base = getattr(defaults, f.name).to_dict()
-            values[f.name] = _build(sub, _deep_merge(base, given.get(f.name) or {}) if isinstance(
+            values[f.name] = _build(sub, deep_merge(base, given.get(f.name) or {}) if isinstance(
                 given.get(f.name) or {}, Mapping) else given.get(f.name), key + ".")
         elif f.metadata.get("free"):
             v = given.get(f.name) or {}
@@ -909,14 +843,14 @@ def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) ->
         if not isinstance(values, dict):
             raise ValueError(f"method_defaults.{m} must be a mapping of recipe values, got {values!r}")
     method = dict(items).get("method", raw.get("method", DEFAULTS["method"]))
-    return _deep_merge(raw, per.get(method, {}))
+    return deep_merge(raw, per.get(method, {}))
 
 
 def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str | tuple[str, Any]] = ()) -> RecipeConfig:
     """Shipped recipe name or a YAML path, ``extends`` resolved, the chosen method's
     ``method_defaults`` merged, overrides applied, validated, resolved."""
     items = [parse_override(i) if isinstance(i, str) else i for i in overrides]
-    raw = _apply_method_defaults(_raw_recipe(name_or_path), items)
+    raw = _apply_method_defaults(read_recipe(name_or_path), items)
     return resolve(apply_overrides(raw, items))
 
 

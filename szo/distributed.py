@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.exits import RankFailure, env_world_size
 from szo.zo.comm import all_reduce_, comm_device, rank_and_world
 from szo.zo.evaluate import LoopEvaluator
 from szo.zo.guard import ProbeGuard
@@ -68,10 +69,6 @@ __all__ = [
 MODES = ("data", "perturbation")
 
 
-class RankFailure(RuntimeError):
-    """A peer process died or stopped answering; the run can be continued with ``--resume``."""
-
-
 @dataclass(frozen=True)
 class DistInfo:
     rank: int = 0
@@ -88,14 +85,6 @@ def get_info() -> DistInfo:
     if dist.is_available() and dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
     return DistInfo()
-
-
-def env_world_size() -> int:
-    """WORLD_SIZE as set by torchrun (1 when not launched by it)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ValueError(f"WORLD_SIZE must be an integer, got {os.environ.get('WORLD_SIZE')!r}") from None
 
 
 def is_main() -> bool:

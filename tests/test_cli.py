@@ -163,3 +163,56 @@ def test_every_command_registers_without_an_optional_extra(missing):
     assert out.returncode == 0, out.stderr[-2000:]
     for cmd in ("recipe", "demo", "study", "federated", "adapt", "export", "hw-report"):
         assert f"'{cmd}'" in out.stdout, (cmd, out.stdout)
+
+
+def _imported(args):
+    """A real ``python -X importtime -m szo ARGS`` process: (exit status, stdout, names of the modules it imported)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "szo", *args], capture_output=True, text=True,
+                       timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("import time:")]
+    assert lines, r.stderr[-2000:]  # -X importtime wrote its table: the check below reads something
+    names = {line.rsplit("|", 1)[-1].strip() for line in lines}
+    return r.returncode, r.stdout, names
+
+
+def _torch(names):
+    return sorted(n for n in names if n == "torch" or n.startswith("torch."))
+
+
+def test_help_and_recipe_list_import_no_torch():
+    """``szo --help`` and ``szo recipe --list`` build the command line from torch-free modules (each
+    command's parser is built only when that command is used): the same help and list as the
+    commands' own modules give, without importing torch (issue 31)."""
+    from importlib import metadata
+
+    from szo.config import load_recipe, recipe_names
+
+    code, out, names = _imported(["--help"])
+    assert code == 0 and _torch(names) == [] and "szo.cli" in names and "szo.config" not in names
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.split()}
+    own = {ep.name for ep in metadata.entry_points(group=COMMAND_GROUP) if ep.dist and ep.dist.name == "szo"}
+    # the registrars add import (with export) and diagnose (with study) under their own names
+    assert own <= listed and {"recipe", "demo", "report", "import", "diagnose"} <= listed
+
+    code, out, names = _imported(["recipe", "--list"])
+    assert code == 0 and _torch(names) == [] and "szo.config" not in names
+    assert out.splitlines() == [f"{n:<22} {load_recipe(n)['description']}" for n in recipe_names()]
+
+
+@pytest.mark.parametrize("command", [["recipe"], ["report"], ["demo"], ["demo", "digits"]])
+def test_light_commands_help_imports_no_torch(command):
+    """The commands whose parsers live in szo.cli print their help without importing torch (the others
+    build their parser from modules that need it: docs/performance.md, "Start-up of the szo command")."""
+    code, out, names = _imported([*command, "--help"])
+    assert code == 0 and out.startswith(f"usage: szo {' '.join(command)}") and _torch(names) == []
+
+
+def test_a_command_is_built_when_used():
+    """An own command's parser gets its arguments the first time it parses or prints its help."""
+    p = build_parser()
+    sub = next(a for a in p._actions if a.dest == "command")
+    assert "--source" in sub.choices["adapt"].format_help()
+    args = p.parse_args(["federated", "digits-scratch", "--clients", "4"])
+    assert args.clients == 4 and args.func.__module__ == "szo.federated.cli"
+    with pytest.raises(SystemExit):
+        p.parse_args(["hw-report", "spike_convnet", "--arithmetic", "nope"])

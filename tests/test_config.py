@@ -197,10 +197,10 @@ def _extends(name: str, base: str) -> bool:
 def _float_subspace_recipes() -> list[str]:
     """The subspace recipes any float method runs in (not the fixed-point ones: digits-fixed, and
     digits-c-mcu, seed 004's integer learner)."""
-    from szo.config import _raw_recipe
+    from szo.recipes import read_recipe
 
-    return [n for n in recipe_names() if _raw_recipe(n).get("kind") == "subspace"
-            and _raw_recipe(n).get("backend", "float") == "float" and not _extends(n, "digits-fixed")]
+    return [n for n in recipe_names() if read_recipe(n).get("kind") == "subspace"
+            and read_recipe(n).get("backend", "float") == "float" and not _extends(n, "digits-fixed")]
 
 
 def test_new_methods_resolve_in_every_subspace_recipe():

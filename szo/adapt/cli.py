@@ -12,6 +12,7 @@ import argparse
 import typing
 from pathlib import Path
 
+from szo.cli import ADAPT
 from szo.config import RecipeConfig, SZOConfig, TTAConfig, resolve
 from szo.stages import run_dir_guard
 
@@ -19,7 +20,7 @@ from .methods import METHODS, SETTINGS, SUBSPACE_METHODS
 from .runner import resolve_methods
 from .stage import tta_stage
 
-__all__ = ["register", "main", "flags_config"]
+__all__ = ["register", "add_arguments", "main", "flags_config"]
 
 # flag -> (schema section, key, what it is); the type, choices and default come from the schema
 _FLAGS = {
@@ -52,12 +53,15 @@ def _add_schema_flag(p: argparse.ArgumentParser, flag: str, section: str, key: s
 
 # --------------------------------------------------------------------------- CLI
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``szo adapt`` to the ``szo`` CLI."""
-    p = subparsers.add_parser(
-        "adapt", help="test-time adaptation on a corrupted test set (paper Sec. 6.3)",
-        description="Adapt a trained source model on the 15 corruptions with none / bn / tent / bp-subspace / "
-                    "szo-cge / szo-rge in the reset and/or continual setting; writes the paper's tables. Every "
-                    "flag is a key of the kind: tta recipe schema (szo recipe digits-c-tta is the same stage).")
+    """Add ``szo adapt`` to the ``szo`` CLI (its name and help: ``szo.cli.ADAPT``)."""
+    return ADAPT(subparsers)[0]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``szo adapt``'s arguments and handler, added to its parser."""
+    p.description = ("Adapt a trained source model on the 15 corruptions with none / bn / tent / bp-subspace / "
+                     "szo-cge / szo-rge in the reset and/or continual setting; writes the paper's tables. Every "
+                     "flag is a key of the kind: tta recipe schema (szo recipe digits-c-tta is the same stage).")
     p.add_argument("--source", required=True,
                    help="source run directory of a szo recipe run (config.yaml + model.safetensors or "
                         "checkpoints/last.pt): the model is rebuilt from its config (tta.source_run)")
@@ -75,7 +79,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help=f"arithmetic of adaptation and prediction (precision, szo.precision; default {d.precision})")
     p.add_argument("--out", required=True, help="output directory for the tables")
     p.set_defaults(func=main)
-    return p
 
 
 def flags_config(args: argparse.Namespace) -> RecipeConfig:

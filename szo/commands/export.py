@@ -19,15 +19,30 @@ import argparse
 from pathlib import Path
 
 import torch
+import yaml
 
-__all__ = ["register", "run_export", "run_import"]
+from szo.cli import EXPORT
+from szo.data import get_dataset, make_loader
+from szo.demos.dvs_stream import load_source_model
+from szo.export.nir_exchange import DEFAULT_DT, from_nir, to_nir, write_nir
+from szo.hw.convert import to_fixed
+from szo.hw.lava_check import export_run
+from szo.hw.report import input_batch, load_target
+from szo.runs import load_run_model
+
+__all__ = ["register", "add_export_arguments", "add_import_arguments", "run_export", "run_import"]
 
 TARGETS: tuple[str, ...] = ("nir", "lava")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    e = subparsers.add_parser("export", help="write a trained model as a NIR graph (snnTorch, Norse, Lava, Sinabs...)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Add ``szo export`` and ``szo import`` to the ``szo`` CLI (names and help: ``szo.cli.EXPORT``)."""
+    EXPORT(subparsers)
+
+
+def add_export_arguments(e: argparse.ArgumentParser) -> None:
+    """``szo export``'s arguments and handler, added to its parser."""
+    e.description, e.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     e.add_argument("target", metavar="RUN_DIR_OR_MODEL",
                    help="run directory (config.yaml + model.safetensors or checkpoints/last.pt) or registered model name")
     e.add_argument("--to", choices=TARGETS, default="nir",
@@ -43,8 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: the run's hw.reset)")
     e.set_defaults(func=run_export)
 
-    i = subparsers.add_parser("import", help="load a NIR graph as a szo model; optionally evaluate it",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def add_import_arguments(i: argparse.ArgumentParser) -> None:
+    """``szo import``'s arguments and handler, added to its parser."""
+    i.description, i.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     i.add_argument("source", metavar="IN.nir", type=Path)
     i.add_argument("--data", default=None, help="evaluate on this data set's test split (e.g. digits)")
     i.add_argument("--batch", type=int, default=128)
@@ -57,9 +74,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_export(args: argparse.Namespace) -> int:
     if args.to == "lava":
         return _export_lava(args)
-    from szo.export.nir_exchange import DEFAULT_DT, to_nir, write_nir
-    from szo.hw.report import input_batch, load_target
-
     stream_meta = _stream_metadata(Path(args.target))
     if stream_meta is not None:  # a dvs-stream source model: keep its frame length for the demo
         model, label = stream_meta.pop("model"), str(args.target)
@@ -70,8 +84,6 @@ def run_export(args: argparse.Namespace) -> int:
         shape = tuple(input_batch(model, "random", 1, args.input_size, 0, cfg)[0].shape[-3:])
     model.eval()
     if args.fixed:
-        from szo.hw.convert import to_fixed
-
         model = to_fixed(model, weight_bits=args.weight_bits)
     graph = to_nir(model, shape, dt=DEFAULT_DT if args.dt is None else args.dt, metadata=stream_meta)
     digest = write_nir(graph, args.out)
@@ -85,8 +97,6 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _export_lava(args: argparse.Namespace) -> int:
-    from szo.hw.lava_check import export_run
-
     path, meta = export_run(args.target, args.out, reset=args.reset, input_size=args.input_size)
     parts = [f"{ly['name']}: Dense {ly['n_out']}x{ly['n_in']} exp {ly['weight_exp']}" if ly["kind"] == "dense"
              else f"{ly['name']}: LIF du {ly['du']} dv {ly['dv']} vth {ly['vth']}" for ly in meta["layers"]]
@@ -102,14 +112,10 @@ def _stream_metadata(target: Path) -> dict | None:
         return None
     is_gesture_run = False
     if (target / "config.yaml").is_file():
-        import yaml
-
         raw = yaml.safe_load((target / "config.yaml").read_text(encoding="utf-8")) or {}
         is_gesture_run = (raw.get("data") or {}).get("name") == "synthetic-gesture" and raw.get("kind") == "bp"
     if not is_gesture_run:
         return None
-    from szo.demos.dvs_stream import load_source_model
-
     src = load_source_model(target)
     return {"model": src.model, "bin_us": int(src.bin_us), "sensor_size": list(src.sensor_size),
             "duration_us": int(src.duration_us)}
@@ -117,8 +123,6 @@ def _stream_metadata(target: Path) -> dict | None:
 
 @torch.no_grad()
 def run_import(args: argparse.Namespace) -> int:
-    from szo.export.nir_exchange import from_nir
-
     net = from_nir(args.source, T=args.T).eval()
     meta = net.nir_metadata
     print(f"{args.source}: {net.model_name}, T={net.T}, {net.num_classes} classes, input "
@@ -128,12 +132,8 @@ def run_import(args: argparse.Namespace) -> int:
         if args.compare is not None:
             raise ValueError("--compare needs --data (the batches to compare on)")
         return 0
-    from szo.data import get_dataset, make_loader
-
     ref = None
     if args.compare is not None:
-        from szo.runs import load_run_model
-
         ref = load_run_model(args.compare)[0].eval()
     loader = make_loader(get_dataset(args.data, "test"), args.batch, shuffle=False)
     correct = agree = seen = 0

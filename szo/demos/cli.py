@@ -11,7 +11,11 @@ import argparse
 import json
 from typing import Any, Sequence
 
-__all__ = ["register_demo", "add_dvs_stream_arguments", "main"]
+from szo.cli import DVS_STREAM
+from szo.demos.dvs_stream import run_demo
+from szo.demos.settings import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig, resumed_settings
+
+__all__ = ["register_demo", "add_arguments", "add_dvs_stream_arguments", "main"]
 
 # setting -> (type, help); the rest of the flags are added one by one below
 _FLAGS = {
@@ -50,8 +54,6 @@ def _shift_arg(text: str) -> dict[str, Any]:
 
 def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
     """The dvs-stream options (shared by the main CLI and the standalone entry point)."""
-    from szo.demos.settings import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig
-
     d = StreamConfig()
     for key, (typ, text) in _FLAGS.items():
         default = "" if getattr(d, key) is None else f" (default {getattr(d, key)})"
@@ -81,9 +83,6 @@ def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from szo.demos.dvs_stream import run_demo
-    from szo.demos.settings import StreamConfig, resumed_settings
-
     given = {k: v for k in (*_FLAGS, "sensor_size", "adapt", "loss", "shift", "compare", "overrides")
              if (v := getattr(args, k)) is not None}
     cfg = resumed_settings(args.out, given) if args.resume else StreamConfig(**given)
@@ -93,15 +92,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register_demo(demo_subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``dvs-stream`` to the ``szo demo`` subparsers; the handler is ``args.func(args) -> int``."""
-    p = demo_subparsers.add_parser(
-        "dvs-stream", help="classify an event stream window by window, adapting on-line with SZO",
-        description="Replay an event stream in fixed windows with a persistent network state, classify "
-                    "each window on-line and optionally adapt with SZO; writes config.yaml, summary.json, "
-                    "windows.json and timeline.png.")
+    """Add ``dvs-stream`` to the ``szo demo`` subparsers (name and help: ``szo.cli.DVS_STREAM``); the
+    handler is ``args.func(args) -> int``."""
+    return DVS_STREAM(demo_subparsers)[0]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``szo demo dvs-stream``'s arguments and handler, added to its parser."""
+    p.description = ("Replay an event stream in fixed windows with a persistent network state, classify "
+                     "each window on-line and optionally adapt with SZO; writes config.yaml, summary.json, "
+                     "windows.json and timeline.png.")
     add_dvs_stream_arguments(p)
     p.set_defaults(func=_run)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

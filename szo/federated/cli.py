@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 
+from szo.cli import FEDERATED
 from szo.config import FEDERATED_OPTIMIZERS, FederatedConfig, load_recipe
 from szo.federated.flower import SPACES, run_federated
 from szo.rundir import resumed_config
 
-__all__ = ["register"]
+__all__ = ["register", "add_arguments"]
 
 # flag -> federated.KEY (the flag's help says what the key means)
 _FLAGS = {"clients": "client processes (at least 3 with SecAgg+)", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
@@ -25,15 +26,19 @@ _FLAGS = {"clients": "client processes (at least 3 with SecAgg+)", "rounds": "ro
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``szo federated`` to the ``szo`` CLI (its name and help: ``szo.cli.FEDERATED``)."""
+    return FEDERATED(subparsers)[0]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``szo federated``'s arguments and handler, added to its parser."""
     d = FederatedConfig()
-    p = subparsers.add_parser(
-        "federated", help="forward-only federated training (BAFFLE on Flower, one process per client)",
-        description="BAFFLE (seed 002): each round the server sends the model and a seed; every client "
-                    "returns K loss differences on its local data; Flower's SecAgg+ gives the server "
-                    "only their weighted mean over the clients that answered; the server regenerates "
-                    "the directions and steps. Model, data, loss, subspace and the federated "
-                    "section come from RECIPE (a 'kind: subspace' recipe name or YAML file, e.g. "
-                    "digits-scratch). See docs/federated.md.")
+    p.description = ("BAFFLE (seed 002): each round the server sends the model and a seed; every client "
+                     "returns K loss differences on its local data; Flower's SecAgg+ gives the server "
+                     "only their weighted mean over the clients that answered; the server regenerates "
+                     "the directions and steps. Model, data, loss, subspace and the federated "
+                     "section come from RECIPE (a 'kind: subspace' recipe name or YAML file, e.g. "
+                     "digits-scratch). See docs/federated.md.")
     p.add_argument("name", metavar="RECIPE")
     for key, help_text in _FLAGS.items():
         flag = "--" + key.replace("_", "-")
@@ -52,7 +57,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out after its last completed round (its own config.yaml, --set on top)")
     p.set_defaults(func=_run)
-    return p
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -7,18 +7,26 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from szo.cli import HW, HW_REPORT
 from szo.hw.fixed import ARITHMETICS, Precision
+from szo.hw.lava_bridge import check_summary, write_check
+from szo.hw.lava_check import lava_check
 from szo.hw.neuron import RESETS
 from szo.hw.report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
 from szo.optim.options import IntegerLearnerOptions
 
-__all__ = ["register", "register_hw", "run_hw_report", "run_lava_check", "main"]
+__all__ = ["register", "register_hw", "add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",
+           "main"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``hw-report`` sub-command to a ``szo`` CLI parser."""
-    p = subparsers.add_parser("hw-report", help="on-chip memory / synaptic ops / energy of SZO on a Loihi-class chip",
-                              description=__doc__)
+    """Add the ``hw-report`` sub-command to a ``szo`` CLI parser (name and help: ``szo.cli.HW_REPORT``)."""
+    return HW_REPORT(subparsers)[0]
+
+
+def add_hw_report_arguments(p: argparse.ArgumentParser) -> None:
+    """``szo hw-report``'s arguments and handler, added to its parser."""
+    p.description = __doc__
     p.add_argument("target", metavar="MODEL_OR_RUN",
                    help="registered model name (random init) or run directory (config.yaml + model.safetensors "
                         "or checkpoints/last.pt)")
@@ -46,7 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-neurobench", action="store_true",
                    help="skip NeuroBench's own metrics (SynOps, sparsity, footprint; needs the deploy extra)")
     p.set_defaults(func=run_hw_report)
-    return p
 
 
 def run_hw_report(args: argparse.Namespace) -> int:
@@ -64,8 +71,13 @@ def run_hw_report(args: argparse.Namespace) -> int:
 
 
 def register_hw(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``szo hw lava-check``: a trained fixed-point network run in Intel Lava against szo's simulator."""
-    p = subparsers.add_parser("hw", help="fixed-point hardware tools (szo hw lava-check)")
+    """Add ``szo hw lava-check``: a trained fixed-point network run in Intel Lava against szo's simulator
+    (name and help: ``szo.cli.HW``)."""
+    return HW(subparsers)[0]
+
+
+def add_hw_arguments(p: argparse.ArgumentParser) -> None:
+    """``szo hw``'s subcommands (``lava-check``) and their handlers, added to its parser."""
     sub = p.add_subparsers(dest="hw_command", metavar="HW_COMMAND", required=True)
     c = sub.add_parser("lava-check", help="run N test samples through Intel Lava (.venv-lava, make lava) and through "
                                           "szo's 'loihi' simulator; compare every spike, readout value and label",
@@ -86,13 +98,9 @@ def register_hw(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
     c.add_argument("--lava-python", default=None,
                    help="interpreter with lava-nc (default $SZO_LAVA_PYTHON, else .venv-lava/bin/python)")
     c.set_defaults(func=run_lava_check)
-    return p
 
 
 def run_lava_check(args: argparse.Namespace) -> int:
-    from szo.hw.lava_bridge import check_summary, write_check
-    from szo.hw.lava_check import lava_check
-
     rep = lava_check(args.target, args.samples, data=args.data, reset=args.reset, seed=args.seed,
                      python=args.lava_python, keep=args.keep)
     print("\n".join(check_summary(rep)))

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["register"]
+from szo.cli import STUDY
+from szo.study import diagnose, precision, qsweep, shift, subspaces
+from szo.study.diagnose import diagnose_run, render
+from szo.study.precision import render_precision, study_precision
+from szo.study.qsweep import render_q, study_q
+from szo.study.shift import ShiftSettings, render_shift, study_shift
+from szo.study.subspaces import study_subspaces
+
+__all__ = ["register", "add_diagnose_arguments", "add_study_arguments"]
 
 
 def _floats(s: str) -> list[float]:
@@ -24,8 +32,6 @@ def _ints(s: str) -> list[int]:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from szo.study.diagnose import diagnose_run, render
-
     res = diagnose_run(args.run_dir, subspace=args.subspace, mus=args.mu, qs=args.q, repeats=args.repeats,
                        batch=args.batch, twin=not args.no_twin, max_full_cge=args.max_full_cge, seed=args.seed,
                        out=args.out)
@@ -34,8 +40,6 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_study_subspaces(args: argparse.Namespace) -> int:
-    from szo.study.subspaces import study_subspaces
-
     res = study_subspaces(args.bp_run, args.k, prefix=args.prefix, first_epochs=args.first_epochs,
                           other_runs=args.other_run or [], random_seeds=args.random_seeds,
                           bn_head=not args.no_bn_head, overwrite=args.overwrite, train=args.train,
@@ -50,8 +54,6 @@ def _cmd_study_subspaces(args: argparse.Namespace) -> int:
 
 
 def _cmd_study_q(args: argparse.Namespace) -> int:
-    from szo.study.qsweep import render_q, study_q
-
     res = study_q(args.recipe, args.q, overrides=args.set or [], rge_overrides=args.rge_set or [], out=args.out,
                   cge=not args.no_cge)
     print(render_q(res["rows"]))
@@ -77,8 +79,6 @@ def _lrs(values: list[str] | None) -> dict[str, float]:
 
 
 def _cmd_study_shift(args: argparse.Namespace) -> int:
-    from szo.study.shift import ShiftSettings, render_shift, study_shift
-
     st = ShiftSettings(data=args.data, corruption=args.corruption, severity=args.severity, samples=tuple(args.samples),
                        methods=args.methods, batch=args.batch, eval_images=args.eval_images, k=args.k,
                        window=args.window, lr=_lrs(args.lr), mu=args.mu, q=args.q, seed=args.seed)
@@ -88,8 +88,6 @@ def _cmd_study_shift(args: argparse.Namespace) -> int:
 
 
 def _cmd_study_precision(args: argparse.Namespace) -> int:
-    from szo.study.precision import render_precision, study_precision
-
     res = study_precision(args.recipe, precisions=args.precision, mus=args.mu, qs=args.q, repeats=args.repeats,
                           batch=args.batch, seeds=args.seeds, train_mus=args.train_mu, overrides=args.set or [],
                           device=args.device, out=args.out, train=not args.no_train)
@@ -99,10 +97,13 @@ def _cmd_study_precision(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from szo.study import diagnose, precision, qsweep, shift, subspaces
+    """Add ``szo diagnose`` and ``szo study`` to the ``szo`` CLI (names and help: ``szo.cli.STUDY``)."""
+    STUDY(subparsers)
 
-    p = subparsers.add_parser("diagnose", help="ZO estimate variance / cosine to the BPTT gradient on a run's model",
-                              description=diagnose.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
+    """``szo diagnose``'s arguments and handler, added to its parser."""
+    p.description, p.formatter_class = diagnose.__doc__, argparse.RawDescriptionHelpFormatter
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--subspace", help="store name of the subspace (default: the run config's subspace.name)")
     p.add_argument("--mu", type=_floats, default=[0.01, 0.1, 1.0], help="comma-separated mu values (default 0.01,0.1,1)")
@@ -115,7 +116,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="JSON path (default RUN_DIR/diagnose.json); the plot goes next to it (.png)")
     p.set_defaults(func=_cmd_diagnose)
 
-    st = subparsers.add_parser("study", help="evidence studies (szo study subspaces BP_RUN | q RECIPE | precision RECIPE | shift BP_RUN)")
+
+def add_study_arguments(st: argparse.ArgumentParser) -> None:
+    """``szo study``'s studies, their arguments and handlers, added to its parser."""
     ssub = st.add_subparsers(dest="study", metavar="STUDY")
     ssub.required = True
     s = ssub.add_parser("subspaces", help="subspace-origin ablation: variants, projected BP point, optional training",

@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from szo.distributed import main_decides
+from szo.exits import TrainingDiverged
 from szo.functional.zo import NonFiniteLossError
 from szo.io import atomic_write_json
 from szo.methods import current_name
@@ -69,10 +70,6 @@ DIVERGE_FACTOR = 1.0e4
 """A run has diverged when a step's training loss exceeds this many times ``max(|first loss|, 1)``
 (the first step's loss of the run), or the loss or a parameter is not finite."""
 
-
-class TrainingDiverged(ValueError):
-    """Training diverged (non-finite or exploding loss, non-finite parameters); results.json
-    of the run says ``"status": "diverged"``."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
