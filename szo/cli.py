@@ -308,6 +308,9 @@ def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) ->
     except (ValueError, FileNotFoundError) as e:  # szo.data.DataNotFoundError is a FileNotFoundError
         _error_line(f"error: {who}{_one_line(e)}")
         code = 2
+    except BrokenPipeError:  # the reader went away (szo recipe --list | head): not szo's failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except KeyboardInterrupt:
         print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)
         code = 130

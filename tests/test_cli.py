@@ -216,3 +216,17 @@ def test_a_command_is_built_when_used():
     assert args.clients == 4 and args.func.__module__ == "szo.federated.cli"
     with pytest.raises(SystemExit):
         p.parse_args(["hw-report", "spike_convnet", "--arithmetic", "nope"])
+
+
+def test_a_closed_pipe_ends_the_listing_quietly():
+    """``szo recipe --list | head -1``: the reader leaves after one line; szo exits 0 without a
+    BrokenPipeError traceback (Python's documented remedy: stdout to devnull)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "szo", "recipe", "--list"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()  # the reader goes away with the rest unread
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0 and "Traceback" not in err, err

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from szo.optim import SZO, BPSubspace, build_optimizer
+from szo.optim import SZO, build_optimizer
 from szo.zo import SubspaceSpace
 from szo.zo.scale import SCALES, coordinate_scales, scale_record
 
