@@ -312,7 +312,7 @@ def test_optimizer_options_are_the_recipe_keys_of_the_same_name():
     szo.X or train.X key, every TTOptions field a tt.X key, and a value set in the recipe arrives."""
     import dataclasses
 
-    from szo.config import SZOConfig, StageConfig, TTConfig
+    from szo.config import StageConfig, SZOConfig, TTConfig
     from szo.optim import OptimizerOptions, TTOptions
     from szo.stages import optimizer_options
 
