@@ -13,7 +13,7 @@ from szo.hw.lava_bridge import check_summary, write_check
 from szo.hw.lava_check import lava_check
 from szo.hw.neuron import RESETS
 from szo.hw.report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
-from szo.optim.options import IntegerLearnerOptions
+from szo.options import IntegerLearnerOptions
 
 __all__ = ["register", "register_hw", "add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",
            "main"]

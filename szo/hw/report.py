@@ -31,7 +31,7 @@ from szo.hw.neurobench import NOTES, neurobench_metrics, szo_counterparts
 from szo.hw.train import check_learner_widths, learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
-from szo.optim.options import IntegerLearnerOptions
+from szo.options import IntegerLearnerOptions
 from szo.runs import load_run_model
 
 __all__ = ["ChipModel", "LOIHI2", "compare_arithmetics", "hw_report", "load_target", "loihi2_features",

@@ -18,11 +18,11 @@ from torch import nn
 from szo.hw.mcu import MCUZO
 from szo.hw.train import OnChipSZO
 from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
+from szo.options import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, split_keywords
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .layerwise import LayerwiseZO
-from .options import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, split_keywords
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .tt import HybridZO
 from .zo import FullSpaceZO
