@@ -35,6 +35,7 @@ from szo.distributed import DistributedEvaluator
 from szo.engine import ENGINES, BatchedProbeEvaluator
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
+from szo.zo import ESTIMATORS as ZO_ESTIMATORS
 from szo.zo import (
     GENERATOR_COUNTERS,
     CodecOptimizer,
@@ -45,21 +46,18 @@ from szo.zo import (
     ProbeGuard,
     StateCodec,
     SubspaceSpace,
-    cge_plan,
     check_hparams,
-    coord_one_point_plan,
     gaussian_rows,
+    get_estimator,
     heavy_ball_,
     move_to_start,
-    one_point_plan,
     resolve_model,
-    rge_plan,
 )
 from szo.zo.scale import NORMALISED, SCALES, coordinate_scales, normalise_, scale_record
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
-ESTIMATORS = ("cge", "rge", "one-point", "coord-one-point")
+ESTIMATORS = ZO_ESTIMATORS  # every estimator of szo.zo.plans
 DISTRIBUTED_MODES = (None,) + DISTRIBUTED_RUN_MODES
 
 
@@ -267,8 +265,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
                              "use engine='loop'")
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        kind = get_estimator(estimator)
         check_hparams(mu=mu, q=q if estimator != "cge" else None)
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
                                    start=start, scale=scale)
@@ -288,6 +285,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
                              "forward does not see: use model.set_compile(False), sync_bn=False or "
                              "distributed='perturbation'")
         self.estimator = estimator
+        self.kind = kind
         self.q = q
         guard = ProbeGuard(model, "SZO", bn_update=bn_update, freeze_bn=freeze_bn)
         # torch.distributed: "data" = every rank evaluates all probes on its shard of the
@@ -312,15 +310,13 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     def forwards_per_step(self) -> int:
         """Forwards of the batch per step: the probes, plus one unperturbed BN forward
         (``bn_update="recompute"`` with BN in train mode)."""
-        probes = {"cge": 2 * self.k, "rge": 2 * self.q, "one-point": self.q + 1,
-                  "coord-one-point": self.k + 1}[self.estimator]
-        return probes + int(self.recomputes)
+        return self.kind.probes(self.k, self.q) + int(self.recomputes)
 
     @property
     def calibration_steps(self) -> int:
         """A random-direction estimate sees q of the k directions per step: ceil(k / q) steps set the
         gradient unit of a normalised scale (one for the coordinate estimators)."""
-        if self.estimator in ("cge", "coord-one-point"):
+        if self.kind.coordinate:
             return 1
         return -(-self.k // self.q)
 
@@ -332,7 +328,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         step ``lr q / (k + q + 1)`` along the gradient, the noise-optimal fraction of a coordinate
         estimate's step (SGD with gradient noise of variance k / q times the signal), so one relative
         lr serves CGE and RGE of any q (docs/evidence.md, "Scale-free mu and lr")."""
-        if self.estimator in ("cge", "coord-one-point"):
+        if self.kind.coordinate:
             return 1.0
         return math.sqrt(self.q / (self.k + self.q + 1))
 
@@ -344,19 +340,17 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         centre, then ``+mu v_i`` for all i.
         """
         mu = self.param_groups[0]["mu"]
-        if self.estimator == "cge":
-            return cge_plan(self.k, mu)
-        if self.estimator == "coord-one-point":
-            return coord_one_point_plan(self.k, mu)
+        if self.kind.coordinate:
+            return self.kind.plan(self.k, mu)
         z = gaussian_rows(self.q, self.k, self.generator)
         if self.units is not None:  # relative scale: mu is the probe's length in units, as for CGE (E|z|^2 = k)
             mu = mu / math.sqrt(self.k)
-        return rge_plan(z, mu) if self.estimator == "rge" else one_point_plan(z, mu)
+        return self.kind.plan(mu=mu, z=z)
 
     def probe_plan(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This step's probes as ``(U [m, k], z)`` (``theta + mu P U[j]``; ``z`` None for CGE)."""
         plan = self.plan()
-        return plan.dense(), None if self.estimator in ("cge", "coord-one-point") else plan.directions
+        return plan.dense(), None if self.kind.coordinate else plan.directions
 
     @torch.no_grad()
     def evaluate(self, closure: Callable[[], torch.Tensor], plan: Plan) -> torch.Tensor:
@@ -372,7 +366,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         plan = self.plan()
         losses = self.evaluate(closure, plan)
         self.apply_update(plan.estimate(losses))
-        fallback = float(losses[0]) if self.estimator in ("one-point", "coord-one-point") else float(losses.mean())
+        fallback = self.kind.step_loss(losses)
         return self.finish_step(closure, losses, fallback, plan.m)
 
 

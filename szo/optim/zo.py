@@ -27,13 +27,11 @@ from szo.zo import (
     Plan,
     ProbeGuard,
     StateCodec,
-    cge_plan,
     check_hparams,
-    coord_one_point_plan,
     gaussian_rows,
+    get_estimator,
     heavy_ball_,
     resolve_model,
-    rge_plan,
 )
 
 __all__ = ["FullSpaceZO"]
@@ -68,8 +66,7 @@ class FullSpaceZO(ForwardOnlyBase):
         generator: torch.Generator | None = None,
         bn_update: str = "recompute",
     ):
-        if estimator not in ("cge", "coord-one-point", "rge"):
-            raise ValueError(f"unknown estimator {estimator!r}; valid: cge, coord-one-point, rge")
+        kind = get_estimator(estimator, ("cge", "coord-one-point", "rge"))
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
@@ -78,6 +75,7 @@ class FullSpaceZO(ForwardOnlyBase):
         if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
             raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
         self.estimator = estimator
+        self.kind = kind
         self.q = q
         self.coords_per_step = coords_per_step
         self.model = model
@@ -87,23 +85,17 @@ class FullSpaceZO(ForwardOnlyBase):
     @property
     def forwards_per_step(self) -> int:
         """Probe forwards per step, plus one unperturbed BN forward under ``bn_update="recompute"``."""
-        extra = int(self.recomputes)
-        if self.estimator == "rge":
-            return 2 * self.q + extra
-        n = self.coords_per_step or self.d
-        return (n + 1 if self.estimator == "coord-one-point" else 2 * n) + extra
+        return self.kind.probes(self.coords_per_step or self.d, self.q) + int(self.recomputes)
 
     def plan(self) -> Plan:
         """This step's probes (draws coordinates or directions from ``generator``)."""
         mu = self.param_groups[0]["mu"]
-        if self.estimator in ("cge", "coord-one-point"):
+        if self.kind.coordinate:
             n = self.coords_per_step or self.d
             idx = torch.randperm(self.d, generator=self.generator)[:n] if n < self.d else torch.arange(self.d)
-            if self.estimator == "coord-one-point":
-                return coord_one_point_plan(Coordinates(idx, self.d), mu)
-            return cge_plan(Coordinates(idx, self.d), mu, interleaved=True)
+            return self.kind.plan(Coordinates(idx, self.d), mu, interleaved=True)
         z = gaussian_rows(self.q, self.d, self.generator, dtype=self.space.dtype, one_at_a_time=True)
-        return rge_plan(z.to(self.space.device), mu, interleaved=True, accumulate="sequential")
+        return self.kind.plan(mu=mu, z=z.to(self.space.device), interleaved=True, accumulate="sequential")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -117,7 +109,7 @@ class FullSpaceZO(ForwardOnlyBase):
         vel = heavy_ball_(self.state[self.space.params[0]]["velocity"], grad, lr=group["lr"],
                           momentum=group["momentum"])
         self.space.add_(vel)
-        fallback = float(losses[0]) if self.estimator == "coord-one-point" else float(sum(losses.tolist()) / len(losses))
+        fallback = float(losses[0]) if self.kind.one_sided else float(sum(losses.tolist()) / len(losses))
         return self.finish_step(closure, losses, fallback, plan.m)
 
 

@@ -24,10 +24,12 @@ from .guard import ProbeGuard, check_hparams, resolve_model
 from .plans import (
                     ESTIMATORS,
                     Coordinates,
+                    Estimator,
                     Plan,
                     cge_plan,
                     coord_one_point_plan,
                     gaussian_rows,
+                    get_estimator,
                     one_point_plan,
                     rademacher_rows,
                     rge_plan,
@@ -56,7 +58,7 @@ from .update import (
 )
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "EvaluatorBase", "Field", "ForwardOnlyBase", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
     "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",

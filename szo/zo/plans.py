@@ -31,10 +31,55 @@ import torch
 from ..functional import zo as F
 from ..functional.xorshift import XorShift32
 
-__all__ = ["Coordinates", "Plan", "ESTIMATORS", "cge_plan", "rge_plan", "one_point_plan", "coord_one_point_plan",
+__all__ = ["Coordinates", "Plan", "ESTIMATORS", "Estimator", "get_estimator", "cge_plan", "rge_plan", "one_point_plan", "coord_one_point_plan",
            "gaussian_rows", "rademacher_rows"]
 
-ESTIMATORS: tuple[str, ...] = ("cge", "rge", "one-point", "coord-one-point")
+@dataclass(frozen=True)
+class Estimator:
+    """What an estimator's name stands for, in one record: ``coordinate`` (probes along the space's
+    ``n`` basis vectors) or random directions (``q`` rows of ``z``); ``one_sided`` (the centre, then
+    one probe per direction) or two-sided (``+mu`` and ``-mu`` per direction). Its forward count,
+    plan and the step's reported loss follow from the two (``tests/optim/test_estimators.py`` checks
+    the count against the closure calls of one step of every optimizer that takes a name)."""
+
+    name: str
+    coordinate: bool
+    one_sided: bool
+
+    def probes(self, n: int, q: int) -> int:
+        """Forwards of one estimate: ``n`` coordinates or ``q`` directions, one or two probes each,
+        plus the centre of a one-sided estimate."""
+        m = n if self.coordinate else q
+        return m + 1 if self.one_sided else 2 * m
+
+    def plan(self, coords: "int | Coordinates | None" = None, mu: float = 1.0, *, z: torch.Tensor | None = None,
+             interleaved: bool = False, accumulate: str = "mean") -> "Plan":
+        """This estimator's probes: along ``coords`` (coordinate estimators) or the rows of ``z``."""
+        if self.coordinate:
+            if self.one_sided:
+                return coord_one_point_plan(coords, mu)
+            return cge_plan(coords, mu, interleaved=interleaved)
+        if self.one_sided:
+            return one_point_plan(z, mu)
+        return rge_plan(z, mu, interleaved=interleaved, accumulate=accumulate)
+
+    def step_loss(self, losses: torch.Tensor) -> float:
+        """The loss a step reports when no unperturbed forward ran: the centre probe (one-sided
+        plans start with it), else the mean of the probes."""
+        return float(losses[0]) if self.one_sided else float(losses.double().mean())
+
+
+_ESTIMATORS = {e.name: e for e in (Estimator("cge", True, False), Estimator("rge", False, False),
+                                   Estimator("one-point", False, True), Estimator("coord-one-point", True, True))}
+ESTIMATORS: tuple[str, ...] = tuple(_ESTIMATORS)
+
+
+def get_estimator(name: str, valid: "tuple[str, ...] | None" = None) -> Estimator:
+    """The :class:`Estimator` record of ``name``; one ValueError listing ``valid`` (default: all) otherwise."""
+    valid = ESTIMATORS if valid is None else valid
+    if name not in valid:
+        raise ValueError(f"unknown estimator {name!r}; valid: {', '.join(valid)}")
+    return _ESTIMATORS[name]
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 (szo.zo.ForwardOnlyOptimizer) and reports each step in a StepInfo the trainer can rely on."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +12,12 @@ from szo.engine import batch_closure
 from szo.hw import to_fixed
 from szo.hw.train import OnChipSZO
 from szo.losses import tet_loss
-from szo.methods import BACKPROP_METHODS, FORWARD_ONLY_METHODS, QZO_METHODS
+from szo.methods import BACKPROP_METHODS, FORWARD_ONLY_METHODS, QZO_METHODS, get_method
 from szo.models import create
 from szo.models.tt import tt_parametrize
 from szo.optim import build_optimizer
 from szo.precision import precision_policy
-from szo.zo import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, StepInfo, is_forward_only
+from szo.zo import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, StepInfo, get_estimator, is_forward_only
 
 BUILT = [m for m in FORWARD_ONLY_METHODS if m not in QZO_METHODS]  # the integer learners: below
 ONCHIP = {"onchip-cge": dict(estimator="cge"), "onchip-rademacher": dict(estimator="rademacher", q=2),
@@ -108,3 +109,31 @@ def test_backprop_methods_are_not_forward_only(name):
     model, sub = _model_and_subspace()
     opt = build_optimizer(name, model, subspace=sub, lr=0.1)
     assert not isinstance(opt, ForwardOnlyOptimizer) and not is_forward_only(opt)
+
+
+ESTIMATOR_METHODS = [m for m in FORWARD_ONLY_METHODS if get_method(m).family in ("subspace-zo", "full-space-zo")]
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_METHODS)
+def test_the_registrys_forward_count_is_the_optimizers(name):
+    """The registry's count (``MethodSpec.forwards``, e.g. ``2k + 1``: the probes and the BN
+    forward) is what the built optimizer says one step costs, and the closure calls of that step
+    (k: the subspace's, q, n: the coordinates a full-space CGE step probes); the optimizer's own
+    count comes from its estimator record (``szo.zo.get_estimator``)."""
+    model, opt = _build(name)
+    kind = get_estimator(opt.estimator)
+    assert opt.kind is kind
+    n = getattr(opt, "coords_per_step", None) or getattr(opt, "d", None)
+    values = {"k": getattr(opt, "k", None), "q": opt.q, "n": n}
+    formula = re.sub(r"(\d)([a-z])", r"\1*\2", get_method(name).forwards)
+    expected = eval(formula, {"__builtins__": {}}, values)  # the registry's prose, read as arithmetic
+    x, y = _batch()
+    calls = []
+    inner = batch_closure(model, tet_loss, x, y, reduction=opt.loss_reduction)
+
+    def closure():
+        calls.append(1)
+        return inner()
+
+    opt.step(closure)
+    assert expected == opt.forwards_per_step == len(calls) == kind.probes(values["k"] or n, opt.q) + 1, name
