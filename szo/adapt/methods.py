@@ -56,7 +56,7 @@ from szo.config import TENT_OPTIMIZERS, TTA_PREDICT, TTA_SETTINGS
 from szo.losses import entropy_loss
 from szo.methods import NO_ADAPTATION, TTA_METHODS, TTA_SUBSPACE_METHODS, get_method
 from szo.optim import build_optimizer
-from szo.zo import BNStatsFreezer, is_forward_only
+from szo.zo import BNStatsFreezer, get_estimator, is_forward_only
 
 __all__ = [
     "METHODS",
@@ -343,7 +343,7 @@ class SZOAdapt(Adapter):
 
     @classmethod
     def per_batch(cls, predict: str, k: int | None, q: int, method: str) -> tuple[int, int]:
-        probes = 2 * (k or 0) if get_method(method).variant == "cge" else 2 * q
+        probes = get_estimator(get_method(method).variant).probes(k or 0, q)  # the estimator's own count
         return probes + 1, 0  # + one clean prediction forward (before or after the step)
 
     def __init__(self, model: nn.Module, subspace, *, method: str = "szo-cge", lr: float, mu: float = 1.0,
