@@ -65,6 +65,7 @@ from szo.zo import (
     Plan,
     ProbeGuard,
     StateCodec,
+    adaptive_perturbation,
     check_hparams,
     one_point_plan,
     quantized_zo_update,
@@ -320,7 +321,7 @@ class MCUZO(ForwardOnlyBase):
         d_w = syn.w_int.numel() + (0 if syn.bias_mant is None else syn.bias_mant.numel())
         d_a = acc_shape.numel() // batch  # [T*N, ...]: one sample's nodes over T
         if self.perturbation == "adaptive":
-            mode = "weight" if d_w < d_a else "node"  # Sec. 3.2.2
+            mode = adaptive_perturbation(d_w, d_a)  # Sec. 3.2.2
         else:
             mode = self.perturbation
         return LayerPlan(mode, d_w, d_a)

@@ -55,6 +55,7 @@ from szo.zo import (
     ParamSpace,
     ProbeGuard,
     StateCodec,
+    adaptive_perturbation,
     check_hparams,
     heavy_ball_,
     one_point_plan,
@@ -296,7 +297,7 @@ class LayerwiseZO(ForwardOnlyBase):
         if name not in self.modes:
             if self.perturbation == "adaptive":
                 d_w = sum(p.numel() for p in m.parameters(recurse=False))
-                self.modes[name] = "node" if node_dim < d_w else "weight"  # node_dim: what one difference drives
+                self.modes[name] = adaptive_perturbation(d_w, node_dim)  # node_dim: what one difference drives
             else:
                 self.modes[name] = self.perturbation
         return self.modes[name]

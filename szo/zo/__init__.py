@@ -44,6 +44,7 @@ from .space import (
                     Space,
                     Still,
                     SubspaceSpace,
+                    adaptive_perturbation,
                     move_to_start,
                     trainable_layers,
 )
@@ -63,5 +64,5 @@ __all__ = [
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
-    "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_", "trainable_layers", "LAYER_TYPES",
+    "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
 ]

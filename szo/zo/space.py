@@ -29,7 +29,7 @@ from torch import nn
 
 from .plans import Coordinates, Plan
 
-__all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS",
+__all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS", "adaptive_perturbation",
            "move_to_start", "trainable_layers", "LAYER_TYPES"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
@@ -356,6 +356,13 @@ class HostMover:
 
 
 LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def adaptive_perturbation(d_w: int, d_a: int) -> str:
+    """Seed 004's adaptive rule (Sec. 3.2.2), one home for the float and the integer learner: weight
+    perturbation for a layer whose weight dimension ``d_w`` is smaller than its node dimension ``d_a``
+    (one sample's nodes, what one difference drives), otherwise node perturbation -- ties included."""
+    return "weight" if d_w < d_a else "node"
 
 
 def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:

@@ -76,7 +76,11 @@ def test_adaptive_picks_the_smaller_dimension():
     tiny = nn.Sequential(nn.Linear(1, 3, bias=False)).double()
     opt = LayerwiseZO(tiny, perturbation="adaptive", q=1)
     opt.step(lambda: tiny(torch.ones(4, 1, dtype=torch.float64)).pow(2).mean(1))
-    assert opt.modes == {"0": "weight"}  # 3 weights <= 3 nodes
+    assert opt.modes == {"0": "node"}  # a tie, 3 weights and 3 nodes: NP (Sec. 3.2.2: WP only if d_w < d_a)
+    conv = nn.Sequential(nn.Conv1d(1, 1, 1, bias=False)).double()
+    opt = LayerwiseZO(conv, perturbation="adaptive", q=1)
+    opt.step(lambda: conv(torch.ones(4, 1, 5, dtype=torch.float64)).pow(2).mean((1, 2)))
+    assert opt.modes == {"0": "weight"}  # 1 weight < 5 nodes
 
 
 def test_adaptive_compares_the_dimension_each_node_estimate_has():
@@ -127,3 +131,19 @@ def test_weight_probes_keep_parameter_storage():
     opt = LayerwiseZO(model, perturbation="weight", q=2)
     opt.step(_for(opt, closure))
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, not re-pointed
+
+
+def test_the_adaptive_rule_has_one_home_and_takes_node_perturbation_on_a_tie():
+    """Seed 004 Sec. 3.2.2: WP if d_w < d_a, otherwise NP; the float learner (LayerwiseZO) once took
+    WP on a tie while the integer one (MCUZO) took NP. Both now call szo.zo.adaptive_perturbation."""
+    import inspect
+
+    from szo.hw import mcu
+    from szo.optim import layerwise
+    from szo.zo import adaptive_perturbation
+
+    assert adaptive_perturbation(4, 5) == "weight"
+    assert adaptive_perturbation(5, 5) == "node" and adaptive_perturbation(6, 5) == "node"
+    for module in (layerwise, mcu):
+        src = inspect.getsource(module)
+        assert "adaptive_perturbation(" in src and '"weight" if' not in src and '"node" if' not in src
