@@ -789,20 +789,20 @@ def _check_hw(full: RecipeConfig) -> None:
 def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
     """``validate`` plus defaults that depend on other values: ``szo.scale`` / ``szo.mu`` (:func:`_resolve_scale`)
     and ``train.lr: null`` -> the method's default: under ``szo.scale: trajectory`` its record's relative
-    ``train.lr``, else its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
+    ``train.lr`` (also under ``whitened``), else its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
     ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G)."""
     full = _resolve_scale(validate(cfg))
     if full.kind == "tta" or full.train.lr is not None:
         return full
     spec = get_method(full.method)
-    if full.szo.scale == "trajectory":
+    if full.szo.scale != "absolute":  # a relative scale: the record's relative lr
         return dataclasses.replace(full, train=full.train.replace(lr=spec.relative["train.lr"]))
     default = full.bptt.lr if spec.backprop and not spec.subspace else 1.0
     return dataclasses.replace(full, train=full.train.replace(lr=spec.defaults.get("train.lr", default)))
 
 
 def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
-    """``szo.scale: null`` -> absolute (the paper's units); ``trajectory`` is refused in one line unless
+    """``szo.scale: null`` -> absolute (the paper's units); a relative scale is refused in one line unless
     every subspace method the run trains (kind tta: adapts with) has relative defaults in its record and
     the learner is the float one. ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
     sz = full.szo
@@ -813,15 +813,15 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
     specs = [get_method(m) for m in methods]
     relative = bool(specs) and all(s.relative is not None for s in specs) and full.hw.learner != "integer"
     scale = sz.scale or "absolute"  # trajectory is opt-in until measured on every data set (docs/evidence.md)
-    if scale == "trajectory" and not relative:
+    if scale != "absolute" and not relative:
         why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if full.hw.learner == "integer"
                else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
-        raise ValueError(f"szo.scale 'trajectory' (mu / lr in units of the subspace) does not apply here: {why}; "
+        raise ValueError(f"szo.scale {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; "
                          "use szo.scale absolute")
     mu = sz.mu
     if mu is None:
         mus = {s.relative.get("szo.mu") for s in specs if s.relative and "szo.mu" in s.relative}
-        mu = mus.pop() if scale == "trajectory" and len(mus) == 1 else 1.0
+        mu = mus.pop() if scale != "absolute" and len(mus) == 1 else 1.0
     return dataclasses.replace(full, szo=sz.replace(scale=scale, mu=mu))
 
 

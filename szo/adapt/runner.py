@@ -92,7 +92,7 @@ class TTAOptions:
     methods and settings).
 
     ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (None: the default of
-    ``scale``: absolute 1.0 / 0.1, App. G; trajectory: each method's relative ``train.lr``, ``szo.methods``);
+    ``scale``: absolute 1.0 / 0.1, App. G; relative: each method's relative ``train.lr``, continual x 0.1 as App. G);
     ``scale``: the units of ``mu`` and the learning rates (``szo.zo.scale``);
     ``corruptions``: default ``szo.data.CORRUPTIONS`` (the 15, table order); ``predict``:
     ``"before"`` | ``"after"`` (see ``szo.adapt.methods``); ``max_batches``: adapt on at most this
@@ -149,8 +149,8 @@ class TTAOptions:
         lr = self.lr_reset if setting == "reset" else self.lr_continual
         if lr is not None:
             return lr
-        if self.scale == "trajectory":
-            return get_method(method).relative["train.lr"]
+        if self.scale != "absolute":  # the method's relative step; continual: the paper's ratio to reset (App. G)
+            return get_method(method).relative["train.lr"] * APP_G_LR[setting] / APP_G_LR["reset"]
         return APP_G_LR[setting]
 
 
