@@ -22,10 +22,10 @@ from szo.options import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTO
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
+from .fullspace import FullSpaceZO
 from .layerwise import LayerwiseZO
 from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
 from .tt import HybridZO
-from .zo import FullSpaceZO
 
 __all__ = [
     "SZO",

@@ -35,7 +35,7 @@ from szo.methods import register_builder
 from szo.models.tt import tt_layers
 from szo.zo import GENERATOR_COUNTERS, Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
 
-from .zo import FullSpaceZO
+from .fullspace import FullSpaceZO
 
 __all__ = ["HybridZO", "PHASES"]
 
