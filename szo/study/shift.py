@@ -51,18 +51,22 @@ __all__ = ["ShiftSettings", "study_shift", "adaptation_subspace", "bn_adapt", "r
 #: the methods that change no weight (no adaptation, BN statistics): the registry's non-trainable ones
 #: with a source or batch-statistics adapter
 NOT_TRAINING = list_methods(trainable=False, adapter=lambda a: a in ("source", "batch-statistics"))
+#: the study's default methods: no adaptation, BN statistics, full-space BP, and the methods that adapt
+#: in a subspace (the registry's subspace-gradient / subspace-zo adapters)
+STUDIED = (NOT_TRAINING + list_methods(backprop=True, subspace=False)
+           + list_methods(adapter=lambda a: a in ("subspace-gradient", "subspace-zo")))
 
 
 @dataclass(frozen=True)
 class ShiftSettings:
     """The shift, the stream and each method's hyperparameters (``lr``: per method, default
-    ``DEFAULT_LR``; ``mu``: SZO's perturbation scale, ``q``: SZO-RGE's directions)."""
+    ``default_lr``; ``mu``: SZO's perturbation scale, ``q``: SZO-RGE's directions)."""
 
     data: str = "fmnist-c"
     corruption: str = "gaussian_noise"
     severity: int = 5
     samples: tuple[int, ...] = (100, 200, 500)
-    methods: tuple[str, ...] = ("none", "bn", "bp", "bp-subspace", "szo-cge", "szo-rge")
+    methods: tuple[str, ...] = STUDIED
     batch: int = 20
     eval_images: int | None = None
     k: int = 20
@@ -92,12 +96,14 @@ class ShiftSettings:
             raise ValueError(f"need mu > 0 and 0 <= momentum < 1, got mu={self.mu}, momentum={self.momentum}")
 
     def lr_of(self, method: str) -> float:
-        return float(self.lr.get(method, DEFAULT_LR.get(method, 0.1)))
+        return float(self.lr.get(method, default_lr(method)))
 
 
-#: learning rates of the adaptation stream: fixed defaults, not tuned on the shifted test split (BP's
-#: is lower: its step moves all d weights); ``--lr METHOD=VALUE`` overrides one
-DEFAULT_LR = {"bp": 0.01, "bp-subspace": 0.1, "szo-cge": 0.1, "szo-rge": 0.1}
+def default_lr(method: str) -> float:
+    """The adaptation stream's learning rate: fixed, not tuned on the shifted test split; 0.1 in a
+    subspace, 0.01 for full-space BP (its step moves all d weights). ``--lr METHOD=VALUE`` overrides one."""
+    spec = get_method(method)
+    return 0.01 if spec.backprop and not spec.subspace else 0.1
 
 
 def adaptation_subspace(bp_run: str | os.PathLike, model: torch.nn.Module, k: int, window: str | None = None) -> Any:

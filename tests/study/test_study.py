@@ -186,7 +186,7 @@ def test_study_shift_cells_protocol_and_outputs(runs, capsys, monkeypatch, tmp_p
     assert rows[("none", 8)]["test_acc"] == rows[("none", 16)]["test_acc"] and rows[("none", 8)]["fp"] == 0
     assert rows[("szo-cge", 16)]["fp"] == 2 * (2 * 2 + 1) and rows[("szo-cge", 16)]["bp"] == 0  # 2 batches, 2k+1
     assert rows[("szo-rge", 8)]["fp"] == 2 * 2 + 1 and rows[("bp", 16)]["bp"] == 2
-    assert res["settings"]["lr"]["szo-cge"] == 0.2 and res["settings"]["lr"]["bp"] == shift.DEFAULT_LR["bp"]
+    assert res["settings"]["lr"]["szo-cge"] == 0.2 and res["settings"]["lr"]["bp"] == shift.default_lr("bp") == 0.01
     assert (out / "shift.png").read_bytes()[:4] == b"\x89PNG" and "| SZO-CGE |" in (out / "shift.md").read_text()
     # bn: the deployed weights, new statistics
     model, cfg = load_run_model(runs / "bp")
