@@ -107,10 +107,11 @@ REL = get_method("szo-cge").relative
 
 
 def relative(setting: str) -> tuple[str, ...]:
-    """The (c) overrides: the scale and the registry's relative mu / lr (TTA: the lr of both settings)."""
+    """The (c) overrides: the scale and the registry's relative mu / lr (TTA: reset, and a tenth of it for
+    continual, App. G's ratio: what szo.adapt gives when tta.lr_* are null)."""
     mu, lr = REL["szo.mu"], REL["train.lr"]
     if setting == "tta":
-        return ("szo.scale=trajectory", f"szo.mu={mu}", f"tta.lr_reset={lr}", f"tta.lr_continual={lr}")
+        return ("szo.scale=trajectory", f"szo.mu={mu}", f"tta.lr_reset={lr}", f"tta.lr_continual={lr / 10:g}")
     return ("szo.scale=trajectory", f"szo.mu={mu}", f"train.lr={lr}")
 VARIANTS = ("paper", "tuned", "relative")
 SETTINGS = ("scratch", "continual", "tta")
