@@ -60,7 +60,7 @@ CONTINUAL_METHODS = ("szo-cge", "bp-subspace")
 
 DATASETS: dict[str, DataSet] = {
     "digits": DataSet("digits-bp", "digits-scratch", "digits-continual", "digits-c-tta",
-                      ("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt", "bp-subspace"), tta_own_source=True,
+                      ("szo-cge", "szo-rge", "bp-subspace"), tta_own_source=True,
                       note="recipe budgets: scratch 20 epochs (SZO-RGE / SZO-1pt: 60, q = 1), continual 2 epochs"),
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", "mnist5k-continual", "mnist5k-c-tta",
                        ("szo-cge", "szo-rge", "bp-subspace"),
@@ -107,10 +107,11 @@ REL = get_method("szo-cge").relative
 
 
 def relative(setting: str) -> tuple[str, ...]:
-    """The (c) overrides: the scale and the registry's relative mu / lr (TTA: the lr of both settings)."""
+    """The (c) overrides: the scale and the registry's relative mu / lr (TTA: reset, and a tenth of it for
+    continual, App. G's ratio: what szo.adapt gives when tta.lr_* are null)."""
     mu, lr = REL["szo.mu"], REL["train.lr"]
     if setting == "tta":
-        return ("szo.scale=trajectory", f"szo.mu={mu}", f"tta.lr_reset={lr}", f"tta.lr_continual={lr}")
+        return ("szo.scale=trajectory", f"szo.mu={mu}", f"tta.lr_reset={lr}", f"tta.lr_continual={lr / 10:g}")
     return ("szo.scale=trajectory", f"szo.mu={mu}", f"train.lr={lr}")
 VARIANTS = ("paper", "tuned", "relative")
 SETTINGS = ("scratch", "continual", "tta")
@@ -144,7 +145,8 @@ class Chain:
         return [f"subspace.root={self.store}", "progress=false", f"seed={self.seed}"]
 
     def szo(self, recipe: str, out: Path, sets: list[str]) -> None:
-        if (out / "results.json").is_file() and '"completed"' in (out / "results.json").read_text():
+        if (out / "results.json").is_file() and json.loads((out / "results.json").read_text()).get("status") in (
+                "completed", "diverged"):  # a diverged run is a result of its cell (the paper's values on digits)
             return
         if (out / "tta_results.json").is_file():
             return
@@ -153,7 +155,9 @@ class Chain:
         for s in self.common(recipe) + sets:
             cmd += ["--set", s]
         print("==", " ".join(cmd[3:]), flush=True)
-        subprocess.run(cmd, check=True)
+        rc = subprocess.run(cmd).returncode
+        if rc not in (0, 4):  # 4: training diverged, recorded in its results.json
+            raise SystemExit(f"scale: {' '.join(cmd[3:])} failed with status {rc}")
 
     def prepare(self) -> None:
         """The seed's BPTT run, its scratch subspace and its continual (last-epochs) subspace."""
@@ -188,7 +192,8 @@ def distinct_variants(data: str, setting: str, method: str) -> list[str]:
     return [v for v in VARIANTS if not (v == "tuned" and tuned(data, setting, method) is None)]
 
 
-def run(data: str, seeds: list[int], root: Path, settings: list[str], python: str) -> None:
+def run(data: str, seeds: list[int], root: Path, settings: list[str], python: str,
+        methods: list[str] | None = None) -> None:
     ds = DATASETS[data]
     for seed in seeds:
         ch = Chain(data, seed, root, python)
@@ -199,6 +204,8 @@ def run(data: str, seeds: list[int], root: Path, settings: list[str], python: st
                     ch.tta(v)
                 continue
             for method in (ds.scratch_methods if setting == "scratch" else CONTINUAL_METHODS):
+                if methods and method not in methods:
+                    continue
                 for v in distinct_variants(data, setting, method):
                     ch.train(setting, method, v)
 
@@ -249,8 +256,9 @@ def _fmt(vals: list) -> str:
     done = [v for v in vals if v is not None]
     if not done:
         return "-"
-    cell = " / ".join("nan" if v != v else f"{v:.2f}" for v in done)
-    return f"{mean(done):.2f} ({cell})" if len(done) > 1 else cell
+    cell = " / ".join("diverged" if v != v else f"{v:.2f}" for v in done)  # nan: the run diverged
+    m = mean(done)
+    return (f"{'diverged' if m != m else f'{m:.2f}'} ({cell})") if len(done) > 1 else cell
 
 
 def render(t: dict) -> str:
@@ -275,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1", help="comma list (default 0,1)")
     p.add_argument("--root", default="runs/scale", help="run root (default runs/scale)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma list of scratch, continual, tta")
+    p.add_argument("--methods", default=None,
+                   help="comma list: run only these methods' scratch / continual cells (default: all of the data set's)")
     p.add_argument("--table", action="store_true", help="only write / print the table of the cells that have run")
     a = p.parse_args(argv)
     try:
@@ -288,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(a.root).resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not a.table:
-        run(a.data, seeds, root, settings, sys.executable)
+        run(a.data, seeds, root, settings, sys.executable, a.methods.split(",") if a.methods else None)
     t = table(a.data, seeds, root)
     md = render(t)
     out = root / a.data
