@@ -34,7 +34,7 @@ _FLAGS = {
     "max_batches": ("tta", "max_batches", "adapt on at most this many batches per corruption"),
     "mu": ("szo", "mu", "SZO perturbation scale (null: szo.scale's; absolute 1.0)"),
     "q": ("szo", "q", "SZO-RGE directions per step"),
-    "scale": ("szo", "scale", "units of --mu / --lr-* (szo.zo.scale)"),
+    "scale": ("szo", "scale", "units of --mu / --lr-*: absolute | trajectory | whitened (null: absolute)"),
 }
 _SECTIONS = {"tta": TTAConfig, "szo": SZOConfig}
 
