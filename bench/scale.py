@@ -10,9 +10,10 @@ subspace method's accuracy in scratch, continual and test-time adaptation under
 One command per data set; every cell is a ``szo recipe`` run in its own directory under ``--root``,
 skipped when it has finished (rerunning continues, a changed cell is refused by the run contract):
 
-    python bench/scale.py digits                    # ~1.5 h on one busy core
-    python bench/scale.py mnist5k --seeds 0,1       # ~6 h
-    python bench/scale.py fmnist                    # ~5 h (needs Fashion-MNIST, `make data`)
+    python bench/scale.py digits                    # ~25 min per seed on one loaded core (2026-11-27)
+    python bench/scale.py mnist5k --settings scratch,continual --methods szo-cge,szo-rge   # ~35 min per seed
+    python bench/scale.py fmnist --seeds 0 --settings continual,scratch --methods szo-cge
+                                                    # BPTT 24 min, then ~10 min per cell (needs Fashion-MNIST)
     python bench/scale.py digits --table            # only print / write the table of what has run
 
 Seed ``s`` is a whole chain: its own BPTT run (``{bp}-s{s}``: model, trajectory, the k = 20 scratch
@@ -266,6 +267,8 @@ def render(t: dict) -> str:
              "| setting | method | (a) paper, absolute | (b) hand-tuned, absolute | (c) trajectory, defaults | (c) - (b) |",
              "|---|---|---|---|---|---|"]
     for r in t["rows"]:
+        if all(v is None for variant in VARIANTS for v in r[variant]):
+            continue  # a cell this data set's run left out (--settings / --methods)
         b = [v for v in r["tuned"] if v is not None]
         c = [v for v in r["relative"] if v is not None]
         diff = f"{mean(c) - mean(b):+.2f}" if b and c and len(b) == len(c) else "-"
