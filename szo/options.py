@@ -1,7 +1,7 @@
 """The settings an optimizer is built with, typed: what ``szo.optim.build_optimizer`` takes.
 
 :class:`OptimizerOptions` holds the method's hyperparameters (a recipe's ``train`` / ``szo`` /
-``tt`` / ``hw`` values, or a user's keywords); :class:`RunOptions` how the run executes (the
+``tt`` (the recipe section itself) / ``hw`` values, or a user's keywords); :class:`RunOptions` how the run executes (the
 direction generator, torchrun mode, start point). The builders registered in
 ``szo.methods`` receive both.
 """
@@ -13,20 +13,15 @@ from typing import Any, Literal, Mapping
 
 import torch
 
+from szo.config import TTConfig
+
 __all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions", "split_keywords"]
 
 
-@dataclass(frozen=True)
-class TTOptions:
-    """HybridZO's signRGE phase and its switch to CGE (seed 000; ``szo.optim.tt``)."""
-
-    sign_lr: float = 1.0e-3
-    sign_q: int = 10
-    sign_mu: float = 0.1
-    window: int = 20
-    tol: float = 0.01
-    switch_step: int | None = None
-    cge: Literal["one-sided", "central"] = "one-sided"
+#: HybridZO's signRGE phase and its switch to CGE (seed 000; ``szo.optim.tt``): the recipe's ``tt``
+#: section itself (validated, one set of defaults), whose model-side keys (rank, cores, min_params) the
+#: optimizer ignores
+TTOptions = TTConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ class OptimizerOptions:
     layers: tuple[str, ...] | None = None
     stages: int | None = None
     node_losses: Literal["per-sample", "batch-mean"] = "per-sample"
-    tt: TTOptions = TTOptions()
+    tt: TTOptions = dataclasses.field(default_factory=TTOptions)
     integer: IntegerLearnerOptions | None = None  # set: train with the integer on-chip learner
 
 

@@ -37,7 +37,7 @@ from szo.io import load_weights, save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
-from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, build_optimizer
+from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, build_optimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
@@ -293,8 +293,8 @@ def check_distributed(cfg: RecipeConfig) -> None:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
 
-#: OptimizerOptions fields that a section of the recipe sets under the same name (the rest: ``tt``,
-#: ``integer``, built below); the szo section first, then train's lr / momentum / weight_decay
+#: OptimizerOptions fields that are not a recipe key of the same name: ``tt`` (the recipe's tt section
+#: itself) and ``integer`` (built below); the others come from szo, then train (lr / momentum / weight_decay)
 _NESTED_OPTIONS = ("tt", "integer")
 
 
@@ -320,8 +320,7 @@ def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
         values[f.name] = section[f.name]
     if values["layers"] is not None:
         values["layers"] = tuple(values["layers"])
-    return OptimizerOptions(**values, tt=TTOptions(**{f.name: tt[f.name] for f in dataclasses.fields(TTOptions)}),
-                            integer=integer)
+    return OptimizerOptions(**values, tt=tt, integer=integer)
 
 
 @dataclass
