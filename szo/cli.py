@@ -85,7 +85,14 @@ class CommandParser(argparse.ArgumentParser):
     def _build(self) -> None:
         if self._builder is not None:
             build, self._builder = self._builder, None
-            load(build)(self)
+            try:
+                add = load(build)
+            except ModuleNotFoundError as e:  # an optional dependency of this command (e.g. flwr)
+                own = build.partition(":")[0].split(".")[0]
+                if e.name is None or e.name.split(".")[0] in (own, "szo", "subspace_store"):
+                    raise  # szo's own module is missing: a broken install, keep the traceback
+                self.error(f"needs the package {e.name!r}, which is not installed (pip install {e.name.split('.')[0]})")
+            add(self)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None):
         self._build()

@@ -230,3 +230,20 @@ def test_a_closed_pipe_ends_the_listing_quietly():
     p.stdout.close()  # the reader goes away with the rest unread
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 0 and "Traceback" not in err, err
+
+
+def test_a_command_whose_optional_package_is_missing_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """A command's arguments live in a module imported when the command is used; if that module
+    needs a package that is not installed (flwr for szo federated, say), the command ends in one
+    line naming the package (exit 2), not an ImportError traceback."""
+    from szo.cli import CommandParser
+
+    (tmp_path / "szo_test_needs_extra.py").write_text("import szo_no_such_package_xyz\n\ndef add(p):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = CommandParser(prog="szo federated")
+    p.defer("szo_test_needs_extra:add")
+    with pytest.raises(SystemExit) as e:
+        p.parse_args([])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 2  # usage, then the one error line
+    assert "needs the package 'szo_no_such_package_xyz'" in err[1] and "pip install szo_no_such_package_xyz" in err[1]
