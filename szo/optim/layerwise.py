@@ -119,8 +119,10 @@ class CleanBatchStatistics:
     error: its statistics would be ambiguous.
     """
 
-    def __init__(self, model: nn.Module, layers: dict[str, nn.Module]):
-        self.bns = [m for m in model.modules() if _batch_stat_bn(m)]
+    def __init__(self, model: nn.Module, layers: dict[str, nn.Module], *, enabled: bool = True):
+        self.model = model
+        self.enabled = enabled  # False: every method is a no-op (node_bn="live", or no per-sample estimate)
+        self.bns: list[nn.Module] = []  # found when a session opens: the BN layers in batch-statistics mode then
         self.layers = layers
         self.stats: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         self.order: dict[nn.Module, int] = {}
@@ -128,10 +130,6 @@ class CleanBatchStatistics:
         self._recording = False
         self._frozen: set[nn.Module] = set()
         self._last: tuple[nn.Module, torch.Tensor] | None = None
-
-    @property
-    def active(self) -> bool:
-        return bool(self.bns)
 
     def _pre(self, m: nn.Module, args) -> None:
         if not self._recording:
@@ -170,9 +168,11 @@ class CleanBatchStatistics:
 
     @contextlib.contextmanager
     def session(self) -> Iterator["CleanBatchStatistics"]:
-        """Hooks on the BN and trained layers for one step; what was recorded ends with it."""
+        """Hooks on the BN and trained layers for one step (none when disabled or no BN normalises with
+        its batch's statistics now: the model's mode at this step decides); what was recorded ends with it."""
+        self.bns = [m for m in self.model.modules() if _batch_stat_bn(m)] if self.enabled else []
         handles = []
-        for m in (*self.bns, *self.layers.values()):
+        for m in (*self.bns, *self.layers.values()) if self.bns else ():
             handles.append(m.register_forward_pre_hook(self._pre))
             handles.append(m.register_forward_hook(self._post))
         try:
@@ -280,7 +280,7 @@ class LayerwiseZO(ForwardOnlyBase):
         self.per_sample = bool(per_sample) and perturbation != "weight"
         self.loss_reduction = "none" if self.per_sample else "mean"
         self.node_bn = node_bn
-        self.clean_stats = CleanBatchStatistics(model, self.layers) if self.per_sample and node_bn != "live" else None
+        self.clean_stats = CleanBatchStatistics(model, self.layers, enabled=self.per_sample and node_bn != "live")
         self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
         self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
@@ -325,11 +325,11 @@ class LayerwiseZO(ForwardOnlyBase):
         grads: dict[nn.Parameter, torch.Tensor] = {}
         losses_all: list[float] = []
         ev, ps = self.evaluator, self.per_sample
-        cs = self.clean_stats if self.clean_stats is not None and self.clean_stats.active else None
-        with ev.session(), (cs.session() if cs is not None else contextlib.nullcontext()):
+        cs = self.clean_stats
+        with ev.session(), cs.session():
             handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
             try:
-                with cs.recording() if cs is not None else contextlib.nullcontext():
+                with cs.recording():
                     clean = ev.centre(closure, per_sample=ps)  # l_n [N] (per sample) or l
                 l0 = float(clean.mean()) if ps else clean
             finally:
@@ -343,12 +343,12 @@ class LayerwiseZO(ForwardOnlyBase):
                 if self._mode(name, m, node_dim) == "node":
                     plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
                     # the BN layers this layer's output reaches normalise with the clean batch's statistics
-                    with cs.frozen(cs.after(m)) if cs is not None else contextlib.nullcontext():
+                    with cs.frozen(cs.after(m)):
                         losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe",
                                         per_sample=ps)
                     if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
                         g_z = per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
-                        if cs is not None and self.node_bn == "bn-vjp":  # through the BN it feeds
+                        if self.node_bn == "bn-vjp":  # through the BN it feeds
                             g_z = cs.bn_vjp(m, g_z)
                         losses = losses.mean(1)
                     else:

@@ -136,3 +136,19 @@ def test_bn_vjp_estimate_is_unbiased_where_live_is_not():
             model.load_state_dict(state)
         cos[node_bn] = float(F.cosine_similarity(torch.stack(est).mean(0), g, dim=0))
     assert cos["bn-vjp"] > 0.99 and cos["live"] < 0.98, cos
+
+
+def test_the_bn_layers_are_found_in_the_mode_the_step_runs_in():
+    """An optimizer built while the model was in eval mode and stepped in train mode freezes the BN
+    statistics of that step (the set was once fixed at construction: no BN found, live statistics);
+    a disabled instance (node_bn='live') hooks nothing."""
+    bn = nn.BatchNorm1d(4).double()
+    lin = nn.Linear(4, 4).double()
+    model = nn.Sequential(lin, bn).eval()
+    cs = CleanBatchStatistics(model, {"0": lin})
+    model.train()
+    with cs.session():
+        assert cs.bns == [bn]
+    off = CleanBatchStatistics(model, {"0": lin}, enabled=False)
+    with off.session():
+        assert off.bns == [] and not lin._forward_hooks and not bn._forward_pre_hooks
