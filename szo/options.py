@@ -48,7 +48,7 @@ class OptimizerOptions:
     engine: Literal["loop", "batched"] = "loop"
     chunk: int | None = None
     bn_update: Literal["recompute", "probe-mean"] = "recompute"
-    scale: str = "absolute"  # units of mu / lr of the subspace methods (szo.zo.scale): absolute | trajectory
+    scale: Literal["absolute", "trajectory", "whitened"] = "absolute"  # units of the subspace methods' mu / lr (szo.zo.scale)
     layers: tuple[str, ...] | None = None
     stages: int | None = None
     node_losses: Literal["per-sample", "batch-mean"] = "per-sample"

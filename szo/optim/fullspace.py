@@ -109,8 +109,7 @@ class FullSpaceZO(ForwardOnlyBase):
         vel = heavy_ball_(self.state[self.space.params[0]]["velocity"], grad, lr=group["lr"],
                           momentum=group["momentum"])
         self.space.add_(vel)
-        fallback = float(losses[0]) if self.kind.one_sided else float(sum(losses.tolist()) / len(losses))
-        return self.finish_step(closure, losses, fallback, plan.m)
+        return self.finish_step(closure, losses, self.kind.step_loss(losses), plan.m)
 
 
 @register_builder("zo-cge", "zo-rge")

@@ -35,8 +35,8 @@ from szo.distributed import DistributedEvaluator
 from szo.engine import ENGINES, BatchedProbeEvaluator
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
-from szo.zo import ESTIMATORS as ZO_ESTIMATORS
 from szo.zo import (
+    ESTIMATORS,
     GENERATOR_COUNTERS,
     CodecOptimizer,
     Field,
@@ -53,11 +53,10 @@ from szo.zo import (
     move_to_start,
     resolve_model,
 )
-from szo.zo.scale import NORMALISED, SCALES, coordinate_scales, normalise_, scale_record
+from szo.zo.scale import NORMALISED, coordinate_scales, normalise_, scale_record
 
 __all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
-ESTIMATORS = ZO_ESTIMATORS  # every estimator of szo.zo.plans
 DISTRIBUTED_MODES = (None,) + DISTRIBUTED_RUN_MODES
 
 
@@ -110,14 +109,12 @@ class SubspaceOptimizer(CodecOptimizer):
             raise ValueError("subspace optimizers take one flat list of parameters (no param groups)")
         check_hparams(lr=defaults["lr"], momentum=defaults["momentum"])
         check_layout(subspace, params, model)
-        if scale not in SCALES:
-            raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+        # the coordinates' units (None: absolute, the paper's arithmetic); coordinate_scales refuses an unknown scale
         units = None if scale == "absolute" else coordinate_scales(subspace.eigenvalues, scale)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
         super().__init__(params, defaults)
         self.model = model
-        # the coordinates' units (szo.zo.scale): None under "absolute", the paper's arithmetic unchanged
         self.scale = scale
         self.units = units
         self.space = SubspaceSpace(params, subspace.basis, scales=units)
@@ -266,7 +263,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
         kind = get_estimator(estimator)
-        check_hparams(mu=mu, q=q if estimator != "cge" else None)
+        check_hparams(mu=mu, q=None if kind.coordinate else q)
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
                                    start=start, scale=scale)
         model = self.model
@@ -314,23 +311,11 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     @property
     def calibration_steps(self) -> int:
-        """A random-direction estimate sees q of the k directions per step: ceil(k / q) steps set the
-        gradient unit of a normalised scale (one for the coordinate estimators)."""
-        if self.kind.coordinate:
-            return 1
-        return -(-self.k // self.q)
+        return self.kind.calibration_steps(self.k, self.q)
 
     @property
     def signal_fraction(self) -> float:
-        """A random-direction estimate ``g_hat`` (q Gaussian directions in k) has ``E|g_hat|^2 =
-        (k + q + 1) / q |g|^2``: normalised by its RMS length, its gradient part is ``sqrt(q / (k + q + 1))``
-        of a unit step and the rest is noise. Scaling it by that factor once more makes the expected
-        step ``lr q / (k + q + 1)`` along the gradient, the noise-optimal fraction of a coordinate
-        estimate's step (SGD with gradient noise of variance k / q times the signal), so one relative
-        lr serves CGE and RGE of any q (docs/evidence.md, "Scale-free mu and lr")."""
-        if self.kind.coordinate:
-            return 1.0
-        return math.sqrt(self.q / (self.k + self.q + 1))
+        return self.kind.signal_fraction(self.k, self.q)
 
     def plan(self) -> Plan:
         """This step's probes (draws the RGE / one-point directions from ``generator``).

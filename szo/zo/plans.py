@@ -24,6 +24,7 @@ state resumes the same directions.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +32,17 @@ import torch
 from ..functional import zo as F
 from ..functional.xorshift import XorShift32
 
-__all__ = ["Coordinates", "Plan", "ESTIMATORS", "Estimator", "get_estimator", "cge_plan", "rge_plan", "one_point_plan", "coord_one_point_plan",
-           "gaussian_rows", "rademacher_rows"]
+__all__ = ["Coordinates", "Plan", "ESTIMATORS", "Estimator", "get_estimator", "cge_plan", "rge_plan", "one_point_plan",
+           "coord_one_point_plan", "gaussian_rows", "rademacher_rows"]
 
 @dataclass(frozen=True)
 class Estimator:
     """What an estimator's name stands for, in one record: ``coordinate`` (probes along the space's
     ``n`` basis vectors) or random directions (``q`` rows of ``z``); ``one_sided`` (the centre, then
     one probe per direction) or two-sided (``+mu`` and ``-mu`` per direction). Its forward count,
-    plan and the step's reported loss follow from the two (``tests/optim/test_estimators.py`` checks
-    the count against the closure calls of one step of every optimizer that takes a name)."""
+    plan, the step's reported loss and its calibration under a relative scale (``szo.zo.scale``)
+    follow from the two (``tests/optim/test_protocol.py`` checks the count against the registry and
+    the closure calls of one step)."""
 
     name: str
     coordinate: bool
@@ -62,6 +64,20 @@ class Estimator:
         if self.one_sided:
             return one_point_plan(z, mu)
         return rge_plan(z, mu, interleaved=interleaved, accumulate=accumulate)
+
+    def calibration_steps(self, k: int, q: int) -> int:
+        """Steps whose estimates set a normalised scale's gradient unit: one for a coordinate estimate
+        (it sees every direction), ``ceil(k / q)`` for ``q`` random directions in ``k``."""
+        return 1 if self.coordinate else -(-k // q)
+
+    def signal_fraction(self, k: int, q: int) -> float:
+        """The factor on a normalised estimate: 1 for a coordinate estimate; ``sqrt(q / (k + q + 1))``
+        for ``q`` Gaussian directions, whose ``E|g_hat|^2 = (k + q + 1) / q |g|^2``: normalised by its
+        RMS length the gradient part is that fraction of a unit step and the rest noise, and scaling by
+        it once more makes the expected step ``lr q / (k + q + 1)`` along the gradient, the
+        noise-optimal fraction of a coordinate estimate's step, so one relative lr serves CGE and RGE
+        of any q (docs/evidence.md, "Scale-free mu and lr")."""
+        return 1.0 if self.coordinate else math.sqrt(q / (k + q + 1))
 
     def step_loss(self, losses: torch.Tensor) -> float:
         """The loss a step reports when no unperturbed forward ran: the centre probe (one-sided

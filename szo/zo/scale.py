@@ -59,11 +59,12 @@ def normalise_(calibration: dict, g: torch.Tensor, steps: int) -> torch.Tensor:
     """``g`` divided by the RMS length of the estimates of the first ``steps`` nonzero steps
     (``calibration``: ``{"n": steps seen, "sq": their mean squared length}``, updated in place);
     zeros while no nonzero estimate has been seen."""
-    sq = float(g.pow(2).sum())
     n = int(calibration["n"])
-    if n < steps and sq > 0:
-        calibration["sq"] = (float(calibration["sq"]) * n + sq) / (n + 1)
-        calibration["n"] = n + 1
+    if n < steps:  # still calibrating: the first steps' lengths (afterwards the unit is fixed)
+        sq = float(g.pow(2).sum())
+        if sq > 0:
+            calibration["sq"] = (float(calibration["sq"]) * n + sq) / (n + 1)
+            calibration["n"] = n + 1
     if float(calibration["sq"]) <= 0:
         return torch.zeros_like(g)
     return g / float(calibration["sq"]) ** 0.5
