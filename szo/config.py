@@ -228,12 +228,11 @@ class SZOConfig(Section):
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.zo.bn and docs/bn.md
     # scale: the units of mu and train.lr / tta.lr_* of the subspace methods (szo.zo.scale, docs/methods.md):
-    # absolute (the paper's: lengths in parameter space, App. G mu 1 / lr 1) | trajectory (mu: the probe's length,
-    # lr: the first step's length, both in units of the subspace's spread; the methods whose record has
-    # relative defaults, szo.methods); null = absolute. mu null = the default of the
-    # scale (absolute: 1.0, App. G; trajectory: the method's)
+    # absolute (the paper's: lengths in parameter space, App. G mu 1 / lr 1) | trajectory | whitened (mu: the
+    # probe's length, lr: the first step's length, in units of the subspace's spread; for the methods whose
+    # registry record has relative defaults). mu null: the scale's default (absolute 1.0, App. G; else the method's)
     mu: float | None = _opt(None, gt=0.0)
-    scale: str | None = _opt(None, choices=lambda: SCALES)
+    scale: str = _opt("absolute", choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1)
@@ -787,9 +786,9 @@ def _check_hw(full: RecipeConfig) -> None:
 
 
 def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
-    """``validate`` plus defaults that depend on other values: ``szo.scale`` / ``szo.mu`` (:func:`_resolve_scale`)
-    and ``train.lr: null`` -> the method's default: under ``szo.scale: trajectory`` its record's relative
-    ``train.lr`` (also under ``whitened``), else its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
+    """``validate`` plus defaults that depend on other values: ``szo.mu`` (:func:`_resolve_scale`) and
+    ``train.lr: null`` -> the method's default: under a relative ``szo.scale`` its record's relative
+    ``train.lr``, else its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
     ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G)."""
     full = _resolve_scale(validate(cfg))
     if full.kind == "tta" or full.train.lr is not None:
@@ -802,9 +801,9 @@ def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
 
 
 def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
-    """``szo.scale: null`` -> absolute (the paper's units); a relative scale is refused in one line unless
-    every subspace method the run trains (kind tta: adapts with) has relative defaults in its record and
-    the learner is the float one. ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
+    """A relative ``szo.scale`` is refused in one line unless every subspace method the run trains
+    (kind tta: adapts with) has relative defaults in its record and the learner is the float one.
+    ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
     sz = full.szo
     if full.kind == "tta":
         methods = [m for m in _tta_names("method", full.method, TTA_METHODS, "all") if get_method(m).subspace]
@@ -812,7 +811,7 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
         methods = [full.method]
     specs = [get_method(m) for m in methods]
     relative = bool(specs) and all(s.relative is not None for s in specs) and full.hw.learner != "integer"
-    scale = sz.scale or "absolute"  # trajectory is opt-in until measured on every data set (docs/evidence.md)
+    scale = sz.scale  # absolute by default: trajectory is opt-in until measured on every data set (docs/evidence.md)
     if scale != "absolute" and not relative:
         why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if full.hw.learner == "integer"
                else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
@@ -822,7 +821,7 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
     if mu is None:
         mus = {s.relative.get("szo.mu") for s in specs if s.relative and "szo.mu" in s.relative}
         mu = mus.pop() if scale != "absolute" and len(mus) == 1 else 1.0
-    return dataclasses.replace(full, szo=sz.replace(scale=scale, mu=mu))
+    return dataclasses.replace(full, szo=sz.replace(mu=mu))
 
 
 def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) -> dict[str, Any]:

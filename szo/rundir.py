@@ -44,7 +44,7 @@ HARMLESS_KEYS = (
 )
 # Keys added to the schema after runs were written: the value a saved config.yaml without the key
 # stands for (so resuming a run written before the key existed is not refused for it).
-ADDED_KEYS = {"precision": "auto"}
+ADDED_KEYS = {"precision": "auto", "szo.scale": "absolute", "hw.select_epochs": 1, "hw.heldout": 0.1}
 # Sections a stage does not use (a difference there does not change what that stage trains).
 _ELSEWHERE = ("tta", "federated", "setting")  # sections of the other kinds of run
 _STAGE_IGNORES = {

@@ -365,3 +365,23 @@ def test_read_only_run_dir_is_one_line(tmp_path, monkeypatch):
                                           r"copy it somewhere writable"):
         with run_lock(tmp_path / "run"):
             pass
+
+
+def test_a_run_written_before_the_newer_schema_keys_resumes(tmp_path):
+    """A config.yaml written by an earlier szo (without szo.scale, hw.blocks / select_epochs /
+    heldout, source, precision) stands for those keys' defaults: resuming it is not refused."""
+    import yaml
+
+    from szo.config import load_recipe, write_config
+    from szo.rundir import check_resume_config
+
+    for recipe in ("digits-scratch", "digits-fixed"):
+        cfg = load_recipe(recipe)
+        run = tmp_path / recipe
+        write_config(cfg, run / "config.yaml")
+        old = yaml.safe_load((run / "config.yaml").read_text())
+        old.pop("precision"), old.pop("source"), old["szo"].pop("scale")
+        for key in ("blocks", "select_epochs", "heldout"):
+            old["hw"].pop(key)
+        (run / "config.yaml").write_text(yaml.safe_dump(old))
+        check_resume_config(run, cfg, "subspace")  # no ResumeMismatchError
