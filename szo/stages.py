@@ -124,7 +124,7 @@ def preflight(cfg: RecipeConfig) -> None:
             raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
 
 
-def bptt_source(cfg: RecipeConfig) -> Mapping[str, Any]:
+def bptt_source(cfg: RecipeConfig) -> RecipeConfig:
     """The config whose BPTT stage builds a subspace recipe's store entry: the recipe itself, or the
     recipe its ``source`` names with this recipe's model, BPTT, trajectory, subspace and run settings
     (``szo.config.source_config``: an adaptation recipe's clean pretraining)."""
@@ -397,9 +397,9 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
         run = RunOptions(generator=g, distributed=par.mode if par is not None else None,
                          sync_bn=par.sync_bn if par is not None else True, start="current")  # at sub.reference already
         options, hw = optimizer_options(cfg), cfg.hw
-        if hw["blocks"] is not None:  # mcu-zo: seed 004's BP-free block selection, then only that block trains
-            sel = block_selection_stage(sm.net, train.dataset, blocks=hw["blocks"], epochs=hw["select_epochs"],
-                                        heldout=hw["heldout"], batch_size=cfg.data.batch_size, q=options.q,
+        if hw.blocks is not None:  # mcu-zo: seed 004's BP-free block selection, then only that block trains
+            sel = block_selection_stage(sm.net, train.dataset, blocks=hw.blocks, epochs=hw.select_epochs,
+                                        heldout=hw.heldout, batch_size=cfg.data.batch_size, q=options.q,
                                         lr=options.lr, seed=int(cfg.seed), loss_fn=loss_for(cfg), device=device,
                                         run_dir=run_dir)
             options = dataclasses.replace(options, layers=tuple(sel["layers"]))
