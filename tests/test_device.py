@@ -4,7 +4,7 @@
 (``bash bench/gpu_suite.sh quick``) runs it there. Besides this file the subset holds every method's
 step through ``build_optimizer`` against the CPU's (tests/optim/test_protocol.py) and the golden
 checkpoints resumed and rerun (tests/optim/test_golden.py). Here: exact parameter restore after the
-probes, BN frozen across probes and committed once, the precision scope on the device, CUDA-graph
+probes, a relative szo.scale against the CPU's steps, BN frozen across probes and committed once, the precision scope on the device, CUDA-graph
 replays against eager forwards, the fixed-point forward against the CPU's integers, NIR export, and
 scratch / continual / TTA recipes end to end.
 """
@@ -123,6 +123,28 @@ def test_cuda_graph_replays_equal_eager_forwards(device):
         assert st.captures == 1 and st.replays == 3 and not st.eager
     else:
         assert dict(st.eager) == {"cpu tensor": 3}
+
+
+@pytest.mark.parametrize("method,scale,engine", [("szo-cge", "trajectory", "loop"), ("szo-cge", "whitened", "batched"),
+                                                 ("szo-rge", "trajectory", "loop")])
+def test_a_relative_scale_steps_as_on_the_cpu(method, scale, engine, device):
+    """szo.scale trajectory / whitened on the device: the basis P diag(s) built where the parameters
+    live, the float64 calibration on the host; three steps end where the CPU's end, to float rounding."""
+    ends = []
+    for dev in (torch.device("cpu"), device):
+        m = _model(dev)
+        sub = _subspace(m)
+        sub.eigenvalues = torch.tensor([4.0, 1.0, 0.25], dtype=torch.float64) * 1e-2
+        opt = build_optimizer(method, m, subspace=sub, lr=0.03, mu=0.3, q=2, scale=scale, engine=engine,
+                              generator=torch.Generator().manual_seed(2))
+        x, y = _batch(dev)
+        with precision_policy("fp32", m, dev).scope():
+            for _ in range(3):
+                opt.step(batch_closure(m, tet_loss, x, y, reduction=opt.loss_reduction))
+        assert opt.scale_info["rule"] == scale and opt.forward_passes == 3 * opt.forwards_per_step
+        ends.append(m.flat_params().detach().cpu())
+    torch.testing.assert_close(ends[1], ends[0], rtol=1e-4, atol=1e-6)
+    assert not torch.equal(ends[0], _model("cpu").flat_params())  # it moved
 
 
 def test_fixed_point_forward_is_the_cpus_integers(device):
