@@ -14,6 +14,7 @@ skipped when it has finished (rerunning continues, a changed cell is refused by 
     python bench/scale.py mnist5k --settings scratch,continual --methods szo-cge,szo-rge   # ~35 min per seed
     python bench/scale.py fmnist --seeds 0 --settings continual,scratch --methods szo-cge
                                                     # BPTT 24 min, then ~10 min per cell (needs Fashion-MNIST)
+    python bench/scale.py mnist5k --settings tta --variants tuned,relative   # only (b) and (c)
     python bench/scale.py digits --table            # only print / write the table of what has run
 
 Seed ``s`` is a whole chain: its own BPTT run (``{bp}-s{s}``: model, trajectory, the k = 20 scratch
@@ -194,20 +195,24 @@ def distinct_variants(data: str, setting: str, method: str) -> list[str]:
 
 
 def run(data: str, seeds: list[int], root: Path, settings: list[str], python: str,
-        methods: list[str] | None = None) -> None:
+        methods: list[str] | None = None, variants: list[str] | None = None) -> None:
     ds = DATASETS[data]
+
+    def chosen(setting: str, method: str) -> list[str]:
+        return [v for v in distinct_variants(data, setting, method) if not variants or v in variants]
+
     for seed in seeds:
         ch = Chain(data, seed, root, python)
         ch.prepare()
         for setting in settings:
             if setting == "tta":
-                for v in distinct_variants(data, "tta", "*"):
+                for v in chosen("tta", "*"):
                     ch.tta(v)
                 continue
             for method in (ds.scratch_methods if setting == "scratch" else CONTINUAL_METHODS):
                 if methods and method not in methods:
                     continue
-                for v in distinct_variants(data, setting, method):
+                for v in chosen(setting, method):
                     ch.train(setting, method, v)
 
 
@@ -288,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma list of scratch, continual, tta")
     p.add_argument("--methods", default=None,
                    help="comma list: run only these methods' scratch / continual cells (default: all of the data set's)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)}: run only these (default: all; the table shows what has run)")
     p.add_argument("--table", action="store_true", help="only write / print the table of the cells that have run")
     a = p.parse_args(argv)
     try:
@@ -298,10 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in settings if s not in SETTINGS]
     if bad or not seeds:
         p.error(f"--settings: unknown {bad}; valid: {', '.join(SETTINGS)}" if bad else "--seeds: none given")
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if not variants or any(v not in VARIANTS for v in variants):
+        p.error(f"--variants: got {a.variants!r}; valid: a comma list of {', '.join(VARIANTS)}")
     root = Path(a.root).resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not a.table:
-        run(a.data, seeds, root, settings, sys.executable, a.methods.split(",") if a.methods else None)
+        run(a.data, seeds, root, settings, sys.executable, a.methods.split(",") if a.methods else None, variants)
     t = table(a.data, seeds, root)
     md = render(t)
     out = root / a.data
