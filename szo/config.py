@@ -52,6 +52,7 @@ __all__ = [
     "recipe_names", "recipe_path", "load_recipe", "load_config", "apply_overrides", "parse_override", "validate",
     "resolve", "write_config", "method_label", "config_dict", "TTA_SETTINGS", "TTA_PREDICT", "TENT_OPTIMIZERS",
     "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS", "SOURCE_SECTIONS", "source_config",
+    "StepConfig", "StageConfig", "SZOConfig", "TTConfig", "IntegerStateConfig", "HWConfig", "LEARNER_WIDTHS",
 ]
 
 Kind = Literal["bp", "subspace", "tta"]
@@ -94,7 +95,8 @@ def _free() -> dict[str, Any]:
 
 def _opt(default: Any = None, **meta: Any) -> Any:
     """A field with validation metadata (``min``, ``max``, ``gt``, ``choices``, ``check``: a
-    zero-argument callable giving a validator that raises ValueError, ``free``)."""
+    zero-argument callable giving a validator that raises ValueError, ``free``; ``model``: a setting the
+    model takes, not the optimizer, in a section ``szo.options.OptimizerOptions`` derives from)."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -146,6 +148,13 @@ class Section(Mapping):
     def replace(self, **changes: Any) -> "Section":
         return dataclasses.replace(self, **changes)
 
+    def select(self, base: type["Section"]) -> dict[str, Any]:
+        """The values of the fields this section shares with ``base``, one of the sections it derives
+        from (e.g. a stage's ``StepConfig`` keys: lr, momentum, weight_decay)."""
+        if not isinstance(self, base):
+            raise TypeError(f"{type(self).__name__} does not derive from {base.__name__}")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(base)}
+
 
 
 def _datasets() -> list[str]:
@@ -187,14 +196,21 @@ class LossConfig(Section):
 
 
 @dataclass(frozen=True, eq=False)
-class StageConfig(Section):
+class StepConfig(Section):
+    """The update of a stage: SGD's step size, heavy-ball momentum and weight decay (a stage's
+    section, and the optimizer's: ``szo.options.OptimizerOptions`` derives from it)."""
+
+    lr: float | None = _opt(0.1, min=0.0)
+    momentum: float = _opt(0.9, min=0.0, below=1.0)
+    weight_decay: float = _opt(0.0, min=0.0)
+
+
+@dataclass(frozen=True, eq=False)
+class StageConfig(StepConfig):
     """A training stage (``bptt``: the BPTT run that records the trajectory; ``train``: the
     subspace stage, ``lr: null`` = the method's default)."""
 
     epochs: int = _opt(1, min=1)
-    lr: float | None = _opt(0.1, min=0.0)
-    momentum: float = _opt(0.9, min=0.0, below=1.0)
-    weight_decay: float = _opt(0.0, min=0.0)
     scheduler: Scheduler = "cosine"
     t_max: int | None = _opt(None, min=1)  # cosine period in epochs; null = epochs (set it to stop early on a longer schedule)
     eval_every: int = _opt(1, min=1)
@@ -235,8 +251,8 @@ class SZOConfig(Section):
     scale: str = _opt("absolute", choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
-    time_chunk: int | None = _opt(None, min=1)
-    stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES)
+    time_chunk: int | None = _opt(None, min=1, model=True)
+    stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES, model=True)
     engine: str = _opt("loop", choices=lambda: ENGINES)
     chunk: int | None = _opt(None, min=1)
     bn_update: str = _opt("recompute", choices=lambda: BN_UPDATES)
@@ -247,16 +263,35 @@ class SZOConfig(Section):
     node_losses: Literal["per-sample", "batch-mean"] = "per-sample"
 
 
+LEARNER_WIDTHS: dict[str, tuple[int, int]] = {"basis_bits": (2, 16), "coord_bits": (8, 48), "ref_bits": (2, 48)}
+"""The widths the integer on-chip learner (``szo.hw.train.OnChipSZO``) can hold: the basis, the
+coordinates and momentum (signed fixed point), theta_ref (a weight mantissa, ``Precision.weight_bits``)."""
+
+
+def _width(default: int | None, name: str) -> Any:
+    lo, hi = LEARNER_WIDTHS[name]
+    return _opt(default, min=lo, max=hi)
+
+
 @dataclass(frozen=True, eq=False)
-class HWConfig(Section):
+class IntegerStateConfig(Section):
+    """The integer on-chip learner's state widths (``szo.hw.train.OnChipSZO``): the quantised basis
+    (null: a float basis, for the float learner on the fixed-point forward), the coordinates (with
+    ``coord_frac`` fraction bits) and the reference weights. The ``hw`` section's, and the learner's
+    options (``szo.options.IntegerLearnerOptions`` derives from it)."""
+
+    basis_bits: int | None = _width(8, "basis_bits")
+    coord_bits: int = _width(32, "coord_bits")
+    coord_frac: int = _opt(16, min=0)
+    ref_bits: int = _width(16, "ref_bits")
+
+
+@dataclass(frozen=True, eq=False)
+class HWConfig(IntegerStateConfig):
     # arithmetic: integer arithmetic of backend fixed (szo: saturating; loihi: bit-exact with
     # Lava's PyLifModelBitAcc/PyDenseModelBitAcc); reset: null keeps each LIF's reset, zero = standard Loihi LIF
     weight_bits: int = _opt(8, min=2, max=16)
-    basis_bits: int | None = _opt(8, min=2, max=16)
     learner: HWLearner = "float"
-    coord_bits: int = _opt(32, min=8, max=48)
-    coord_frac: int = _opt(16, min=0)
-    ref_bits: int = _opt(16, min=2, max=32)
     arithmetic: HWArithmetic = "szo"
     reset: HWReset | None = None
     # method mcu-zo: seed 004's BP-free block selection (Sec. 3.3.1), a stage before training

@@ -108,6 +108,13 @@ class MethodSpec:
         """A test-time adaptation method (``szo.adapt``)."""
         return self.adapter is not None
 
+    def default_mu(self, scale: str) -> float:
+        """``mu`` where none is set: under a relative ``scale`` the record's relative ``szo.mu``, else
+        1.0 (the paper's App. G, absolute)."""
+        if scale != "absolute" and self.relative and "szo.mu" in self.relative:
+            return float(self.relative["szo.mu"])
+        return 1.0
+
     def check_options(self, values: Mapping[str, Any], *, prefix: str = "") -> None:
         """One rule for the method-specific settings (:data:`METHOD_OPTIONS`): each one in ``values``
         that is set (not its "not set" value) must be one this method reads (``options``); one

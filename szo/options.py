@@ -1,19 +1,23 @@
 """The settings an optimizer is built with, typed: what ``szo.optim.build_optimizer`` takes.
 
-:class:`OptimizerOptions` holds the method's hyperparameters (a recipe's ``train`` / ``szo`` /
-``tt`` (the recipe section itself) / ``hw`` values, or a user's keywords); :class:`RunOptions` how the run executes (the
-direction generator, torchrun mode, start point). The builders registered in
+:class:`OptimizerOptions` holds the method's hyperparameters. It *is* the recipe's sections, not a
+copy of their fields: it derives from ``SZOConfig`` (``mu``, ``q``, ``engine``, ``scale``, ...) and
+``StepConfig`` (``lr``, ``momentum``, ``weight_decay``: what a ``train`` section shares), so every
+hyperparameter has one declaration, one default and one check, whether a recipe or a user's
+keywords set it; ``tt`` is the recipe's tt section and ``integer`` the integer learner's widths
+(``IntegerStateConfig``, the hw section's) with its seed. :class:`RunOptions` holds how the run
+executes (the direction generator, torchrun mode, start point). The builders registered in
 ``szo.methods`` receive both.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 import torch
 
-from szo.config import TTConfig
+from szo.config import IntegerStateConfig, StepConfig, SZOConfig, TTConfig
 
 __all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions", "split_keywords"]
 
@@ -24,35 +28,23 @@ __all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions
 TTOptions = TTConfig
 
 
-@dataclass(frozen=True)
-class IntegerLearnerOptions:
-    """The integer on-chip learner (``szo.hw.train.OnChipSZO``): state widths and its XORShift32 seed."""
+@dataclass(frozen=True, eq=False)
+class IntegerLearnerOptions(IntegerStateConfig):
+    """The integer on-chip learner (``szo.hw.train.OnChipSZO``): the hw section's state widths and its
+    XORShift32 seed (a run's: ``seed % 0xFFFFFFFF + 1``)."""
 
-    basis_bits: int = 8
-    coord_bits: int = 32
-    coord_frac: int = 16
-    ref_bits: int = 16
-    seed: int = 1
+    seed: int = field(default=1, metadata={"min": 1, "max": 0xFFFFFFFF})
 
 
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """A method's hyperparameters. ``None`` where a method has no use for the setting."""
+@dataclass(frozen=True, eq=False)
+class OptimizerOptions(SZOConfig, StepConfig):
+    """A method's hyperparameters: the ``szo`` section's and the update's (``lr``, ``momentum``,
+    ``weight_decay``), validated on construction like the recipe they come from. ``mu: None`` is the
+    scale's default (``MethodSpec.default_mu``); the model-side keys (``time_chunk``, ``stream_bn``)
+    are the model's and refused as keywords. ``None`` elsewhere where a method has no use for the
+    setting."""
 
-    lr: float
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    mu: float = 1.0
-    q: int = 1
-    coords_per_step: int | None = None
-    engine: Literal["loop", "batched"] = "loop"
-    chunk: int | None = None
-    bn_update: Literal["recompute", "probe-mean"] = "recompute"
-    scale: Literal["absolute", "trajectory", "whitened"] = "absolute"  # units of the subspace methods' mu / lr (szo.zo.scale)
-    layers: tuple[str, ...] | None = None
-    stages: int | None = None
-    node_losses: Literal["per-sample", "batch-mean"] = "per-sample"
-    tt: TTOptions = dataclasses.field(default_factory=TTOptions)
+    tt: TTConfig = field(default_factory=TTConfig)
     integer: IntegerLearnerOptions | None = None  # set: train with the integer on-chip learner
 
 
@@ -67,26 +59,31 @@ class RunOptions:
     start: Literal["reference", "current"] = "reference"
 
 
-_OPTION_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions)}
+_OPTION_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions) if not f.metadata.get("model")}
+_MODEL_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions) if f.metadata.get("model")}
 _RUN_KEYS = {f.name for f in dataclasses.fields(RunOptions)}
 
 
 def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]:
     """``build_optimizer``'s keywords into the two option records; one ValueError for an unknown
-    keyword, naming the valid ones."""
+    keyword, naming the valid ones (or a model setting, naming where it goes)."""
+    model_side = sorted(set(kw) & _MODEL_KEYS)
+    if model_side:
+        raise ValueError(f"{', '.join(model_side)}: a setting of the model, not of the optimizer (a recipe's "
+                         f"szo.{model_side[0]} sets it on the model); leave it out of build_optimizer")
     unknown = sorted(set(kw) - _OPTION_KEYS - _RUN_KEYS)
     if unknown:
         raise ValueError(f"build_optimizer got unknown keyword(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(sorted(_OPTION_KEYS | _RUN_KEYS))}")
-    if "lr" not in kw:
+    if kw.get("lr") is None:
         raise ValueError("build_optimizer needs lr=")
     opt = {k: v for k, v in kw.items() if k in _OPTION_KEYS}
-    if isinstance(opt.get("tt"), Mapping):
-        opt["tt"] = TTOptions(**opt["tt"])
+    if isinstance(opt.get("tt"), Mapping) and not isinstance(opt["tt"], TTConfig):
+        opt["tt"] = TTConfig(**opt["tt"])
     elif opt.get("tt") is None:
         opt.pop("tt", None)
-    if isinstance(opt.get("integer"), Mapping):
+    if isinstance(opt.get("integer"), Mapping) and not isinstance(opt["integer"], IntegerLearnerOptions):
         opt["integer"] = IntegerLearnerOptions(**opt["integer"])
     if opt.get("layers") is not None:
-        opt["layers"] = tuple(opt["layers"])
+        opt["layers"] = list(opt["layers"])
     return OptimizerOptions(**opt), RunOptions(**{k: v for k, v in kw.items() if k in _RUN_KEYS})

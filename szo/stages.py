@@ -18,7 +18,6 @@ the run's own ``torch.Generator``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
-from szo.config import RecipeConfig, source_config, write_config
+from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.mcu import block_selection_stage
@@ -293,34 +292,19 @@ def check_distributed(cfg: RecipeConfig) -> None:
             raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
 
 
-#: OptimizerOptions fields that are not a recipe key of the same name: ``tt`` (the recipe's tt section
-#: itself) and ``integer`` (built below); the others come from szo, then train (lr / momentum / weight_decay)
-_NESTED_OPTIONS = ("tt", "integer")
-
-
 def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
-    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets (``train`` /
-    ``szo`` / ``tt`` / ``hw`` sections), for the subspace stage and for tools that build the same
-    optimizer outside a run (``bench/methods.py``). Each option is the recipe key of the same name
-    (``szo.X`` or ``train.X``): a new SZO hyperparameter is a field in ``SZOConfig`` and in
-    ``OptimizerOptions``, and nothing here (docs/architecture.md, "Adding a hyperparameter")."""
-    tr, sz, tt, hw = cfg.train, cfg.szo, cfg.tt, cfg.hw
+    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets: its ``szo``
+    section, the update keys of ``train`` (``StepConfig``: lr, momentum, weight_decay), the ``tt``
+    section and, for ``hw.learner: integer``, the hw section's state widths with the run's seed. For the
+    subspace stage and for tools that build the same optimizer outside a run (``bench/methods.py``).
+    OptimizerOptions derives from those sections, so a new SZO hyperparameter is a field of
+    ``SZOConfig`` and its use, nothing here (docs/architecture.md, "Adding a hyperparameter")."""
+    hw = cfg.hw
     integer = None
     if hw.learner == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
-        integer = IntegerLearnerOptions(basis_bits=hw.basis_bits or 16, coord_bits=hw.coord_bits,
-                                        coord_frac=hw.coord_frac, ref_bits=hw.ref_bits,
+        integer = IntegerLearnerOptions(**{**hw.select(IntegerStateConfig), "basis_bits": hw.basis_bits or 16},
                                         seed=int(cfg.seed) % 0xFFFFFFFF + 1)
-    values = {}
-    for f in dataclasses.fields(OptimizerOptions):
-        if f.name in _NESTED_OPTIONS:
-            continue
-        section = sz if f.name in sz else tr
-        if f.name not in section:
-            raise ValueError(f"OptimizerOptions.{f.name} has no recipe key szo.{f.name} or train.{f.name}")
-        values[f.name] = section[f.name]
-    if values["layers"] is not None:
-        values["layers"] = tuple(values["layers"])
-    return OptimizerOptions(**values, tt=tt, integer=integer)
+    return OptimizerOptions(**cfg.szo, **cfg.train.select(StepConfig), tt=cfg.tt, integer=integer)
 
 
 @dataclass
@@ -402,7 +386,7 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
                                         heldout=hw.heldout, batch_size=cfg.data.batch_size, q=options.q,
                                         lr=options.lr, seed=int(cfg.seed), loss_fn=loss_for(cfg), device=device,
                                         run_dir=run_dir)
-            options = dataclasses.replace(options, layers=tuple(sel["layers"]))
+            options = options.replace(layers=list(sel["layers"]))
             sm.extra["block_selection"] = {k: sel[k] for k in ("block", "layers", "blocks", "gains", "baseline",
                                                                "forwards", "steps_per_block", "heldout_samples")}
         opt = build_optimizer(cfg.method, sm.net, subspace=sm.subspace, options=options, run=run)

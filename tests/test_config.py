@@ -66,7 +66,7 @@ def test_unknown_key_lists_valid_keys_one_line():
         load_recipe("digits-bp", ["train.epoch=3"])
     msg = str(e.value)
     assert "\n" not in msg and "unknown key 'train.epoch'" in msg
-    assert "valid keys under 'train': epochs, lr" in msg
+    assert "valid keys under 'train': lr, momentum, weight_decay, epochs" in msg
     with pytest.raises(ValueError, match="valid keys at the top level: name"):
         apply_overrides({}, ["trian.epochs=1"])
 
@@ -306,23 +306,38 @@ def test_a_capability_rule_has_one_home_and_one_message(rule, sets, kw):
     assert unprefixed == str(build_err.value)
 
 
-def test_optimizer_options_are_the_recipe_keys_of_the_same_name():
-    """A new SZO hyperparameter is a field of SZOConfig and of OptimizerOptions; optimizer_options
-    carries it by name (no hand-written mapping to forget): every option but the nested records is a
-    szo.X or train.X key, TTOptions is the tt section, and a value set in the recipe arrives."""
+def test_optimizer_options_are_the_recipe_sections():
+    """A new SZO hyperparameter is a field of SZOConfig and its use: OptimizerOptions derives from the
+    szo section and the update keys of a stage (no field declared twice), optimizer_options carries
+    the sections whole, TTOptions is the tt section, the integer learner's widths are the hw section's,
+    and a value set in the recipe arrives. A keyword build_optimizer gets is checked by the same rule
+    as the recipe key; a model-side key is refused there."""
     import dataclasses
 
-    from szo.config import StageConfig, SZOConfig, TTConfig
-    from szo.optim import OptimizerOptions, TTOptions
+    from szo.config import IntegerStateConfig, StepConfig, SZOConfig, TTConfig
+    from szo.models import create
+    from szo.optim import IntegerLearnerOptions, OptimizerOptions, TTOptions, build_optimizer
     from szo.stages import optimizer_options
 
-    szo_keys, train_keys = set(SZOConfig().keys()), set(StageConfig().keys())
-    for f in dataclasses.fields(OptimizerOptions):
-        if f.name not in ("tt", "integer"):
-            assert f.name in szo_keys | train_keys, f.name
+    assert issubclass(OptimizerOptions, SZOConfig) and issubclass(OptimizerOptions, StepConfig)
+    assert issubclass(IntegerLearnerOptions, IntegerStateConfig)
+    own = set(OptimizerOptions.__annotations__)  # declared in OptimizerOptions itself
+    assert own == {"tt", "integer"}, own
+    assert {f.name for f in dataclasses.fields(SZOConfig)} <= {f.name for f in dataclasses.fields(OptimizerOptions)}
     assert TTOptions is TTConfig  # the tt section itself, not a copy of its fields
     o = optimizer_options(load_recipe("digits-scratch", ["method=np-zo", "szo.layers=[conv1]", "szo.q=7",
                                                          "szo.node_losses=batch-mean", "train.momentum=0.5",
                                                          "szo.scale=absolute", "tt.sign_q=3"]))
     assert (o.layers, o.q, o.node_losses, o.momentum, o.scale, o.tt.sign_q) == (
-        ("conv1",), 7, "batch-mean", 0.5, "absolute", 3)
+        ["conv1"], 7, "batch-mean", 0.5, "absolute", 3)
+    i = optimizer_options(load_recipe("digits-fixed", ["hw.learner=integer", "hw.coord_bits=24", "seed=5"])).integer
+    assert (i.coord_bits, i.seed) == (24, 6)
+    model = create("spike_convnet", num_classes=10, T=2, width=2)
+    for bad, recipe_key in ((dict(q=0), "szo.q=0"), (dict(engine="fast"), "szo.engine=fast")):
+        with pytest.raises(ValueError) as recipe_err:
+            load_recipe("digits-scratch", [recipe_key])
+        with pytest.raises(ValueError) as build_err:
+            build_optimizer("szo-cge", model, subspace=None, lr=0.1, **bad)
+        assert str(build_err.value) == str(recipe_err.value).replace("szo.", "")  # one rule, spelled per caller
+    with pytest.raises(ValueError, match="time_chunk: a setting of the model"):
+        build_optimizer("szo-cge", model, lr=0.1, time_chunk=2)

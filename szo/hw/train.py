@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from szo.config import LEARNER_WIDTHS
 from szo.functional.xorshift import XorShift32
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
@@ -55,11 +56,6 @@ MOMENTUM_SHIFT: int = 8
 """The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
 ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
 ON_CHIP_RULES: tuple[str, ...] = ("momentum", "eq8")
-
-
-LEARNER_WIDTHS: dict[str, tuple[int, int]] = {"basis_bits": (2, 16), "coord_bits": (8, 48), "ref_bits": (2, 48)}
-"""The widths :class:`OnChipSZO` can hold: the basis (:func:`quantize_basis`), the coordinates and
-momentum (signed fixed point), theta_ref (a weight mantissa, ``Precision.weight_bits``)."""
 
 
 def check_learner_widths(**widths: int) -> None:

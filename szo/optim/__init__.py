@@ -10,8 +10,6 @@ on-chip learner's comes from ``szo.hw.train``).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -111,7 +109,10 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
             options, run = split_keywords(keywords)
     elif keywords:
         raise ValueError("give build_optimizer either options= and run= or keywords, not both")
+    run = RunOptions() if run is None else run
     if spec.integer and options.integer is None:
-        options = dataclasses.replace(options, integer=IntegerLearnerOptions())
+        options = options.replace(integer=IntegerLearnerOptions())
+    if options.mu is None:  # the scale's default: the method's relative mu, or App. G's 1.0
+        options = options.replace(mu=spec.default_mu(options.scale))
     _check(spec, model, subspace, options, run)
     return spec.builder(integer=options.integer is not None)(spec, model, subspace, options, run)
