@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 import types
 import typing
@@ -53,6 +54,7 @@ __all__ = [
     "resolve", "write_config", "method_label", "config_dict", "TTA_SETTINGS", "TTA_PREDICT", "TENT_OPTIMIZERS",
     "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS", "SOURCE_SECTIONS", "source_config",
     "StepConfig", "StageConfig", "SZOConfig", "TTConfig", "IntegerStateConfig", "HWConfig", "LEARNER_WIDTHS",
+    "AdapterConfig", "AdaptationConfig", "TTAConfig",
 ]
 
 Kind = Literal["bp", "subspace", "tta"]
@@ -131,7 +133,13 @@ class Section(Mapping):
 
     @classmethod
     def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """The keys in reading order: a section's own keys first, then those of the sections it derives
+        from, nearest first (dataclasses put a base's fields first: ``train`` would open with lr)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        out: list[str] = []
+        for klass in cls.__mro__:
+            out += [n for n in inspect.get_annotations(klass) if n in fields and n not in out]
+        return tuple(out)
 
     def __eq__(self, other: object) -> bool:
         """Equal to a section or plain mapping with the same values (a config.yaml read back)."""
@@ -348,26 +356,41 @@ class FinetuneConfig(Section):
 
 
 @dataclass(frozen=True, eq=False)
-class TTAConfig(Section):
-    """Test-time adaptation (``kind: tta``; paper Sec. 6.3 / App. G)."""
+class AdapterConfig(Section):
+    """What every test-time adapter takes besides its subspace and step (``szo.adapt.methods.AdaptOptions``
+    derives from it): the subspace methods' momentum, when the batch is predicted, Tent's optimizer."""
 
-    data: str = _opt("digits-c", choices=_datasets)  # corrupted test set
-    severity: int = _opt(5, min=1, max=5)
-    batch_size: int = _opt(100, min=1)  # App. G: 100 for CIFAR-C, 500 for ImageNet-C
-    data_dir: str | None = None
-    download: bool = False
-    kwargs: dict = _opt({}, free=True)  # extra get_dataset keywords of the corrupted set
-    corruptions: list | None = None     # null = the 15 in table order
-    # the subspace methods' lr per setting; null = the default of szo.scale: absolute 1.0 / 0.1 (App. G),
-    # trajectory each method's relative train.lr (szo.methods)
-    lr_reset: float | None = _opt(None, min=0.0)
-    lr_continual: float | None = _opt(None, min=0.0)
     momentum: float = _opt(0.9, min=0.0, below=1.0)
     predict: TTAPredict = "before"
     tent_optimizer: TentOptimizer = "adam"  # Tent's CIFAR setting; sgd (lr 2.5e-4 @ batch 64) for ImageNet
     tent_lr: float = _opt(1.0e-3, gt=0.0)
     tent_momentum: float = _opt(0.9, min=0.0, below=1.0)
+
+
+@dataclass(frozen=True, eq=False)
+class AdaptationConfig(AdapterConfig):
+    """How a test-time adaptation run adapts and is evaluated (``szo.adapt.runner.TTAOptions`` derives
+    from it): the corrupted test set's severity, batches and location, the subspace methods' learning
+    rate per setting."""
+
+    severity: int = _opt(5, min=1, max=5)
+    batch_size: int = _opt(100, min=1)  # App. G: 100 for CIFAR-C, 500 for ImageNet-C
+    data_dir: str | None = None
+    download: bool = False
+    corruptions: list | None = None     # null = the 15 in table order
+    # the subspace methods' lr per setting; null = the default of szo.scale: absolute 1.0 / 0.1 (App. G),
+    # trajectory each method's relative train.lr (szo.methods)
+    lr_reset: float | None = _opt(None, min=0.0)
+    lr_continual: float | None = _opt(None, min=0.0)
     max_batches: int | None = _opt(None, min=1)
+
+
+@dataclass(frozen=True, eq=False)
+class TTAConfig(AdaptationConfig):
+    """Test-time adaptation (``kind: tta``; paper Sec. 6.3 / App. G)."""
+
+    data: str = _opt("digits-c", choices=_datasets)  # corrupted test set
+    kwargs: dict = _opt({}, free=True)  # extra get_dataset keywords of the corrupted set
     source_run: str | None = None      # szo recipe run dir (config.yaml, model.safetensors or last.pt, trajectory/)
     train_source: bool = False         # with source_run null: BPTT-train the source here (digits-size only)
     source_trajectory: str | None = None  # default: <source_run>/trajectory

@@ -28,7 +28,7 @@ def test_unknown_recipe_one_line(capsys):
 def test_unknown_key_one_line(capsys, tmp_path):
     assert main(["recipe", "digits-bp", "--set", "train.epoch=3", "--out", str(tmp_path)]) == 2
     line = _one_error_line(capsys)
-    assert "unknown key 'train.epoch'; valid keys under 'train': lr, momentum, weight_decay, epochs" in line
+    assert "unknown key 'train.epoch'; valid keys under 'train': epochs, scheduler" in line
 
 
 def test_bad_choice_one_line(capsys, tmp_path):

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from szo.config import TENT_OPTIMIZERS, TTA_PREDICT, TTA_SETTINGS
+from szo.config import TENT_OPTIMIZERS, TTA_PREDICT, TTA_SETTINGS, AdapterConfig
 from szo.losses import entropy_loss
 from szo.methods import NO_ADAPTATION, TTA_METHODS, TTA_SUBSPACE_METHODS, get_method
 from szo.optim import build_optimizer
@@ -370,24 +370,20 @@ class SZOAdapt(Adapter):
         return out
 
 
-@dataclass(frozen=True)
-class AdaptOptions:
-    """An adapter's settings: ``lr`` / ``momentum`` / ``mu`` / ``q`` / ``generator`` / ``scale`` (the
-    units of mu and lr, ``szo.zo.scale``) are the subspace methods' (bp-subspace, szo-*); Tent has its own ``tent_optimizer`` / ``tent_lr`` /
-    ``tent_momentum``; ``predict`` and ``loss_fn`` apply to every method."""
+@dataclass(frozen=True, eq=False)
+class AdaptOptions(AdapterConfig):
+    """An adapter's settings: the recipe's ``AdapterConfig`` (momentum, predict, Tent's optimizer, lr and
+    momentum; one declaration and check with ``tta.*``), and the subspace methods' (bp-subspace, szo-*)
+    ``subspace`` / ``lr`` / ``mu`` / ``q`` / ``generator`` / ``scale`` (the units of mu and lr,
+    ``szo.zo.scale``); ``loss_fn`` applies to every method."""
 
-    subspace: object = None
+    subspace: object | None = None
     lr: float | None = None
-    momentum: float = 0.9
     mu: float = 1.0
     q: int = 10
     scale: str = "absolute"
-    predict: str = "before"
-    tent_optimizer: str = "adam"
-    tent_lr: float = 1e-3
-    tent_momentum: float = 0.9
     generator: torch.Generator | None = None
-    loss_fn: LossFn = entropy_loss
+    loss_fn: Callable = entropy_loss
 
 
 def adapter_class(method: str) -> type[Adapter]:
@@ -402,7 +398,6 @@ def build_adapter(method: str, model: nn.Module, **options) -> Adapter:
     are the fields of :class:`AdaptOptions`. Subspace methods need ``subspace`` and ``lr``."""
     o = AdaptOptions(**options)
     cls = adapter_class(method)
-    check_choice("predict", o.predict, PREDICT)
     common = dict(predict=o.predict, loss_fn=o.loss_fn)
     if cls is Tent:
         return Tent(model, optimizer=o.tent_optimizer, lr=o.tent_lr, momentum=o.tent_momentum, **common)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from szo.config import AdaptationConfig, AdapterConfig
 from szo.data import CORRUPTIONS, get_dataset, make_loader
 from szo.methods import get_method
 from szo.precision import check_precision, precision_policy
@@ -35,10 +36,8 @@ from szo.zo.scale import coordinate_scales, scale_record
 
 from .methods import (
     METHODS,
-    PREDICT,
     SETTINGS,
     SUBSPACE_METHODS,
-    TENT_OPTIMIZERS,
     adapter_class,
     build_adapter,
     check_choice,
@@ -86,10 +85,12 @@ def _per_batch(method: str, predict: str, k: int | None, q: int) -> tuple[int, i
     return adapter_class(method).per_batch(predict, k, q, method)
 
 
-@dataclass(frozen=True)
-class TTAOptions:
+@dataclass(frozen=True, eq=False)
+class TTAOptions(AdaptationConfig):
     """How :func:`run_tta` adapts and evaluates (everything but the source, subspace, data set,
-    methods and settings).
+    methods and settings): the recipe's ``AdaptationConfig`` (the ``tta`` keys severity, batch_size,
+    data_dir, download, corruptions, lr_reset / lr_continual, momentum, predict, Tent's, max_batches:
+    declared and checked once, with the recipe) and what a run adds.
 
     ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (None: the default of
     ``scale``: absolute 1.0 / 0.1, App. G; relative: each method's relative ``train.lr``, continual x 0.1 as App. G);
@@ -102,42 +103,24 @@ class TTAOptions:
     ``out_dir``), ``False`` when the caller adds to the results and writes them itself (once).
     """
 
-    batch_size: int
-    out_dir: str | os.PathLike
-    severity: int = 5
-    lr_reset: float | None = None
-    lr_continual: float | None = None
-    data_dir: str | os.PathLike | None = None
+    out_dir: str | os.PathLike | None = None  # required (run_tta says so)
     seed: int = 0
-    corruptions: Sequence[str] | None = None
     mu: float = 1.0
-    momentum: float = 0.9
     q: int = 10
     scale: str = "absolute"
-    predict: str = "before"
-    tent_optimizer: str = "adam"
-    tent_lr: float = 1e-3
-    tent_momentum: float = 0.9
     device: str | torch.device = "cpu"
-    max_batches: int | None = None
-    dataset_kwargs: Mapping[str, Any] | None = None
-    get_data: Callable[[str], Dataset] | None = None
-    download: bool = False
+    dataset_kwargs: Mapping | None = None
+    get_data: Callable | None = None
     progress: bool = True
     plot: bool = True
     write: bool = True
-    info: Mapping[str, Any] | None = None
+    info: Mapping | None = None
     precision: str = "auto"
 
     def check(self) -> None:
         check_precision(self.precision)
-        check_choice("predict", self.predict, PREDICT)
-        check_choice("Tent optimizer", self.tent_optimizer, TENT_OPTIMIZERS)
-        b, m = self.batch_size, self.max_batches
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"batch_size must be a positive int, got {b!r}")
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"max_batches must be a positive int or None, got {m!r}")
+        if self.out_dir is None:
+            raise ValueError("run_tta needs out_dir= (where tta_results.json and the tables go)")
 
     def lr_of(self, method: str, setting: str) -> float | None:
         """The learning rate ``method`` adapts with in ``setting`` (None: it takes none)."""
@@ -226,9 +209,7 @@ class _TTARun:
     def _adapter(self, method: str, model: nn.Module, setting: str, c: str, gen: torch.Generator) -> Any:
         o = self.o
         return build_adapter(method, model, subspace=self.subspace_for(c), lr=o.lr_of(method, setting) or None,
-                             momentum=o.momentum, mu=o.mu, q=o.q, scale=o.scale, predict=o.predict,
-                             tent_optimizer=o.tent_optimizer,
-                             tent_lr=o.tent_lr, tent_momentum=o.tent_momentum, generator=gen)
+                             mu=o.mu, q=o.q, scale=o.scale, generator=gen, **o.select(AdapterConfig))
 
     def _run_method(self, setting: str, method: str) -> dict[str, Any]:
         o = self.o
@@ -338,8 +319,8 @@ def run_tta(source_model: nn.Module, subspace: Any, dataset_name: str, methods: 
     subspace method runs; or ``{corruption: Subspace}`` (one per evaluated corruption, all of
     the same k; e.g. leave-one-corruption-out): then every corruption is adapted in its own
     subspace, reset setting only. ``methods`` / ``settings``: names, ``"all"`` / ``"both"``,
-    comma lists or lists. Keywords: the fields of :class:`TTAOptions` (``batch_size`` and
-    ``out_dir`` required). Returns the results dict.
+    comma lists or lists. Keywords: the fields of :class:`TTAOptions` (``out_dir``
+    required; ``batch_size`` 100 unless given, App. G's CIFAR-C batch). Returns the results dict.
     """
     o = TTAOptions(**options)
     o.check()

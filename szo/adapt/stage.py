@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from subspace_store import SubspaceStore
-from szo.config import RecipeConfig, resolve, write_config
+from szo.config import AdaptationConfig, RecipeConfig, resolve, write_config
 from szo.data import dataset_info
 from szo.runs import load_run_model, loss_for
 from szo.stages import bptt_stage
@@ -137,15 +137,11 @@ def tta_stage(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str = 
     timings["subspace_s"] = time.perf_counter() - t1
     # 3. TTA
     t2 = time.perf_counter()
-    sz = cfg["szo"]
+    sz = cfg.szo
     res = run_tta(
-        source, sub, t["data"], cfg["method"], settings, severity=t["severity"], batch_size=t["batch_size"],
-        lr_reset=t["lr_reset"], lr_continual=t["lr_continual"], data_dir=t["data_dir"], seed=seed, out_dir=out,
-        corruptions=t["corruptions"], mu=float(sz["mu"]), momentum=t["momentum"],
-        q=int(sz["q"]), scale=sz["scale"], predict=t["predict"], tent_optimizer=t["tent_optimizer"], tent_lr=t["tent_lr"],
-        tent_momentum=t["tent_momentum"], device=device, max_batches=t["max_batches"],
-        dataset_kwargs=t["kwargs"], download=t["download"], progress=progress, write=False, precision=cfg["precision"],
-        info={"recipe": cfg.get("name"), "source_trajectory": str(src_traj)})
+        source, sub, t.data, cfg.method, settings, **t.select(AdaptationConfig), seed=seed, out_dir=out,
+        mu=float(sz.mu), q=int(sz.q), scale=sz.scale, device=device, dataset_kwargs=t.kwargs, progress=progress,
+        write=False, precision=cfg.precision, info={"recipe": cfg.name, "source_trajectory": str(src_traj)})
     timings["tta_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     res["timings"] = timings

@@ -124,7 +124,7 @@ def test_bad_method_and_setting_names(tmp_path):
     with pytest.raises(ValueError, match="need an adaptation subspace"):
         run_tta(tiny_model(), None, "digits-c", "szo-rge", "reset", batch_size=4, out_dir=tmp_path,
                 corruptions=CORR, get_data=fake_data, progress=False)
-    with pytest.raises(ValueError, match="unknown key 'tta.lr'; valid keys under 'tta': data, severity"):
+    with pytest.raises(ValueError, match="unknown key 'tta.lr'; valid keys under 'tta': data, kwargs, source_run"):
         validate({"name": "x", "kind": "tta", "tta": {"lr": 1.0}})
 
 
