@@ -43,7 +43,8 @@ from typing import Any, Mapping, Sequence
 
 from szo import distributed as D
 from szo.adapt.stage import tta_stage
-from szo.config import load_recipe
+from szo.config import RecipeConfig, load_recipe
+from szo.models.base import SpikingModel
 from szo.report import collect_runs, render, write_report
 from szo.rundir import check_resume_config, run_lock
 from szo.runs import build_model, load_run_model, subspace_store_for
@@ -77,10 +78,10 @@ def run_recipe(cfg: Mapping[str, Any], out_dir: str | os.PathLike, device: str |
     dev = device_for(cfg, device)
     out = Path(out_dir)
     with run_dir_guard(out, cfg, resume=resume):
-        preflight(cfg)
+        model = preflight(cfg)  # built once: the first stage trains it
         if D.env_world_size() > 1 or D.get_info().enabled:
-            return _run_recipe_distributed(cfg, out, dev, resume, callbacks)
-        return _run_recipe(cfg, out, dev, resume, callbacks)
+            return _run_recipe_distributed(cfg, out, dev, resume, callbacks, model)
+        return _run_recipe(cfg, out, dev, resume, callbacks, model)
 
 
 def run_or_reuse(cfg: Mapping[str, Any], run_dir: str | os.PathLike, device: str | None = None) -> dict[str, Any]:
@@ -97,21 +98,24 @@ def run_or_reuse(cfg: Mapping[str, Any], run_dir: str | os.PathLike, device: str
     return run_recipe(cfg, run_dir, device=device, resume=(run_dir / "config.yaml").is_file())
 
 
-def _run_recipe(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
-                callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    if cfg["kind"] == "tta":
+def _run_recipe(cfg: RecipeConfig, out: Path, dev: str, resume: bool, callbacks: Sequence[Any] = (),
+                model: SpikingModel | None = None) -> dict[str, Any]:
+    """``model``: ``preflight``'s, given to the first stage that trains the recipe's own model."""
+    if cfg.kind == "tta":
         return tta_stage(cfg, out, device=dev)
-    if cfg["kind"] == "bp":
-        return bptt_stage(cfg, out, device=dev, resume=resume)
+    if cfg.kind == "bp":
+        return bptt_stage(cfg, out, device=dev, resume=resume, model=model)
     store = subspace_store_for(cfg)
-    if not store.exists(cfg["subspace"]["name"]):
+    if not store.exists(cfg.subspace.name):
         check_store_entry(cfg)
-        bptt_stage(bptt_source(cfg), out / "bptt", device=dev, resume=resume)  # the recipe's, or its source's
-    return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks)
+        source = bptt_source(cfg)  # the recipe's, or its source's
+        bptt_stage(source, out / "bptt", device=dev, resume=resume, model=model if source is cfg else None)
+        model = None  # trained by BPTT: the subspace stage starts from its own
+    return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks, model=model)
 
 
-def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume: bool,
-                            callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+def _run_recipe_distributed(cfg: RecipeConfig, out: Path, dev: str, resume: bool, callbacks: Sequence[Any] = (),
+                            model: SpikingModel | None = None) -> dict[str, Any]:
     """One rank's part of a torchrun run: a subspace recipe whose subspace is already stored."""
     world = max(D.env_world_size(), D.get_info().world_size)
     if cfg["kind"] != "subspace":
@@ -125,7 +129,7 @@ def _run_recipe_distributed(cfg: Mapping[str, Any], out: Path, dev: str, resume:
                          f"--set kind=bp [same --set options], then rerun under torchrun")
     if dev.startswith("cuda"):  # one GPU per process
         dev = f"cuda:{D.get_info().local_rank}"
-    return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks)
+    return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks, model=model)
 
 
 def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,

@@ -94,13 +94,15 @@ def run_dir_guard(run_dir: str | os.PathLike, cfg: RecipeConfig, *, resume: bool
         yield
 
 
-def preflight(cfg: RecipeConfig) -> None:
+def preflight(cfg: RecipeConfig) -> SpikingModel | None:
     """What the config alone cannot tell, checked before the first forward of a run: the subspace
     store root is a directory (or can become one), the model builds from ``model.kwargs`` (once,
     on the CPU), and the subspace stage's method options fit that model and subspace
-    (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs)."""
+    (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs).
+    Returns the model it built (the recipe's, at its seeded initialisation; None for a TTA recipe
+    with a given source) for the first stage to train instead of building it again."""
     if cfg.kind == "tta" and not cfg.tta.train_source:
-        return
+        return None
     root = subspace_store_for(cfg).root
     for p in (root, *root.parents):
         if p.exists():
@@ -110,7 +112,7 @@ def preflight(cfg: RecipeConfig) -> None:
             break
     model = build_model(cfg)
     if cfg.kind != "subspace":
-        return
+        return model
     sz, spec = cfg.szo, get_method(cfg.method)
     if sz["layers"] is not None:
         trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
@@ -121,6 +123,7 @@ def preflight(cfg: RecipeConfig) -> None:
         if n > most:
             where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
             raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
+    return model
 
 
 def bptt_source(cfg: RecipeConfig) -> RecipeConfig:
@@ -179,17 +182,19 @@ def subspace_build_stage(cfg: RecipeConfig, bptt_dir: str | os.PathLike, *, over
 
 
 def bptt_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
-               build: bool = True) -> dict[str, Any]:
+               build: bool = True, model: SpikingModel | None = None) -> dict[str, Any]:
     """BPTT with the trajectory recorder, final model as safetensors, then (``build``) the subspace.
+    ``model``: the recipe's model as ``build_model(cfg)`` returns it (``preflight``'s), else built here.
 
     Before any training: the run directory's lock, the resume config check, the store entry
     (not taken, not incomplete), ``subspace.k`` against the planned number of trajectory
     samples, and on resume every recorded sample's sha256."""
     with run_dir_guard(run_dir, cfg, resume=resume, stage="bptt"):
-        return _bptt(cfg, Path(run_dir), device=device, resume=resume, build=build)
+        return _bptt(cfg, Path(run_dir), device=device, resume=resume, build=build, model=model)
 
 
-def _bptt(cfg: RecipeConfig, run_dir: Path, *, device: str, resume: bool, build: bool) -> dict[str, Any]:
+def _bptt(cfg: RecipeConfig, run_dir: Path, *, device: str, resume: bool, build: bool,
+          model: SpikingModel | None) -> dict[str, Any]:
     store = subspace_store_for(cfg)
     name = cfg.subspace.name
     if build and name is not None and store.exists(name) and not resume:
@@ -205,7 +210,7 @@ def _bptt(cfg: RecipeConfig, run_dir: Path, *, device: str, resume: bool, build:
         Trajectory(run_dir / "trajectory", verify=True)  # a damaged sample stops the run now, not after it
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(cfg, run_dir / "config.yaml")
-    model = build_model(cfg).to(device)
+    model = (build_model(cfg) if model is None else model).to(device)
     _set_forward(model, cfg)
     st = cfg.bptt
     opt = build_optimizer("bp", model, lr=st["lr"], momentum=st["momentum"], weight_decay=st["weight_decay"])
@@ -319,12 +324,13 @@ class SubspaceModel:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def subspace_model(cfg: RecipeConfig, test_loader: Any = None) -> SubspaceModel:
+def subspace_model(cfg: RecipeConfig, test_loader: Any = None, model: SpikingModel | None = None) -> SubspaceModel:
     """The model at the subspace's reference point: a continual run loads the pretrained model,
     ``bn_stats: deployed`` its BN buffers; ``backend: fixed`` converts it (after comparing the
     pretrained model's float and fixed-point accuracy on ``test_loader``) and quantises the basis
-    at ``hw.basis_bits``; ``tt-zo`` turns its large weights into TT cores."""
-    model = build_model(cfg)
+    at ``hw.basis_bits``; ``tt-zo`` turns its large weights into TT cores. ``model``: the recipe's
+    model as ``build_model(cfg)`` returns it (``preflight``'s), else built here."""
+    model = build_model(cfg) if model is None else model
     sub = subspace_store_for(cfg).load(cfg.subspace.name, model=model)
     extra: dict[str, Any] = {"backend": cfg.backend, "bn_stats": cfg.bn_stats}
     if cfg.mode == "continual" or cfg.bn_stats == "deployed":
@@ -355,11 +361,12 @@ def subspace_model(cfg: RecipeConfig, test_loader: Any = None) -> SubspaceModel:
 
 
 def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
-                   callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+                   callbacks: Sequence[Callback] = (), model: SpikingModel | None = None) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual),
     holding the run directory's lock (a resume first checks the config against its config.yaml);
     on every rank of a multi-process run (only rank 0 writes ``run_dir``). ``callbacks``: extra
-    ``szo.train.Callback`` objects for the training loop.
+    ``szo.train.Callback`` objects for the training loop; ``model``: the recipe's model as
+    ``build_model(cfg)`` returns it (``preflight``'s), else built here.
 
     ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
     parameters); ``hw.learner: integer`` trains with the integer on-chip learner
@@ -373,7 +380,7 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
             write_config(cfg, run_dir / "config.yaml")
         g = torch.Generator().manual_seed(int(cfg.seed))
         train, test = loaders_for(cfg, g, par)
-        sm = subspace_model(cfg, test)
+        sm = subspace_model(cfg, test, model=model)
         sm.net.to(device)
         _set_forward(sm.model, cfg)
         tr, sz = cfg.train, cfg.szo

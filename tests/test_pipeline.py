@@ -370,3 +370,24 @@ def test_mcu_block_selection_run_resumes_exactly(tmp_path):
     a, b = (torch.load(tmp_path / d / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["mcu"]["integers"]
             for d in ("whole", "part"))
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_model_is_built_once_per_model_a_run_trains(tmp_path, monkeypatch):
+    """preflight builds the recipe's model to check it, and the first stage trains that one: a BP run
+    builds one model, a subspace run that needs its BPTT stage two (the BPTT model and the subspace
+    stage's), a subspace run on a stored subspace one."""
+    import szo.stages as stages
+
+    built = []
+    real = stages.build_model
+    monkeypatch.setattr(stages, "build_model", lambda cfg: built.append(cfg.kind) or real(cfg))
+    sets = TINY + [f"subspace.root={tmp_path / 'store'}", "bptt.epochs=1", "bptt.max_steps_per_epoch=2",
+                   "trajectory.every=1", "subspace.k=2", "train.epochs=1", "train.max_steps_per_epoch=1"]
+    assert run_recipe(load_recipe("digits-bp", sets + ["subspace.name=bp-only"]), tmp_path / "bp")["status"] == "completed"
+    assert built == ["bp"]
+    built.clear()
+    assert run_recipe(load_recipe("digits-scratch", sets), tmp_path / "s1")["status"] == "completed"
+    assert built == ["subspace", "subspace"]  # preflight's (trained by BPTT) + the subspace stage's
+    built.clear()
+    assert run_recipe(load_recipe("digits-scratch", sets), tmp_path / "s2")["status"] == "completed"
+    assert built == ["subspace"]
