@@ -60,7 +60,7 @@ from szo.methods import register_builder
 from szo.train.trainer import evaluate
 from szo.zo import (
     Field,
-    ForwardOnlyBase,
+    LayerwiseBase,
     LoopEvaluator,
     Plan,
     ProbeGuard,
@@ -165,7 +165,7 @@ def _check_state(opt: "MCUZO", section: dict) -> None:
         raise ValueError(f"optimizer state trains layers {list(paths)}, this optimizer trains {list(opt.layers)}")
 
 
-class MCUZO(ForwardOnlyBase):
+class MCUZO(LayerwiseBase):
     """Seed 004's quantized layer-wise adaptive WP/NP learner on a fixed-point network (module docstring).
 
     ``net``: a :class:`FixedPointNetwork` (its weights are frozen to integers at the first step,
@@ -203,6 +203,7 @@ class MCUZO(ForwardOnlyBase):
         self.step_count = 0
         self.counter = SaturationCounter()
         self.plans: dict[str, LayerPlan] = {}
+        self._recorded: tuple[dict, int] | None = None  # the clean forward's layer inputs and batch size (one step)
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
         self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
 
@@ -330,11 +331,11 @@ class MCUZO(ForwardOnlyBase):
         """``[q, n]`` Rademacher signs (float64, exact) from one 32-bit seed drawn from the learner's generator."""
         return XorShift32(self.rng.next()).rademacher(q * n).view(q, n).to(torch.float64)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("MCUZO.step needs a closure that runs a forward pass and returns per-sample losses")
-        net, ev = self.net, self.evaluator
+    # ------------------------------------------------------------------ the step's parts (LayerwiseBase.step)
+    def _clean_forward(self, closure: Callable[[], torch.Tensor]):
+        """The clean forward's per-sample losses, recording each trained layer's integer input (node
+        layers: eq. 10 needs it) and accumulator shape; the weights frozen to integers first."""
+        net = self.net
         inputs: dict[str, tuple[torch.Tensor | None, torch.Size, int]] = {}  # input kept for node layers only
 
         def record(name: str):
@@ -348,53 +349,53 @@ class MCUZO(ForwardOnlyBase):
         extra = 0
         if net.int_weights is None and net.scales_known:
             self._freeze()  # before the clean forward: a resumed run's integers are in it
-        with ev.session():
-            clean = self._clean(closure, inputs, record)
-            # pooling factors known only now: the same integers as that forward, unless a checkpoint's
-            # were waiting (then measure again, one more forward)
-            if net.int_weights is None and self._freeze():
-                clean, extra = self._clean(closure, inputs, record), 1
-            batch = int(clean.numel())
-            l0 = float(clean.mean())
-            grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-            all_losses: list[float] = [l0]
-            for name, m in self.layers.items():
-                syn = net.int_weights[name]
-                x, acc_shape, shift = inputs[name]
-                if name not in self.plans:
-                    self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
-                lp = self.plans[name]
-                if lp.mode == "weight":
-                    space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits,
-                                           self.counter, name)
-                    plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
-                    losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
-                    g = plan.estimate(losses, centre=l0).to(syn.w_int.device)  # per LSB, over weights then biases
-                    gw = g[:space.n_w].view_as(syn.w_int)
-                    gb = None if syn.bias_mant is None else g[space.n_w:]
-                else:
-                    T = acc_shape[0] // batch
-                    shape = torch.Size([T, batch, *acc_shape[1:]])
-                    plan = one_point_plan(self._rademacher(self.q, shape.numel()), self.mu_node, centre=False)
-                    per = ev.run(closure, AccNodeSpace(net, name), plan, label=f"layer {name}, node probe",
-                                 per_sample=True)
-                    g_acc = per_sample_node_estimate(plan.directions, per, clean, self.mu_node, shape)
-                    g_acc = g_acc.reshape(acc_shape).to(x.device)  # the signs and losses live on the CPU
-                    gw = _weight_vjp(m, x, g_acc, syn.w_int.shape)  # eq. 10 with the integer input
-                    gb = None
-                    if syn.bias_mant is not None:
-                        dims = [0] + list(range(2, g_acc.dim()))
-                        gb = g_acc.sum(dims) * 2.0 ** (syn.bias_exp - shift)
-                    losses = per.mean(1)
-                grads[name] = (gw, gb)
-                all_losses += losses.tolist()
-            for name, (gw, gb) in grads.items():  # the global update (eq. 8)
-                self._update(name, net.int_weights[name], self.plans[name], gw, gb, batch)
+        clean = self._clean(closure, inputs, record)
+        # pooling factors known only now: the same integers as that forward, unless a checkpoint's
+        # were waiting (then measure again, one more forward)
+        if net.int_weights is None and self._freeze():
+            clean, extra = self._clean(closure, inputs, record), 1
+        self._recorded = (inputs, int(clean.numel()))
+        return clean, float(clean.mean()), extra
+
+    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean: torch.Tensor,
+                     l0: float):
+        """One layer's q probes: 1-LSB weight probes of its integers, or Rademacher probes of its
+        accumulator nodes then eq. 10 with the integer input; the gradient per LSB of (weights, biases)."""
+        net, ev = self.net, self.evaluator
+        inputs, batch = self._recorded
+        syn = net.int_weights[name]
+        x, acc_shape, shift = inputs[name]
+        if name not in self.plans:
+            self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
+        if self.plans[name].mode == "weight":
+            space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits, self.counter, name)
+            plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
+            losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
+            g = plan.estimate(losses, centre=l0).to(syn.w_int.device)  # per LSB, over weights then biases
+            return (g[:space.n_w].view_as(syn.w_int), None if syn.bias_mant is None else g[space.n_w:]), losses
+        T = acc_shape[0] // batch
+        shape = torch.Size([T, batch, *acc_shape[1:]])
+        plan = one_point_plan(self._rademacher(self.q, shape.numel()), self.mu_node, centre=False)
+        per = ev.run(closure, AccNodeSpace(net, name), plan, label=f"layer {name}, node probe", per_sample=True)
+        g_acc = per_sample_node_estimate(plan.directions, per, clean, self.mu_node, shape)
+        g_acc = g_acc.reshape(acc_shape).to(x.device)  # the signs and losses live on the CPU
+        gw = _weight_vjp(m, x, g_acc, syn.w_int.shape)  # eq. 10 with the integer input
+        gb = None
+        if syn.bias_mant is not None:
+            dims = [0] + list(range(2, g_acc.dim()))
+            gb = g_acc.sum(dims) * 2.0 ** (syn.bias_exp - shift)
+        return (gw, gb), per.mean(1)
+
+    def _update(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """The global update (eq. 8) of every layer's integers, then the float twin."""
+        _, batch = self._recorded
+        for name, (gw, gb) in grads.items():
+            self._update_layer(name, self.net.int_weights[name], self.plans[name], gw, gb, batch)
+        self._recorded = None
         self.step_count += 1
         self.write_back()
-        return self.finish_step(closure, all_losses, l0, self.forwards_per_step + extra)
 
-    def _update(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
+    def _update_layer(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
                 batch: int) -> None:
         n, d = (1, lp.d_w) if lp.mode == "weight" else (batch, lp.d_a)
         P = self.net.precision

@@ -49,7 +49,7 @@ from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
     Field,
-    ForwardOnlyBase,
+    LayerwiseBase,
     LoopEvaluator,
     NodeSpace,
     ParamSpace,
@@ -228,7 +228,7 @@ class CleanBatchStatistics:
         return out.to(g.dtype).view_as(g)
 
 
-class LayerwiseZO(ForwardOnlyBase):
+class LayerwiseZO(LayerwiseBase):
     """Forward-only layer-wise ZO with node, weight or adaptive perturbation (``step(closure)``).
 
     Composed from the core: per layer a one-sided plan of ``q`` Gaussian directions in a
@@ -283,6 +283,7 @@ class LayerwiseZO(ForwardOnlyBase):
         self.clean_stats = CleanBatchStatistics(model, self.layers, enabled=self.per_sample and node_bn != "live")
         self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
+        self._recorded: tuple[dict, dict] | None = None  # the clean forward's layer inputs / output shapes (one step)
         self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
                        for n, m in self.layers.items()}
         for p in params:
@@ -307,12 +308,12 @@ class LayerwiseZO(ForwardOnlyBase):
         return torch.stack([torch.randn(shape, generator=self.generator, dtype=dtype).reshape(-1)
                             for _ in range(self.q)])
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("LayerwiseZO.step needs a closure that runs a forward pass and returns the loss")
-        group = self.param_groups[0]
-        mu = group["mu"]
+    # ------------------------------------------------------------------ the step's parts (LayerwiseBase.step)
+    def _step_scope(self):
+        return self.clean_stats.session()
+
+    def _clean_forward(self, closure: Callable[[], torch.Tensor]):
+        """The clean forward, recording each layer's input (eq. 10's VJP point) and output shape."""
         inputs: dict[str, torch.Tensor] = {}
         outputs: dict[str, tuple[torch.Size, int]] = {}
 
@@ -322,53 +323,54 @@ class LayerwiseZO(ForwardOnlyBase):
                 outputs[name] = (out.shape, out.shape[1] if out.dim() > 2 else out.shape[0])  # [T, N, ...] or [N, F]
             return hook
 
-        grads: dict[nn.Parameter, torch.Tensor] = {}
-        losses_all: list[float] = []
-        ev, ps = self.evaluator, self.per_sample
-        cs = self.clean_stats
-        with ev.session(), cs.session():
-            handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
-            try:
-                with cs.recording():
-                    clean = ev.centre(closure, per_sample=ps)  # l_n [N] (per sample) or l
-                l0 = float(clean.mean()) if ps else clean
-            finally:
-                for h in handles:
-                    h.remove()
-            for name, m in self.layers.items():
-                shape, batch = outputs[name]
-                # the nodes one loss difference weights: one sample's (per-sample losses), all N's (batch mean)
-                node_dim = int(torch.Size(shape).numel()) // (max(batch, 1) if ps else 1)
-                own = self.spaces[name]
-                if self._mode(name, m, node_dim) == "node":
-                    plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
-                    # the BN layers this layer's output reaches normalise with the clean batch's statistics
-                    with cs.frozen(cs.after(m)):
-                        losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe",
-                                        per_sample=ps)
-                    if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
-                        g_z = per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
-                        if self.node_bn == "bn-vjp":  # through the BN it feeds
-                            g_z = cs.bn_vjp(m, g_z)
-                        losses = losses.mean(1)
-                    else:
-                        g_z = plan.estimate(losses, centre=l0).view(shape)
-                    with torch.enable_grad():  # eq. 10: this layer's VJP at its recorded input
-                        z = m(inputs[name])
-                        for p, g in zip(own.params, torch.autograd.grad(z, own.params, grad_outputs=g_z.to(z))):
-                            grads[p] = g
-                else:
-                    xi = self._noise(torch.Size([own.d]), own.dtype).to(own.device)
-                    plan = one_point_plan(xi, mu, centre=False)
-                    losses = ev.run(closure, own, plan, label=f"layer {name}, weight probe", per_sample=ps)
-                    if ps:
-                        losses = losses.mean(1)  # weight perturbation: the batch loss (Algorithm 1 line 10)
-                    for p, g in zip(own.params, own.split(plan.estimate(losses, centre=l0))):
-                        grads[p] = g
-                losses_all += losses.tolist()
-        for p in group["params"]:
-            p.add_(heavy_ball_(self.state[p]["velocity"], grads[p], lr=group["lr"], momentum=group["momentum"]))
-        return self.finish_step(closure, [l0, *losses_all], l0, 1 + self.q * len(self.layers))
+        handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
+        try:
+            with self.clean_stats.recording():
+                clean = self.evaluator.centre(closure, per_sample=self.per_sample)  # l_n [N] (per sample) or l
+        finally:
+            for h in handles:
+                h.remove()
+        self._recorded = (inputs, outputs)
+        return clean, (float(clean.mean()) if self.per_sample else clean), 0
+
+    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean, l0: float):
+        """One layer's q probes: node perturbation (its output, then eq. 10's VJP to its weights) or
+        weight perturbation (its own weights); the gradient per parameter of the layer."""
+        ev, ps, cs, mu = self.evaluator, self.per_sample, self.clean_stats, self.param_groups[0]["mu"]
+        inputs, outputs = self._recorded
+        shape, batch = outputs[name]
+        # the nodes one loss difference weights: one sample's (per-sample losses), all N's (batch mean)
+        node_dim = int(torch.Size(shape).numel()) // (max(batch, 1) if ps else 1)
+        own = self.spaces[name]
+        if self._mode(name, m, node_dim) == "weight":
+            xi = self._noise(torch.Size([own.d]), own.dtype).to(own.device)
+            plan = one_point_plan(xi, mu, centre=False)
+            losses = ev.run(closure, own, plan, label=f"layer {name}, weight probe", per_sample=ps)
+            if ps:
+                losses = losses.mean(1)  # weight perturbation: the batch loss (Algorithm 1 line 10)
+            return own.split(plan.estimate(losses, centre=l0)), losses
+        plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
+        # the BN layers this layer's output reaches normalise with the clean batch's statistics
+        with cs.frozen(cs.after(m)):
+            losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe", per_sample=ps)
+        if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
+            g_z = per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
+            if self.node_bn == "bn-vjp":  # through the BN it feeds
+                g_z = cs.bn_vjp(m, g_z)
+            losses = losses.mean(1)
+        else:
+            g_z = plan.estimate(losses, centre=l0).view(shape)
+        with torch.enable_grad():  # eq. 10: this layer's VJP at its recorded input
+            z = m(inputs[name])
+            return torch.autograd.grad(z, own.params, grad_outputs=g_z.to(z)), losses
+
+    @torch.no_grad()
+    def _update(self, grads: dict[str, Sequence[torch.Tensor]]) -> None:
+        group = self.param_groups[0]
+        self._recorded = None
+        for name, layer_grads in grads.items():
+            for p, g in zip(self.spaces[name].params, layer_grads):
+                p.add_(heavy_ball_(self.state[p]["velocity"], g, lr=group["lr"], momentum=group["momentum"]))
 
 
 @register_builder("np-zo", "wp-zo", "awp-zo")

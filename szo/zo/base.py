@@ -9,14 +9,15 @@ the step's forwards and records the :class:`~szo.zo.protocol.StepInfo`. Extra st
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from .protocol import StepInfo
 from .update import StateCodec
 
-__all__ = ["CodecOptimizer", "ForwardOnlyBase"]
+__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase"]
 
 
 class CodecOptimizer(torch.optim.Optimizer):
@@ -124,3 +125,50 @@ class ForwardOnlyBase(CodecOptimizer):
         self._last_step = StepInfo(loss=loss, losses=losses, forwards=forwards, unperturbed=unperturbed,
                                    bn_loss=bn_loss)
         return torch.tensor(loss)
+
+
+class LayerwiseBase(ForwardOnlyBase):
+    """The layer-wise step both layer-wise learners share (seed 004 Algorithm 1): one clean forward
+    that records what each trained layer needs (its input, its output's shape), then each layer in
+    ``layers`` probed on its own (``q`` one-sided probes of its nodes or its weights) for its
+    gradient, every probe at the same clean point, then one update of every layer from those
+    gradients, then :meth:`finish_step`. The float learner (``szo.optim.layerwise.LayerwiseZO``:
+    Gaussian probes, heavy ball) and seed 004's integer one on the int8 weights
+    (``szo.hw.mcu.MCUZO``: 1-LSB Rademacher probes, eq. 8) differ only in the four parts below; the
+    node / weight choice of an adaptive learner is ``szo.zo.adaptive_perturbation`` for both."""
+
+    layers: dict[str, Any]
+    q: int
+
+    def _step_scope(self) -> ContextManager:
+        """Held with the evaluator's session around the clean forward and the probes."""
+        return contextlib.nullcontext()
+
+    def _clean_forward(self, closure: Callable[[], torch.Tensor]) -> tuple[Any, float, int]:
+        """The clean forward: its losses (per sample or the batch's), their mean ``l0`` and the extra
+        forwards it took beyond one."""
+        raise NotImplementedError
+
+    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, module: Any, clean: Any, l0: float
+                     ) -> tuple[Any, torch.Tensor]:
+        """One layer's probes at the clean point: its gradient estimate and the probes' batch losses ``[q]``."""
+        raise NotImplementedError
+
+    def _update(self, grads: dict[str, Any]) -> None:
+        """Every layer's update from its gradient (after the probes: no probe sees another layer's step)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the "
+                             + ("per-sample losses" if self.loss_reduction == "none" else "loss"))
+        grads: dict[str, Any] = {}
+        with self.evaluator.session(), self._step_scope():
+            clean, l0, extra = self._clean_forward(closure)
+            losses = [l0]
+            for name, module in self.layers.items():
+                grads[name], probe_losses = self._probe_layer(closure, name, module, clean, l0)
+                losses += probe_losses.tolist()
+        self._update(grads)
+        return self.finish_step(closure, losses, l0, 1 + self.q * len(self.layers) + extra)
