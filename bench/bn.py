@@ -44,7 +44,7 @@ def _running_var(model: nn.Module) -> torch.Tensor:
 
 
 def loaders_for(cfg):
-    from szo.runs import loaders_for as loaders
+    from szo.build import loaders_for as loaders
 
     return loaders(cfg, torch.Generator().manual_seed(int(cfg["seed"])))
 
@@ -62,7 +62,7 @@ def precise_bn(model: nn.Module, loader) -> nn.Module:
 
 
 def run_gap(run_dir: Path) -> dict:
-    from szo.runs import load_run_model, loss_for
+    from szo.build import load_run_model, loss_for
     from szo.train import evaluate
 
     model, cfg = load_run_model(run_dir)
@@ -79,9 +79,9 @@ def run_gap(run_dir: Path) -> dict:
 
 
 def step_bias(root: Path, batches: int, at: Path | None = None) -> list[dict]:
+    from szo.build import build_model, load_run_model, loss_for, subspace_store_for
     from szo.config import load_recipe
     from szo.optim import SZO
-    from szo.runs import build_model, load_run_model, loss_for, subspace_store_for
 
     state = load_run_model(at)[0].state_dict() if at is not None else None
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import machine_info, write_result
 
+from szo.build import build_model, loaders_for, loss_for, subspace_store_for
 from szo.config import load_recipe
 from szo.optim import build_optimizer
-from szo.runs import build_model, loaders_for, loss_for, subspace_store_for
 
 
 def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: int = 1):

@@ -62,7 +62,7 @@ done
 # recipe does not train its own copy of the same 8 BPTT epochs
 $PY -c "import sys; from szo.config import load_recipe; from szo.stages import subspace_build_stage as b
 c = load_recipe('fmnist-continual', ['subspace.root=' + sys.argv[1] + '/store', 'progress=false'])
-from szo.runs import subspace_store_for as s
+from szo.build import subspace_store_for as s
 s(c).exists(c['subspace']['name']) or b(c, sys.argv[1] + '/cpu-bp-s0', progress=False)" "$R"
 cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
 cell "$R/continual-lr0.1-s0" fmnist-continual --set train.lr=0.1 --set "train.max_steps_per_epoch=${CSTEPS:-100}"

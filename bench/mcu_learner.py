@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
+from szo.build import load_run_model
 from szo.data import get_dataset
 from szo.hw import to_fixed
 from szo.hw.mcu import MCUZO, select_block, split_blocks
 from szo.hw.memory import layer_dims
 from szo.optim import LayerwiseZO
-from szo.runs import load_run_model
 from szo.train import evaluate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from szo.build import load_run_model, loaders_for  # noqa: E402
 from szo.config import load_recipe  # noqa: E402
 from szo.hw import to_fixed  # noqa: E402
-from szo.runs import load_run_model, loaders_for  # noqa: E402
 from szo.train import checkpoint_path, load_checkpoint  # noqa: E402
 
 

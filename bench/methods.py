@@ -95,9 +95,9 @@ def short(name: str) -> str:
 
 
 def _ensure_subspace(root: Path, runs: Path) -> None:
+    from szo.build import subspace_store_for
     from szo.config import load_recipe
     from szo.pipeline import run_recipe
-    from szo.runs import subspace_store_for
 
     cfg = load_recipe("digits-bp", [f"subspace.root={root}", "progress=false"])
     try:
@@ -109,11 +109,11 @@ def _ensure_subspace(root: Path, runs: Path) -> None:
 def step_peak(name: str, root: Path) -> int | None:
     """Allocator peak (bytes) of one step of row ``name``, set up as the recipe run sets it up
     (None for the integer learner and BAFFLE, which ``build_optimizer`` does not build)."""
+    from szo.build import build_model, loss_for, subspace_store_for
     from szo.config import load_recipe
     from szo.data import get_dataset
     from szo.methods import QZO_METHODS
     from szo.optim import RunOptions, build_optimizer
-    from szo.runs import build_model, loss_for, subspace_store_for
     from szo.stages import optimizer_options
 
     row = ROWS[name]

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from common import RESULTS, set_threads  # noqa: F401  (puts the checkout on sys.path)
 
+from szo.build import load_run_model
 from szo.data import get_dataset, make_loader
 from szo.export import from_nir, read_nir, to_nir, write_nir
 from szo.export.simulators import run_snntorch, snntorch_from_nir
 from szo.hw.convert import to_fixed
 from szo.io import atomic_write_json
-from szo.runs import load_run_model
 
 
 def _spikes(model: torch.nn.Module, kinds: tuple[type, ...]) -> tuple[list, list]:

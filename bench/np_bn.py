@@ -162,9 +162,9 @@ def cosine(args) -> None:
 
 
 def train(args) -> None:
+    from szo.build import loaders_for, loss_for
     from szo.config import load_recipe
     from szo.optim import RunOptions
-    from szo.runs import loaders_for, loss_for
     from szo.stages import optimizer_options, subspace_model
     from szo.train import fit
 

@@ -36,10 +36,10 @@ from statistics import mean
 
 from common import RESULTS, machine_info  # noqa: F401  (sys.path: this checkout's szo)
 
+from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import get_method, method_label
-from szo.runs import subspace_store_for
 from szo.stages import subspace_build_stage
 
 

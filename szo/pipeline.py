@@ -43,11 +43,11 @@ from typing import Any, Mapping, Sequence
 
 from szo import distributed as D
 from szo.adapt.stage import tta_stage
+from szo.build import build_model, load_run_model, subspace_store_for
 from szo.config import RecipeConfig, load_recipe
 from szo.models.base import SpikingModel
 from szo.report import collect_runs, render, write_report
 from szo.rundir import check_resume_config, run_lock
-from szo.runs import build_model, load_run_model, subspace_store_for
 from szo.stages import (
     bptt_source,
     bptt_stage,

@@ -12,7 +12,7 @@ directory, and keeps the run-directory contract (docs/runs.md): the lock, the re
 * adaptation and export: ``szo.adapt.stage.tta_stage`` and ``szo.commands.export`` build on these.
 
 Model initialisation draws from torch's global RNG inside ``torch.random.fork_rng`` seeded
-with ``cfg.seed`` (``szo.runs.build_model``); everything else (data order, RGE directions) uses
+with ``cfg.seed`` (``szo.build.build_model``); everything else (data order, RGE directions) uses
 the run's own ``torch.Generator``.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
+from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
@@ -38,7 +39,6 @@ from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
 from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, build_optimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
-from szo.runs import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples

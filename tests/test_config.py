@@ -272,7 +272,7 @@ def test_asyncfgd_method_options():
 
 
 def test_memory_format_reaches_the_model():
-    from szo.runs import build_model
+    from szo.build import build_model
 
     assert build_model(load_recipe("digits-scratch")).memory_format == "auto"
     m = build_model(load_recipe("digits-scratch", ["model.memory_format=channels_last"]))

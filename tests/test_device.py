@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.engine import batch_closure
 from szo.export import from_nir, to_nir, write_nir
@@ -25,7 +26,6 @@ from szo.models import create
 from szo.optim import build_optimizer
 from szo.pipeline import run_recipe
 from szo.precision import AUTO, precision_policy, tf32_flags
-from szo.runs import subspace_store_for
 from szo.stages import subspace_build_stage
 
 pytestmark = pytest.mark.device

@@ -68,9 +68,9 @@ def test_safetensors_bytes_do_not_depend_on_metadata_order(tmp_path):
 
 def _run_dir(tmp_path):
     """A run directory as a BPTT stage leaves it: config.yaml and model.safetensors with its record."""
+    from szo.build import build_model
     from szo.config import load_recipe, write_config
     from szo.io import save_weights
-    from szo.runs import build_model
 
     cfg = load_recipe("digits-bp", ["model.kwargs={width: 2}", "model.T=2"])
     run = tmp_path / "run"
@@ -87,9 +87,9 @@ def test_model_weights_carry_a_sha256_record_checked_on_load(tmp_path, capsys):
     model that silently scores 10 %."""
     import json
 
+    from szo.build import load_run_model
     from szo.cli import main
     from szo.io import WeightsIntegrityError, load_weights, weights_record_path
-    from szo.runs import load_run_model
 
     run, model = _run_dir(tmp_path)
     f = run / "model.safetensors"

@@ -5,10 +5,10 @@ import pytest
 import torch
 import yaml
 
+from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.pipeline import build_store_subspace, run_recipe
 from szo.report import collect_runs, render
-from szo.runs import subspace_store_for
 
 TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
 
@@ -50,7 +50,7 @@ def test_scratch_szo_cge_in_subspace(bp_run):
     assert not (root / "cge" / "bptt").exists()  # the subspace was in the store already
     # the model started at the reference and moved only inside the subspace
     ck = torch.load(root / "cge" / "checkpoints" / "last.pt", weights_only=True)
-    from szo.runs import build_model
+    from szo.build import build_model
 
     m = build_model(cfg)
     m.load_state_dict(ck["model"])
@@ -222,7 +222,7 @@ def test_compile_with_hook_synchronised_bn_is_refused_before_a_multi_process_run
 
 
 def test_load_run_model_rebuilds_the_run_model(bp_run, tmp_path):
-    from szo.runs import load_run_model
+    from szo.build import load_run_model
 
     root, sets, _ = bp_run
     model, cfg = load_run_model(root / "bp")  # BPTT run: model.safetensors
@@ -271,7 +271,7 @@ def test_forward_gradient_and_tt_zo_recipes_count_forwards(bp_run, method, extra
     if method == "tt-zo":
         assert {r["layer"] for r in s["tt"]["layers"]} == {"conv2", "fc"} and s["tt"]["d_tt"] < s["tt"]["d_dense"]
         assert s["tt"]["switched_at_step"] == 2
-        from szo.runs import load_run_model
+        from szo.build import load_run_model
 
         model, _ = load_run_model(root / f"{method}-{len(extra)}")  # rebuilt with the run's TT cores
         assert sum(p.numel() for p in model.parameters()) == s["tt"]["d_tt"]

@@ -32,9 +32,9 @@ from typing import Any, Mapping
 import torch
 
 from subspace_store import SubspaceStore
+from szo.build import load_run_model, loss_for
 from szo.config import AdaptationConfig, RecipeConfig, resolve, write_config
 from szo.data import dataset_info
-from szo.runs import load_run_model, loss_for
 from szo.stages import bptt_stage
 
 from . import subspace as adapt_subspace

@@ -201,7 +201,7 @@ def finetune_on_dataset(
     ``settings``: a :class:`szo.config.FinetuneConfig` (or a mapping of its fields; default
     epochs 10, samples 20, SGD lr 0.01, momentum 0.9, weight decay 0, batch size 64): the
     recipe's ``tta.finetune`` section. ``loss``: a ``szo.losses`` name (its default options) or a
-    loss ``fn(out, y)``, e.g. a recipe's ``szo.runs.loss_for(cfg)`` (TET with the recipe's lamb / phi).
+    loss ``fn(out, y)``, e.g. a recipe's ``szo.build.loss_for(cfg)`` (TET with the recipe's lamb / phi).
     Records ``settings.samples`` weight vectors (every ``epochs * steps_per_epoch // samples``
     optimizer steps, initial weights excluded) into ``run_dir/trajectory`` and returns that
     directory. The source model is not modified.

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from szo.build import load_run_model
 from szo.cli import EXPORT
 from szo.data import get_dataset, make_loader
 from szo.demos.dvs_stream import load_source_model
@@ -28,7 +29,6 @@ from szo.export.nir_exchange import DEFAULT_DT, from_nir, to_nir, write_nir
 from szo.hw.convert import to_fixed
 from szo.hw.lava_check import export_run
 from szo.hw.report import input_batch, load_target
-from szo.runs import load_run_model
 
 __all__ = ["register", "add_export_arguments", "add_import_arguments", "run_export", "run_import"]
 

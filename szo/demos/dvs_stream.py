@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from szo.build import load_run_model, subspace_store_for
 from szo.config import RecipeConfig, load_recipe, write_config
 from szo.data import get_dataset
 from szo.data.dvs import EventStream, load_event_file
@@ -34,7 +35,6 @@ from szo.export import from_nir
 from szo.io import atomic_write_json
 from szo.methods import NO_ADAPTATION
 from szo.rundir import check_resume_config, run_lock
-from szo.runs import load_run_model, subspace_store_for
 from szo.stages import bptt_stage, device_for
 
 __all__ = ["SourceModel", "load_source_model", "train_source_model", "run_demo"]

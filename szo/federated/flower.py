@@ -55,13 +55,13 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from szo.build import build_model, loss_for, subspace_store_for
 from szo.config import FEDERATED_SPACES, FederatedConfig, RecipeConfig, resolve, write_config
 from szo.data import get_dataset, make_loader
 from szo.distributed import RankFailure
 from szo.federated import baffle as B
 from szo.io import atomic_write_json
 from szo.rundir import check_pins, run_pins
-from szo.runs import build_model, loss_for, subspace_store_for
 from szo.stages import bptt_source, bptt_stage, metric_sinks, run_dir_guard
 from szo.train import (
     DIVERGE_FACTOR,

@@ -263,7 +263,7 @@ def write_check(report: dict[str, Any], run_dir: str | os.PathLike) -> Path:
 
 
 def weights_file(run_dir: str | os.PathLike) -> Path | None:
-    """The weights a run directory's model is loaded from (``szo.runs.load_run_model``'s order)."""
+    """The weights a run directory's model is loaded from (``szo.build.load_run_model``'s order)."""
     for p in (Path(run_dir) / "model.safetensors", Path(run_dir) / "checkpoints" / "last.pt"):
         if p.is_file():
             return p

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from szo.build import load_run_model
 from szo.data import collate_time_major, dataset_info, get_dataset
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import ARITHMETICS, Precision, check_arithmetic
@@ -32,7 +33,6 @@ from szo.hw.train import check_learner_widths, learner_state_bits
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
 from szo.options import IntegerLearnerOptions
-from szo.runs import load_run_model
 
 __all__ = ["ChipModel", "LOIHI2", "compare_arithmetics", "hw_report", "load_target", "loihi2_features",
            "to_markdown", "write_report"]

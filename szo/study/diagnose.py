@@ -27,10 +27,10 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from szo import plots
+from szo.build import build_model, load_run_model, loss_for, subspace_store_for
 from szo.data import get_dataset, make_loader
 from szo.functional.diagnostics import draw_estimates, estimate_statistics, rge_variance_closed_form
 from szo.io import atomic_write_json
-from szo.runs import build_model, load_run_model, loss_for, subspace_store_for
 from szo.zo import ProbeGuard
 
 __all__ = ["diagnose_model", "diagnose_run", "run_batch", "plot_diagnose", "render"]

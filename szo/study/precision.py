@@ -32,13 +32,13 @@ import torch
 from spikingjelly.activation_based.neuron import BaseNode
 
 from szo import plots
+from szo.build import loss_for, subspace_store_for
 from szo.config import load_recipe
 from szo.functional.diagnostics import cosine
 from szo.io import atomic_write_json, atomic_write_text
 from szo.pipeline import run_or_reuse
 from szo.precision import check_precision, precision_policy
 from szo.rundir import run_lock
-from szo.runs import loss_for, subspace_store_for
 from szo.stages import bptt_stage, device_for, subspace_model
 from szo.study.diagnose import diagnose_model, run_batch
 

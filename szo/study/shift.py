@@ -36,12 +36,12 @@ from torch.utils.data import Subset
 
 from subspace_store import build_subspace
 from szo import plots
+from szo.build import load_run_model, loss_for
 from szo.data import dataset_info, get_dataset, make_loader
 from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import get_method, list_methods, method_label
 from szo.optim import build_optimizer
 from szo.rundir import run_lock
-from szo.runs import load_run_model, loss_for
 from szo.train import fit
 from szo.train.trainer import evaluate
 from szo.trajectory import Trajectory

@@ -27,11 +27,11 @@ from typing import Any, Sequence
 import torch
 
 from subspace_store import bn_and_head_names, build_subspace, coordinate_subspace, project_point, random_subspace
+from szo.build import load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.config import load_recipe
 from szo.io import atomic_write_json
 from szo.pipeline import run_recipe
 from szo.rundir import run_lock
-from szo.runs import load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.train.trainer import evaluate
 
 __all__ = ["subspace_variants", "projection_rows", "study_subspaces"]

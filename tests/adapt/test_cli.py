@@ -43,7 +43,7 @@ def tta_run(tmp_path_factory):
 
 
 def test_source_is_the_pipeline_bptt_stage(tta_run):
-    from szo.runs import load_run_model
+    from szo.build import load_run_model
 
     root, res = tta_run
     src = root / "out" / "source"
@@ -94,7 +94,7 @@ def test_tta_results_written_once_with_the_timings(tta_run):
 
 def test_adaptation_subspace_from_both_trajectories(tta_run):
     from subspace_store import SubspaceStore
-    from szo.runs import load_run_model
+    from szo.build import load_run_model
 
     root, _ = tta_run
     model, _ = load_run_model(root / "out" / "source")

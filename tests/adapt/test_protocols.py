@@ -173,7 +173,7 @@ def loco_run(tmp_path_factory):
 
 def test_loco_recipe_builds_one_subspace_per_corruption_reset_only(loco_run, capsys):
     from subspace_store import SubspaceStore
-    from szo.runs import load_run_model
+    from szo.build import load_run_model
 
     out = loco_run / "out"
     res = json.loads((out / "tta_results.json").read_text())
@@ -196,9 +196,9 @@ def test_loco_recipe_builds_one_subspace_per_corruption_reset_only(loco_run, cap
 
 def test_paper_recipe_flags_the_label_leak_everywhere(loco_run, capsys):
     from subspace_store import SubspaceStore
+    from szo.build import load_run_model
     from szo.config import load_recipe
     from szo.pipeline import run_recipe
-    from szo.runs import load_run_model
 
     out = loco_run / "paper"
     cfg = load_recipe("mnist5k-c-tta", _tiny(loco_run) + ["tta.protocol=paper", "setting=both",

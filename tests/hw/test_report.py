@@ -105,9 +105,9 @@ def test_digits_batch_is_standardised_like_training():
 @pytest.fixture(scope="module")
 def gesture_run(tmp_path_factory):
     """A run directory of the synthetic-gesture recipe (2 input channels, 11 classes, T = 10, width 16)."""
+    from szo.build import build_model
     from szo.config import load_recipe, write_config
     from szo.io import atomic_save_safetensors
-    from szo.runs import build_model
 
     d = tmp_path_factory.mktemp("sg-run")
     cfg = load_recipe("synthetic-gesture", ["data.kwargs.n_per_class=2"])

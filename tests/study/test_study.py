@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
+from szo.build import load_run_model
 from szo.cli import main
 from szo.config import load_recipe
 from szo.pipeline import run_recipe
-from szo.runs import load_run_model
 from szo.study.diagnose import diagnose_model, surrogate_gradient
 from szo.study.precision import study_precision
 from szo.study.subspaces import subspace_variants
@@ -55,7 +55,7 @@ def test_diagnose_cli_rows_and_model_untouched(runs, capsys):
 
 def test_surrogate_gradient_restores_bn_and_diagnose_validates(runs):
     model, cfg = load_run_model(runs / "bp")
-    from szo.runs import loss_for
+    from szo.build import loss_for
     from szo.study.diagnose import run_batch
 
     x, y = run_batch(cfg, 8)
