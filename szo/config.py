@@ -580,6 +580,10 @@ def _check_value(key: str, v: Any, hint: Any, meta: Mapping[str, Any]) -> Any:
             v = float(v)
         except ValueError:
             raise ValueError(f"'{key}' must be a number, got {v!r}") from None
+    if list in kinds and isinstance(v, tuple):  # a sequence given from Python, not YAML
+        v = list(v)
+    if str in kinds and isinstance(v, os.PathLike):  # a path given from Python
+        v = os.fspath(v)
     ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
     if float in kinds and isinstance(v, int) and not isinstance(v, bool):
         ok, v = True, float(v)

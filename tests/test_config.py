@@ -341,3 +341,18 @@ def test_optimizer_options_are_the_recipe_sections():
         assert str(build_err.value) == str(recipe_err.value).replace("szo.", "")  # one rule, spelled per caller
     with pytest.raises(ValueError, match="time_chunk: a setting of the model"):
         build_optimizer("szo-cge", model, lr=0.1, time_chunk=2)
+
+
+def test_sections_built_from_python_take_tuples_and_paths():
+    """A section built from Python (run_tta's keywords, build_optimizer's) takes a tuple where the
+    schema says list and a path where it says str, as the records it replaced did."""
+    from pathlib import Path
+
+    from szo.config import TTAConfig
+    from szo.optim import OptimizerOptions
+
+    t = TTAConfig(corruptions=("gaussian_noise", "fog"), data_dir=Path("/data/c"))
+    assert t.corruptions == ["gaussian_noise", "fog"] and t.data_dir == "/data/c"
+    assert OptimizerOptions(lr=0.1, layers=("conv1",)).layers == ["conv1"]
+    with pytest.raises(ValueError, match="'corruptions' must be list"):
+        TTAConfig(corruptions="fog")
