@@ -157,3 +157,12 @@ def test_tta_learning_rates_under_each_scale():
     a = TTAOptions(batch_size=8, out_dir=".")
     assert (a.lr_of("bp-subspace", "reset"), a.lr_of("bp-subspace", "continual")) == (1.0, 0.1)
     assert TTAOptions(batch_size=8, out_dir=".", scale="trajectory", lr_continual=0.5).lr_of("szo-rge", "continual") == 0.5
+
+
+def test_build_optimizer_without_mu_takes_the_scales_default():
+    """mu unset: the method's relative mu under a relative scale, App. G's 1.0 under absolute."""
+    model = Tiny().double()
+    sub = scaled_subspace(model, 3)
+    rel = build_optimizer("szo-rge", model, subspace=sub, lr=0.03, scale="trajectory", start="current")
+    ab = build_optimizer("szo-rge", model, subspace=sub, lr=0.03, start="current")
+    assert rel.param_groups[0]["mu"] == 0.3 and ab.param_groups[0]["mu"] == 1.0
