@@ -29,7 +29,8 @@ from common import machine_info, write_result
 
 from szo.build import build_model, loaders_for, loss_for, subspace_store_for
 from szo.config import load_recipe
-from szo.optim import build_optimizer
+from szo.optim import RunOptions, build_optimizer
+from szo.stages import optimizer_options
 
 
 def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: int = 1):
@@ -40,9 +41,10 @@ def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: 
     sub = subspace_store_for(cfg).load(cfg["subspace"]["name"], model=model)
     model.load_flat_params(sub.reference)
     model.to(dtype).train()
-    opt = build_optimizer(cfg["method"], model, subspace=sub, lr=1.0, momentum=cfg["train"]["momentum"],
-                          weight_decay=0.0, mu=cfg["szo"]["mu"], q=cfg["szo"]["q"], coords_per_step=None,
-                          generator=torch.Generator().manual_seed(0), distributed="data" if world > 1 else None)
+    # the recipe's own options (mu, lr, scale, ...: optimizer_options), so the drift is the recipe's step
+    opt = build_optimizer(cfg.method, model, subspace=sub, options=optimizer_options(cfg),
+                          run=RunOptions(generator=torch.Generator().manual_seed(0),
+                                         distributed="data" if world > 1 else None))
     loss_fn = loss_for(cfg)
     params, losses = [], []
     for i, (x, y) in enumerate(train):
