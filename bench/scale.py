@@ -252,8 +252,9 @@ def table(data: str, seeds: list[int], root: Path) -> dict:
                     row[v] = vals
                 rows.append(row)
     ref = []
-    for s in seeds:  # no adaptation / BN adaptation, for the TTA rows
-        a = {m: _acc(Chain(data, s, root, sys.executable), "tta", m, "paper") for m in ("none", "bn")}
+    for s in seeds:  # no adaptation / BN adaptation, for the TTA rows: the same in every variant that ran
+        ch = Chain(data, s, root, sys.executable)
+        a = {m: next((x for v in VARIANTS if (x := _acc(ch, "tta", m, v))), None) for m in ("none", "bn")}
         ref.append(a)
     return {"data": data, "seeds": seeds, "rows": rows, "tta_reference": ref, "note": ds.note}
 
@@ -280,6 +281,11 @@ def render(t: dict) -> str:
         label = method_label(r["method"])
         lines.append(f"| {r['setting']} | {label} | {_fmt(r['paper'])} | {_fmt(r['tuned'])} | {_fmt(r['relative'])} "
                      f"| {diff} |")
+    refs = t.get("tta_reference") or []
+    if any(r.get(m) for r in refs for m in ("none", "bn")):  # the TTA rows' yardsticks (the same in each setting)
+        cell = lambda m: " / ".join("-" if not r.get(m) else f"{r[m]['reset']:.2f}" for r in refs)  # noqa: E731
+        lines += ["", f"TTA without adaptation: {cell('none')}; BN adaptation: {cell('bn')} (seed "
+                      f"{' / '.join(map(str, t['seeds']))})."]
     lines += ["", f"Budgets: {t['note']}. Max test accuracy (scratch, continual); TTA: mean over the 15 corruptions "
                   "(severity 5) of the accuracy before each batch's step."]
     return "\n".join(lines) + "\n"
