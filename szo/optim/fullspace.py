@@ -36,9 +36,6 @@ from szo.zo import (
 
 __all__ = ["FullSpaceZO"]
 
-"""The checkpointed counters of a forward-only optimizer: its direction generator (a resumed run
-draws the same directions) and its forward count."""
-
 
 class FullSpaceZO(ForwardOnlyBase):
     """Forward-only full-space ZO optimizer (``estimator="cge"``, ``"coord-one-point"`` or ``"rge"``).
