@@ -104,6 +104,9 @@ def _opt(default: Any = None, **meta: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}  # Section._names per class
+
+
 class Section(Mapping):
     """A frozen config section that also reads as the mapping it was written as. Constructing one
     checks every value against its field's type and metadata (a section cannot hold an invalid
@@ -135,11 +138,13 @@ class Section(Mapping):
     def _names(cls) -> tuple[str, ...]:
         """The keys in reading order: a section's own keys first, then those of the sections it derives
         from, nearest first (dataclasses put a base's fields first: ``train`` would open with lr)."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        out: list[str] = []
-        for klass in cls.__mro__:
-            out += [n for n in inspect.get_annotations(klass) if n in fields and n not in out]
-        return tuple(out)
+        if cls not in _NAMES:  # read on every item access: computed once per class
+            fields = {f.name for f in dataclasses.fields(cls)}
+            out: list[str] = []
+            for klass in cls.__mro__:
+                out += [n for n in inspect.get_annotations(klass) if n in fields and n not in out]
+            _NAMES[cls] = tuple(out)
+        return _NAMES[cls]
 
     def __eq__(self, other: object) -> bool:
         """Equal to a section or plain mapping with the same values (a config.yaml read back)."""
@@ -880,9 +885,9 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
         raise ValueError(f"szo.scale {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; "
                          "use szo.scale absolute")
     mu = sz.mu
-    if mu is None:
-        mus = {s.relative.get("szo.mu") for s in specs if s.relative and "szo.mu" in s.relative}
-        mu = mus.pop() if scale != "absolute" and len(mus) == 1 else 1.0
+    if mu is None:  # the probing methods' default (MethodSpec.default_mu); App. G's 1.0 if they disagree
+        mus = {s.default_mu(scale) for s in specs if s.forward_only}
+        mu = mus.pop() if len(mus) == 1 else 1.0
     return dataclasses.replace(full, szo=sz.replace(mu=mu))
 
 
