@@ -84,6 +84,4 @@ def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]
         opt.pop("tt", None)
     if isinstance(opt.get("integer"), Mapping) and not isinstance(opt["integer"], IntegerLearnerOptions):
         opt["integer"] = IntegerLearnerOptions(**opt["integer"])
-    if opt.get("layers") is not None:
-        opt["layers"] = list(opt["layers"])
     return OptimizerOptions(**opt), RunOptions(**{k: v for k, v in kw.items() if k in _RUN_KEYS})
