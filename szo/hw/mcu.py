@@ -59,6 +59,7 @@ from szo.io import atomic_write_json
 from szo.methods import register_builder
 from szo.train.trainer import evaluate
 from szo.zo import (
+    CleanForward,
     Field,
     LayerwiseBase,
     LoopEvaluator,
@@ -203,7 +204,6 @@ class MCUZO(LayerwiseBase):
         self.step_count = 0
         self.counter = SaturationCounter()
         self.plans: dict[str, LayerPlan] = {}
-        self._recorded: tuple[dict, int] | None = None  # the clean forward's layer inputs and batch size (one step)
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
         self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
 
@@ -354,30 +354,28 @@ class MCUZO(LayerwiseBase):
         # were waiting (then measure again, one more forward)
         if net.int_weights is None and self._freeze():
             clean, extra = self._clean(closure, inputs, record), 1
-        self._recorded = (inputs, int(clean.numel()))
-        return clean, float(clean.mean()), extra
+        return CleanForward(clean, float(clean.mean()), extra, inputs)
 
-    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean: torch.Tensor,
-                     l0: float):
+    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean: CleanForward):
         """One layer's q probes: 1-LSB weight probes of its integers, or Rademacher probes of its
         accumulator nodes then eq. 10 with the integer input; the gradient per LSB of (weights, biases)."""
         net, ev = self.net, self.evaluator
-        inputs, batch = self._recorded
+        batch = int(clean.losses.numel())
         syn = net.int_weights[name]
-        x, acc_shape, shift = inputs[name]
+        x, acc_shape, shift = clean.layers[name]
         if name not in self.plans:
             self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
         if self.plans[name].mode == "weight":
             space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits, self.counter, name)
             plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
             losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
-            g = plan.estimate(losses, centre=l0).to(syn.w_int.device)  # per LSB, over weights then biases
+            g = plan.estimate(losses, centre=clean.l0).to(syn.w_int.device)  # per LSB, over weights then biases
             return (g[:space.n_w].view_as(syn.w_int), None if syn.bias_mant is None else g[space.n_w:]), losses
         T = acc_shape[0] // batch
         shape = torch.Size([T, batch, *acc_shape[1:]])
         plan = one_point_plan(self._rademacher(self.q, shape.numel()), self.mu_node, centre=False)
         per = ev.run(closure, AccNodeSpace(net, name), plan, label=f"layer {name}, node probe", per_sample=True)
-        g_acc = per_sample_node_estimate(plan.directions, per, clean, self.mu_node, shape)
+        g_acc = per_sample_node_estimate(plan.directions, per, clean.losses, self.mu_node, shape)
         g_acc = g_acc.reshape(acc_shape).to(x.device)  # the signs and losses live on the CPU
         gw = _weight_vjp(m, x, g_acc, syn.w_int.shape)  # eq. 10 with the integer input
         gb = None
@@ -386,12 +384,11 @@ class MCUZO(LayerwiseBase):
             gb = g_acc.sum(dims) * 2.0 ** (syn.bias_exp - shift)
         return (gw, gb), per.mean(1)
 
-    def _update(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    def _update(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]], clean: CleanForward) -> None:
         """The global update (eq. 8) of every layer's integers, then the float twin."""
-        _, batch = self._recorded
+        batch = int(clean.losses.numel())
         for name, (gw, gb) in grads.items():
             self._update_layer(name, self.net.int_weights[name], self.plans[name], gw, gb, batch)
-        self._recorded = None
         self.step_count += 1
         self.write_back()
 

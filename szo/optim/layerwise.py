@@ -48,6 +48,7 @@ from szo.functional.zo import per_sample_node_estimate
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
+    CleanForward,
     Field,
     LayerwiseBase,
     LoopEvaluator,
@@ -283,7 +284,6 @@ class LayerwiseZO(LayerwiseBase):
         self.clean_stats = CleanBatchStatistics(model, self.layers, enabled=self.per_sample and node_bn != "live")
         self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
-        self._recorded: tuple[dict, dict] | None = None  # the clean forward's layer inputs / output shapes (one step)
         self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
                        for n, m in self.layers.items()}
         for p in params:
@@ -313,14 +313,12 @@ class LayerwiseZO(LayerwiseBase):
         return self.clean_stats.session()
 
     def _clean_forward(self, closure: Callable[[], torch.Tensor]):
-        """The clean forward, recording each layer's input (eq. 10's VJP point) and output shape."""
-        inputs: dict[str, torch.Tensor] = {}
-        outputs: dict[str, tuple[torch.Size, int]] = {}
+        """The clean forward, recording each layer's input (eq. 10's VJP point), output shape and batch size."""
+        recorded: dict[str, tuple[torch.Tensor, torch.Size, int]] = {}
 
         def record(name):
-            def hook(mod, args, out):
-                inputs[name] = args[0].detach()
-                outputs[name] = (out.shape, out.shape[1] if out.dim() > 2 else out.shape[0])  # [T, N, ...] or [N, F]
+            def hook(mod, args, out):  # out: [T, N, ...] or [N, F]
+                recorded[name] = (args[0].detach(), out.shape, out.shape[1] if out.dim() > 2 else out.shape[0])
             return hook
 
         handles = [m.register_forward_hook(record(n)) for n, m in self.layers.items()]
@@ -330,15 +328,14 @@ class LayerwiseZO(LayerwiseBase):
         finally:
             for h in handles:
                 h.remove()
-        self._recorded = (inputs, outputs)
-        return clean, (float(clean.mean()) if self.per_sample else clean), 0
+        l0 = float(clean.mean()) if self.per_sample else clean
+        return CleanForward(clean, l0, 0, recorded)
 
-    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean, l0: float):
+    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean: CleanForward):
         """One layer's q probes: node perturbation (its output, then eq. 10's VJP to its weights) or
         weight perturbation (its own weights); the gradient per parameter of the layer."""
         ev, ps, cs, mu = self.evaluator, self.per_sample, self.clean_stats, self.param_groups[0]["mu"]
-        inputs, outputs = self._recorded
-        shape, batch = outputs[name]
+        x, shape, batch = clean.layers[name]
         # the nodes one loss difference weights: one sample's (per-sample losses), all N's (batch mean)
         node_dim = int(torch.Size(shape).numel()) // (max(batch, 1) if ps else 1)
         own = self.spaces[name]
@@ -348,26 +345,24 @@ class LayerwiseZO(LayerwiseBase):
             losses = ev.run(closure, own, plan, label=f"layer {name}, weight probe", per_sample=ps)
             if ps:
                 losses = losses.mean(1)  # weight perturbation: the batch loss (Algorithm 1 line 10)
-            return own.split(plan.estimate(losses, centre=l0)), losses
+            return own.split(plan.estimate(losses, centre=clean.l0)), losses
         plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
         # the BN layers this layer's output reaches normalise with the clean batch's statistics
         with cs.frozen(cs.after(m)):
             losses = ev.run(closure, NodeSpace(m, shape), plan, label=f"layer {name}, node probe", per_sample=ps)
         if ps:  # Algorithm 1 line 29: xi_{q,n} (l_{q,n} - l_n) / mu, averaged over q and n
-            g_z = per_sample_node_estimate(plan.directions, losses, clean, mu, shape)
+            g_z = per_sample_node_estimate(plan.directions, losses, clean.losses, mu, shape)
             if self.node_bn == "bn-vjp":  # through the BN it feeds
                 g_z = cs.bn_vjp(m, g_z)
             losses = losses.mean(1)
         else:
-            g_z = plan.estimate(losses, centre=l0).view(shape)
+            g_z = plan.estimate(losses, centre=clean.l0).view(shape)
         with torch.enable_grad():  # eq. 10: this layer's VJP at its recorded input
-            z = m(inputs[name])
+            z = m(x)
             return torch.autograd.grad(z, own.params, grad_outputs=g_z.to(z)), losses
 
-    @torch.no_grad()
-    def _update(self, grads: dict[str, Sequence[torch.Tensor]]) -> None:
+    def _update(self, grads: dict[str, Sequence[torch.Tensor]], clean: CleanForward) -> None:
         group = self.param_groups[0]
-        self._recorded = None
         for name, layer_grads in grads.items():
             for p, g in zip(self.spaces[name].params, layer_grads):
                 p.add_(heavy_ball_(self.state[p]["velocity"], g, lr=group["lr"], momentum=group["momentum"]))

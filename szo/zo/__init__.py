@@ -17,7 +17,7 @@
 The core depends on torch, SpikingJelly and ``szo.functional`` only. docs/architecture.md shows
 how the optimizers of ``szo.optim`` compose it and how to add a method.
 """
-from .base import CodecOptimizer, ForwardOnlyBase, LayerwiseBase
+from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
 from .evaluate import EvaluatorBase, JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
 from .guard import ProbeGuard, check_hparams, resolve_model
@@ -59,7 +59,7 @@ from .update import (
 )
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
     "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",

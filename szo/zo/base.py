@@ -10,6 +10,7 @@ the step's forwards and records the :class:`~szo.zo.protocol.StepInfo`. Extra st
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .protocol import StepInfo
 from .update import StateCodec
 
-__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase"]
+__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward"]
 
 
 class CodecOptimizer(torch.optim.Optimizer):
@@ -127,6 +128,18 @@ class ForwardOnlyBase(CodecOptimizer):
         return torch.tensor(loss)
 
 
+@dataclass(frozen=True)
+class CleanForward:
+    """What a layer-wise step's clean forward gives its probes and its update: the losses (one per
+    sample, or the batch's), their mean ``l0``, the forwards it took beyond one, and what the learner
+    recorded per trained layer (its input, its output's shape)."""
+
+    losses: Any
+    l0: float
+    extra: int
+    layers: dict[str, Any]
+
+
 class LayerwiseBase(ForwardOnlyBase):
     """The layer-wise step both layer-wise learners share (seed 004 Algorithm 1): one clean forward
     that records what each trained layer needs (its input, its output's shape), then each layer in
@@ -144,17 +157,16 @@ class LayerwiseBase(ForwardOnlyBase):
         """Held with the evaluator's session around the clean forward and the probes."""
         return contextlib.nullcontext()
 
-    def _clean_forward(self, closure: Callable[[], torch.Tensor]) -> tuple[Any, float, int]:
-        """The clean forward: its losses (per sample or the batch's), their mean ``l0`` and the extra
-        forwards it took beyond one."""
+    def _clean_forward(self, closure: Callable[[], torch.Tensor]) -> CleanForward:
+        """The clean forward and what it recorded per layer."""
         raise NotImplementedError
 
-    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, module: Any, clean: Any, l0: float
+    def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, module: Any, clean: CleanForward
                      ) -> tuple[Any, torch.Tensor]:
         """One layer's probes at the clean point: its gradient estimate and the probes' batch losses ``[q]``."""
         raise NotImplementedError
 
-    def _update(self, grads: dict[str, Any]) -> None:
+    def _update(self, grads: dict[str, Any], clean: CleanForward) -> None:
         """Every layer's update from its gradient (after the probes: no probe sees another layer's step)."""
         raise NotImplementedError
 
@@ -165,10 +177,10 @@ class LayerwiseBase(ForwardOnlyBase):
                              + ("per-sample losses" if self.loss_reduction == "none" else "loss"))
         grads: dict[str, Any] = {}
         with self.evaluator.session(), self._step_scope():
-            clean, l0, extra = self._clean_forward(closure)
-            losses = [l0]
+            clean = self._clean_forward(closure)
+            losses = [clean.l0]
             for name, module in self.layers.items():
-                grads[name], probe_losses = self._probe_layer(closure, name, module, clean, l0)
+                grads[name], probe_losses = self._probe_layer(closure, name, module, clean)
                 losses += probe_losses.tolist()
-        self._update(grads)
-        return self.finish_step(closure, losses, l0, 1 + self.q * len(self.layers) + extra)
+        self._update(grads, clean)
+        return self.finish_step(closure, losses, clean.l0, 1 + self.q * len(self.layers) + clean.extra)
