@@ -39,7 +39,7 @@ from common import RESULTS, machine_info  # noqa: F401  (sys.path: this checkout
 from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.io import atomic_write_json, atomic_write_text
-from szo.methods import get_method, method_label
+from szo.methods import method_label
 from szo.stages import subspace_build_stage
 
 
@@ -102,19 +102,14 @@ TUNED: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("fmnist", "tta", "*"): ("szo.mu=0.1", "tta.lr_reset=0.1", "tta.lr_continual=0.01"),
 }
 
-#: (c): szo.scale trajectory at the registry's relative defaults (``MethodSpec.relative``), given explicitly:
-#: the recipes pin the paper's absolute mu / lr (and method_defaults), which a user's own recipe under
-#: trajectory would leave null
-REL = get_method("szo-cge").relative
-
-
 def relative(setting: str) -> tuple[str, ...]:
-    """The (c) overrides: the scale and the registry's relative mu / lr (TTA: reset, and a tenth of it for
-    continual, App. G's ratio: what szo.adapt gives when tta.lr_* are null)."""
-    mu, lr = REL["szo.mu"], REL["train.lr"]
-    if setting == "tta":
-        return ("szo.scale=trajectory", f"szo.mu={mu}", f"tta.lr_reset={lr}", f"tta.lr_continual={lr / 10:g}")
-    return ("szo.scale=trajectory", f"szo.mu={mu}", f"train.lr={lr}")
+    """The (c) overrides: szo.scale trajectory and the recipe's pinned absolute mu / lr unset, so the
+    library's own defaults apply (the method's relative mu / lr, ``MethodSpec.relative``; TTA continual a
+    tenth of reset, ``TTAOptions.lr_of``): what a user who sets nothing but the scale gets."""
+    lrs = ("tta.lr_reset=null", "tta.lr_continual=null") if setting == "tta" else ("train.lr=null",)
+    return ("szo.scale=trajectory", "szo.mu=null", *lrs)
+
+
 VARIANTS = ("paper", "tuned", "relative")
 SETTINGS = ("scratch", "continual", "tta")
 
@@ -311,13 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in settings if s not in SETTINGS]
     if bad or not seeds:
         p.error(f"--settings: unknown {bad}; valid: {', '.join(SETTINGS)}" if bad else "--seeds: none given")
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()] if a.methods else None
+    known = set(DATASETS[a.data].scratch_methods) | set(CONTINUAL_METHODS)
+    if methods is not None and (not methods or set(methods) - known):
+        p.error(f"--methods: got {a.methods!r}; valid for {a.data}: a comma list of {', '.join(sorted(known))}")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     if not variants or any(v not in VARIANTS for v in variants):
         p.error(f"--variants: got {a.variants!r}; valid: a comma list of {', '.join(VARIANTS)}")
     root = Path(a.root).resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not a.table:
-        run(a.data, seeds, root, settings, sys.executable, a.methods.split(",") if a.methods else None, variants)
+        run(a.data, seeds, root, settings, sys.executable, methods, variants)
     t = table(a.data, seeds, root)
     md = render(t)
     out = root / a.data
