@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     dd.add_argument("--no-full-space", action="store_true", help="skip the full-space ZO-CGE comparison runs")
     dd.add_argument("--seed", type=int, default=0, help="seed of every stage (BPTT, subspace, SZO runs; default 0)")
+    dd.add_argument("--scale", default=None,
+                    help="szo.scale of the subspace runs (default: the recipes', trajectory); absolute: the paper's "
+                         "units with the hand-tuned digits values (mu 1 / lr 1, SZO-RGE mu 0.3 / lr 0.02 or 0.3)")
     dd.set_defaults(func=Run("szo.commands.demo:run_digits"))
 
     rp = sub.add_parser("report", help="paper-style tables and plots from run directories")

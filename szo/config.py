@@ -259,9 +259,11 @@ class SZOConfig(Section):
     # scale: the units of mu and train.lr / tta.lr_* of the subspace methods (szo.zo.scale, docs/methods.md):
     # absolute (the paper's: lengths in parameter space, App. G mu 1 / lr 1) | trajectory | whitened (mu: the
     # probe's length, lr: the first step's length, in units of the subspace's spread; for the methods whose
-    # registry record has relative defaults). mu null: the scale's default (absolute 1.0, App. G; else the method's)
+    # registry record has relative defaults). null: the method's default (MethodSpec.default_scale: trajectory
+    # for those methods with the float learner, absolute for every other; the run records the one it took).
+    # mu null: the scale's default (absolute 1.0, App. G; else the method's relative mu, 0.3)
     mu: float | None = _opt(None, gt=0.0)
-    scale: str = _opt("absolute", choices=lambda: SCALES)
+    scale: str | None = _opt(None, choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1, model=True)
@@ -384,7 +386,7 @@ class AdaptationConfig(AdapterConfig):
     download: bool = False
     corruptions: list | None = None     # null = the 15 in table order
     # the subspace methods' lr per setting; null = the default of szo.scale: absolute 1.0 / 0.1 (App. G),
-    # trajectory each method's relative train.lr (szo.methods)
+    # trajectory each method's relative train.lr / a tenth of it (szo.methods)
     lr_reset: float | None = _opt(None, min=0.0)
     lr_continual: float | None = _opt(None, min=0.0)
     max_batches: int | None = _opt(None, min=1)
@@ -853,42 +855,45 @@ def _check_hw(full: RecipeConfig) -> None:
 
 
 def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
-    """``validate`` plus defaults that depend on other values: ``szo.mu`` (:func:`_resolve_scale`) and
-    ``train.lr: null`` -> the method's default: under a relative ``szo.scale`` its record's relative
-    ``train.lr``, else its record's ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else
-    ``bptt.lr`` for a backprop method without a subspace (full-space BP), else 1.0 (paper App. G)."""
+    """``validate`` plus defaults that depend on other values: ``szo.scale`` / ``szo.mu``
+    (:func:`_resolve_scale`) and ``train.lr: null`` -> the method's default under the run's scale
+    (``MethodSpec.default_lr``: its relative ``train.lr`` under a relative scale, else its record's,
+    else 1.0, paper App. G), or ``bptt.lr`` for a backprop method without a subspace (full-space BP)."""
     full = _resolve_scale(validate(cfg))
     if full.kind == "tta" or full.train.lr is not None:
         return full
-    spec = get_method(full.method)
-    if full.szo.scale != "absolute":  # a relative scale: the record's relative lr
-        return dataclasses.replace(full, train=full.train.replace(lr=spec.relative["train.lr"]))
-    default = full.bptt.lr if spec.backprop and not spec.subspace else 1.0
-    return dataclasses.replace(full, train=full.train.replace(lr=spec.defaults.get("train.lr", default)))
+    lr = get_method(full.method).default_lr(full.szo.scale)
+    return dataclasses.replace(full, train=full.train.replace(lr=full.bptt.lr if lr is None else lr))
 
 
 def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
-    """A relative ``szo.scale`` is refused in one line unless every subspace method the run trains
-    (kind tta: adapts with) has relative defaults in its record and the learner is the float one.
-    ``szo.mu: null`` -> the scale's default (absolute: 1.0, App. G)."""
+    """``szo.scale: null`` -> the default of the subspace methods the run trains (kind tta: adapts
+    with): ``trajectory`` where every one has relative defaults in its record and the learner is the
+    float one (``MethodSpec.default_scale``), else ``absolute``. A relative scale set explicitly where
+    that does not hold is refused in one line. ``szo.mu: null`` -> the scale's default (absolute: 1.0,
+    App. G; relative: the method's)."""
     sz = full.szo
     if full.kind == "tta":
         methods = [m for m in _tta_names("method", full.method, TTA_METHODS, "all") if get_method(m).subspace]
     else:
         methods = [full.method]
     specs = [get_method(m) for m in methods]
-    relative = bool(specs) and all(s.relative is not None for s in specs) and full.hw.learner != "integer"
-    scale = sz.scale  # absolute by default: trajectory is opt-in until measured on every data set (docs/evidence.md)
-    if scale != "absolute" and not relative:
-        why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if full.hw.learner == "integer"
+    integer = full.hw.learner == "integer"
+    defaults = {s.default_scale(integer=integer) for s in specs}
+    relative = bool(specs) and defaults == {"trajectory"}
+    scale = sz.scale
+    if scale is None:
+        scale = "trajectory" if relative else "absolute"
+    elif scale != "absolute" and not relative:
+        why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if integer
                else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
         raise ValueError(f"szo.scale {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; "
-                         "use szo.scale absolute")
+                         "use szo.scale absolute (or leave it null: the method's default)")
     mu = sz.mu
     if mu is None:  # the probing methods' default (MethodSpec.default_mu); App. G's 1.0 if they disagree
         mus = {s.default_mu(scale) for s in specs if s.forward_only}
         mu = mus.pop() if len(mus) == 1 else 1.0
-    return dataclasses.replace(full, szo=sz.replace(mu=mu))
+    return dataclasses.replace(full, szo=sz.replace(mu=mu, scale=scale))
 
 
 def _apply_method_defaults(raw: dict[str, Any], items: list[tuple[str, Any]]) -> dict[str, Any]:

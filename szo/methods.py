@@ -73,7 +73,8 @@ class MethodSpec:
       (dotted keys, e.g. ``{"train.lr": 1e-3}``);
     * ``relative``: its recipe defaults under ``szo.scale: trajectory`` (``szo.mu``: the probe's length,
       ``train.lr``: the first step's length, both in units of the subspace's spread; ``szo.zo.scale``),
-      which is then its default scale; None: its mu / lr are absolute only (``szo.scale: absolute``).
+      ``trajectory`` is then its default scale (:meth:`default_scale`); None: its mu / lr are absolute
+      only (``szo.scale: absolute``).
     """
 
     name: str
@@ -108,12 +109,30 @@ class MethodSpec:
         """A test-time adaptation method (``szo.adapt``)."""
         return self.adapter is not None
 
+    def default_scale(self, *, integer: bool = False) -> str:
+        """``szo.scale`` where none is set: ``trajectory`` for a method with relative defaults trained
+        by the float learner (measured on digits, mnist5k and Fashion-MNIST: docs/evidence.md,
+        "Scale-free mu and lr"), ``absolute`` for every other method and for the integer on-chip
+        learner (``integer``), whose units are its own."""
+        return "trajectory" if self.relative is not None and not integer else "absolute"
+
     def default_mu(self, scale: str) -> float:
         """``mu`` where none is set: under a relative ``scale`` the record's relative ``szo.mu``, else
         1.0 (the paper's App. G, absolute)."""
         if scale != "absolute" and self.relative and "szo.mu" in self.relative:
             return float(self.relative["szo.mu"])
         return 1.0
+
+    def default_lr(self, scale: str) -> float | None:
+        """``lr`` where none is set: under a relative ``scale`` the record's relative ``train.lr``, else
+        the record's own ``train.lr`` (1e-3 for fg / asyncfgd / tt-zo, their seed papers), else 1.0 (App.
+        G) for a method that does not backpropagate through the whole network; None for full-space
+        backprop, whose step is the BPTT run's (``bptt.lr``)."""
+        if scale != "absolute" and self.relative and "train.lr" in self.relative:
+            return float(self.relative["train.lr"])
+        if "train.lr" in self.defaults:
+            return float(self.defaults["train.lr"])
+        return None if self.backprop and not self.subspace else 1.0
 
     def check_options(self, values: Mapping[str, Any], *, prefix: str = "") -> None:
         """One rule for the method-specific settings (:data:`METHOD_OPTIONS`): each one in ``values``
@@ -248,7 +267,8 @@ def method_label(method: str, q: int | None = None, activation: str = "lif", *, 
 _FO = dict(streaming=True)  # forward-only, single-evaluation probes: the streaming forward applies
 # szo.scale trajectory / whitened (szo.zo.scale): a probe of 0.3 sigma, a first step of 0.03 sigma (sigma: the
 # subspace's spread; TTA continual a tenth), one setting for every subspace method, chosen once on digits and
-# measured on digits and mnist5k (docs/evidence.md, "Scale-free mu and lr")
+# measured on digits, mnist5k and Fashion-MNIST (docs/evidence.md, "Scale-free mu and lr"); trajectory is
+# then these methods' default scale (MethodSpec.default_scale)
 _REL = {"szo.mu": 0.3, "train.lr": 0.03}
 for _spec in (
     # test-time adaptation only (szo.adapt): no recipe trains with them

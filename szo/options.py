@@ -39,8 +39,9 @@ class IntegerLearnerOptions(IntegerStateConfig):
 @dataclass(frozen=True, eq=False)
 class OptimizerOptions(SZOConfig, StepConfig):
     """A method's hyperparameters: the ``szo`` section's and the update's (``lr``, ``momentum``,
-    ``weight_decay``), validated on construction like the recipe they come from. ``mu: None`` is the
-    scale's default (``MethodSpec.default_mu``); the model-side keys (``time_chunk``, ``stream_bn``)
+    ``weight_decay``), validated on construction like the recipe they come from. ``scale: None`` is
+    the method's default (``MethodSpec.default_scale``), ``mu`` / ``lr: None`` the scale's
+    (``default_mu`` / ``default_lr``); the model-side keys (``time_chunk``, ``stream_bn``)
     are the model's and refused as keywords. ``None`` elsewhere where a method has no use for the
     setting."""
 
@@ -75,9 +76,8 @@ def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]
     if unknown:
         raise ValueError(f"build_optimizer got unknown keyword(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(sorted(_OPTION_KEYS | _RUN_KEYS))}")
-    if kw.get("lr") is None:
-        raise ValueError("build_optimizer needs lr=")
     opt = {k: v for k, v in kw.items() if k in _OPTION_KEYS}
+    opt.setdefault("lr", None)  # not given: the method's default under its scale (build_optimizer)
     if isinstance(opt.get("tt"), Mapping) and not isinstance(opt["tt"], TTConfig):
         opt["tt"] = TTConfig(**opt["tt"])
     elif opt.get("tt") is None:

@@ -60,6 +60,7 @@ from szo.stages import (
     subspace_stage,
 )
 from szo.train import TrainingDiverged
+from szo.zo.scale import SCALES
 
 __all__ = ["run_recipe", "run_or_reuse", "run_demo_digits", "load_run_model", "run_bptt_stage", "run_subspace_stage",
            "build_store_subspace", "build_model", "subspace_store_for", "run_dir_guard", "check_store_entry",
@@ -132,29 +133,48 @@ def _run_recipe_distributed(cfg: RecipeConfig, out: Path, dev: str, resume: bool
     return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks, model=model)
 
 
+#: the demo's subspace runs in the paper's units (``szo demo digits --scale absolute``): the settings its
+#: README table was measured with before the relative scale became the default (App. G's mu 1 / lr 1 for
+#: BP-Subspace / SZO-CGE; SZO-RGE hand-tuned on this 5k-parameter net: mu 0.3, lr 0.02 at q = 1, lr 0.3 at q = k/2)
+DEMO_ABSOLUTE = {"bp-subspace": ["train.lr=1"], "szo-cge": ["szo.mu=1", "train.lr=1"],
+                 "szo-rge-q1": ["szo.mu=0.3", "train.lr=0.02"], "szo-rge-qk/2": ["szo.mu=0.3", "train.lr=0.3"],
+                 "continual-szo-cge": ["szo.mu=1", "train.lr=1"]}
+
+
 def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,
-                    progress: bool = True, seed: int = 0) -> dict[str, Any]:
+                    progress: bool = True, seed: int = 0, scale: str | None = None) -> dict[str, Any]:
     """The digits quickstart (``make demo``): BPTT with trajectory -> k=20 subspace -> BP-Subspace,
     SZO-CGE, SZO-RGE(q=1), SZO-RGE(q=k/2) from scratch, a continual SZO-CGE run in a last-epochs
     subspace, optionally full-space ZO-CGE (SNN and its ReLU ANN twin, same 2k forwards per step),
     then the Table 1/3-style report. ``seed`` seeds every stage (the BPTT run, hence the subspace,
-    and each SZO run). Re-running continues: finished runs are kept, interrupted
-    ones resume from their checkpoints. Returns {run name: summary}."""
+    and each SZO run). ``scale``: the subspace runs' ``szo.scale`` (None: the recipes' default,
+    ``trajectory`` with its mu / lr; ``"absolute"``: the paper's units at :data:`DEMO_ABSOLUTE`).
+    Re-running continues: finished runs are kept (a run directory trained with other settings is
+    refused in one line), interrupted ones resume from their checkpoints. Returns {run name: summary}."""
+    if scale is not None and scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)} (or unset: the recipes' default)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with run_lock(out):  # the demo's directory; every stage in it holds its own
-        return _demo_digits(out, device, full_space, progress, seed)
+        return _demo_digits(out, device, full_space, progress, seed, scale)
 
 
-def _demo_digits(out: Path, device: str, full_space: bool, progress: bool, seed: int) -> dict[str, Any]:
+def _demo_digits(out: Path, device: str, full_space: bool, progress: bool, seed: int,
+                 scale: str | None) -> dict[str, Any]:
     base = [f"subspace.root={(out / 'subspaces').resolve()}", f"progress={str(progress).lower()}", f"device={device}",
             f"seed={seed}"]
     t0 = time.perf_counter()
     summaries: dict[str, Any] = {}
 
-    def stage(name: str, fn) -> None:
+    def units(key: str) -> list[str]:  # a subspace run's scale and, in the paper's units, its mu / lr
+        if scale is None:
+            return []
+        return [f"szo.scale={scale}", *(DEMO_ABSOLUTE[key] if scale == "absolute" else [])]
+
+    def stage(name: str, cfg: RecipeConfig, fn, kind: str = "subspace") -> None:
         res = out / name / "results.json"
         if res.is_file():
+            check_resume_config(out / name, cfg, kind)  # a run of other settings: one line, not its old numbers
             summaries[name] = json.loads(res.read_text(encoding="utf-8"))
             if summaries[name].get("status") == "diverged":  # the same settings would diverge again
                 raise TrainingDiverged(f"demo stage {name} diverged in an earlier run ({summaries[name].get('error')}); "
@@ -168,22 +188,23 @@ def _demo_digits(out: Path, device: str, full_space: bool, progress: bool, seed:
               f"#FP {s['fp']}, #BP {s['bp']}, {time.perf_counter() - t0:.0f} s elapsed", flush=True)
 
     bp_cfg = load_recipe("digits-bp", base)
-    stage("bp", lambda d: run_recipe(bp_cfg, d, device=device, resume=True))
+    stage("bp", bp_cfg, lambda d: run_recipe(bp_cfg, d, device=device, resume=True), kind="bptt")
     k = int(bp_cfg["subspace"]["k"])
-    # RGE with q = k/2 directions is ~k/q times less noisy than q = 1: a larger step (lr 0.3)
-    # and the CGE epoch count; q = 1 takes the recipe's method_defaults (lr 0.02, 60 epochs).
-    runs = [("bp-subspace", ["method=bp-subspace"]), ("szo-cge", ["method=szo-cge"]),
-            ("szo-rge-q1", ["method=szo-rge", "szo.q=1"]),
-            (f"szo-rge-q{k // 2}", ["method=szo-rge", f"szo.q={k // 2}", "train.lr=0.3", "train.epochs=20"])]
+    # RGE with q = k/2 directions is ~k/q times less noisy than q = 1: the CGE epoch count (q = 1 takes
+    # the recipe's 60); under the relative scale the same mu / lr serve both q (the signal fraction)
+    runs = [("bp-subspace", ["method=bp-subspace", *units("bp-subspace")]),
+            ("szo-cge", ["method=szo-cge", *units("szo-cge")]),
+            ("szo-rge-q1", ["method=szo-rge", "szo.q=1", *units("szo-rge-q1")]),
+            (f"szo-rge-q{k // 2}", ["method=szo-rge", f"szo.q={k // 2}", "train.epochs=20", *units("szo-rge-qk/2")])]
     if full_space:
         runs += [("zo-cge", ["method=zo-cge"]), ("zo-cge-ann", ["method=zo-cge", "model.activation=relu"])]
     for name, sets in runs:
         cfg = load_recipe("digits-scratch", base + sets)
-        stage(name, lambda d, cfg=cfg: subspace_stage(cfg, d, device=device, resume=True))
-    cont = load_recipe("digits-continual", base)
+        stage(name, cfg, lambda d, cfg=cfg: subspace_stage(cfg, d, device=device, resume=True))
+    cont = load_recipe("digits-continual", base + units("continual-szo-cge"))
     if not subspace_store_for(cont).exists(cont["subspace"]["name"]):
         subspace_build_stage(cont, out / "bp", progress=progress)  # the same BPTT run, last-epochs window
-    stage("continual-szo-cge", lambda d: subspace_stage(cont, d, device=device, resume=True))
+    stage("continual-szo-cge", cont, lambda d: subspace_stage(cont, d, device=device, resume=True))
     runs_found = collect_runs([out / n for n in summaries])
     md = render(runs_found)
     write_report(runs_found, out)

@@ -38,11 +38,60 @@ def test_paper_hyperparameters():
     assert (c["model"]["T"], c["data"]["batch_size"], c["subspace"]["k"]) == (20, 16, 20)
 
 
+PAPER_SCALE = ("cifar10-scratch", "cifar100-scratch", "cifar100-continual", "imagenet-scratch", "imagenet-continual",
+               "dvs-gesture-scratch", "cifar10c-tta", "cifar100c-tta", "imagenetc-tta")
+RELATIVE = ("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt", "bp-subspace")
+
+
+@pytest.mark.parametrize("name", PAPER_SCALE)
+def test_paper_scale_recipes_keep_the_papers_units(name):
+    """The recipes that reproduce the paper's tables pin its units (App. G): absolute, mu 1, lr 1 (TTA 1 / 0.1)."""
+    c = load_recipe(name)
+    assert (c["szo"]["scale"], c["szo"]["mu"]) == ("absolute", 1.0)
+    if c["kind"] == "tta":
+        assert (c["tta"]["lr_reset"], c["tta"]["lr_continual"]) == (1.0, 0.1)
+        return
+    for method in RELATIVE:
+        assert load_recipe(name, [f"method={method}"])["train"]["lr"] == 1.0
+
+
+def test_the_small_recipes_take_the_relative_scale_for_the_subspace_methods_only():
+    """szo.scale unset: trajectory (mu 0.3, lr 0.03) for the five relative methods with the float learner,
+    absolute for every other method and the integer learner; an explicit relative scale where it does not
+    apply is refused; an explicit absolute is the paper's units with App. G's 1.0."""
+    small = [n for n in recipe_names() if load_recipe(n)["kind"] == "subspace" and n not in PAPER_SCALE
+             and n not in ("digits-fixed", "digits-c-mcu")]
+    assert {"digits-scratch", "digits-continual", "mnist5k-scratch", "mnist5k-continual", "fmnist-scratch",
+            "fmnist-continual"} <= set(small)
+    for name in small:
+        for method in RELATIVE:
+            c = load_recipe(name, [f"method={method}"])
+            mu = 0.3 if method != "bp-subspace" else 1.0  # BP-Subspace does not probe
+            assert (c["szo"]["scale"], c["szo"]["mu"], c["train"]["lr"]) == ("trajectory", mu, 0.03), (name, method)
+            a = load_recipe(name, [f"method={method}", "szo.scale=absolute"])
+            assert (a["szo"]["mu"], a["train"]["lr"]) == (1.0, 1.0), (name, method)
+        for method in ("zo-cge", "tt-zo", "fg-subspace", "np-zo"):
+            assert load_recipe(name, [f"method={method}"])["szo"]["scale"] == "absolute"
+    assert load_recipe("digits-scratch", ["method=szo-rge"])["train"]["epochs"] == 60  # its budget stays
+    assert load_recipe("fmnist-scratch", ["method=szo-rge"])["szo"]["q"] == 10
+    for name in ("digits-c-tta", "mnist5k-c-tta", "fmnist-c-tta"):
+        c = load_recipe(name)
+        assert (c["szo"]["scale"], c["szo"]["mu"]) == ("trajectory", 0.3)
+        assert load_recipe(name, ["method=bn,tent"])["szo"]["scale"] == "absolute"  # no subspace method
+    with pytest.raises(ValueError, match="szo.scale 'trajectory' .* does not apply here"):
+        load_recipe("digits-scratch", ["method=zo-cge", "szo.scale=trajectory"])
+    # the fixed-point recipes stay in the paper's units: the integer learner has its own
+    assert load_recipe("digits-fixed")["szo"]["scale"] == "absolute"
+    assert (load_recipe("digits-fixed", ["method=szo-rge"])["szo"]["mu"],
+            load_recipe("digits-fixed", ["method=szo-rge"])["train"]["lr"]) == (0.3, 0.02)
+    assert load_recipe("digits-c-mcu", ["method=szo-cge", "hw.blocks=null"])["szo"]["scale"] == "absolute"
+
+
 def test_mnist5k_recipes():
     c = load_recipe("mnist5k-scratch")
     assert (c["model"]["name"], c["model"]["T"], c["data"]["name"], c["subspace"]["name"], c["subspace"]["k"],
             c["train"]["epochs"], c["szo"]["mu"], c["method"]) == \
-        ("spike_resnet8", 4, "mnist5k", "mnist5k-resnet8-k20", 20, 4, 1.0, "szo-cge")
+        ("spike_resnet8", 4, "mnist5k", "mnist5k-resnet8-k20", 20, 4, 0.3, "szo-cge")
     z = load_recipe("mnist5k-scratch", ["method=zo-rge"])
     assert z["szo"]["q"] == 20 and 2 * z["szo"]["q"] == 2 * c["subspace"]["k"]  # SZO-CGE's forward budget
     c = load_recipe("mnist5k-continual")
@@ -56,8 +105,12 @@ def test_overrides_parse_yaml_values():
     assert c["progress"] is False and c["method"] == "szo-rge" and c["szo"]["q"] == 10
     assert c["train"]["lr"] == pytest.approx(1e-3) and c["model"]["kwargs"] == {"width": 8}
     assert parse_override("a.b= 3 ") == ("a.b", 3)
-    # method default learning rates: 1 for subspace / ZO methods (App. G), bptt.lr for full-space BP
-    assert load_recipe("digits-scratch")["train"]["lr"] == 1.0
+    # method default learning rates: the relative 0.03 for the subspace methods (their default scale,
+    # trajectory), 1 for full-space ZO (App. G), bptt.lr for full-space BP
+    assert load_recipe("digits-scratch")["train"]["lr"] == 0.03
+    assert load_recipe("digits-scratch", ["szo.scale=absolute"])["train"]["lr"] == 1.0
+    assert load_recipe("digits-scratch", ["method=zo-rge"])["train"]["lr"] == 0.1  # its method_defaults
+    assert load_recipe("digits-continual", ["method=zo-rge"])["train"]["lr"] == 1.0
     assert load_recipe("digits-scratch", ["method=bp"])["train"]["lr"] == 0.1
 
 
@@ -112,7 +165,7 @@ def test_method_defaults_apply_only_to_their_method_and_yield_to_set(tmp_path):
     p.write_text("extends: digits-scratch\nname: m\n"
                  "method_defaults:\n  szo-rge: {szo: {mu: 0.25}, train: {lr: 0.03}}\n")
     cge = load_recipe(p)
-    assert cge["method"] == "szo-cge" and cge["szo"]["mu"] == 1.0 and cge["train"]["lr"] == 1.0
+    assert cge["method"] == "szo-cge" and cge["szo"]["mu"] == 0.3 and cge["train"]["lr"] == 0.03
     rge = load_recipe(p, ["method=szo-rge"])
     assert rge["szo"]["mu"] == 0.25 and rge["train"]["lr"] == 0.03
     assert "method_defaults" not in rge  # the resolved config is complete without it

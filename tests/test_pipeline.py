@@ -46,7 +46,10 @@ def test_scratch_szo_cge_in_subspace(bp_run):
     s = run_recipe(cfg, root / "cge")
     # 2k probes + the unperturbed BN forward (bn_update=recompute) per step
     assert s["fp"] == 2 * 4 * (2 * 6 + 1) and s["bp"] == 0 and s["k"] == 6 and s["label"] == "SZO-CGE"
-    assert s["scale"] == {"rule": "absolute"}  # the optimizer's own report (szo.zo.ReportsResults)
+    # the recipe's default scale for SZO-CGE, as the optimizer reports it (szo.zo.ReportsResults): one unit,
+    # the trajectory's spread, for each of the k directions, and the first steps' gradient length
+    assert s["scale"]["rule"] == "trajectory" and len(set(s["scale"]["units"])) == 1 and len(s["scale"]["units"]) == 6
+    assert s["scale"]["gradient_unit"] > 0
     assert not (root / "cge" / "bptt").exists()  # the subspace was in the store already
     # the model started at the reference and moved only inside the subspace
     ck = torch.load(root / "cge" / "checkpoints" / "last.pt", weights_only=True)

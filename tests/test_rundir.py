@@ -12,6 +12,7 @@ import torch
 from szo.cli import main
 from szo.config import load_recipe
 from szo.pipeline import run_recipe
+from szo.rundir import ResumeMismatchError
 from szo.rundir import RunLockedError, config_differences, run_lock
 from szo.train import Callback, checkpoint_path, checksum_path
 
@@ -129,7 +130,7 @@ def test_resume_takes_the_runs_own_config_and_is_exact(store, tmp_path, capsys, 
     line = _one_error_line(capsys)
     assert "method is 'szo-rge' in its config.yaml but 'szo-cge' now" in line
     assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "train.lr=0.5"]) == 2
-    assert "train.lr is 0.02 in its config.yaml but 0.5 now" in _one_error_line(capsys)
+    assert "train.lr is 0.03 in its config.yaml but 0.5 now" in _one_error_line(capsys)
     assert main(["recipe", "digits-bp", "--out", str(tmp_path / "run"), "--resume"]) == 2
     assert "holds a run of recipe 'digits-scratch', not 'digits-bp'" in _one_error_line(capsys)
     # accepted: the run's own config plus harmless keys
@@ -299,7 +300,7 @@ def test_resume_is_checked_against_the_checkpoints_pins_not_the_editable_files(s
     cfg_file.unlink()
     assert main(["recipe", "digits-scratch", "--out", str(run), "--resume", "--set", "szo.mu=0.5"]
                 + _sets(store)) == 2
-    assert "trained with szo.mu = 1.0, the config now says 0.5" in _one_error_line(capsys)
+    assert "trained with szo.mu = 0.3, the config now says 0.5" in _one_error_line(capsys)
     cfg_file.write_text(saved)
     # the same name, another subspace (k=6 again, through the last sample instead of the first)
     st = SubspaceStore(root / "subspaces")
@@ -375,8 +376,9 @@ def test_a_run_written_before_the_newer_schema_keys_resumes(tmp_path):
     from szo.config import load_recipe, write_config
     from szo.rundir import check_resume_config
 
-    for recipe in ("digits-scratch", "digits-fixed"):
-        cfg = load_recipe(recipe)
+    # an earlier szo's subspace runs were all in the paper's units (szo.scale absolute)
+    for recipe, sets in (("digits-scratch", ["szo.scale=absolute"]), ("digits-fixed", [])):
+        cfg = load_recipe(recipe, sets)
         run = tmp_path / recipe
         write_config(cfg, run / "config.yaml")
         old = yaml.safe_load((run / "config.yaml").read_text())
@@ -385,3 +387,6 @@ def test_a_run_written_before_the_newer_schema_keys_resumes(tmp_path):
             old["hw"].pop(key)
         (run / "config.yaml").write_text(yaml.safe_dump(old))
         check_resume_config(run, cfg, "subspace")  # no ResumeMismatchError
+    # ... and is not taken for a run under today's default scale, which trains in other units
+    with pytest.raises(ResumeMismatchError, match="szo.mu is 1.0 in its config.yaml but 0.3 now .and 2 more: szo.scale, train.lr."):
+        check_resume_config(tmp_path / "digits-scratch", load_recipe("digits-scratch"), "subspace")

@@ -26,15 +26,16 @@ __all__ = ["register", "add_arguments", "main", "flags_config"]
 _FLAGS = {
     "data": ("tta", "data", "corrupted data set"), "data_dir": ("tta", "data_dir", "its directory"),
     "severity": ("tta", "severity", "corruption severity"), "batch_size": ("tta", "batch_size", "test batch"),
-    "lr_reset": ("tta", "lr_reset", "subspace methods' lr, reset setting (null: szo.scale's; absolute 1.0)"),
+    "lr_reset": ("tta", "lr_reset", "subspace methods' lr, reset setting (null: szo.scale's; trajectory 0.03, absolute 1.0)"),
     "lr_continual": ("tta", "lr_continual",
-                     "subspace methods' lr, continual setting (null: szo.scale's; absolute 0.1)"),
+                     "subspace methods' lr, continual setting (null: szo.scale's; trajectory 0.003, absolute 0.1)"),
     "predict": ("tta", "predict", "predict before or after the batch's adaptation step"),
     "tent_optimizer": ("tta", "tent_optimizer", "Tent's optimizer"), "tent_lr": ("tta", "tent_lr", "Tent's lr"),
     "max_batches": ("tta", "max_batches", "adapt on at most this many batches per corruption"),
-    "mu": ("szo", "mu", "SZO perturbation scale (null: szo.scale's; absolute 1.0)"),
+    "mu": ("szo", "mu", "SZO perturbation scale (null: szo.scale's; trajectory 0.3, absolute 1.0)"),
     "q": ("szo", "q", "SZO-RGE directions per step"),
-    "scale": ("szo", "scale", "units of --mu / --lr-*: absolute | trajectory | whitened (null: absolute)"),
+    "scale": ("szo", "scale", "units of --mu / --lr-*: absolute | trajectory | whitened (null: the methods' "
+                               "default, trajectory for the subspace methods)"),
 }
 _SECTIONS = {"tta": TTAConfig, "szo": SZOConfig}
 

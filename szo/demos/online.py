@@ -72,7 +72,7 @@ class OnlineClassifier:
         self.buffer: list[tuple[torch.Tensor, list[dict[str, Any]], int]] = []
         self.opt = None if cfg.adapt == NO_ADAPTATION else build_optimizer(
             cfg.adapt, model, subspace=subspace, lr=cfg.lr, momentum=cfg.momentum, mu=cfg.mu, q=cfg.q,
-            generator=torch.Generator().manual_seed(cfg.seed), start="current")
+            generator=torch.Generator().manual_seed(cfg.seed), start="current", scale="absolute")  # the flags' units
 
     @property
     def forward_passes(self) -> int:

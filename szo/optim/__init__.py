@@ -84,7 +84,11 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     :class:`RunOptions`) or as keywords of their fields (``lr=``, ``momentum=``, ``mu=``,
     ``q=``, ``coords_per_step=``, ``engine=``, ``chunk=``, ``bn_update=``, ``layers=``,
     ``stages=``, ``tt=``, ``integer=``, ``weight_decay=``; ``generator=``, ``distributed=``,
-    ``sync_bn=``, ``process_group=``, ``start=``), not both.
+    ``sync_bn=``, ``process_group=``, ``start=``), not both. ``scale`` (``szo.zo.scale``) left unset is
+    the method's default (``trajectory`` for the subspace methods with relative defaults, else
+    ``absolute``), and ``mu`` / ``lr`` left unset the scale's: ``build_optimizer("szo-cge", model,
+    subspace=sub)`` probes 0.3 and steps 0.03 of the subspace's spread; the paper's procedure is
+    ``scale="absolute", mu=1.0, lr=1.0`` (App. G).
 
     ``distributed`` (``"data"`` | ``"perturbation"``, see ``SZO``) is supported by the methods
     whose record lists it (the SZO methods). ``zo-cge`` perturbs ``coords_per_step`` random
@@ -112,7 +116,14 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     run = RunOptions() if run is None else run
     if spec.integer and options.integer is None:
         options = options.replace(integer=IntegerLearnerOptions())
+    if options.scale is None:  # the method's default: trajectory for the relative methods' float learner
+        options = options.replace(scale=spec.default_scale(integer=options.integer is not None))
     if options.mu is None:  # the scale's default: the method's relative mu, or App. G's 1.0
         options = options.replace(mu=spec.default_mu(options.scale))
+    if options.lr is None:  # the scale's default (MethodSpec.default_lr); full-space BP has none
+        lr = spec.default_lr(options.scale)
+        if lr is None:
+            raise ValueError(f"build_optimizer needs lr= for method {method!r} (full-space backprop has no default step)")
+        options = options.replace(lr=lr)
     _check(spec, model, subspace, options, run)
     return spec.builder(integer=options.integer is not None)(spec, model, subspace, options, run)

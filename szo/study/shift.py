@@ -180,7 +180,7 @@ def _cell(bp_run: Path, method: str, n: int, st: ShiftSettings, sub: Any, pool: 
         model.train()
         opt = build_optimizer(method, model, subspace=sub if spec.subspace else None, lr=st.lr_of(method),
                               momentum=st.momentum, mu=st.mu, q=st.q, generator=torch.Generator().manual_seed(st.seed),
-                              start="current")
+                              start="current", scale="absolute")  # the study's mu / lr are the paper's units
         res = fit(model, loader, test_loader, opt, epochs=1, loss_fn=loss_fn, run_dir=run_dir, generator=gen,
                   progress=False, plot=False, info={"name": f"shift {method} N={n}", "method": method})
         return {**res, "adapt_seconds": time.perf_counter() - t0}

@@ -118,6 +118,10 @@ def study_subspaces(bp_run: str | os.PathLike, k: int, *, prefix: str, first_epo
 BN_HEAD_METHOD = "bp-subspace"
 """How ``--train`` trains the ``bn-head`` variant: its k is every BN affine parameter and the
 classifier (thousands), so a CGE step there would cost ~100x SZO-CGE's 2k forwards at k = 20."""
+TRAIN_SCALE = "szo.scale=absolute"
+"""The units every ``--train`` variant trains in (before the study's ``--set`` items, which win): the
+paper's, the one scale that means the same in every variant: a random or coordinate subspace has no
+trajectory spread (zero eigenvalues) for ``szo.scale: trajectory`` to measure lengths in."""
 
 
 def _train_variants(train: str | None, train_overrides: Sequence[str], names: dict[str, str], ks: dict[str, int],
@@ -127,7 +131,7 @@ def _train_variants(train: str | None, train_overrides: Sequence[str], names: di
             own = [f"subspace.name={name}", f"subspace.root={store.root}", f"subspace.k={ks[v]}"]
             if v == "bn-head":
                 own.append(f"method={BN_HEAD_METHOD}")
-            tcfg = load_recipe(train, list(train_overrides) + own)
+            tcfg = load_recipe(train, [TRAIN_SCALE, *train_overrides, *own])
             s = run_recipe(tcfg, out / v)
             result["training"].append({"variant": v, "run_dir": str(out / v), "method": tcfg["method"],
                                        "best_test_acc": s.get("best_test_acc"),

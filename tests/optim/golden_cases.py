@@ -84,4 +84,5 @@ def build(case: str, model: torch.nn.Module, sub: Subspace, generator: torch.Gen
                               **kw)
     if method == "tt-zo":
         tt_parametrize(model, 2, cores=2, min_params=100)
-    return model, build_optimizer(method, model, subspace=sub, generator=generator, start="current", **kw)
+    return model, build_optimizer(method, model, subspace=sub, generator=generator, start="current",
+                                  **{"scale": "absolute", **kw})  # the goldens were written in the paper's units

@@ -56,7 +56,7 @@ def test_model_first_starts_at_the_reference_params_form_where_it_is():
     BPSubspace(model2, sub)
     assert torch.equal(flat(model2), sub.reference)
     model3 = Net()
-    build_optimizer("szo-rge", model3, subspace=sub, lr=1.0)
+    build_optimizer("szo-rge", model3, subspace=sub, lr=1.0, scale="absolute")
     assert torch.equal(flat(model3), sub.reference)
 
 

@@ -42,7 +42,7 @@ def _build(name: str, device: torch.device = torch.device("cpu")):
         return net, build_optimizer(name, net, lr=0.05, q=2, momentum=0.0)
     if name == "tt-zo":
         tt_parametrize(model, 2, cores=2, min_params=100)
-    kw = dict(lr=0.01, momentum=0.0 if name.startswith("asyncfgd") else 0.9, mu=0.01, q=2)
+    kw = dict(lr=0.01, momentum=0.0 if name.startswith("asyncfgd") else 0.9, mu=0.01, q=2, scale="absolute")
     return model, build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(2), **kw)
 
 
@@ -58,7 +58,7 @@ def test_every_forward_only_method_satisfies_the_protocol(name, device):
     be those of the same step on the CPU (fp32; the integer learners exactly)."""
     if name == "szo-cge-batched":
         model, sub = _model_and_subspace(device=device)
-        opt = build_optimizer("szo-cge", model, subspace=sub, lr=0.5, mu=0.05, engine="batched")
+        opt = build_optimizer("szo-cge", model, subspace=sub, lr=0.5, mu=0.05, engine="batched", scale="absolute")
     else:
         model, opt = _build(name, device)
     assert isinstance(opt, ForwardOnlyOptimizer) and is_forward_only(opt), name
@@ -107,7 +107,7 @@ def test_every_forward_only_method_satisfies_the_protocol(name, device):
 @pytest.mark.parametrize("name", BACKPROP_METHODS)
 def test_backprop_methods_are_not_forward_only(name):
     model, sub = _model_and_subspace()
-    opt = build_optimizer(name, model, subspace=sub, lr=0.1)
+    opt = build_optimizer(name, model, subspace=sub, lr=0.1, scale="absolute")
     assert not isinstance(opt, ForwardOnlyOptimizer) and not is_forward_only(opt)
 
 

@@ -164,5 +164,24 @@ def test_build_optimizer_without_mu_takes_the_scales_default():
     model = Tiny().double()
     sub = scaled_subspace(model, 3)
     rel = build_optimizer("szo-rge", model, subspace=sub, lr=0.03, scale="trajectory", start="current")
-    ab = build_optimizer("szo-rge", model, subspace=sub, lr=0.03, start="current")
+    ab = build_optimizer("szo-rge", model, subspace=sub, lr=0.03, scale="absolute", start="current")
     assert rel.param_groups[0]["mu"] == 0.3 and ab.param_groups[0]["mu"] == 1.0
+
+
+def test_build_optimizer_with_nothing_set_takes_the_methods_default_scale():
+    """scale / mu / lr unset: trajectory (mu 0.3, lr 0.03) for the relative methods, the same optimizer as
+    with them spelled out; absolute (App. G) for a method without relative defaults; full-space BP needs lr."""
+    model = Tiny().double()
+    sub = scaled_subspace(model, 3)
+    for method in ("szo-cge", "szo-rge", "bp-subspace"):
+        opt = build_optimizer(method, model, subspace=sub, start="current")
+        assert (opt.scale, opt.param_groups[0]["lr"]) == ("trajectory", 0.03)
+        assert opt.scale_info["units"] == build_optimizer(method, model, subspace=sub, start="current", lr=0.03,
+                                                           scale="trajectory").scale_info["units"]
+    assert build_optimizer("szo-cge", model, subspace=sub, start="current").param_groups[0]["mu"] == 0.3
+    zo = build_optimizer("zo-cge", model, subspace=sub)
+    assert (zo.param_groups[0]["lr"], zo.param_groups[0]["mu"]) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="needs lr= for method 'bp'"):
+        build_optimizer("bp", model)
+    with pytest.raises(ValueError, match="use scale 'absolute'"):  # a subspace without eigenvalues, e.g. a random one
+        build_optimizer("szo-cge", model, subspace=SimpleNamespace(**{**vars(sub), "eigenvalues": torch.zeros(3)}))

@@ -38,7 +38,7 @@ def test_szo_cge_one_point_is_table_13s_estimate():
     f0 = _loss_at(model, theta0.double(), x, y)
     g = torch.tensor([(_loss_at(model, theta0.double() + mu * P[:, i], x, y) - f0) / mu for i in range(P.shape[1])],
                      dtype=torch.float64)
-    opt = build_optimizer("szo-cge-1pt", model, subspace=sub, lr=lr, mu=mu, momentum=0.9)
+    opt = build_optimizer("szo-cge-1pt", model, subspace=sub, lr=lr, mu=mu, momentum=0.9, scale="absolute")
     calls = []
 
     def closure():

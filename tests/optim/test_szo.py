@@ -253,6 +253,6 @@ def test_bad_arguments():
 def test_build_optimizer_zo_cge_matches_szo_forward_budget():
     model = Tiny()
     sub = subspace_for(model, 5, dtype=torch.float32)
-    szo = build_optimizer("szo-cge", model, subspace=sub, lr=1.0, start="current")
+    szo = build_optimizer("szo-cge", model, subspace=sub, lr=1.0, start="current", scale="absolute")
     zo = build_optimizer("zo-cge", model, subspace=sub, lr=0.1, mu=5e-3)
     assert szo.forwards_per_step == zo.forwards_per_step == 10
