@@ -13,6 +13,11 @@ PY=${PY:-python3}  # the Python szo is installed in
 STEPS=${STEPS:-150}
 C=(--set "subspace.root=$R/store" --set progress=false)
 S=(--set "train.max_steps_per_epoch=$STEPS")
+# the absolute mu / lr every subspace cell was measured with (the paper's mu 1 / lr 1, SZO-RGE mnist5k's
+# 0.3 / 0.3), pinned: szo.scale trajectory is the subspace methods' default
+A=(--set szo.scale=absolute)
+pin() { if [ "$1" = szo-rge ]; then echo --set szo.scale=absolute --set szo.mu=0.3 --set train.lr=0.3
+        else echo --set szo.scale=absolute; fi; }
 done_() { [ -f "$1" ] && grep -q '"status": "completed"' "$1"; }
 cell() {  # cell OUT_DIR RECIPE [args...]: one szo recipe run
   local out=$1; shift
@@ -32,7 +37,7 @@ cell "$R/cpu-bp-s0" fmnist-cpu-bp
 cell "$R/cpu-bp-s1" fmnist-cpu-bp --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1
 # from scratch for STEPS steps in the k = 20 subspace, and the baselines for the same steps
 for m in szo-cge szo-rge bp bp-subspace zo-rge; do
-  cell "$R/scratch/$m-s0" fmnist-scratch --set method=$m "${S[@]}"
+  cell "$R/scratch/$m-s0" fmnist-scratch --set method=$m $(pin $m) "${S[@]}"
 done
 # where the subspace's power comes from (k = 20): the variants and their projected BP points (cheap,
 # first), then STEPS steps from scratch in each, below. The whole-trajectory variant is the recipe's
@@ -55,7 +60,8 @@ done_ "$R/shift/shift.json" || $SZO study shift "$R/cpu-bp-s0" --data fmnist-c -
   --severity 5 --samples 100,200,500 --out "$R/shift"
 # the second seed (its own BP run and subspace) for SZO-CGE, BP, BP-Subspace; SZO-RGE's is left out for time
 for m in szo-cge bp bp-subspace; do
-  cell "$R/scratch/$m-s1" fmnist-scratch --set method=$m --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 "${S[@]}"
+  cell "$R/scratch/$m-s1" fmnist-scratch --set method=$m $(pin $m) --set seed=1 --set subspace.name=fmnist-csnn16-k20-s1 \
+    "${S[@]}"
 done
 # continual: SZO-CGE from the BP model in a subspace of its last epochs (5-8), CSTEPS steps. The
 # store entry is built from the fmnist-cpu-bp run above (szo.stages.subspace_build_stage), so the
@@ -64,15 +70,18 @@ $PY -c "import sys; from szo.config import load_recipe; from szo.stages import s
 c = load_recipe('fmnist-continual', ['subspace.root=' + sys.argv[1] + '/store', 'progress=false'])
 from szo.build import subspace_store_for as s
 s(c).exists(c['subspace']['name']) or b(c, sys.argv[1] + '/cpu-bp-s0', progress=False)" "$R"
-cell "$R/continual-s0" fmnist-continual --set "train.max_steps_per_epoch=${CSTEPS:-100}"
-cell "$R/continual-lr0.1-s0" fmnist-continual --set train.lr=0.1 --set "train.max_steps_per_epoch=${CSTEPS:-100}"
-cell "$R/continual-mu0.1-lr0.01-s0" fmnist-continual --set train.lr=0.01 --set szo.mu=0.1 \
+cell "$R/continual-s0" fmnist-continual "${A[@]}" --set "train.max_steps_per_epoch=${CSTEPS:-100}"
+cell "$R/continual-lr0.1-s0" fmnist-continual "${A[@]}" --set train.lr=0.1 --set "train.max_steps_per_epoch=${CSTEPS:-100}"
+cell "$R/continual-mu0.1-lr0.01-s0" fmnist-continual "${A[@]}" --set train.lr=0.01 --set szo.mu=0.1 \
   --set "train.max_steps_per_epoch=${CSTEPS:-100}"
-# training in the study's variants and at k = 5, 10 (the cheap cells first)
+# training in the study's variants and at k = 5, 10 (the cheap cells first); the random and BN + classifier
+# subspaces keep no eigenvalues, so only szo.scale absolute applies there
 cell "$R/study-subspaces/train-bn-head" fmnist-scratch --set "subspace.name=$(row "$J" bn-head store_name)" \
-  --set "subspace.k=$(row "$J" bn-head k)" --set method=bp-subspace "${S[@]}"
-train_k() { cell "$R/study-k$1/train-whole" fmnist-scratch --set "subspace.name=fmnist-k$1-whole" --set "subspace.k=$1" "${S[@]}"; }
-train_v() { cell "$R/study-subspaces/train-$1" fmnist-scratch --set "subspace.name=$(row "$J" "$1" store_name)" "${S[@]}"; }
+  --set "subspace.k=$(row "$J" bn-head k)" --set method=bp-subspace "${A[@]}" "${S[@]}"
+train_k() { cell "$R/study-k$1/train-whole" fmnist-scratch --set "subspace.name=fmnist-k$1-whole" --set "subspace.k=$1" \
+  "${A[@]}" "${S[@]}"; }
+train_v() { cell "$R/study-subspaces/train-$1" fmnist-scratch --set "subspace.name=$(row "$J" "$1" store_name)" \
+  "${A[@]}" "${S[@]}"; }
 train_k 5
 train_v random0
 train_k 10

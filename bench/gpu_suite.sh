@@ -93,7 +93,7 @@ for part in "$@"; do
     study)  # precision study on CUDA (fp32 / tf32 / bf16 probes), digits scratch and continual, 3 seeds
         for r in digits-continual digits-scratch; do
             run study $PY -m szo study precision $r --device cuda --precision fp32,tf32,bf16 --seeds 0,1,2 \
-                --out "$DIR/study-$r" --set progress=false
+                --out "$DIR/study-$r" --set progress=false --set szo.scale=absolute
         done ;;
     anchor)  # SpikingJelly's Fashion-MNIST tutorial to its 64th epoch (fmnist-bp; open 0.5-point check)
         R=$(mktemp -d)/FashionMNIST/raw && mkdir -p "$R"

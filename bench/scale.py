@@ -62,7 +62,7 @@ CONTINUAL_METHODS = ("szo-cge", "bp-subspace")
 
 DATASETS: dict[str, DataSet] = {
     "digits": DataSet("digits-bp", "digits-scratch", "digits-continual", "digits-c-tta",
-                      ("szo-cge", "szo-rge", "bp-subspace"), tta_own_source=True,
+                      ("szo-cge", "szo-rge", "bp-subspace"), budget={"rge": ("train.epochs=60",)}, tta_own_source=True,
                       note="recipe budgets: scratch 20 epochs (SZO-RGE / SZO-1pt: 60, q = 1), continual 2 epochs"),
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", "mnist5k-continual", "mnist5k-c-tta",
                        ("szo-cge", "szo-rge", "bp-subspace"),
@@ -72,7 +72,7 @@ DATASETS: dict[str, DataSet] = {
     "fmnist": DataSet("fmnist-cpu-bp", "fmnist-scratch", "fmnist-continual", "fmnist-c-tta",
                       ("szo-cge", "szo-rge", "bp-subspace"),
                       budget={"scratch": ("train.max_steps_per_epoch=100",),
-                              "continual": ("train.max_steps_per_epoch=50",)},
+                              "continual": ("train.max_steps_per_epoch=50",), "rge": ("szo.q=10",)},
                       note="scratch 100 steps (recipe: one epoch, 469), continual 50 steps (recipe: 469), "
                            "SZO-RGE q = 10"),
 }
