@@ -62,7 +62,8 @@ CONTINUAL_METHODS = ("szo-cge", "bp-subspace")
 
 DATASETS: dict[str, DataSet] = {
     "digits": DataSet("digits-bp", "digits-scratch", "digits-continual", "digits-c-tta",
-                      ("szo-cge", "szo-rge", "bp-subspace"), budget={"rge": ("train.epochs=60",)}, tta_own_source=True,
+                      ("szo-cge", "szo-rge", "bp-subspace", "szo-1pt", "szo-cge-1pt"), budget={"rge": ("train.epochs=60",)},
+                      tta_own_source=True,
                       note="recipe budgets: scratch 20 epochs (SZO-RGE / SZO-1pt: 60, q = 1), continual 2 epochs"),
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", "mnist5k-continual", "mnist5k-c-tta",
                        ("szo-cge", "szo-rge", "bp-subspace"),

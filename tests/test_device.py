@@ -54,7 +54,7 @@ def _buffers(m):
 def test_probes_restore_the_parameters_and_bn_exactly_even_when_a_probe_fails(device):
     m = _model(device)
     theta, bn = m.flat_params().clone(), _buffers(m)
-    opt = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.5, mu=0.05)
+    opt = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.5, mu=0.05, scale="absolute")
     x, y = _batch(device)
     inner = batch_closure(m, tet_loss, x, y)
     calls = []
@@ -70,7 +70,7 @@ def test_probes_restore_the_parameters_and_bn_exactly_even_when_a_probe_fails(de
     assert torch.equal(m.flat_params(), theta)
     assert all(torch.equal(v, bn[k]) for k, v in m.named_buffers())
     # a step at lr 0 moves nothing either: every probe is undone bit for bit
-    opt0 = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.0, mu=0.05, momentum=0.0)
+    opt0 = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.0, mu=0.05, momentum=0.0, scale="absolute")
     opt0.step(inner)
     assert torch.equal(m.flat_params(), theta)
 
@@ -80,7 +80,7 @@ def test_bn_is_frozen_across_probes_and_committed_once(device):
     new parameters from the statistics before it (the 2k probes leave no trace)."""
     m = _model(device)
     before = _buffers(m)
-    opt = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.5, mu=0.05, bn_update="recompute")
+    opt = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.5, mu=0.05, bn_update="recompute", scale="absolute")
     x, y = _batch(device)
     opt.step(batch_closure(m, tet_loss, x, y))
     ref = _model(device)

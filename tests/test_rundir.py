@@ -12,8 +12,7 @@ import torch
 from szo.cli import main
 from szo.config import load_recipe
 from szo.pipeline import run_recipe
-from szo.rundir import ResumeMismatchError
-from szo.rundir import RunLockedError, config_differences, run_lock
+from szo.rundir import ResumeMismatchError, RunLockedError, config_differences, run_lock
 from szo.train import Callback, checkpoint_path, checksum_path
 
 TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]

@@ -120,7 +120,7 @@ def test_szo_steps_through_graphs_equal_eager_steps():
         d = m.num_params()
         basis = torch.linalg.qr(torch.randn(d, 3, generator=torch.Generator().manual_seed(1)))[0]
         sub = SimpleNamespace(basis=basis, layout=m.param_layout(), reference=m.flat_params())
-        opt = build_optimizer("szo-cge", m, subspace=sub, lr=0.5, mu=0.05)
+        opt = build_optimizer("szo-cge", m, subspace=sub, lr=0.5, mu=0.05, scale="absolute")
         for i in range(2):
             x, y = _x(seed=10 + i), torch.arange(8) % 10
             opt.step(batch_closure(m, tet_loss, x, y))
