@@ -133,12 +133,12 @@ def _run_recipe_distributed(cfg: RecipeConfig, out: Path, dev: str, resume: bool
     return subspace_stage(cfg, out, device=dev, resume=resume, callbacks=callbacks, model=model)
 
 
-#: the demo's subspace runs in the paper's units (``szo demo digits --scale absolute``): the settings its
-#: README table was measured with before the relative scale became the default (App. G's mu 1 / lr 1 for
-#: BP-Subspace / SZO-CGE; SZO-RGE hand-tuned on this 5k-parameter net: mu 0.3, lr 0.02 at q = 1, lr 0.3 at q = k/2)
-DEMO_ABSOLUTE = {"bp-subspace": ["train.lr=1"], "szo-cge": ["szo.mu=1", "train.lr=1"],
-                 "szo-rge-q1": ["szo.mu=0.3", "train.lr=0.02"], "szo-rge-qk/2": ["szo.mu=0.3", "train.lr=0.3"],
-                 "continual-szo-cge": ["szo.mu=1", "train.lr=1"]}
+#: mu / lr of the demo's subspace runs in the paper's units (``szo demo digits --scale absolute``): the settings
+#: its README table was measured with before the relative scale became the default: App. G's mu 1 / lr 1 for
+#: BP-Subspace / SZO-CGE (from scratch and continual); SZO-RGE hand-tuned on this 5k-parameter net
+PAPER_UNITS = ("szo.mu=1", "train.lr=1")
+RGE_Q1_UNITS = ("szo.mu=0.3", "train.lr=0.02")  # lr 0.05 already diverges (README)
+RGE_QK2_UNITS = ("szo.mu=0.3", "train.lr=0.3")  # k/q times less noisy than q = 1: a larger step
 
 
 def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,
@@ -148,7 +148,7 @@ def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "
     subspace, optionally full-space ZO-CGE (SNN and its ReLU ANN twin, same 2k forwards per step),
     then the Table 1/3-style report. ``seed`` seeds every stage (the BPTT run, hence the subspace,
     and each SZO run). ``scale``: the subspace runs' ``szo.scale`` (None: the recipes' default,
-    ``trajectory`` with its mu / lr; ``"absolute"``: the paper's units at :data:`DEMO_ABSOLUTE`).
+    ``trajectory`` with its mu / lr; ``"absolute"``: the paper's units, :data:`PAPER_UNITS` and the hand-tuned SZO-RGE values).
     Re-running continues: finished runs are kept (a run directory trained with other settings is
     refused in one line), interrupted ones resume from their checkpoints. Returns {run name: summary}."""
     if scale is not None and scale not in SCALES:
@@ -166,10 +166,10 @@ def _demo_digits(out: Path, device: str, full_space: bool, progress: bool, seed:
     t0 = time.perf_counter()
     summaries: dict[str, Any] = {}
 
-    def units(key: str) -> list[str]:  # a subspace run's scale and, in the paper's units, its mu / lr
+    def units(absolute: tuple[str, ...]) -> list[str]:  # a subspace run's scale and, in the paper's units, mu / lr
         if scale is None:
             return []
-        return [f"szo.scale={scale}", *(DEMO_ABSOLUTE[key] if scale == "absolute" else [])]
+        return [f"szo.scale={scale}", *(absolute if scale == "absolute" else ())]
 
     def stage(name: str, cfg: RecipeConfig, fn, kind: str = "subspace") -> None:
         res = out / name / "results.json"
@@ -192,16 +192,16 @@ def _demo_digits(out: Path, device: str, full_space: bool, progress: bool, seed:
     k = int(bp_cfg["subspace"]["k"])
     # RGE with q = k/2 directions is ~k/q times less noisy than q = 1: the CGE epoch count (q = 1 takes
     # the recipe's 60); under the relative scale the same mu / lr serve both q (the signal fraction)
-    runs = [("bp-subspace", ["method=bp-subspace", *units("bp-subspace")]),
-            ("szo-cge", ["method=szo-cge", *units("szo-cge")]),
-            ("szo-rge-q1", ["method=szo-rge", "szo.q=1", *units("szo-rge-q1")]),
-            (f"szo-rge-q{k // 2}", ["method=szo-rge", f"szo.q={k // 2}", "train.epochs=20", *units("szo-rge-qk/2")])]
+    runs = [("bp-subspace", ["method=bp-subspace", *units(PAPER_UNITS)]),
+            ("szo-cge", ["method=szo-cge", *units(PAPER_UNITS)]),
+            ("szo-rge-q1", ["method=szo-rge", "szo.q=1", *units(RGE_Q1_UNITS)]),
+            (f"szo-rge-q{k // 2}", ["method=szo-rge", f"szo.q={k // 2}", "train.epochs=20", *units(RGE_QK2_UNITS)])]
     if full_space:
         runs += [("zo-cge", ["method=zo-cge"]), ("zo-cge-ann", ["method=zo-cge", "model.activation=relu"])]
     for name, sets in runs:
         cfg = load_recipe("digits-scratch", base + sets)
         stage(name, cfg, lambda d, cfg=cfg: subspace_stage(cfg, d, device=device, resume=True))
-    cont = load_recipe("digits-continual", base + units("continual-szo-cge"))
+    cont = load_recipe("digits-continual", base + units(PAPER_UNITS))
     if not subspace_store_for(cont).exists(cont["subspace"]["name"]):
         subspace_build_stage(cont, out / "bp", progress=progress)  # the same BPTT run, last-epochs window
     stage("continual-szo-cge", cont, lambda d: subspace_stage(cont, d, device=device, resume=True))
