@@ -66,7 +66,7 @@ DATASETS: dict[str, DataSet] = {
                       tta_own_source=True,
                       note="recipe budgets: scratch 20 epochs (SZO-RGE / SZO-1pt: 60, q = 1), continual 2 epochs"),
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", "mnist5k-continual", "mnist5k-c-tta",
-                       ("szo-cge", "szo-rge", "bp-subspace"),
+                       ("szo-cge", "szo-rge", "bp-subspace", "szo-1pt", "szo-cge-1pt"),
                        budget={"scratch": ("train.epochs=2",), "continual": ("train.epochs=1",),
                                "rge": ("szo.q=10",)},
                        note="scratch 2 epochs (recipe: 4), continual 1 epoch (recipe: 2), SZO-RGE q = 10"),
