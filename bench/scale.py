@@ -69,7 +69,7 @@ DATASETS: dict[str, DataSet] = {
                        ("szo-cge", "szo-rge", "bp-subspace", "szo-1pt", "szo-cge-1pt"),
                        budget={"scratch": ("train.epochs=2",), "continual": ("train.epochs=1",),
                                "rge": ("szo.q=10",)},
-                       note="scratch 2 epochs (recipe: 4), continual 1 epoch (recipe: 2), SZO-RGE q = 10"),
+                       note="scratch 2 epochs (recipe: 4), continual 1 epoch (recipe: 2), SZO-RGE / SZO-1pt q = 10"),
     "fmnist": DataSet("fmnist-cpu-bp", "fmnist-scratch", "fmnist-continual", "fmnist-c-tta",
                       ("szo-cge", "szo-rge", "bp-subspace"),
                       budget={"scratch": ("train.max_steps_per_epoch=100",),
