@@ -266,7 +266,7 @@ def method_label(method: str, q: int | None = None, activation: str = "lif", *, 
 # ---------------------------------------------------------------------- the records
 _FO = dict(streaming=True)  # forward-only, single-evaluation probes: the streaming forward applies
 # szo.scale trajectory / whitened (szo.zo.scale): a probe of 0.3 sigma, a first step of 0.03 sigma (sigma: the
-# subspace's spread; TTA continual a tenth), one setting for every subspace method, chosen once on digits and
+# subspace's spread; TTA continual a tenth), one setting for the central-difference methods, chosen once on digits and
 # measured on digits, mnist5k and Fashion-MNIST (docs/evidence.md, "Scale-free mu and lr"); trajectory is
 # then these methods' default scale (MethodSpec.default_scale)
 _REL = {"szo.mu": 0.3, "train.lr": 0.03}
