@@ -71,11 +71,11 @@ DATASETS: dict[str, DataSet] = {
                                "rge": ("szo.q=10",)},
                        note="scratch 2 epochs (recipe: 4), continual 1 epoch (recipe: 2), SZO-RGE / SZO-1pt q = 10"),
     "fmnist": DataSet("fmnist-cpu-bp", "fmnist-scratch", "fmnist-continual", "fmnist-c-tta",
-                      ("szo-cge", "szo-rge", "bp-subspace"),
+                      ("szo-cge", "szo-rge", "bp-subspace", "szo-1pt", "szo-cge-1pt"),
                       budget={"scratch": ("train.max_steps_per_epoch=100",),
                               "continual": ("train.max_steps_per_epoch=50",), "rge": ("szo.q=10",)},
                       note="scratch 100 steps (recipe: one epoch, 469), continual 50 steps (recipe: 469), "
-                           "SZO-RGE q = 10"),
+                           "SZO-RGE / SZO-1pt q = 10"),
 }
 
 PAPER = {"train": ("szo.scale=absolute", "szo.mu=1.0", "train.lr=1.0"),
