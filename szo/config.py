@@ -261,7 +261,7 @@ class SZOConfig(Section):
     # probe's length, lr: the first step's length, in units of the subspace's spread; for the methods whose
     # registry record has relative defaults). null: the method's default (MethodSpec.default_scale: trajectory
     # for those methods with the float learner, absolute for every other; the run records the one it took).
-    # mu null: the scale's default (absolute 1.0, App. G; else the method's relative mu: 0.3, one-point 0.03)
+    # mu null: the scale's default (absolute 1.0, App. G; else the method's relative mu, 0.3)
     mu: float | None = _opt(None, gt=0.0)
     scale: str | None = _opt(None, choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends

@@ -66,8 +66,7 @@ def test_the_small_recipes_take_the_relative_scale_for_the_subspace_methods_only
     for name in small:
         for method in RELATIVE:
             c = load_recipe(name, [f"method={method}"])
-            # BP-Subspace does not probe; the one-point estimators probe at a tenth (their forward difference's bias)
-            mu = {"bp-subspace": 1.0, "szo-1pt": 0.03, "szo-cge-1pt": 0.03}.get(method, 0.3)
+            mu = 0.3 if method != "bp-subspace" else 1.0  # BP-Subspace does not probe
             assert (c["szo"]["scale"], c["szo"]["mu"], c["train"]["lr"]) == ("trajectory", mu, 0.03), (name, method)
             a = load_recipe(name, [f"method={method}", "szo.scale=absolute"])
             assert (a["szo"]["mu"], a["train"]["lr"]) == (1.0, 1.0), (name, method)
