@@ -32,6 +32,10 @@ METHODS = {  # name -> (recipe, overrides); the absolute mu / lr the figures wer
     "SZO-CGE": ("digits-scratch", ["method=szo-cge", "szo.scale=absolute"]),
     "SZO-RGE(q=1)": ("digits-scratch", ["method=szo-rge", "szo.q=1", "szo.scale=absolute", "szo.mu=0.3",
                                         "train.lr=0.02"]),
+    # the same methods at their default scale (trajectory: mu 0.3, lr 0.03 of the subspace's spread), nothing set
+    "BP-Subspace, default scale": ("digits-scratch", ["method=bp-subspace"]),
+    "SZO-CGE, default scale": ("digits-scratch", ["method=szo-cge"]),
+    "SZO-RGE(q=1), default scale": ("digits-scratch", ["method=szo-rge", "szo.q=1"]),
 }
 
 
@@ -51,7 +55,7 @@ def run_all(out: Path, quick: bool, compile_: bool = False) -> dict[str, list[di
         base += ["bptt.epochs=3", "train.epochs=2", "subspace.k=6"]
     histories = {}
     for name, (recipe, sets) in METHODS.items():
-        run_dir = out / name.replace("(", "-").replace(")", "").replace("=", "")
+        run_dir = out / name.replace("(", "-").replace(")", "").replace("=", "").replace(", ", "-").replace(" ", "-")
         if not (run_dir / "results.json").is_file():
             cfg = load_recipe(recipe, base + sets)
             print(f"[converge] {name} ...", flush=True)
