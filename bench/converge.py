@@ -12,7 +12,7 @@ Writes bench/results/converge.json and converge.png (test accuracy against #FP a
 training time). Runs live in bench/results/converge/ and are reused when complete (delete the
 directory for fresh timings).
 
-    python bench/converge.py                 # target 95 %, full recipe settings (~5 min on 2 cores)
+    python bench/converge.py                 # target 95 %, full recipe settings (~8 min, one thread)
     python bench/converge.py --quick         # fewer epochs (smoke test)
     python bench/converge.py --compile       # the same with compile=true (compile time included)
 """
