@@ -132,9 +132,8 @@ class TTAOptions(AdaptationConfig):
         lr = self.lr_reset if setting == "reset" else self.lr_continual
         if lr is not None:
             return lr
-        if self.scale != "absolute":  # the method's relative step; continual: the paper's ratio to reset (App. G)
-            return get_method(method).relative["train.lr"] * APP_G_LR[setting] / APP_G_LR["reset"]
-        return APP_G_LR[setting]
+        # the method's step under the scale (absolute: App. G's 1.0); continual: the paper's ratio to reset
+        return get_method(method).default_lr(self.scale) * APP_G_LR[setting] / APP_G_LR["reset"]
 
 
 class _TTARun:
