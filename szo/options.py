@@ -45,7 +45,6 @@ class OptimizerOptions(SZOConfig, StepConfig):
     are the model's and refused as keywords. ``None`` elsewhere where a method has no use for the
     setting."""
 
-    lr: float | None = field(default=None, metadata={"min": 0.0})  # None: the method's, under its scale
     tt: TTConfig = field(default_factory=TTConfig)
     integer: IntegerLearnerOptions | None = None  # set: train with the integer on-chip learner
 
@@ -78,6 +77,7 @@ def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]
         raise ValueError(f"build_optimizer got unknown keyword(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(sorted(_OPTION_KEYS | _RUN_KEYS))}")
     opt = {k: v for k, v in kw.items() if k in _OPTION_KEYS}
+    opt.setdefault("lr", None)  # not given: the method's default under its scale (build_optimizer)
     if isinstance(opt.get("tt"), Mapping) and not isinstance(opt["tt"], TTConfig):
         opt["tt"] = TTConfig(**opt["tt"])
     elif opt.get("tt") is None:
