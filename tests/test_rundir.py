@@ -256,13 +256,12 @@ def test_demo_refuses_a_finished_stage_of_other_settings(tmp_path):
     base = [f"subspace.root={(tmp_path / 'subspaces').resolve()}", "progress=false", "device=cpu", "seed=0"]
     done = json.dumps({"status": "completed", "best_test_acc": 0.9, "converged_epoch": 1, "fp": 1, "bp": 1})
     for name, cfg in (("bp", load_recipe("digits-bp", base)),
-                      ("bp-subspace", load_recipe("digits-scratch", base + ["method=bp-subspace", "szo.scale=absolute",
-                                                                             *PAPER_UNITS]))):
+                      ("bp-subspace", load_recipe("digits-scratch", base + ["method=bp-subspace", *PAPER_UNITS]))):
         write_config(cfg, tmp_path / name / "config.yaml")
         (tmp_path / name / "results.json").write_text(done)
     with pytest.raises(ResumeMismatchError, match="szo.scale is 'absolute' in its config.yaml but 'trajectory' now .and 1 more: train.lr.; .* another --out"):
         run_demo_digits(tmp_path, progress=False)
-    with pytest.raises(ValueError, match="unknown scale 'paper'; valid: absolute, trajectory, whitened"):
+    with pytest.raises(ValueError, match="szo.scale 'paper'; valid: absolute, trajectory, whitened"):
         run_demo_digits(tmp_path, progress=False, scale="paper")
 
 
