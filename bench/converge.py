@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 from common import RESULTS, machine_info, set_threads, write_result
 
-METHODS = {  # name -> (recipe, overrides); the absolute mu / lr the figures were measured with (App. G's 1 / 1,
-    # SZO-RGE's hand-tuned 0.3 / 0.02), pinned: szo.scale trajectory is the subspace methods' default
+from szo.pipeline import DIGITS_RGE_UNITS, PAPER_UNITS
+
+METHODS = {  # name -> (recipe, overrides); the paper's units (App. G's mu 1 / lr 1, SZO-RGE's hand-tuned
+    # absolute values: the demo's, szo.pipeline) and the subspace methods' default scale, nothing set
     "BP": ("digits-bp", []),
-    "BP-Subspace": ("digits-scratch", ["method=bp-subspace", "szo.scale=absolute"]),
-    "SZO-CGE": ("digits-scratch", ["method=szo-cge", "szo.scale=absolute"]),
-    "SZO-RGE(q=1)": ("digits-scratch", ["method=szo-rge", "szo.q=1", "szo.scale=absolute", "szo.mu=0.3",
-                                        "train.lr=0.02"]),
-    # the same methods at their default scale (trajectory: mu 0.3, lr 0.03 of the subspace's spread), nothing set
+    "BP-Subspace": ("digits-scratch", ["method=bp-subspace", *PAPER_UNITS]),
+    "SZO-CGE": ("digits-scratch", ["method=szo-cge", *PAPER_UNITS]),
+    "SZO-RGE(q=1)": ("digits-scratch", ["method=szo-rge", "szo.q=1", *DIGITS_RGE_UNITS]),
     "BP-Subspace, default scale": ("digits-scratch", ["method=bp-subspace"]),
     "SZO-CGE, default scale": ("digits-scratch", ["method=szo-cge"]),
     "SZO-RGE(q=1), default scale": ("digits-scratch", ["method=szo-rge", "szo.q=1"]),
@@ -55,7 +56,7 @@ def run_all(out: Path, quick: bool, compile_: bool = False) -> dict[str, list[di
         base += ["bptt.epochs=3", "train.epochs=2", "subspace.k=6"]
     histories = {}
     for name, (recipe, sets) in METHODS.items():
-        run_dir = out / name.replace("(", "-").replace(")", "").replace("=", "").replace(", ", "-").replace(" ", "-")
+        run_dir = out / re.sub(r"[^0-9A-Za-z]+", "-", name).strip("-")
         if not (run_dir / "results.json").is_file():
             cfg = load_recipe(recipe, base + sets)
             print(f"[converge] {name} ...", flush=True)

@@ -30,11 +30,8 @@ from common import machine_info, write_result
 from szo.build import build_model, loaders_for, loss_for, subspace_store_for
 from szo.config import load_recipe
 from szo.optim import RunOptions, build_optimizer
+from szo.pipeline import PAPER_UNITS  # SZO-CGE at App. G's mu 1 / lr 1: the settings the drift table was measured with
 from szo.stages import optimizer_options
-
-#: SZO-CGE at App. G's absolute mu 1 / lr 1, the settings the drift table was measured with (pinned:
-#: szo.scale trajectory is the subspace methods' default)
-PINNED = ("szo.scale=absolute", "szo.mu=1.0", "train.lr=1.0")
 
 
 def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: int = 1):
@@ -79,7 +76,7 @@ def main() -> None:
     ap.add_argument("--subspace-root", required=True, help="subspace store holding digits-convnet-k20")
     ap.add_argument("--steps", type=int, default=23)
     args = ap.parse_args()
-    sets = [f"subspace.root={args.subspace_root}", "progress=false", *PINNED]
+    sets = [f"subspace.root={args.subspace_root}", "progress=false", *PAPER_UNITS]
     got = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, dtype in (("float32", torch.float32), ("float64", torch.float64)):

@@ -40,6 +40,7 @@ from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.io import atomic_write_json, atomic_write_text
 from szo.methods import method_label
+from szo.pipeline import DIGITS_RGE_UNITS, PAPER_UNITS
 from szo.stages import subspace_build_stage
 
 
@@ -78,15 +79,15 @@ DATASETS: dict[str, DataSet] = {
                            "SZO-RGE / SZO-1pt q = 10"),
 }
 
-PAPER = {"train": ("szo.scale=absolute", "szo.mu=1.0", "train.lr=1.0"),
+PAPER = {"train": PAPER_UNITS,
          "tta": ("szo.scale=absolute", "szo.mu=1.0", "tta.lr_reset=1.0", "tta.lr_continual=0.1")}
 
 #: (b): the hand-tuned absolute values of the recipes and docs/evidence.md before szo.scale; a cell not
 #: listed had none (the paper's values were the recipe's)
 TUNED: dict[tuple[str, str, str], tuple[str, ...]] = {
     # digits-scratch method_defaults: SZO-RGE / SZO-1pt mu 0.3, lr 0.02 (60 epochs: their budget, kept)
-    ("digits", "scratch", "szo-rge"): ("szo.mu=0.3", "train.lr=0.02"),
-    ("digits", "scratch", "szo-1pt"): ("szo.mu=0.3", "train.lr=0.02"),
+    ("digits", "scratch", "szo-rge"): DIGITS_RGE_UNITS,
+    ("digits", "scratch", "szo-1pt"): DIGITS_RGE_UNITS,
     # digits-c-tta: mu 0.1, lr 0.1 (reset) / 0.002 (continual), the recipe's own values
     ("digits", "tta", "*"): ("szo.mu=0.1", "tta.lr_reset=0.1", "tta.lr_continual=0.002"),
     # mnist5k-scratch method_defaults (q = 10, docs/evidence.md Table 1)
