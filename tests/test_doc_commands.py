@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from szo.cli import build_parser
-from szo.config import load_recipe
+from szo.commands.recipe import recipe_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -127,8 +127,7 @@ def validate_command(tokens: list[str]):
             args = build_parser().parse_args(tokens)
         except SystemExit:
             raise ValueError(f"szo's parser refuses {' '.join(tokens)!r}: {err.getvalue().strip()}") from None
-    sets = (args.set or []) + ([f"device={args.device}"] if args.device else [])
-    return load_recipe(args.name, sets)
+    return recipe_config(args)[0]
 
 
 def _printed() -> list[tuple[str, list[str]]]:

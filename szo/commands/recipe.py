@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import argparse
 
-from szo.config import load_recipe
+from szo.config import RecipeConfig, load_recipe
 from szo.distributed import launch
 from szo.pipeline import run_recipe
 from szo.rundir import resumed_config
 
-__all__ = ["run"]
+__all__ = ["run", "recipe_config"]
+
+
+def recipe_config(args: argparse.Namespace) -> tuple[RecipeConfig, list[str]]:
+    """The resolved config of ``szo recipe``'s arguments and the overrides it was loaded with."""
+    # --device is one more override, so it is validated like the rest and lands in config.yaml
+    sets = (args.set or []) + ([f"device={args.device}"] if args.device else [])
+    return load_recipe(args.name, sets), sets
 
 
 def run(args: argparse.Namespace) -> int:
     """Run recipe ``args.name`` in ``args.out`` (default ``runs/NAME``); rank 0 prints the summary line."""
-    # --device is one more override, so it is validated like the rest and lands in config.yaml
-    sets = (args.set or []) + ([f"device={args.device}"] if args.device else [])
-    cfg = load_recipe(args.name, sets)
+    cfg, sets = recipe_config(args)
     out = args.out or f"runs/{cfg['name']}"
     with launch(device=cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
         if args.resume:  # the run's own config.yaml (+ --set); stages refuse what changes the run
