@@ -266,6 +266,11 @@ class SZOConfig(Section):
     scale: str | None = _opt(None, choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
+    # refresh (szo-cge / szo-rge / szo-1pt / szo-cge-1pt, float learner): every this many steps the basis is
+    # replaced by a fresh Haar-random orthonormal one drawn from the run's generator, re-based at the current
+    # point (SubZero's lazy subspace refresh, T0; with szo-rge LOZO's fixed-V / fresh-U sampling; szo.optim.SZO,
+    # docs/methods.md "A refreshed random subspace"); null: the stored basis for the whole run
+    refresh: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1, model=True)
     stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES, model=True)
     engine: str = _opt("loop", choices=lambda: ENGINES)
@@ -714,6 +719,9 @@ def _check_tta(full: RecipeConfig) -> None:
     methods = _tta_names("method", full.method, TTA_METHODS, "all")
     settings = _tta_names("setting", full.setting, TTA_SETTINGS, "both")
     t = full.tta
+    if full.szo.refresh is not None:
+        raise ValueError("szo.refresh (a redrawn random basis) applies to the training stage of a kind: subspace "
+                         "recipe; test-time adaptation keeps its subspace: leave szo.refresh null")
     if t.protocol == "loco" and any(get_method(m).subspace for m in methods):
         if t.finetune.trajectory is not None:
             raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
@@ -843,6 +851,9 @@ def _check_hw(full: RecipeConfig) -> None:
     if hw.learner == "integer" and (full.backend != "fixed" or not spec.integer_learner):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          f"backend 'fixed' and a method in: {', '.join(list_methods(integer_learner=True))}")
+    if hw.learner == "integer" and full.szo.refresh is not None:
+        raise ValueError("szo.refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
+                         "learner keeps its quantised basis: leave szo.refresh null with hw.learner integer")
     if full.bn_stats == "deployed" and full.kind != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
     if hw.blocks is not None:

@@ -33,6 +33,7 @@ from torch import nn
 from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
 from szo.distributed import DistributedEvaluator
 from szo.engine import ENGINES, BatchedProbeEvaluator
+from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
 from szo.zo import (
@@ -155,6 +156,25 @@ class SubspaceOptimizer(CodecOptimizer):
         """Current subspace coordinates c (float64 [k]); theta = theta_0 + P c."""
         return self.subspace_state["c"].clone()
 
+    def set_basis(self, basis: torch.Tensor) -> None:
+        """The space on ``basis`` (``[d, k]``) in the same units; coordinates and momentum left as they are."""
+        if tuple(basis.shape) != (self.space.d, self.k):
+            raise ValueError(f"a new basis must be [d, k] = [{self.space.d}, {self.k}], got {tuple(basis.shape)}")
+        self.space = SubspaceSpace(self.space.params, basis, scales=self.units)
+
+    @torch.no_grad()
+    def rebase_(self, basis: torch.Tensor) -> None:
+        """Train on ``basis`` (``[d, k]``, orthonormal columns) from here on: the coordinates are re-based
+        at the current point (``theta_0 := theta_t``, ``c := 0``) in the same units, and the momentum, the
+        parameter-space velocity ``P S delta``, is projected onto the new basis (``delta := S^-1 P'^T P S
+        delta``: LOZO's reprojection of its momentum factor at a subspace change). No parameter moves."""
+        st = self.subspace_state
+        velocity = st["delta"].to(self.space.basis_t) @ self.space.basis_t  # [d]: P S delta
+        self.set_basis(basis)
+        units_sq = 1.0 if self.units is None else self.units.pow(2)
+        st["delta"] = (self.space.basis_t @ velocity).to("cpu", torch.float64) / units_sq  # rows of (P' S)^T
+        st["c"] = torch.zeros(self.k, dtype=torch.float64)
+
     @torch.no_grad()
     def apply_update(self, g_c: torch.Tensor) -> None:
         """Eq. (6) in coordinates (heavy ball on delta), then theta += P delta."""
@@ -216,6 +236,14 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore).
 
+    ``refresh=T0`` (a refreshed random subspace, SubZero's lazy refresh; with ``estimator="rge"``
+    LOZO's kept-V / fresh-U sampling: docs/methods.md): before steps T0, 2 T0, ... the basis is
+    replaced by a Haar-random orthonormal ``[d, k]`` one (``szo.functional.basis.haar_basis``) drawn
+    from ``generator``, and the coordinates are re-based there (:meth:`rebase_`: ``c := 0``, the momentum
+    projected, the units kept). The given subspace is the basis of the first T0 steps. ``state_dict()``
+    carries the number of redraws and the generator state before the last one (``refresh`` in the
+    ``subspace`` section), from which :meth:`load_state_dict` redraws the current basis.
+
     ``distributed="data"`` (every rank: all probes on its shard of the batch, the closure
     returning the shard's share of the batch loss) or ``"perturbation"`` (every rank: probes
     ``rank, rank + W, ...`` on the full batch) runs on an initialised torch.distributed group
@@ -227,8 +255,10 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
-    codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS + (Field("bytes_communicated", "int", default=0),),
-                          check=check_k),)
+    codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS + (
+        Field("bytes_communicated", "int", default=0),
+        # refresh=T0 only: {"count": redraws so far, "draw_state": the generator's state before the last one}
+        Field("refresh", "plain", "refresh_state", optional=True)), check=check_k),)
 
     def __init__(
         self,
@@ -252,7 +282,12 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         bn_update: str = "recompute",
         start: str | None = None,
         scale: str = "absolute",
+        refresh: int | None = None,
     ):
+        if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1):
+            raise ValueError(f"refresh must be None (keep the basis) or a number of steps >= 1, got {refresh!r}")
+        if refresh is not None and generator is not None and generator.device.type != "cpu":
+            raise ValueError("refresh draws the new bases from the generator on the CPU: pass a CPU torch.Generator")
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
         if engine == "batched" and ((model is None and not isinstance(params, nn.Module)) or distributed is not None
@@ -299,6 +334,9 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         else:
             evaluator = LoopEvaluator(guard)
         self._init_forward_only(evaluator, generator)
+        self.refresh = refresh
+        self.refresh_state: dict | None = None if refresh is None else {"count": 0, "draw_state": None}
+        self._first_basis = subspace.basis
         self.engine = engine
         self.process_group = process_group
         self.sync_bn = bool(sync_bn)
@@ -344,10 +382,38 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         with self.evaluator.session():
             return self.evaluator.run(closure, self.space, plan)
 
+    def _draw_basis(self, generator: torch.Generator) -> torch.Tensor:
+        return haar_basis(self.space.d, self.k, generator)
+
+    @torch.no_grad()
+    def refresh_basis(self) -> None:
+        """Redraw the basis now (what ``refresh=T0`` does before every T0-th step): a Haar-random one from
+        ``generator``, the coordinates re-based at the current point (:meth:`rebase_`)."""
+        if self.refresh_state is None:
+            raise ValueError("refresh_basis needs an SZO built with refresh=T0 (steps between redraws)")
+        state = self.generator.get_state()
+        self.rebase_(self._draw_basis(self.generator))
+        self.refresh_state = {"count": self.refresh_state["count"] + 1, "draw_state": state}
+
+    def load_state_dict(self, state_dict):
+        """As ``torch.optim.Optimizer``'s, then (``refresh=T0``) the basis of the saved state: the first one
+        before any redraw, else the last redraw again, from the generator state saved before it."""
+        super().load_state_dict(state_dict)
+        if self.refresh_state is None:
+            return
+        saved = self.refresh_state.get("draw_state")
+        if saved is None:
+            basis = self._first_basis
+        else:
+            basis = self._draw_basis(torch.Generator().set_state(saved))
+        self.set_basis(basis)  # the saved coordinates and momentum are already in its units
+
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         if closure is None:
             raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
+        if self.refresh is not None and self.subspace_state["step"] // self.refresh > self.refresh_state["count"]:
+            self.refresh_basis()
         plan = self.plan()
         losses = self.evaluate(closure, plan)
         self.apply_update(plan.estimate(losses))
@@ -400,4 +466,4 @@ def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
                generator=run.generator, distributed=run.distributed, sync_bn=run.sync_bn,
                process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start,
-               scale=o.scale)
+               scale=o.scale, refresh=o.refresh)
