@@ -64,7 +64,7 @@ Reference = Literal["first", "last"]
 Backend = Literal["float", "fixed"]  # = szo.hw.BACKENDS
 BNStats = Literal["batch", "deployed"]
 Precision = Literal["auto", "fp32", "tf32", "bf16"]  # = szo.precision.PRECISIONS
-HWLearner = Literal["float", "integer"]  # szo.optim.SZO on float coordinates | szo.hw.train.OnChipSZO
+HWLearner = Literal["float", "integer"]  # szo.optim.SZO on float coordinates | szo.hw.optim.onchip.OnChipSZO
 HWArithmetic = Literal["szo", "loihi"]  # = szo.hw.fixed.ARITHMETICS: saturating | bit-exact with Lava's LIF/Dense
 HWReset = Literal["subtract", "zero"]  # = szo.hw.neuron.RESETS (null: each LIF's own)
 FederatedOptimizer = Literal["sgd", "adam"]  # BAFFLE server update: heavy-ball SGD (Algorithm 1) | Adam (its experiments)
@@ -279,7 +279,7 @@ class SZOConfig(Section):
 
 
 LEARNER_WIDTHS: dict[str, tuple[int, int]] = {"basis_bits": (2, 16), "coord_bits": (8, 48), "ref_bits": (2, 48)}
-"""The widths the integer on-chip learner (``szo.hw.train.OnChipSZO``) can hold: the basis, the
+"""The widths the integer on-chip learner (``szo.hw.optim.onchip.OnChipSZO``) can hold: the basis, the
 coordinates and momentum (signed fixed point), theta_ref (a weight mantissa, ``Precision.weight_bits``)."""
 
 
@@ -290,7 +290,7 @@ def _width(default: int | None, name: str) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class IntegerStateConfig(Section):
-    """The integer on-chip learner's state widths (``szo.hw.train.OnChipSZO``): the quantised basis
+    """The integer on-chip learner's state widths (``szo.hw.optim.onchip.OnChipSZO``): the quantised basis
     (null: a float basis, for the float learner on the fixed-point forward), the coordinates (with
     ``coord_frac`` fraction bits) and the reference weights. The ``hw`` section's, and the learner's
     options (``szo.options.IntegerLearnerOptions`` derives from it)."""
@@ -310,7 +310,7 @@ class HWConfig(IntegerStateConfig):
     arithmetic: HWArithmetic = "szo"
     reset: HWReset | None = None
     # method mcu-zo: seed 004's BP-free block selection (Sec. 3.3.1), a stage before training
-    # (szo.hw.mcu.block_selection_stage): the synapses cut into `blocks` contiguous blocks (the paper's
+    # (szo.hw.optim.mcu.block_selection_stage): the synapses cut into `blocks` contiguous blocks (the paper's
     # 4; fewer when there are fewer layers), each test-trained for `select_epochs` epochs from the same
     # integers on the train split less its last `heldout` fraction, the block with the best held-out
     # accuracy gain then trained alone (sparse); null: no selection (szo.layers, or every layer)

@@ -31,8 +31,8 @@ from szo.build import build_model, load_run_model, loaders_for, loss_for, subspa
 from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
-from szo.hw.mcu import block_selection_stage
-from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
+from szo.hw.optim.mcu import block_selection_stage
+from szo.hw.optim.onchip import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import load_weights, save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
@@ -370,7 +370,7 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
 
     ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
     parameters); ``hw.learner: integer`` trains with the integer on-chip learner
-    (``szo.hw.train.OnChipSZO``, built by ``build_optimizer`` like every method).
+    (``szo.hw.optim.onchip.OnChipSZO``, built by ``build_optimizer`` like every method).
     """
     par = parallel_for(cfg)
     with run_dir_guard(run_dir, cfg, resume=resume, stage="subspace"):
