@@ -6,7 +6,7 @@ random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead 
 weights, integer mantissas / exponents in node metadata). ``--to lava`` writes the ``loihi``
 fixed-point network as a szo-lava exchange bundle (``szo.hw.lava.runner``: the integer weights
 and exponents of one Lava ``Dense`` per synapse, du / dv / vth and bias mantissa / exponent of
-one ``LIF`` per neuron layer), which ``lava_runner.build_network``
+one ``LIF`` per neuron layer), which ``szo.hw.lava.runner.build_network``
 turns into Lava processes; ``szo hw lava-check`` runs it against szo's simulator. ``szo import`` reads a ``.nir``
 file into a :class:`szo.export.NIRNetwork` (SpikingJelly layers, the zoo's forward
 interface), prints what it holds and, with ``--data``, its test accuracy; ``--compare

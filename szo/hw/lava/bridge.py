@@ -85,7 +85,7 @@ def require_python(python: str | os.PathLike | None) -> Path:
 
 def run_lava(request: str | os.PathLike, out: str | os.PathLike, *, python: str | os.PathLike | None = None,
              timeout_s: float = 600.0) -> Bundle:
-    """Run a request bundle in the Lava interpreter (``lava_runner.py IN OUT``); returns the result bundle.
+    """Run a request bundle in the Lava interpreter (``szo/hw/lava/runner.py IN OUT``); returns the result bundle.
     A failure in Lava raises RuntimeError with the runner's last error line; past ``timeout_s`` the
     runner and the processes Lava's runtime started are killed (one process group)."""
     exe = require_python(python)

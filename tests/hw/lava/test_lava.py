@@ -1,4 +1,4 @@
-"""Intel Lava itself as the oracle of the ``loihi`` arithmetic (szo.hw.lava.runner / lava_bridge / lava_check).
+"""Intel Lava itself as the oracle of the ``loihi`` arithmetic (szo.hw.lava: runner / bridge / check).
 
 The exchange format, the export's mapping (checked against the numpy transcription of
 tests/hw/lava_oracle.py) and its refusals run everywhere. The tests marked ``lava`` run Lava's

@@ -293,7 +293,7 @@ def test_block_selection_stage_records_its_choice_and_a_resume_keeps_it(tmp_path
     best held-out gain chosen; block_selection.json makes a resumed run keep the block."""
     from torch.utils.data import TensorDataset
 
-    from szo.hw.optim.mcu import SELECTION_FILE, block_selection_stage
+    from szo.stages import SELECTION_FILE, block_selection_stage
 
     x, y = _data(40)
     _, net = _net()
