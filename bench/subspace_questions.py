@@ -8,6 +8,9 @@
     python bench/subspace_questions.py target   # (3) forwards to 90 % / 95 % of BP's accuracy, every method
     python bench/subspace_questions.py all      # the three, in that order
     ... --data digits mnist5k fmnist --seeds 0 1 --table-only
+    python bench/subspace_questions.py cost --bp-run BP_RUN --run SZO_RUN   # one run's total cost: the BPTT
+                                                # epochs that built its subspace (FP + BP) and its SZO forwards
+                                                # (bench/gpu_suite.sh szo128)
 
 Every cell is a recipe run directory under ``$SZO_BENCH_RESULTS/subspace_questions/DATA/`` (default
 bench/results/): a finished cell is reused, an interrupted one resumes from its checkpoint
@@ -312,16 +315,48 @@ def plot_prefix(rows: list[dict], names: list[str], seeds: list[int], path: Path
 
 RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target}
 
+FFGAF_SNN = 0.9213
+"""The best published forward-only SNN on Fashion-MNIST: FFGAF-SNN, 92.13 % (forward-forward, arXiv 2507.23643)."""
+
+
+def run_cost(bp_dir: Path, szo_dir: Path) -> dict:
+    """A subspace run's whole cost: the BPTT run whose trajectory built its subspace (every epoch it
+    recorded: forwards and backwards) plus the run's own forwards, and its accuracy against BP's and
+    FFGAF-SNN's."""
+    bp, run = _done(bp_dir), _done(szo_dir)
+    for what, d, r in (("BPTT", bp_dir, bp), ("subspace", szo_dir, run)):
+        if r is None:
+            raise ValueError(f"{d} has no finished {what} run (results.json with status completed)")
+    out = {"bp_run": str(bp_dir), "run": str(szo_dir), "method": run.get("method"), "bptt_epochs": bp["epochs"],
+           "bptt_fp": bp["fp"], "bptt_bp": bp["bp"], "run_fp": run["fp"], "run_bp": run["bp"],
+           "total_passes": bp["fp"] + bp["bp"] + run["fp"] + run["bp"], "bp_best_test_acc": bp["best_test_acc"],
+           "best_test_acc": run["best_test_acc"], "final_test_acc": run["final_test_acc"],
+           "gap_to_bp_points": 100 * (bp["best_test_acc"] - run["best_test_acc"]),
+           "above_ffgaf_snn": run["best_test_acc"] > FFGAF_SNN}
+    print(f"{out['method']}: best {100 * out['best_test_acc']:.2f} % (final {100 * out['final_test_acc']:.2f} %), BP "
+          f"{100 * out['bp_best_test_acc']:.2f} % ({out['gap_to_bp_points']:+.2f} points to BP), FFGAF-SNN "
+          f"{100 * FFGAF_SNN:.2f} %; cost: BPTT {out['bptt_epochs']} epochs {out['bptt_fp']:,} FP + {out['bptt_bp']:,} BP, "
+          f"the run {out['run_fp']:,} FP + {out['run_bp']:,} BP: {out['total_passes']:,} passes in all", flush=True)
+    return out
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", choices=(*TABLES, "all"))
+    ap.add_argument("table", choices=(*TABLES, "all", "cost"))
+    ap.add_argument("--bp-run", type=Path, help="cost: the BPTT run directory whose trajectory built the subspace")
+    ap.add_argument("--run", type=Path, help="cost: the subspace run directory")
     ap.add_argument("--data", nargs="+", choices=list(SETS), default=list(SETS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--table-only", action="store_true", help="render the tables from the finished cells, run nothing")
     a = ap.parse_args(argv)
     set_threads(a.threads)
+    if a.table == "cost":
+        if a.bp_run is None or a.run is None:
+            ap.error("cost needs --bp-run BP_RUN and --run SZO_RUN")
+        res = run_cost(a.bp_run, a.run)
+        write_result(f"subspace_cost_{a.run.name}", {"machine": machine_info(), **res})
+        return 0
     for table in TABLES if a.table == "all" else (a.table,):
         if not a.table_only:
             run_table(table, a.data, a.seeds)
