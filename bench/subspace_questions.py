@@ -23,8 +23,8 @@ mu 0.3 and lr 0.03 sigma) a probe and the first step have the same parameter-spa
 variant. The refreshed random subspace is the same stored basis with ``szo.refresh`` (T0 steps).
 
 The CPU-sized settings (:data:`SETS`; stated in docs/evidence.md): digits k = 20, 6 epochs of the demo's
-20; mnist5k k = 10, 4 x 21 steps (evaluated every 21); Fashion-MNIST the tutorial CSNN at 8 channels,
-BPTT 6 epochs, k = 10, 4 x 20 steps. Tables print as markdown and go to
+20; mnist5k k = 10, 3 x 21 steps (one epoch of the recipe's 4, evaluated every 21); Fashion-MNIST the
+tutorial CSNN at 8 channels, BPTT 6 epochs, k = 10, 3 x 20 steps (evaluated every 20). Tables print as markdown and go to
 ``subspace_questions_{random,prefix,target}.json`` / ``.md`` (and ``subspace_questions_prefix.png``).
 Run one process at a time with one thread (``--threads 1``, the default).
 """
@@ -67,9 +67,9 @@ class DataSet:
 SETS = {
     "digits": DataSet("digits-bp", "digits-scratch", 20, 1, train=("train.epochs=6",)),
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", 10, 3,
-                       train=("train.epochs=4", "train.max_steps_per_epoch=21")),
+                       train=("train.epochs=3", "train.max_steps_per_epoch=21")),
     "fmnist": DataSet("fmnist-cpu-bp", "fmnist-scratch", 10, 20, bp_sets=("model.kwargs={channels: 8}", "bptt.epochs=6"),
-                      train=("train.epochs=4", "train.max_steps_per_epoch=20"), relu_twin=False),
+                      train=("train.epochs=3", "train.max_steps_per_epoch=20"), relu_twin=False),
 }
 
 
