@@ -7,6 +7,8 @@
                                                 #     final accuracy vs total cost (BPTT FP + BP, SZO FP) + plot
     python bench/subspace_questions.py target   # (3) forwards to 90 % / 95 % of BP's accuracy, every method
     python bench/subspace_questions.py all      # the three, in that order
+    python bench/subspace_questions.py refresh --data digits   # the refreshed random subspace's period T0
+                                                # (1, 10, 50 steps) and its LOZO-style form (SZO-RGE, q = k)
     ... --data digits mnist5k fmnist --seeds 0 1 --table-only
     python bench/subspace_questions.py cost --bp-run BP_RUN --run SZO_RUN   # one run's total cost: the BPTT
                                                 # epochs that built its subspace (FP + BP) and its SZO forwards
@@ -43,6 +45,8 @@ from szo.config import load_recipe
 from szo.pipeline import run_or_reuse
 
 TABLES = ("random", "prefix", "target")
+EXTRA = ("refresh",)
+REFRESH_PERIODS = (1, 10, 50)
 PREFIX_EPOCHS = (1, 2, 5)
 REFRESH = 10  # T0: steps between redraws of the refreshed random subspace
 
@@ -136,6 +140,16 @@ def random_cells(name: str) -> dict[str, tuple]:
             f"random-refresh{REFRESH}": ("random{seed}", (f"szo.refresh={REFRESH}",))}
 
 
+def refresh_cells(name: str) -> dict[str, tuple]:
+    """label -> (variant, sets): the refreshed random subspace at other periods T0 (SZO-CGE), and LOZO's form
+    (SZO-RGE with q = k, the same 2k + 1 forwards a step: fresh directions inside a basis kept T0 steps)."""
+    ds = SETS[name]
+    out = {f"random-refresh{t}": ("random{seed}", (f"szo.refresh={t}",)) for t in REFRESH_PERIODS}
+    out[f"random-refresh{REFRESH}-rge"] = ("random{seed}", ("method=szo-rge", f"szo.q={ds.k}", f"szo.refresh={REFRESH}"))
+    out["pca-rge"] = ("whole", ("method=szo-rge", f"szo.q={ds.k}"))
+    return out
+
+
 def prefix_cells(name: str) -> dict[str, tuple]:
     return {f"first{e}": (f"first{e}", ()) for e in PREFIX_EPOCHS}
 
@@ -156,8 +170,9 @@ def run_table(table: str, names: list[str], seeds: list[int]) -> None:
     for name in names:
         for seed in seeds:
             bp_run(name, seed)
-            if table == "random":
-                for label, (variant, sets) in random_cells(name).items():
+            if table in ("random", "refresh"):
+                cells = random_cells(name) if table == "random" else refresh_cells(name)
+                for label, (variant, sets) in cells.items():
                     cell(name, seed, label, variant.format(seed=seed), sets)
             elif table == "prefix":
                 for label, (variant, sets) in {"pca": ("whole", ()), **prefix_cells(name)}.items():
@@ -195,11 +210,11 @@ def bp_summary(name: str, seed: int) -> dict | None:
     return {"best": max(x["test_acc"] for x in h), "history": h, "steps_per_epoch": h[0]["fp"] // h[0]["epoch"]}
 
 
-def table_random(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
+def table_random(names: list[str], seeds: list[int], cells=random_cells) -> tuple[list[dict], str]:
     rows, md = [], ["| data | cell | k | #FP per run | final acc (%), seeds " + " / ".join(map(str, seeds))
                     + " | mean | BP (%) |", "|---|---|---|---|---|---|---|"]
     for name in names:
-        for label in random_cells(name):
+        for label in cells(name):
             accs, fps = [], []
             for seed in seeds:
                 r = _done(root() / name / f"{label}-s{seed}")
@@ -313,7 +328,11 @@ def plot_prefix(rows: list[dict], names: list[str], seeds: list[int], path: Path
     plt.close(fig)
 
 
-RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target}
+def table_refresh(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
+    return table_random(names, seeds, cells=lambda n: {"pca": None, **refresh_cells(n)})
+
+
+RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target, "refresh": table_refresh}
 
 FFGAF_SNN = 0.9213
 """The best published forward-only SNN on Fashion-MNIST: FFGAF-SNN, 92.13 % (forward-forward, arXiv 2507.23643)."""
@@ -342,7 +361,7 @@ def run_cost(bp_dir: Path, szo_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", choices=(*TABLES, "all", "cost"))
+    ap.add_argument("table", choices=(*TABLES, *EXTRA, "all", "cost"))
     ap.add_argument("--bp-run", type=Path, help="cost: the BPTT run directory whose trajectory built the subspace")
     ap.add_argument("--run", type=Path, help="cost: the subspace run directory")
     ap.add_argument("--data", nargs="+", choices=list(SETS), default=list(SETS))
