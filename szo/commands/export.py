@@ -4,9 +4,9 @@
 ``szo export`` writes the NIR graph of a run directory's model (or of a registered model,
 random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead (dequantised
 weights, integer mantissas / exponents in node metadata). ``--to lava`` writes the ``loihi``
-fixed-point network as a szo-lava exchange bundle (``szo.hw.lava_runner``: the integer weights
+fixed-point network as a szo-lava exchange bundle (``szo.hw.lava.runner``: the integer weights
 and exponents of one Lava ``Dense`` per synapse, du / dv / vth and bias mantissa / exponent of
-one ``LIF`` per neuron layer), which ``lava_runner.build_network``
+one ``LIF`` per neuron layer), which ``szo.hw.lava.runner.build_network``
 turns into Lava processes; ``szo hw lava-check`` runs it against szo's simulator. ``szo import`` reads a ``.nir``
 file into a :class:`szo.export.NIRNetwork` (SpikingJelly layers, the zoo's forward
 interface), prints what it holds and, with ``--data``, its test accuracy; ``--compare
@@ -29,8 +29,8 @@ from szo.data import get_dataset, make_loader
 from szo.demos.dvs_stream import load_source_model
 from szo.export import from_nir, to_nir, write_nir
 from szo.hw.convert import to_fixed
-from szo.hw.lava_check import export_run
-from szo.hw.report import input_batch, load_target
+from szo.hw.lava.check import export_run
+from szo.hw.reports.hw_report import input_batch, load_target
 from szo.io import atomic_write_bytes
 
 __all__ = ["register", "add_export_arguments", "add_import_arguments", "run_export", "run_import"]
