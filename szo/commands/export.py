@@ -137,7 +137,8 @@ def run_import(args: argparse.Namespace) -> int:
     for kind in net.nir_nodes.values():
         kinds[kind] = kinds.get(kind, 0) + 1
     back = net.graph_module.plan.back_edges
-    print(f"{args.source}: {net.model_name}, T={net.graph_T or 'of the input'}, {net.num_classes} classes, input "
+    print(f"{args.source}: {net.model_name}, {f'T={net.graph_T}' if net.graph_T else 'T from the input'}, "
+          f"{net.num_classes} classes, input "
           f"{list(net.input_shape)}, dt={net.dt:g} s, {net.num_params()} parameters (BN folded)"
           f"{', fixed-point weights' if int(meta.get('fixed_point', 0)) else ''}; "
           + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))

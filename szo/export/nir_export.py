@@ -4,10 +4,12 @@
 ``nir.NIRGraph``; its reader, :func:`szo.export.nir_import.from_nir`, turns such a graph back into a
 :class:`NIRNetwork`, a :class:`~szo.models.SpikingModel` built from SpikingJelly multi-step
 layers that every szo evaluation path runs (``model(x)`` -> logits ``[T, N, classes]``,
-neuron state reset after each forward, ``persistent_state()`` for streaming).
+neuron state reset after each forward, ``persistent_state()`` for streaming). An imported
+:class:`NIRNetwork` (a graph made anywhere, cycles and ``CubaLIF`` included) is written back node
+for node with its current weights (:func:`_imported_graph`).
 
-Tracing, add-node handling and the graph executor are nirtorch's (``torch_to_nir`` /
-``nir_to_torch``); the per-layer maps are here because SpikingJelly's own
+Tracing and add-node handling are nirtorch's (``torch_to_nir``); the per-layer maps are here
+because SpikingJelly's own
 ``nir_exchange`` refuses soft reset (``NotImplementedError("NIR does not distinguish soft
 reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold, said plainly:
 

@@ -284,11 +284,6 @@ class NIRNetwork(SpikingModel):
             self.graph_module(torch.zeros(2, 1, *in_t), name_errors=True)
         functional.reset_net(self)
 
-    @property
-    def edges(self) -> tuple[tuple[str, str], ...]:
-        """The graph's edges (subgraphs inlined), as :func:`szo.export.to_nir` writes them back."""
-        return self.graph_module.plan.edges
-
     def forward(self, x: torch.Tensor, **kw: Any) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and x.dim() == self.sample_dims + 1 and self.graph_T is None:
             raise ValueError("this NIR graph has no 'T' metadata: pass T= to from_nir (szo import --T) to repeat one "
