@@ -407,7 +407,7 @@ class _Mapper:
     def cuba_lif(self, m: CubaLIFNode) -> Any:
         """The node's own arrays (what it runs, float32); time constants rescaled by ``dt / m.dt`` when
         written for another step (their length in steps kept)."""
-        f = {k: _np(getattr(m, k)) for k in CUBA_FIELDS}
+        f = {k: _np(m.get_buffer(k)) for k in CUBA_FIELDS}
         if self.dt != m.dt:
             for k in ("tau_syn", "tau_mem"):
                 f[k] = (f[k].astype(np.float64) * (self.dt / m.dt)).astype(np.float32)
