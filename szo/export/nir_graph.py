@@ -11,8 +11,9 @@ write down. szo takes the reading of norse 1.1.0 (nirtorch's ``GraphExecutor``) 
   an edge that returns to a node on the walk's current path (a self-edge included) is a **back
   edge**. It carries its source's output of the *previous* time step, and nothing (a zero
   input) at the first step, so a recurrent ``Affine``'s bias reaches its target from step 1 on.
-  snnTorch's ``RSynaptic`` / ``RLeaky`` instead apply the recurrent layer to zero spikes at step
-  0 (its bias arrives at step 0): the other reading, equal when that bias is 0.
+  snnTorch 1.0's ``RSynaptic`` / ``RLeaky`` (as read in its source) instead apply the recurrent
+  layer to zero spikes at step 0 (its bias arrives at step 0): the other reading, equal when that
+  bias is 0.
 * Every other edge carries the output of the same step. A node's input is the sum of what its
   edges carry, added in the graph's edge order.
 
