@@ -14,7 +14,8 @@
 * **protocol** (``szo.zo.protocol``) -- :class:`ForwardOnlyOptimizer` and the per-step
   :class:`StepInfo` the trainer reads; :class:`ForwardOnlyBase` implements the common part.
 
-The core depends on torch, SpikingJelly and ``szo.functional`` only. docs/architecture.md shows
+The core depends on torch, SpikingJelly, ``szo.functional`` and ``szo.precision`` (autocast's
+weight cache, ``fresh_casts``) only. docs/architecture.md shows
 how the optimizers of ``szo.optim`` compose it and how to add a method.
 """
 from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase

@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..functional import zo as F
+from ..precision import fresh_casts
 from .bn import BNStatsFreezer, check_bn_update
 
 __all__ = ["resolve_model", "ProbeGuard", "check_hparams"]
@@ -178,7 +179,7 @@ class ProbeGuard:
         self.reset()
         if distributed and sync is None:
             self.bn.snapshot()
-        with sync if sync is not None else contextlib.nullcontext():
+        with sync if sync is not None else contextlib.nullcontext(), fresh_casts():  # the updated weights, cast now
             value = F.check_loss(closure(), "closure (unperturbed BN forward)")
         if distributed and sync is None:
             self.bn.accumulate()
