@@ -17,7 +17,9 @@ multi-step forward (``model.forward_seq``) once per input signature and replays 
   switches (``szo.precision``: the captured kernels were chosen under them), and the addresses
   of the parameters and buffers.
 * **Capture**: ``warmup`` eager forwards on a side stream (cuDNN / cuBLAS initialise their
-  workspaces), then the capture; the warm-up's side effects on the buffers (BN running
+  workspaces), then the capture, both with autocast's weight cache off (``szo.precision.fresh_casts``:
+  under bf16 the graph holds the casts of the parameters, so every replay casts them where they
+  are; a cached cast would be a tensor the graph reads at the weights of the capture); the warm-up's side effects on the buffers (BN running
   statistics) are undone, then the graph is replayed once for the call itself, so a captured call
   and an eager one change the model's state alike. The neuron state starts from its reset value
   in every forward (``SpikingModel.forward`` resets after each call), which is what was captured.
@@ -46,7 +48,7 @@ from spikingjelly.activation_based import functional
 from spikingjelly.activation_based.neuron import BaseNode
 from torch import nn
 
-from szo.precision import tf32_flags
+from szo.precision import fresh_casts, tf32_flags
 
 __all__ = ["ForwardGraphs", "GraphStats", "GraphBackend", "CudaGraphBackend", "eager_reason"]
 
@@ -193,7 +195,8 @@ class ForwardGraphs:
                     b.copy_(saved)
 
         try:
-            replay, out = self.backend.capture(lambda: model.forward_seq(static_x), self.warmup, restore)
+            with fresh_casts():
+                replay, out = self.backend.capture(lambda: model.forward_seq(static_x), self.warmup, restore)
         except Exception as e:  # an operation a graph cannot hold (a host sync): this signature stays eager
             restore()
             self._failed.add(key)

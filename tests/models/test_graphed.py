@@ -159,3 +159,21 @@ def test_recipe_setting_validated_against_the_paths_that_bypass_the_forward():
         with pytest.raises(ValueError, match=f"cuda_graphs=true replays the model's multi-step forward and cannot be "
                                              f"combined with {what}"):
             load_recipe("digits-scratch", ["cuda_graphs=true", *sets])
+
+
+def test_the_capture_holds_the_weight_casts_not_autocasts_cached_ones():
+    """Under autocast a graph must contain the casts of the parameters (a replay then casts them
+    where the probe moved them); a cast taken from autocast's weight cache would be a tensor the
+    graph reads at the capture's weights. The capture runs with the cache off, inside any block."""
+    seen = []
+
+    class Watch(CallAgain):
+        def capture(self, fn, warmup, between):
+            seen.append(torch.is_autocast_cache_enabled())
+            return super().capture(fn, warmup, between)
+
+    m = _model().set_cuda_graphs(True, backend=Watch())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(_x())
+        assert torch.is_autocast_cache_enabled()  # the caller's switch back
+    assert seen == [False]
