@@ -20,11 +20,11 @@ default; aten's ``cached_cast``, keyed by the tensor, emptied only when the oute
 block exits). A forward-only step moves the parameters in place between its probes, and a BPTT
 step between two batches, so one autocast block around several forwards gives every forward the
 first one's weights: probe pairs that differ by nothing, BPTT gradients at stale weights.
-:func:`fresh_casts` is the
-rule, written once: the cache off inside the block and emptied when it ends. The precision
-scope holds it (a scope spans a whole run), and so does every forward-only step
+:func:`fresh_casts` is the rule, written once: the cache off inside the block and emptied when
+it ends. The precision scope holds it (a scope spans a whole run), and so does every forward-only step
 (``szo.zo.EvaluatorBase.session`` around the probes, ``szo.zo.ProbeGuard.unperturbed_forward``
-around the BN forward), so a user's own ``with torch.autocast(...): opt.step(closure)`` is safe too.
+around the BN forward), so a user's own ``with torch.autocast(...): opt.step(closure)`` is safe too,
+and a CUDA-graph capture holds it (``szo.models.graphed``: a replay casts the weights it runs at).
 
 :func:`precision_policy` prepares a model for a precision (SpikingJelly's
 ``prepare_model_for_precision``: call it before building the optimizer) and returns a
