@@ -25,7 +25,7 @@ from szo.build import load_run_model
 from szo.cli import EXPORT
 from szo.data import get_dataset, make_loader
 from szo.demos.dvs_stream import load_source_model
-from szo.export.nir_exchange import DEFAULT_DT, from_nir, to_nir, write_nir
+from szo.export import DEFAULT_DT, from_nir, to_nir, write_nir
 from szo.hw.convert import to_fixed
 from szo.hw.lava.check import export_run
 from szo.hw.reports.hw_report import input_batch, load_target
