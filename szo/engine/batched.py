@@ -55,12 +55,12 @@ from ..models.streaming import bn_momentum
 from ..zo.bn import BNStatsFreezer
 from ..zo.evaluate import EvaluatorBase
 from ..zo.guard import ProbeGuard
+from ..zo.path import ENGINES  # "loop" is szo.zo.LoopEvaluator, "batched" this module
 from ..zo.plans import Plan
 from ..zo.space import SubspaceSpace
 
 __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "BatchedProbeEvaluator", "available_memory_bytes"]
 
-ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is szo.zo.LoopEvaluator, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # the parameterised leaves the engine can fold; every other leaf must have no parameters and

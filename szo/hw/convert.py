@@ -312,6 +312,10 @@ class FixedPointNetwork(SpikingModel):
         ``AdaptiveAvgPool2d``): :meth:`quantized_layers` and :meth:`freeze_weights` can run."""
         return all(m is not None for m in self._synapse_mult.values())
 
+    def forward_settings(self) -> dict[str, Any]:
+        """The probe path's view of this network (``szo.zo.ProbePath.on``): the integer forward."""
+        return {**super().forward_settings(), "backend": "fixed"}
+
     def freeze_weights(self) -> dict[str, IntSynapse]:
         """Quantise every synapse once (:meth:`quantized_layers`) and run every later forward on
         these stored integers instead of re-quantising the float parameters: the real-quantized

@@ -17,15 +17,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
     Coordinates,
     ForwardOnlyBase,
-    LoopEvaluator,
     ParamSpace,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     check_hparams,
     gaussian_rows,
@@ -76,7 +76,7 @@ class FullSpaceZO(ForwardOnlyBase):
         self.q = q
         self.coords_per_step = coords_per_step
         self.model = model
-        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "FullSpaceZO", bn_update=bn_update)), generator)
+        self._init_forward_only(build_evaluator(ProbePath(bn_update=bn_update), model, "FullSpaceZO"), generator)
         self.state[params[0]]["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
 
     @property

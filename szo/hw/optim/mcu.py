@@ -45,18 +45,18 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
 from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
-from szo.methods import register_builder
+from szo.methods import get_method, register_builder
 from szo.zo import (
     CleanForward,
     Field,
     LayerwiseBase,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     adaptive_perturbation,
     check_hparams,
@@ -230,7 +230,7 @@ class MCUZO(LayerwiseBase):
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
         self._pending_graph: dict[str, dict] | None = None  # a loaded checkpoint's exponents / untrained mantissas
         self._floats_stale = False  # the float twin waits for the pooling factors (known after a forward)
-        self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
+        self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False, method=get_method("mcu-zo")), net, "MCUZO"))
 
     # ------------------------------------------------------------------ state
     @property

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from szo.config import LEARNER_WIDTHS
+from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
@@ -35,9 +36,8 @@ from szo.zo import (
     Field,
     ForwardOnlyBase,
     HostSpace,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     cge_plan,
     check_hparams,
@@ -225,7 +225,7 @@ class OnChipSZO(ForwardOnlyBase):
         self.space = HostSpace(model, self.parameters_at, torch.zeros(self.k, dtype=torch.int64), probe="coords",
                                clip=lambda c: saturate(c, self.coord_bits, self.counter, "coords", "probe"))
         # the fixed-point forward keeps no BN statistics to freeze; its neurons are reset before every probe
-        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "OnChipSZO", freeze_bn=False)))
+        self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False), model, "OnChipSZO"))
         self.space.load(self.c)
 
     @property
