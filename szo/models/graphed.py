@@ -27,12 +27,15 @@ multi-step forward (``model.forward_seq``) once per input signature and replays 
   sequence (``store_v_seq``), a full graph table, or a capture that failed (e.g. an operation that
   synchronises with the host: that signature stays eager, one warning).
 * Forward hooks run in the warm-up forwards only, never in a replay (as with ``torch.compile``):
-  code that drives layers through hooks at every call (``szo.distributed.SyncBatchNorm``) must
-  not use graphs; config validation refuses that combination.
+  code that drives layers through hooks at every call (``szo.distributed.SyncBatchNorm``, the
+  layer-wise methods' node perturbation and clean-forward records: ``MethodSpec.hooks``) must not
+  use graphs; the probe path (``szo.zo.ProbePath``) refuses those combinations at every door.
 
 The capture mechanism is a :class:`GraphBackend`: :class:`CudaGraphBackend` (``torch.cuda.CUDAGraph``)
 on a GPU; the tests drive the same bookkeeping on the CPU with a backend that replays by calling
-the function again (``tests/models/test_graphed.py``).
+the function again, and with one that replays the recorded ATen operations without running any
+Python, as a CUDA graph does (``tests/models/graph_replay.py``: a hook added after the capture does
+not run in its replays).
 """
 from __future__ import annotations
 
