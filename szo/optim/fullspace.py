@@ -64,14 +64,14 @@ class FullSpaceZO(ForwardOnlyBase):
         bn_update: str = "recompute",
     ):
         kind = get_estimator(estimator, ("cge", "coord-one-point", "rge"))
-        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=None if kind.coordinate else q)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
         self.space = ParamSpace(params)
         self.d = self.space.d
         if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
             raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
-        self.estimator = estimator
+        self.estimator = kind.name
         self.kind = kind
         self.q = q
         self.coords_per_step = coords_per_step

@@ -27,6 +27,7 @@ from .guard import ProbeGuard, check_hparams, resolve_model
 from .path import ForwardSettings, ProbePath
 from .plans import (
                     ESTIMATORS,
+                    INTEGER_ESTIMATORS,
                     Coordinates,
                     Estimator,
                     Plan,
@@ -63,7 +64,7 @@ from .update import (
 )
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "INTEGER_ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
     "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
