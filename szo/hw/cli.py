@@ -1,5 +1,5 @@
-"""``szo hw-report MODEL_OR_RUN`` (``register``) and ``szo hw lava-check RUN_DIR`` (``register_hw``): CLI wiring
-(also ``python -m szo.hw.cli``)."""
+"""``szo hw-report MODEL_OR_RUN`` and ``szo hw lava-check RUN_DIR``: their arguments and handlers (the
+commands themselves: the table in ``szo.cli``; also ``python -m szo.hw.cli``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from szo.cli import HW, HW_REPORT
 from szo.hw.fixed import ARITHMETICS, Precision
 from szo.hw.lava.bridge import check_summary, write_check
 from szo.hw.lava.check import lava_check
@@ -15,13 +14,8 @@ from szo.hw.neuron import RESETS
 from szo.hw.reports.hw_report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
 from szo.options import IntegerLearnerOptions
 
-__all__ = ["register", "register_hw", "add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",
+__all__ = ["add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",
            "main"]
-
-
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``hw-report`` sub-command to a ``szo`` CLI parser (name and help: ``szo.cli.HW_REPORT``)."""
-    return HW_REPORT(subparsers)[0]
 
 
 def add_hw_report_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,12 +64,6 @@ def run_hw_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_hw(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``szo hw lava-check``: a trained fixed-point network run in Intel Lava against szo's simulator
-    (name and help: ``szo.cli.HW``)."""
-    return HW(subparsers)[0]
-
-
 def add_hw_arguments(p: argparse.ArgumentParser) -> None:
     """``szo hw``'s subcommands (``lava-check``) and their handlers, added to its parser."""
     sub = p.add_subparsers(dest="hw_command", metavar="HW_COMMAND", required=True)
@@ -112,8 +100,8 @@ def run_lava_check(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="szo")
     sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    register_hw(sub)
+    add_hw_report_arguments(sub.add_parser("hw-report"))
+    add_hw_arguments(sub.add_parser("hw"))
     args = parser.parse_args(argv)
     try:
         return args.func(args)
