@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from szo.hw.fixed import ARITHMETICS, Precision
+from szo.hw.fixed import ARITHMETICS, BitWidths
 from szo.hw.lava.bridge import check_summary, write_check
 from szo.hw.lava.check import lava_check
 from szo.hw.neuron import RESETS
@@ -54,7 +54,7 @@ def run_hw_report(args: argparse.Namespace) -> int:
     chip = replace(LOIHI2, core_memory_kb=args.core_kb, cores=args.cores, energy_per_synop_pj=args.energy_pj)
     learner = IntegerLearnerOptions(basis_bits=args.basis_bits, coord_bits=args.coord_bits, ref_bits=args.ref_bits)
     rep = hw_report(args.target, data=args.data, batch=args.batch, k=args.k, learner=learner, input_size=args.input_size,
-                    precision=Precision(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
+                    widths=BitWidths(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
                     arithmetic=args.arithmetic, reset=args.reset, neurobench=not args.no_neurobench)
     if args.out is None:
         sys.stdout.write(to_markdown(rep))

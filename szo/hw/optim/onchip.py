@@ -29,7 +29,7 @@ from szo.config import LEARNER_WIDTHS
 from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.hw.convert import FixedPointNetwork, to_fixed
-from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
+from szo.hw.fixed import BitWidths, SaturationCounter, int_range, quantize_weight, saturate
 from szo.methods import register_builder
 from szo.train.trainer import evaluate_sums
 from szo.zo import (
@@ -131,7 +131,7 @@ class _IntegerReadout(nn.Module):
 
 
 @torch.no_grad()
-def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None,
+def evaluate_fixed(model: nn.Module, loader: Iterable, *, widths: BitWidths | None = None,
                    device: str | torch.device | None = None) -> float:
     """Top-1 accuracy of the fixed-point forward (prediction = argmax of the integer readout summed over T).
 
@@ -139,7 +139,7 @@ def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision |
     ``loader`` yields ``(x, y)`` batches; they are moved to ``device`` (default: the network's).
     The evaluation loop is the trainer's (``szo.train.evaluate_sums``).
     """
-    net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
+    net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, widths=widths)
     if device is None:
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
     _, correct, seen = evaluate_sums(_IntegerReadout(net), loader, lambda out, y: 0.0, device)
@@ -255,7 +255,7 @@ class OnChipSZO(ForwardOnlyBase):
 
         Clamped mantissas are counted in ``self.counter`` as ``(parameter name, "theta_ref")``.
         """
-        prec = Precision(weight_bits=self.ref_bits, weight_exp_min=-12, weight_exp_max=16)
+        prec = BitWidths(weight_bits=self.ref_bits, weight_exp_min=-12, weight_exp_max=16)
         out, off = [], 0
         for name, p in model.named_parameters():
             n = p.numel()
