@@ -267,10 +267,8 @@ _FO = dict(streaming=True)  # forward-only, single-evaluation probes: the stream
 # measured on digits, mnist5k and Fashion-MNIST (docs/evidence.md, "Scale-free mu and lr"); trajectory is
 # then these methods' default scale (MethodSpec.default_scale)
 _REL = {"szo.mu": 0.3, "train.lr": 0.03}
-# The one-point estimators take the same setting: no smaller mu carries over (trajectory mu 0.3 / 0.03, seed
-# 0: digits SZO-CGE one-point 66.11 / 98.61 %, SZO-1pt 96.94 / 98.33 %; Fashion-MNIST 74.14 / 10.00 %,
-# 81.54 / 23.96 %); at 0.3 only one-point CGE on mnist5k ends below the paper's units (13.0 vs 17.9 %,
-# near chance in both; docs/evidence.md "Scale-free mu and lr")
+# The one-point estimators take the same setting: no smaller mu carries over (docs/evidence.md, "Scale-free
+# mu and lr", the one-point paragraph)
 for _spec in (
     # test-time adaptation only (szo.adapt): no recipe trains with them
     MethodSpec(NO_ADAPTATION, "No adapt.", "test-time", "1", trainable=False, adapter="source"),

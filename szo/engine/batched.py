@@ -1,7 +1,7 @@
 """Batched perturbation forward: the losses of m perturbed parameter sets in one pass.
 
 One SZO step evaluates the loss of the same batch at m = 2k (CGE) or 2q (RGE) parameter
-vectors. The sequential loop (``SZO.evaluate_plan``) perturbs in place and calls the model
+vectors. The sequential loop (``szo.zo.LoopEvaluator.run``) perturbs in place and calls the model
 m times. This engine instead runs the model *once* on a "channel-folded" tensor that
 carries all m copies side by side in the channel (feature) dimension:
 

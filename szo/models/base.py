@@ -136,8 +136,8 @@ class SpikingModel(nn.Module):
         CPU inputs of the models measured faster so (``cpu_channels_last``: the BasicBlock
         Spike-ResNets and Spike-VGG11; not Spike-ResNet50, where it was not faster, nor the
         digits ConvNet), as given otherwise. On the CPU oneDNN runs
-        the zoo's 16-channel 3x3 convolutions about 2x faster on NHWC (brgemm kernels) than on
-        NCHW (direct kernel plus two reorders), which is also the layout ``torch.compile``
+        the zoo's 16-channel 3x3 convolutions faster on NHWC (brgemm kernels) than on NCHW
+        (direct kernel plus two reorders; docs/performance.md has the measurements), which is also the layout ``torch.compile``
         picks on CPU; on CUDA it is unmeasured here, so ``"auto"`` leaves CUDA inputs alone.
         The layout changes the convolution kernels, so results agree with ``"contiguous"``
         to float rounding, not bitwise. Only the input is converted (the weights keep their

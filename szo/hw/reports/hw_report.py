@@ -81,7 +81,7 @@ LOIHI2 = ChipModel()
 
 def load_target(target: str | SpikingModel) -> tuple[SpikingModel, str, dict[str, Any] | None]:
     """``(model, label, run config or None)`` of a model object, a run directory
-    (``szo.pipeline.load_run_model``: config.yaml + model.safetensors or checkpoints/last.pt)
+    (``szo.build.load_run_model``: config.yaml + model.safetensors or checkpoints/last.pt)
     or a registered model name (random init)."""
     if isinstance(target, SpikingModel):
         return target, target.model_name, None
