@@ -281,6 +281,11 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         self._init_forward_only(build_evaluator(self.probes, self.model, "SZO"), generator)
 
     @property
+    def engine(self) -> str:
+        """The probe engine its path runs (``self.probes.engine``: ``loop`` or ``batched``)."""
+        return self.probes.engine
+
+    @property
     def forwards_per_step(self) -> int:
         """Forwards of the batch per step: the probes, plus one unperturbed BN forward
         (``bn_update="recompute"`` with BN in train mode)."""
