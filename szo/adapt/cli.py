@@ -12,8 +12,8 @@ import argparse
 import typing
 from pathlib import Path
 
-from szo.commands.flags import add_schema_flags, flag_values
 from szo.config import RecipeConfig, SZOConfig, TTAConfig, resolve
+from szo.schema_flags import add_schema_flags, flag_values
 from szo.stages import run_dir_guard
 
 from .methods import METHODS, SETTINGS, SUBSPACE_METHODS

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from szo.commands.flags import add_schema_flags, flag_values
 from szo.config import FederatedConfig, load_recipe
 from szo.federated.flower import run_federated
 from szo.rundir import resumed_config
+from szo.schema_flags import add_schema_flags, flag_values
 
 __all__ = ["add_arguments"]
 
-# flag -> (section, key, what it is): type, choices and default come from the schema (szo.commands.flags)
+# flag -> (section, key, what it is): type, choices and default come from the schema (szo.schema_flags)
 _FLAGS = {key: ("federated", key, what) for key, what in {
     "clients": "client processes (at least 3 with SecAgg+)", "rounds": "rounds",
     "K": "directions per round (2K forwards per client)", "sigma": "perturbation scale",
