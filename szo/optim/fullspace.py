@@ -114,7 +114,7 @@ def build_full_space_zo(spec, model: nn.Module, subspace, o, run) -> FullSpaceZO
     """Full-space ZO (``spec.variant``: cge, rge). CGE's ``coords_per_step`` defaults to the
     subspace's k when one is given (the same 2k forwards per step as SZO-CGE), else all d."""
     coords = o.coords_per_step
-    if spec.variant == "cge" and coords is None and subspace is not None:
+    if get_estimator(spec.variant).coordinate and coords is None and subspace is not None:
         coords = int(subspace.basis.shape[1])
     return FullSpaceZO(model, estimator=spec.variant, mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q,
                        coords_per_step=coords, generator=run.generator, bn_update=o.bn_update)
