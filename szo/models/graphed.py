@@ -1,7 +1,8 @@
 """Probe forwards as CUDA graphs: ``model.set_cuda_graphs(True)`` (recipe key ``cuda_graphs``).
 
 A small spiking network at a small batch is launch-bound on a GPU: its forward takes about the same
-time in fp32, TF32 and bf16 (measured: docs/performance.md), because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
+time in fp32 and TF32 (measured: docs/performance.md; its bf16 times predate issue 40's weight-cache
+fix), because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
 fill the card, and the CPU launches them one by one. A zeroth-order step is 2k such forwards of
 the *same* shapes with the parameters changed *in place* (the probe moves them, the restore moves
 them back): exactly what a CUDA graph replays. :class:`ForwardGraphs` captures the no-grad
