@@ -219,8 +219,12 @@ def test_compile_with_hook_synchronised_bn_is_refused_before_a_multi_process_run
     from szo.stages import check_distributed
 
     cfg = load_recipe("digits-scratch", ["compile=true", "method=szo-cge"])
-    with pytest.raises(ValueError, match="compile with distributed.mode 'data' and distributed.sync_bn"):
+    with pytest.raises(ValueError, match="distributed.sync_bn with distributed.mode 'data' .* cannot be combined with "
+                                         "compile=True"):
         check_distributed(cfg)
+    with pytest.raises(ValueError, match="distributed.sync_bn with distributed.mode 'data' .* cannot be combined with "
+                                         "cuda_graphs=true"):  # the same rule on a graphed forward
+        check_distributed(load_recipe("digits-scratch", ["cuda_graphs=true", "method=szo-cge"]))
     check_distributed(load_recipe("digits-scratch", ["compile=true", "method=szo-cge", "distributed.sync_bn=false"]))
 
 

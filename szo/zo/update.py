@@ -4,7 +4,7 @@
   (SZO's k coordinates, full-space parameter vectors, per-layer tensors, the federated server's
   coordinates): ``v <- momentum * v - lr * g``; the caller adds ``v`` to its point.
 * :func:`sign_descent_` -- ZO-signSGD (seed 000): ``theta <- theta - lr * sign(g)``.
-* :func:`integer_heavy_ball` -- the integer learner's momentum rule (``szo.hw.train.OnChipSZO``):
+* :func:`integer_heavy_ball` -- the integer learner's momentum rule (``szo.hw.optim.onchip.OnChipSZO``):
   ``delta <- sat(round(-lr g 2**f) + (delta * m_int >> shift))``, right shift toward zero.
 * :func:`quantized_zo_update` -- seed 004 eq. 8, the rounded, clipped integer update.
 * :class:`StateCodec` -- the extra optimizer state (generators, counters, coordinates, phases)

@@ -39,32 +39,24 @@ The float parameters follow the integers after every step (dequantised, BN un-fo
 from __future__ import annotations
 
 import copy
-import json
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, Subset
 
-from szo.data import make_loader
+from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
 from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
-from szo.io import atomic_write_json
-from szo.methods import register_builder
-from szo.train.trainer import evaluate
+from szo.methods import get_method, register_builder
 from szo.zo import (
     CleanForward,
     Field,
     LayerwiseBase,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     adaptive_perturbation,
     check_hparams,
@@ -74,8 +66,7 @@ from szo.zo import (
     trainable_layers,
 )
 
-__all__ = ["MCUZO", "MCU_PERTURBATIONS", "LayerPlan", "select_block", "split_blocks", "block_selection_stage",
-           "SELECTION_FILE"]
+__all__ = ["MCUZO", "MCU_PERTURBATIONS", "LayerPlan", "select_block", "split_blocks"]
 
 MCU_PERTURBATIONS: tuple[str, ...] = ("adaptive", "weight", "node")
 
@@ -247,7 +238,7 @@ class MCUZO(LayerwiseBase):
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
         self._pending_graph: dict[str, dict] | None = None  # a loaded checkpoint's exponents / untrained mantissas
         self._floats_stale = False  # the float twin waits for the pooling factors (known after a forward)
-        self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
+        self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False, method=get_method("mcu-zo")), net, "MCUZO"))
 
     # ------------------------------------------------------------------ state
     @property
@@ -310,7 +301,7 @@ class MCUZO(LayerwiseBase):
         if not isinstance(value, dict) or set(value) != set(synapses):
             got = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise ValueError(f"optimizer state: the synapses are {got}, this network's are {sorted(synapses)}")
-        P, out = self.net.precision, {}
+        P, out = self.net.widths, {}
         for path, m in synapses.items():
             g = value[path]
             if not isinstance(g, dict) or not all(isinstance(g.get(k), int) for k in ("exp", "bias_exp")):
@@ -359,7 +350,7 @@ class MCUZO(LayerwiseBase):
         per tensor -- each layer's weight mantissas (its weight's shape, ``weight_bits`` signed),
         then its bias mantissas when the synapse has a bias (its own or a folded BatchNorm's;
         ``bias_mant_bits`` signed). Known from the modules before the weights are frozen."""
-        P, out = self.net.precision, []
+        P, out = self.net.widths, []
         for n, m in self.layers.items():
             out.append((n, "weights", tuple(m.weight.shape), P.weight_bits))
             if m.bias is not None or n in self.net.fused:
@@ -475,7 +466,7 @@ class MCUZO(LayerwiseBase):
         if name not in self.plans:
             self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
         if self.plans[name].mode == "weight":
-            space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits, self.counter, name)
+            space = IntWeightSpace(syn, net.widths.weight_bits, net.widths.bias_mant_bits, self.counter, name)
             plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
             losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
             g = plan.estimate(losses, centre=clean.l0).to(syn.w_int.device)  # per LSB, over weights then biases
@@ -504,7 +495,7 @@ class MCUZO(LayerwiseBase):
     def _update_layer(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
                 batch: int) -> None:
         n, d = (1, lp.d_w) if lp.mode == "weight" else (batch, lp.d_a)
-        P = self.net.precision
+        P = self.net.widths
         syn.w_int = quantized_zo_update(syn.w_int, gw, lr=self.lr, scale=2.0 ** syn.exp, n=n, q=self.q, d=d,
                                         bits=P.weight_bits, counter=self.counter, layer=name, quantity="weight")
         if gb is not None:
@@ -619,68 +610,6 @@ def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batche
         opt.write_back()
     best = max(range(len(gains)), key=lambda i: gains[i])
     return {"block": best, "gains": gains, "baseline": base, "forwards": forwards}
-
-
-SELECTION_FILE = "block_selection.json"
-"""Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""
-
-
-def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks: int, epochs: int, heldout: float,
-                          batch_size: int, q: int, lr: float, seed: int, loss_fn: Callable[..., torch.Tensor],
-                          device: str | torch.device = "cpu", run_dir: str | os.PathLike | None = None,
-                          layers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Seed 004 Sec. 3.3.1 as a stage of a run: the network's synapses (``layers``: a subset, in model
-    order) cut into ``blocks`` contiguous blocks (:func:`split_blocks`), each test-trained by
-    :class:`MCUZO` (``q``, ``lr``: the run's) for ``epochs`` epochs of the train split less its last
-    ``heldout`` fraction (batches of ``batch_size``, shuffled by ``seed``; the same batches for every
-    block) from the same integers, its gain of accuracy on that held-out part (:func:`select_block`).
-
-    Freezes the network's weights to integers first (a forward of one training sample gives the
-    pooling factors) and leaves integers and float parameters as it found them. Returns ``{"block", "layers", "blocks", "gains", "baseline", "forwards",
-    "time_s", ...}``; with ``run_dir`` it is written to ``run_dir/block_selection.json`` (atomically)
-    and a later call with the same settings reads it instead of selecting again (a resumed run keeps
-    its block; other settings: one error).
-    """
-    if isinstance(heldout, bool) or not 0.0 < heldout < 1.0:
-        raise ValueError(f"heldout must be a fraction in (0, 1), got {heldout!r}")
-    settings = {"blocks": blocks, "epochs": epochs, "heldout": heldout, "batch_size": batch_size, "q": q,
-                "lr": lr, "seed": seed, "layers": None if layers is None else list(layers)}
-    path = None if run_dir is None else Path(run_dir) / SELECTION_FILE
-    if path is not None and path.is_file():
-        done = json.loads(path.read_text(encoding="utf-8"))
-        if done.get("settings") != settings:
-            raise ValueError(f"{path} records a block selection with settings {done.get('settings')}, this run's are "
-                             f"{settings}; remove the file (or the run directory) to select again")
-        return done
-    n = len(train_set)
-    n_held = max(1, int(round(n * heldout)))
-    if n - n_held < batch_size:
-        raise ValueError(f"block selection: {n - n_held} training samples after holding out {n_held} of {n} "
-                         f"({heldout:.0%}) are fewer than one batch of {batch_size}; lower hw.heldout or the batch size")
-    fit_set, held_set = Subset(train_set, range(n - n_held)), Subset(train_set, range(n - n_held, n))
-    g = torch.Generator().manual_seed(int(seed))
-    batches = [(x.to(device), y.to(device)) for _ in range(epochs)
-               for x, y in make_loader(fit_set, batch_size, shuffle=True, generator=g, drop_last=True)]
-    held = make_loader(held_set, batch_size, shuffle=False)
-    if net.int_weights is None:
-        if not net.scales_known:
-            with torch.no_grad():
-                net(fit_set[0][0].unsqueeze(0).to(device))
-        net.freeze_weights()
-    names = list(trainable_layers(net, layers))
-    cut = split_blocks(names, blocks)
-    floats = {k: v.clone() for k, v in net.state_dict().items()}
-    t = time.perf_counter()
-    res = select_block(net, cut, batches, lambda: evaluate(net, held, loss_fn, device)[1], loss_fn,
-                       lambda ls: MCUZO(net, layers=ls, q=q, lr=lr, seed=int(seed) % 0xFFFFFFFF + 1))
-    # select_block put the integers back; the float parameters too (its write-back left the tried
-    # blocks dequantised), so a resumed run, which freezes them again, gets the same integers
-    net.load_state_dict(floats)
-    res.update(layers=cut[res["block"]], blocks=cut, time_s=time.perf_counter() - t, steps_per_block=len(batches),
-               heldout_samples=n_held, settings=settings)
-    if path is not None:
-        atomic_write_json(path, res)
-    return res
 
 
 @register_builder("mcu-zo", integer=True)
