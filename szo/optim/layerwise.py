@@ -60,6 +60,7 @@ from szo.zo import (
     check_hparams,
     heavy_ball_,
     one_point_plan,
+    refuse_shared_weights,
     trainable_layers,
 )
 
@@ -272,6 +273,7 @@ class LayerwiseZO(LayerwiseBase):
                              "the probes' own statistics, a biased per-sample estimate)")
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
         self.layers = trainable_layers(model, layers)
+        refuse_shared_weights(self.layers, "LayerwiseZO")
         # a layer whose parameters are all frozen (requires_grad=False) is not trained (named: refused)
         still = [n for n, m in self.layers.items() if not any(p.requires_grad for p in m.parameters(recurse=False))]
         if layers is not None and still:

@@ -53,6 +53,7 @@ from .space import (
                     frozen,
                     move_to_start,
                     refuse_frozen,
+                    refuse_shared_weights,
                     trainable_layers,
 )
 from .update import (
@@ -71,6 +72,6 @@ __all__ = [
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
-    "rademacher_rows", "resolve_model", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
+    "rademacher_rows", "resolve_model", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
     "ProbePath", "ForwardSettings",
 ]

@@ -30,7 +30,8 @@ from torch import nn
 from .plans import Coordinates, Plan
 
 __all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS", "adaptive_perturbation",
-           "move_to_start", "trainable_layers", "LAYER_TYPES", "frozen", "refuse_frozen"]
+           "move_to_start", "trainable_layers", "LAYER_TYPES", "frozen", "refuse_frozen",
+           "refuse_shared_weights"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
 
@@ -377,6 +378,19 @@ def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> di
     if unknown or not names:
         raise ValueError(f"unknown layer name(s) {unknown or names!r}; valid: {', '.join(found)}")
     return {n: m for n, m in found.items() if n in names}
+
+
+def refuse_shared_weights(layers: dict[str, nn.Module], who: str) -> None:
+    """One ValueError when two of ``layers`` share a weight: a layer-wise learner perturbs and
+    updates each layer on its own, so a tied weight would be estimated and stepped once per layer."""
+    owner: dict[int, str] = {}
+    for n, m in layers.items():
+        for p in m.parameters(recurse=False):
+            if id(p) in owner:
+                raise ValueError(f"{who}: layers {owner[id(p)]!r} and {n!r} share one parameter, which a layer-wise "
+                                 "learner would estimate and step once per layer: untie it, or train one of them "
+                                 "(layers=)")
+            owner[id(p)] = n
 
 
 def frozen(params: Sequence[torch.Tensor], model: nn.Module | None = None) -> list[str]:

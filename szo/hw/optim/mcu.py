@@ -63,6 +63,7 @@ from szo.zo import (
     one_point_plan,
     quantized_zo_update,
     refuse_frozen,
+    refuse_shared_weights,
     trainable_layers,
 )
 
@@ -222,6 +223,7 @@ class MCUZO(LayerwiseBase):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int (LSBs; the paper's is 1), got {v!r}")
         self.layers = trainable_layers(net, layers)  # the synapses (model order), or the named subset
+        refuse_shared_weights(self.layers, "MCUZO")
         # a layer's integers stand for its weight and bias, or the folded BatchNorm's shift (write_back)
         moved = [p for n, m in self.layers.items() for p in m.parameters(recurse=False)] + [
             net.get_submodule(net.fused[n]).bias for n, m in self.layers.items()
