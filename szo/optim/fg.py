@@ -106,8 +106,7 @@ class ForwardGradient(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("ForwardGradient.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         sp = self.space
         z = gaussian_rows(self.q, self.d, self.generator, dtype=torch.float32)
         with self.evaluator.session():
@@ -144,9 +143,7 @@ class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("SubspaceForwardGradient.step needs a closure that runs a forward pass and returns "
-                             "the loss")
+        self.check_closure(closure)
         sp = self.space
         z = gaussian_rows(self.q, self.k, self.generator, dtype=torch.float64)
         with self.evaluator.session():
@@ -246,8 +243,7 @@ class AsyncFGD(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("AsyncFGD.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         i = self.steps
         u = [stage_tangent(st, self.seed, i, k) for k, st in enumerate(self.stages)]
         current: list[list[torch.Tensor] | None] = []

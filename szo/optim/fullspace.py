@@ -119,8 +119,7 @@ class FullSpaceZO(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         plan = self.plan()
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan)

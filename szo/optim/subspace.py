@@ -335,8 +335,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         plan = self.plan()
         losses = self.evaluate(closure, plan)
         self.apply_update(plan.estimate(losses))

@@ -149,8 +149,7 @@ class HybridZO(FullSpaceZO):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("HybridZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         st = self.hybrid_state
         if self.phase == "sign-rge":
             loss, center = self._sign_step(closure)

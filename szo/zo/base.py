@@ -183,6 +183,15 @@ class ForwardOnlyBase(CodecOptimizer):
     def last_outputs_unperturbed(self) -> bool:
         return self._last_step is not None and self._last_step.unperturbed
 
+    def check_closure(self, closure: Callable[[], torch.Tensor] | None) -> None:
+        """One ValueError for ``step()`` without a closure (as after ``loss.backward()``): the step is
+        forward-only, it evaluates the loss itself at its probes."""
+        if closure is None:
+            what = "per-sample losses" if self.loss_reduction == "none" else "loss"
+            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the "
+                             f"{what}: the step is forward-only and evaluates it at every probe; call "
+                             "opt.step(closure), without loss.backward()")
+
     # ------------------------------------------------------------------ the end of a step
     @torch.no_grad()
     def finish_step(self, closure: Callable[[], torch.Tensor], losses, fallback: float, forwards: int
@@ -252,9 +261,7 @@ class LayerwiseBase(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the "
-                             + ("per-sample losses" if self.loss_reduction == "none" else "loss"))
+        self.check_closure(closure)
         grads: dict[str, Any] = {}
         with self.evaluator.session(), self._step_scope():
             clean = self._clean_forward(closure)

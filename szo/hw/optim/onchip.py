@@ -309,8 +309,7 @@ class OnChipSZO(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         if self.rule == "eq8" and self.momentum != self.defaults["momentum"]:  # a momentum schedule: nothing to apply to
             raise ValueError(f"OnChipSZO rule 'eq8' (seed 004's quantized ZO) takes no momentum, but param_groups "
                              f"changed it to {self.momentum:g}: leave it (a scheduler: OneCycleLR(cycle_momentum=False))")
