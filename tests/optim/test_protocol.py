@@ -168,3 +168,18 @@ def test_a_closure_that_runs_backward_is_refused_in_one_line(name, enable_grad):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert opt.forward_passes == 0
 
+
+@pytest.mark.parametrize("name", BUILT + ["mcu-zo"] + list(ONCHIP))
+def test_grad_scaler_is_refused_in_one_line(name):
+    """Issue 40 item 14: ``GradScaler.step(opt, closure)`` after ``scaler.scale(...)`` (an AMP loop)
+    reads the optimizer's ``_step_supports_amp_scaling``, which refuses in one forward-only line;
+    nothing moves. (With nothing scaled yet, GradScaler stops on its own check before any optimizer.)"""
+    model, opt = _build(name)
+    x, y = _batch()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as e:
+        scaler.step(opt, batch_closure(model, tet_loss, x, y, reduction=opt.loss_reduction))
+    assert "\n" not in str(e.value) and "is forward-only: GradScaler" in str(e.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and opt.forward_passes == 0
