@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from spikingjelly.activation_based import functional, layer, neuron
+from spikingjelly.activation_based import layer, neuron
 from torch import nn
 
+import szo.zo.guard as guard_module
 from szo.engine import batch_closure
 from szo.layout import param_layout
 from szo.optim import SZO, build_optimizer
-import szo.zo.guard as guard_module
 
 T, N = 2, 6
 
