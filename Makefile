@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Intel Lava (lava-nc, the oracle of the fixed-point `loihi` arithmetic) installs on Python 3.10 only:
 # `make lava` builds its own interpreter, .venv-lava, from LAVA_PYTHON (default: python3.10 on PATH,
 # else a pyenv 3.10, also without pyenv on PATH); szo drives it through files and a subprocess
-# (szo/hw/lava_runner.py).
+# (szo/hw/lava/runner.py).
 LAVA_VENV ?= .venv-lava
 LAVA_NC ?= 0.10.0
 LAVA_STAMP := $(LAVA_VENV)/.lava-installed

@@ -2,12 +2,12 @@
 
 The pretrained model (a BP run's ``model.safetensors``, BN statistics included) is converted to
 the fixed-point backend, its weights frozen to int8 (``FixedPointNetwork.freeze_weights``), and
-trained on the corrupted *train* split with ``szo.hw.mcu.MCUZO`` (1-LSB XORShift32 Rademacher
+trained on the corrupted *train* split with ``szo.hw.optim.mcu.MCUZO`` (1-LSB XORShift32 Rademacher
 probes, layer-wise adaptive WP/NP, eq. 8); accuracy on the corrupted *test* split before and
 after. ``--blocks B``: first the paper's BP-free block selection (Sec. 3.3.1: one epoch of test
 training per block from the same integers, or ``--select-steps`` steps; gain of held-out accuracy on
 the last 10 % of the corrupted train split), then only the chosen block trains (sparse). The recipe
-``digits-c-mcu`` runs the same selection as a stage (``szo.hw.mcu.block_selection_stage``). ``--float``: the
+``digits-c-mcu`` runs the same selection as a stage (``szo.stages.block_selection_stage``). ``--float``: the
 same budget (steps, batch, q, layers) with the float layer-wise learner (``LayerwiseZO``,
 adaptive, Gaussian, momentum 0.9, the recipes' mu 0.1) and with BP (SGD) on the float model.
 
@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, Subset
 from szo.build import load_run_model
 from szo.data import get_dataset
 from szo.hw import to_fixed
-from szo.hw.mcu import MCUZO, select_block, split_blocks
-from szo.hw.memory import layer_dims
+from szo.hw.optim.mcu import MCUZO, select_block, split_blocks
+from szo.hw.reports.memory import layer_dims
 from szo.optim import LayerwiseZO
 from szo.train import evaluate
 

@@ -3,7 +3,7 @@ learner's own buffers next to the paper's MCU figures.
 
     python bench/mcu_memory.py                       # digits ConvNet and CIFAR ResNet20, T in {1, 4}
     python bench/mcu_memory.py --models spike_convnet --T 4 --batch 64 --q 4
-    python bench/mcu_memory.py --learner             # + szo.hw.mcu.MCUZO's buffers (batch 1, q 100)
+    python bench/mcu_memory.py --learner             # + szo.hw.optim.mcu.MCUZO's buffers (batch 1, q 100)
 
 Bytes at one byte per value (the paper's int8 MCU setting). Prints markdown tables (bytes / KB).
 ``--learner`` builds each model's fixed-point network, freezes its int8 weights, runs one MCUZO
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from szo.hw import to_fixed
-from szo.hw.mcu import MCUZO, split_blocks
-from szo.hw.memory import TABLE3_ROWS, layer_dims, training_memory
+from szo.hw.optim.mcu import MCUZO, split_blocks
+from szo.hw.reports.memory import TABLE3_ROWS, layer_dims, training_memory
 from szo.models import create
 
 INPUTS = {"spike_convnet": (1, 8, 8), "spike_resnet8": (1, 28, 28), "spike_resnet20": (3, 32, 32),

@@ -315,7 +315,7 @@ for _spec in (
     MethodSpec("qzo-subspace", "QZO-Subspace", "on-chip", "1 + q", subspace=True, integer=True, fixed_backend=True,
                integer_learner=True, momentum=False, q_labeled=True, variant="eq8", **_FO),
     # seed 004's learner as published: int8 weights of the integer forward, 1-LSB XORShift32 Rademacher
-    # probes, layer-wise adaptive weight / node perturbation, eq. 8 (szo.hw.mcu.MCUZO)
+    # probes, layer-wise adaptive weight / node perturbation, eq. 8 (szo.hw.optim.mcu.MCUZO)
     MethodSpec("mcu-zo", "MCU-ZO", "on-chip", "1 + qL", integer=True, fixed_backend=True, integer_learner=True,
                momentum=False, q_labeled=True, options=("layers",)),
 ):

@@ -30,7 +30,7 @@ TTOptions = TTConfig
 
 @dataclass(frozen=True, eq=False)
 class IntegerLearnerOptions(IntegerStateConfig):
-    """The integer on-chip learner (``szo.hw.train.OnChipSZO``): the hw section's state widths and its
+    """The integer on-chip learner (``szo.hw.optim.onchip.OnChipSZO``): the hw section's state widths and its
     XORShift32 seed (a run's: ``seed % 0xFFFFFFFF + 1``)."""
 
     seed: int = field(default=1, metadata={"min": 1, "max": 0xFFFFFFFF})

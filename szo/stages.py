@@ -6,6 +6,7 @@ directory, and keeps the run-directory contract (docs/runs.md): the lock, the re
 * :func:`bptt_stage` -- BPTT with the trajectory recorder, the final model as safetensors, then
   (``build``) the subspace in the store (:func:`subspace_build_stage`);
 * :func:`subspace_build_stage` -- the store entry ``cfg.subspace`` from a BPTT run's trajectory;
+* :func:`block_selection_stage` -- seed 004's BP-free choice of the block ``mcu-zo`` trains (``hw.blocks``);
 * :func:`subspace_stage` -- train ``cfg.method`` in the stored subspace (scratch or continual;
   float or fixed-point backend), :func:`subspace_model` prepares the model it trains;
 * :func:`evaluate_stage` -- a run directory's model on the recipe's test set;
@@ -18,22 +19,26 @@ the run's own ``torch.Generator``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+from torch.utils.data import Dataset, Subset
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
 from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
 from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
+from szo.data import make_loader
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
-from szo.hw.mcu import block_selection_stage
-from szo.hw.train import basis_error, evaluate_fixed, quantized_subspace
-from szo.io import load_weights, save_weights
+from szo.hw.optim.mcu import MCUZO, select_block, split_blocks
+from szo.hw.optim.onchip import basis_error, evaluate_fixed, quantized_subspace
+from szo.io import atomic_write_json, load_weights, save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
 from szo.models.tt import tt_parametrize
@@ -46,7 +51,7 @@ from szo.zo import ReportsResults, trainable_layers
 
 __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
-           "metric_sinks", "preflight"]
+           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE"]
 
 
 def device_for(cfg: RecipeConfig, device: str | None = None) -> str:
@@ -360,6 +365,68 @@ def subspace_model(cfg: RecipeConfig, test_loader: Any = None, model: SpikingMod
     return SubspaceModel(model, net, sub, extra)
 
 
+SELECTION_FILE = "block_selection.json"
+"""Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""
+
+
+def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks: int, epochs: int, heldout: float,
+                          batch_size: int, q: int, lr: float, seed: int, loss_fn: Callable[..., torch.Tensor],
+                          device: str | torch.device = "cpu", run_dir: str | os.PathLike | None = None,
+                          layers: Sequence[str] | None = None) -> dict[str, Any]:
+    """Seed 004 Sec. 3.3.1 as a stage of a run: the network's synapses (``layers``: a subset, in model
+    order) cut into ``blocks`` contiguous blocks (:func:`split_blocks`), each test-trained by
+    :class:`MCUZO` (``q``, ``lr``: the run's) for ``epochs`` epochs of the train split less its last
+    ``heldout`` fraction (batches of ``batch_size``, shuffled by ``seed``; the same batches for every
+    block) from the same integers, its gain of accuracy on that held-out part (:func:`select_block`).
+
+    Freezes the network's weights to integers first (a forward of one training sample gives the
+    pooling factors) and leaves integers and float parameters as it found them. Returns ``{"block", "layers", "blocks", "gains", "baseline", "forwards",
+    "time_s", ...}``; with ``run_dir`` it is written to ``run_dir/block_selection.json`` (atomically)
+    and a later call with the same settings reads it instead of selecting again (a resumed run keeps
+    its block; other settings: one error).
+    """
+    if isinstance(heldout, bool) or not 0.0 < heldout < 1.0:
+        raise ValueError(f"heldout must be a fraction in (0, 1), got {heldout!r}")
+    settings = {"blocks": blocks, "epochs": epochs, "heldout": heldout, "batch_size": batch_size, "q": q,
+                "lr": lr, "seed": seed, "layers": None if layers is None else list(layers)}
+    path = None if run_dir is None else Path(run_dir) / SELECTION_FILE
+    if path is not None and path.is_file():
+        done = json.loads(path.read_text(encoding="utf-8"))
+        if done.get("settings") != settings:
+            raise ValueError(f"{path} records a block selection with settings {done.get('settings')}, this run's are "
+                             f"{settings}; remove the file (or the run directory) to select again")
+        return done
+    n = len(train_set)
+    n_held = max(1, int(round(n * heldout)))
+    if n - n_held < batch_size:
+        raise ValueError(f"block selection: {n - n_held} training samples after holding out {n_held} of {n} "
+                         f"({heldout:.0%}) are fewer than one batch of {batch_size}; lower hw.heldout or the batch size")
+    fit_set, held_set = Subset(train_set, range(n - n_held)), Subset(train_set, range(n - n_held, n))
+    g = torch.Generator().manual_seed(int(seed))
+    batches = [(x.to(device), y.to(device)) for _ in range(epochs)
+               for x, y in make_loader(fit_set, batch_size, shuffle=True, generator=g, drop_last=True)]
+    held = make_loader(held_set, batch_size, shuffle=False)
+    if net.int_weights is None:
+        if not net.scales_known:
+            with torch.no_grad():
+                net(fit_set[0][0].unsqueeze(0).to(device))
+        net.freeze_weights()
+    names = list(trainable_layers(net, layers))
+    cut = split_blocks(names, blocks)
+    floats = {k: v.clone() for k, v in net.state_dict().items()}
+    t = time.perf_counter()
+    res = select_block(net, cut, batches, lambda: evaluate(net, held, loss_fn, device)[1], loss_fn,
+                       lambda ls: MCUZO(net, layers=ls, q=q, lr=lr, seed=int(seed) % 0xFFFFFFFF + 1))
+    # select_block put the integers back; the float parameters too (its write-back left the tried
+    # blocks dequantised), so a resumed run, which freezes them again, gets the same integers
+    net.load_state_dict(floats)
+    res.update(layers=cut[res["block"]], blocks=cut, time_s=time.perf_counter() - t, steps_per_block=len(batches),
+               heldout_samples=n_held, settings=settings)
+    if path is not None:
+        atomic_write_json(path, res)
+    return res
+
+
 def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
                    callbacks: Sequence[Callback] = (), model: SpikingModel | None = None) -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual),
@@ -370,7 +437,7 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
 
     ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
     parameters); ``hw.learner: integer`` trains with the integer on-chip learner
-    (``szo.hw.train.OnChipSZO``, built by ``build_optimizer`` like every method).
+    (``szo.hw.optim.onchip.OnChipSZO``, built by ``build_optimizer`` like every method).
     """
     par = parallel_for(cfg)
     with run_dir_guard(run_dir, cfg, resume=resume, stage="subspace"):

@@ -19,8 +19,8 @@ __all__ = ["register_demo", "add_arguments", "add_dvs_stream_arguments", "main"]
 
 # setting -> (type, help); the rest of the flags are added one by one below
 _FLAGS = {
-    "source": (str, "'synthetic' (random gestures, a domain shift half way) or a .npy structured event array "
-                    "with fields x, y, t (microseconds), p"),
+    "source": (str, "'synthetic' (random gestures, a domain shift half way), a .npy structured event array "
+                    "with fields x, y, t (microseconds), p, or an N-MNIST .bin recording"),
     "labels_file": (str, "for a FILE source: .npy structured array with fields start_us, end_us, label"),
     "gestures": (int, "synthetic stream length in gestures"),
     "window_ms": (float, "window length in ms (a multiple of the model's frame length)"),

@@ -2,7 +2,7 @@
 
 snnTorch's own importer (``snntorch.import_nir.import_from_nir``: nirtorch's graph executor
 around ``torch.nn`` layers and ``snn.Leaky``) builds the network; szo changes only what NIR
-cannot carry (the soft reset, see ``szo.export.nir_exchange``): every ``snn.Leaky`` whose
+cannot carry (the soft reset, see ``szo.export.nir_export``): every ``snn.Leaky`` whose
 NIR node says ``metadata["reset"] == "subtract"`` is rebuilt with the same ``beta`` and
 ``threshold`` and ``reset_mechanism="subtract"``. snnTorch then computes
 ``mem[t] = beta * mem[t-1] + x[t]``, ``spk = H(mem - thr)``, ``mem -= spk * thr``, which is
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from szo.export.nir_exchange import meta_str
+from szo.export.nir_common import meta_str
 
 __all__ = ["SnnTorchRun", "run_snntorch", "snntorch_from_nir", "spike_agreement"]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from szo.cli import HW, HW_REPORT
 from szo.hw.fixed import ARITHMETICS, Precision
-from szo.hw.lava_bridge import check_summary, write_check
-from szo.hw.lava_check import lava_check
+from szo.hw.lava.bridge import check_summary, write_check
+from szo.hw.lava.check import lava_check
 from szo.hw.neuron import RESETS
-from szo.hw.report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
+from szo.hw.reports.hw_report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
 from szo.options import IntegerLearnerOptions
 
 __all__ = ["register", "register_hw", "add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",

@@ -194,7 +194,7 @@ def quantize_weight(w: torch.Tensor, precision: Precision) -> tuple[torch.Tensor
     ``e`` is the smallest exponent in ``[weight_exp_min, weight_exp_max]`` for which every weight
     fits ``[-2**(bits-1), 2**(bits-1) - 1]`` (per-layer exponent, lava ``quantize_8b`` with a
     power-of-two scale): the negative side reaches -128, so the weights an integer learner writes
-    back (``szo.hw.mcu``: mantissas clipped to [-128, 127]) re-quantise to the same integers.
+    back (``szo.hw.optim.mcu``: mantissas clipped to [-128, 127]) re-quantise to the same integers.
     Rounding is to nearest (ties to even); weights beyond the range at ``weight_exp_max`` saturate.
     """
     lo, hi = int_range(precision.weight_bits)

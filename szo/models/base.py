@@ -52,6 +52,9 @@ def positive_int(name: str, value: object) -> int:
 class SpikingModel(nn.Module):
     """Base class. Subclasses build layers in ``__init__`` and implement ``forward_seq``."""
 
+    sample_dims: int = 3
+    """Dimensions of one input frame: ``[C, H, W]`` for the zoo; an imported NIR graph has its
+    Input node's (``szo.export.NIRNetwork``)."""
     cpu_channels_last: bool = False
     """Whether ``memory_format="auto"`` runs this model channels-last on the CPU: set where it was
     measured to be faster there (docs/performance.md)."""
@@ -89,14 +92,13 @@ class SpikingModel(nn.Module):
         """
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() not in (4, 5):
-            raise ValueError(
-                f"input must be [N, C, H, W] (static image) or [T, N, C, H, W] "
-                f"(sequence), got shape {tuple(x.shape)}"
-            )
+        if x.dim() not in (self.sample_dims + 1, self.sample_dims + 2):
+            frame = "C, H, W" if self.sample_dims == 3 else f"{self.sample_dims}-D frame"
+            raise ValueError(f"input must be [N, {frame}] (static image) or [T, N, {frame}] (sequence), got shape "
+                             f"{tuple(x.shape)}")
         chunk = check_time_chunk(self.time_chunk if time_chunk is None else time_chunk)
         mode = check_stream_bn(self.stream_bn if stream_bn is None else stream_bn)
-        static = x.dim() == 4
+        static = x.dim() == self.sample_dims + 1
         T = self.T if static else x.shape[0]
         try:
             channels_last = self._channels_last(x)
@@ -106,7 +108,7 @@ class SpikingModel(nn.Module):
             if channels_last:
                 x_seq = to_channels_last(x, repeat=self.T) if static else to_channels_last(x)
             else:
-                x_seq = x.unsqueeze(0).repeat(self.T, 1, 1, 1, 1) if static else x
+                x_seq = x.unsqueeze(0).repeat(self.T, *(1,) * x.dim()) if static else x
             if self.compile_opts is not None:
                 return compiled_forward_seq(type(self), *self.compile_opts)(self, x_seq)
             if self.cuda_graphs is not None:

@@ -6,15 +6,15 @@
 
 ``build_optimizer(method, model, ...)`` builds any registered method (``szo.methods``) with the
 builder its module registered; importing this package registers all of them (the integer
-on-chip learner's comes from ``szo.hw.train``).
+on-chip learner's comes from ``szo.hw.optim.onchip``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from szo.hw.mcu import MCUZO
-from szo.hw.train import OnChipSZO
+from szo.hw.optim.mcu import MCUZO
+from szo.hw.optim.onchip import OnChipSZO
 from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
 from szo.options import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, split_keywords
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
@@ -102,8 +102,8 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     ``np-zo`` / ``wp-zo`` / ``awp-zo`` perturb the layers named in ``layers`` (default: every
     linear / convolution layer). ``integer`` (:class:`IntegerLearnerOptions`) trains
     ``szo-cge`` / ``szo-rge`` / ``qzo-subspace`` with the integer on-chip learner
-    (``szo.hw.train.OnChipSZO``; ``qzo-subspace``: seed 004's eq. 8 on SZO's coordinates), ``mu`` in
-    coordinate units; ``mcu-zo`` is seed 004's own learner on the int8 weights (``szo.hw.mcu.MCUZO``).
+    (``szo.hw.optim.onchip.OnChipSZO``; ``qzo-subspace``: seed 004's eq. 8 on SZO's coordinates), ``mu`` in
+    coordinate units; ``mcu-zo`` is seed 004's own learner on the int8 weights (``szo.hw.optim.mcu.MCUZO``).
     """
     spec = get_method(method, trainable=True)
     if options is None or run is None:

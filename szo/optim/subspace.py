@@ -92,7 +92,11 @@ def check_k(opt, section: dict) -> None:
 
 COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
            Field("step", "int", "subspace_state.step"),
-           Field("calibration", "plain", "subspace_state.calibration", optional=True))
+           Field("calibration", "plain", "subspace_state.calibration", optional=True),
+           # where the parameters stand (theta_0 + P c as the steps accumulated it, in the parameters'
+           # dtype): a resume puts them there in either order (SubspaceOptimizer.point); checkpoints
+           # written before it have none and leave the parameters as they are
+           Field("point", "tensor", "point"))
 
 
 class SubspaceOptimizer(CodecOptimizer):
@@ -154,6 +158,23 @@ class SubspaceOptimizer(CodecOptimizer):
     def coordinates(self) -> torch.Tensor:
         """Current subspace coordinates c (float64 [k]); theta = theta_0 + P c."""
         return self.subspace_state["c"].clone()
+
+    @property
+    def point(self) -> torch.Tensor:
+        """Where the parameters stand: a flat ``[d]`` copy in their dtype (``theta_0 + P c`` as the
+        steps accumulated it). ``state_dict()`` carries it and ``load_state_dict`` puts the parameters
+        back there, so a resume continues from the checkpoint's point whether the weights were loaded
+        before the optimizer was built (which moves them to ``subspace.reference``) or after."""
+        return self.space.flat()
+
+    @point.setter
+    def point(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() != self.space.d \
+                or not value.is_floating_point():
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"optimizer state: the point must be a float [d] = [{self.space.d}] tensor (the "
+                             f"parameters it stands at), got {got}")
+        self.space.load(value.to(device=self.space.device, dtype=self.space.dtype))
 
     @torch.no_grad()
     def apply_update(self, g_c: torch.Tensor) -> None:

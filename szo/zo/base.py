@@ -156,7 +156,7 @@ class LayerwiseBase(ForwardOnlyBase):
     gradient, every probe at the same clean point, then one update of every layer from those
     gradients, then :meth:`finish_step`. The float learner (``szo.optim.layerwise.LayerwiseZO``:
     Gaussian probes, heavy ball) and seed 004's integer one on the int8 weights
-    (``szo.hw.mcu.MCUZO``: 1-LSB Rademacher probes, eq. 8) differ only in the four parts below; the
+    (``szo.hw.optim.mcu.MCUZO``: 1-LSB Rademacher probes, eq. 8) differ only in the four parts below; the
     node / weight choice of an adaptive learner is ``szo.zo.adaptive_perturbation`` for both."""
 
     layers: dict[str, Any]

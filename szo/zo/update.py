@@ -4,7 +4,7 @@
   (SZO's k coordinates, full-space parameter vectors, per-layer tensors, the federated server's
   coordinates): ``v <- momentum * v - lr * g``; the caller adds ``v`` to its point.
 * :func:`sign_descent_` -- ZO-signSGD (seed 000): ``theta <- theta - lr * sign(g)``.
-* :func:`integer_heavy_ball` -- the integer learner's momentum rule (``szo.hw.train.OnChipSZO``):
+* :func:`integer_heavy_ball` -- the integer learner's momentum rule (``szo.hw.optim.onchip.OnChipSZO``):
   ``delta <- sat(round(-lr g 2**f) + (delta * m_int >> shift))``, right shift toward zero.
 * :func:`quantized_zo_update` -- seed 004 eq. 8, the rounded, clipped integer update.
 * :class:`StateCodec` -- the extra optimizer state (generators, counters, coordinates, phases)
@@ -93,6 +93,14 @@ def _xorshift_set(g, state: int):
     return g
 
 
+def _counter_set(counter: SaturationCounter, counts: dict) -> SaturationCounter:
+    counter.reset()
+    for layer, quantities in counts.items():
+        for quantity, n in quantities.items():
+            counter.add(str(layer), str(quantity), int(n))
+    return counter
+
+
 _KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
     # kind -> (encode value, decode (old value, stored) -> new value)
     "int": (int, lambda old, v: int(v)),
@@ -100,9 +108,14 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
     "plain": (copy.deepcopy, lambda old, v: copy.deepcopy(v)),  # JSON-like values (str, None, lists, dicts)
     "float64": (lambda t: t.clone(), lambda old, v: v.to(torch.float64)),
     "int64": (lambda t: t.clone(), lambda old, v: v.to(torch.int64)),
+    # a tensor kept in its own dtype (e.g. the point the parameters stand at, in their dtype); the
+    # optimizer's setter checks it and puts it in place
+    "tensor": (lambda t: t.clone(), lambda old, v: v.clone()),
     "generator": (_generator_get, _generator_set),
     # an XORShift32 generator: its 32-bit state as a one-element int64 tensor
     "xorshift": (lambda g: torch.tensor([g.state], dtype=torch.int64), lambda g, v: _xorshift_set(g, int(v[0]))),
+    # a SaturationCounter: its counts {layer: {quantity: n}}, restored into the same counter
+    "counter": (lambda c: c.as_dict(), _counter_set),
     # a list of tensors (or None): e.g. AsyncFGD-Adam's moments, one per parameter
     "tensors": (lambda ts: None if ts is None else [t.clone() for t in ts],
                 lambda old, v: None if v is None else [t.clone() for t in v]),

@@ -183,7 +183,7 @@ def test_szo_optimizer_runs_on_fixed_backend():
 def test_quantized_basis_error_and_on_chip_szo():
     pytest.importorskip("subspace_store")
     from subspace_store import Subspace
-    from szo.hw.train import OnChipSZO, basis_error, evaluate_fixed, quantize_basis, quantized_subspace
+    from szo.hw.optim.onchip import OnChipSZO, basis_error, evaluate_fixed, quantize_basis, quantized_subspace
 
     m = _active_convnet()
     f = to_fixed(m)
@@ -212,7 +212,7 @@ def test_quantized_basis_error_and_on_chip_szo():
     f.train()
     assert evaluate_fixed(f, [(x[:5], y[:5]), (x[5:], y[5:])]) == acc and f.training  # mode restored
     f.eval()
-    from szo.hw.train import learner_state_bits
+    from szo.hw.optim.onchip import learner_state_bits
 
     assert opt.state_bits() == learner_state_bits(d, k) and opt.d == d
     assert opt.counter.as_dict() == {}  # theta_ref fits 16 bits: no clamp counted
@@ -222,7 +222,7 @@ def test_quantized_basis_error_and_on_chip_szo():
 
 def test_on_chip_szo_is_an_optimizer_whose_state_resumes_exactly():
     from subspace_store import Subspace
-    from szo.hw.train import OnChipSZO
+    from szo.hw.optim.onchip import OnChipSZO
 
     m = _active_convnet()
     f = to_fixed(m)
@@ -348,7 +348,7 @@ def test_saturation_counter_sums_device_tensors_lazily():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_chip_szo_and_evaluate_fixed_with_a_cuda_model():
     from subspace_store import Subspace
-    from szo.hw.train import OnChipSZO, evaluate_fixed
+    from szo.hw.optim.onchip import OnChipSZO, evaluate_fixed
 
     m = _active_convnet()
     f = to_fixed(m).cuda()

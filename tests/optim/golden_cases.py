@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from subspace_store import Subspace
 from szo.hw import to_fixed
-from szo.hw.train import OnChipSZO
+from szo.hw.optim.onchip import OnChipSZO
 from szo.models import create
 from szo.models.tt import tt_parametrize
 from szo.optim import build_optimizer

@@ -88,16 +88,23 @@ def test_golden_checkpoint_continues_bit_exactly(case, tmp_path, device):
     # the optimizer state is written under the same keys, with the same values: integers, generator
     # states and counters exactly; float coordinates to a few ulps (one momentum formula for every
     # method now: heavy_ball_ rounds fg-subspace's float64 c differently in the last bits), or to
-    # float rounding where this machine does not reproduce the golden bits
+    # float rounding where this machine does not reproduce the golden bits. Keys added since (ADDED)
+    # may be there too
     if golden:
         _assert_same(opt.state_dict(), torch.load(GOLDEN / case / "final_optimizer.pt", weights_only=True), case,
                      rtol=1e-12 if exact else 1e-3)
 
 
+# state written since the golden files (issue 40): where the parameters stand (a subspace method's
+# point, the integer learners' origin and integer graph), the integer learners' chosen plans and clamp counts
+ADDED = {"point", "origin", "synapses", "plans", "saturations"}
+
+
 def _assert_same(got, want, path: str, rtol: float = 1e-12) -> None:
     assert type(got) is type(want) or (isinstance(got, (list, tuple)) and isinstance(want, (list, tuple))), path
     if isinstance(want, dict):
-        assert set(got) == set(want), f"{path}: keys {sorted(map(str, got))} != {sorted(map(str, want))}"
+        assert set(want) <= set(got) and set(got) - set(want) <= ADDED, \
+            f"{path}: keys {sorted(map(str, got))} != {sorted(map(str, want))} (+ any of {sorted(ADDED)})"
         for k in want:
             _assert_same(got[k], want[k], f"{path}/{k}", rtol)
     elif isinstance(want, (list, tuple)):

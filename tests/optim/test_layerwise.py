@@ -138,7 +138,7 @@ def test_the_adaptive_rule_has_one_home_and_takes_node_perturbation_on_a_tie():
     WP on a tie while the integer one (MCUZO) took NP. Both now call szo.zo.adaptive_perturbation."""
     import inspect
 
-    from szo.hw import mcu
+    from szo.hw.optim import mcu
     from szo.optim import layerwise
     from szo.zo import adaptive_perturbation
 

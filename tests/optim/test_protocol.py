@@ -10,7 +10,7 @@ import torch
 
 from szo.engine import batch_closure
 from szo.hw import to_fixed
-from szo.hw.train import OnChipSZO
+from szo.hw.optim.onchip import OnChipSZO
 from szo.losses import tet_loss
 from szo.methods import BACKPROP_METHODS, FORWARD_ONLY_METHODS, QZO_METHODS, get_method
 from szo.models import create

@@ -39,25 +39,17 @@ The float parameters follow the integers after every step (dequantised, BN un-fo
 from __future__ import annotations
 
 import copy
-import json
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, Subset
 
-from szo.data import make_loader
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
 from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
-from szo.io import atomic_write_json
 from szo.methods import register_builder
-from szo.train.trainer import evaluate
 from szo.zo import (
     CleanForward,
     Field,
@@ -73,8 +65,7 @@ from szo.zo import (
     trainable_layers,
 )
 
-__all__ = ["MCUZO", "MCU_PERTURBATIONS", "LayerPlan", "select_block", "split_blocks", "block_selection_stage",
-           "SELECTION_FILE"]
+__all__ = ["MCUZO", "MCU_PERTURBATIONS", "LayerPlan", "select_block", "split_blocks"]
 
 MCU_PERTURBATIONS: tuple[str, ...] = ("adaptive", "weight", "node")
 
@@ -164,6 +155,30 @@ def _check_state(opt: "MCUZO", section: dict) -> None:
     paths = section.get("paths")
     if paths is not None and list(paths) != list(opt.layers):
         raise ValueError(f"optimizer state trains layers {list(paths)}, this optimizer trains {list(opt.layers)}")
+    plans = section.get("plans")
+    if plans is not None and (not isinstance(plans, dict) or not set(plans) <= set(opt.layers) or any(
+            not isinstance(v, (list, tuple)) or len(v) != 3 or v[0] not in ("weight", "node") for v in plans.values())):
+        raise ValueError(f"optimizer state: plans must map trained layers ({', '.join(opt.layers)}) to "
+                         "[mode ('weight' | 'node'), d_w, d_a]")
+
+
+def _checked_mantissas(t: Any, layer: str, what: str, shape: tuple[int, ...], bits: int) -> torch.Tensor:
+    """A checkpoint's mantissas as an int64 copy, or one ValueError: an integer tensor of ``shape``
+    whose values fit the signed ``bits`` (a checkpoint is data: its mantissas are not trusted)."""
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"optimizer state: layer {layer!r} {what} are {got}, not integer mantissas")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"optimizer state: layer {layer!r} {what} have shape {tuple(t.shape)}, the layer's "
+                         f"are {shape}")
+    lo, hi = int_range(bits)
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+        bad = int(t.max()) if int(t.max()) > hi else int(t.min())
+        raise ValueError(f"optimizer state: layer {layer!r} {what} hold {bad}, outside the signed {bits}-bit "
+                         f"range [{lo}, {hi}] of its mantissas; the checkpoint was not written by this "
+                         "learner (or was altered)")
+    return t.clone()
 
 
 class MCUZO(LayerwiseBase):
@@ -178,11 +193,19 @@ class MCUZO(LayerwiseBase):
     """
 
     loss_reduction = "none"  # per-sample losses l_n (Algorithm 1)
+    # The integer graph is the learner's point: "synapses" (every synapse's exponents, the mantissas of
+    # those it does not train) and "integers" (the trained mantissas) put it back without quantising
+    # the float parameters again, and "plans" the modes it chose, so a resumed run decides and counts
+    # as the uninterrupted one (checkpoints written before them have neither: the graph is frozen
+    # from the float parameters and the modes re-decided at the first step)
     codecs = (StateCodec("mcu", (Field("paths", "plain", "layer_paths", record_only=True),
+                                 Field("synapses", "plain", "synapse_state", optional=True),
                                  Field("integers", "tensors", "integer_state", optional=True),
                                  Field("rng_state", "xorshift", "rng"),
                                  Field("modes", "plain", "mode_names", record_only=True),
-                                 Field("forward_passes", "int", default=0), Field("step_count", "int", default=0)),
+                                 Field("plans", "plain", "plan_state"),
+                                 Field("forward_passes", "int", default=0), Field("step_count", "int", default=0),
+                                 Field("saturations", "counter", "counter")),
                          check=_check_state),)
 
     def __init__(self, net: FixedPointNetwork, *, layers: Sequence[str] | None = None, perturbation: str = "adaptive",
@@ -205,6 +228,8 @@ class MCUZO(LayerwiseBase):
         self.counter = SaturationCounter()
         self.plans: dict[str, LayerPlan] = {}
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
+        self._pending_graph: dict[str, dict] | None = None  # a loaded checkpoint's exponents / untrained mantissas
+        self._floats_stale = False  # the float twin waits for the pooling factors (known after a forward)
         self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
 
     # ------------------------------------------------------------------ state
@@ -224,6 +249,66 @@ class MCUZO(LayerwiseBase):
         """Seed 004's learner: its layers' modes and every clamped int8 weight / probe
         (``szo.zo.ReportsResults``)."""
         return {"mcu": {"modes": self.mode_names, "saturations": self.counter.as_dict()}}
+
+    @property
+    def plan_state(self) -> dict[str, list]:
+        """Each trained layer's plan as chosen at the first step: ``{layer: [mode, d_w, d_a]}``."""
+        return {n: [p.mode, p.d_w, p.d_a] for n, p in self.plans.items()}
+
+    @plan_state.setter
+    def plan_state(self, value: dict[str, list]) -> None:
+        self.plans = {n: LayerPlan(str(v[0]), int(v[1]), int(v[2])) for n, v in value.items()}
+
+    @property
+    def synapse_state(self) -> dict[str, dict] | None:
+        """The frozen integer graph beyond the trained mantissas: every synapse's weight and bias
+        exponents, and the mantissas of the synapses this learner does not train (None before the
+        weights are frozen)."""
+        if self.net.int_weights is None:
+            return self._pending_graph
+        out = {}
+        for path, syn in self.net.int_weights.items():
+            out[path] = {"exp": int(syn.exp), "bias_exp": int(syn.bias_exp)}
+            if path not in self.layers:
+                out[path].update(w_int=syn.w_int, bias_mant=syn.bias_mant)
+        return out
+
+    @synapse_state.setter
+    def synapse_state(self, value: dict[str, dict] | None) -> None:
+        if value is None:
+            return
+        graph = self._checked_graph(value)
+        if self.net.int_weights is None:
+            self._pending_graph = graph
+            return
+        for path, g in graph.items():
+            syn = self.net.int_weights[path]
+            syn.exp, syn.bias_exp = g["exp"], g["bias_exp"]
+            if "w_int" in g:
+                syn.w_int, syn.bias_mant = g["w_int"], g["bias_mant"]
+
+    def _checked_graph(self, value: Any) -> dict[str, dict]:
+        """A checkpoint's synapse section checked against this network (one ValueError otherwise)."""
+        synapses = trainable_layers(self.net)
+        if not isinstance(value, dict) or set(value) != set(synapses):
+            got = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ValueError(f"optimizer state: the synapses are {got}, this network's are {sorted(synapses)}")
+        P, out = self.net.precision, {}
+        for path, m in synapses.items():
+            g = value[path]
+            if not isinstance(g, dict) or not all(isinstance(g.get(k), int) for k in ("exp", "bias_exp")):
+                raise ValueError(f"optimizer state: synapse {path!r} needs integer exponents exp and bias_exp")
+            out[path] = {"exp": g["exp"], "bias_exp": g["bias_exp"]}
+            if path in self.layers:
+                continue
+            has_bias = m.bias is not None or path in self.net.fused
+            if (g.get("bias_mant") is None) == has_bias:
+                raise ValueError(f"optimizer state: synapse {path!r} {'lacks' if has_bias else 'has'} bias mantissas")
+            out[path]["w_int"] = _checked_mantissas(g.get("w_int"), path, "weights", tuple(m.weight.shape),
+                                                    P.weight_bits).to(m.weight.device)
+            out[path]["bias_mant"] = None if not has_bias else _checked_mantissas(
+                g["bias_mant"], path, "bias", (int(m.weight.shape[0]),), P.bias_mant_bits).to(m.weight.device)
+        return out
 
     @property
     def integer_state(self) -> list[torch.Tensor] | None:
@@ -276,32 +361,37 @@ class MCUZO(LayerwiseBase):
             raise ValueError(f"optimizer state holds {len(value)} integer tensors where this learner's layers need "
                              f"{len(layout)} ({want}); the checkpoint was not written by this model's learner "
                              "(or was altered)")
-        out = []
-        for t, (n, what, shape, bits) in zip(value, layout):
-            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                raise ValueError(f"optimizer state: layer {n!r} {what} are {t.dtype}, not integer mantissas")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"optimizer state: layer {n!r} {what} have shape {tuple(t.shape)}, the layer's "
-                                 f"are {shape}")
-            lo, hi = int_range(bits)
-            t = t.to(torch.int64)
-            if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
-                bad = int(t.max()) if int(t.max()) > hi else int(t.min())
-                raise ValueError(f"optimizer state: layer {n!r} {what} hold {bad}, outside the signed {bits}-bit "
-                                 f"range [{lo}, {hi}] of its mantissas; the checkpoint was not written by this "
-                                 "learner (or was altered)")
-            out.append(t.clone())
-        return out
+        return [_checked_mantissas(t, n, what, shape, bits) for t, (n, what, shape, bits) in zip(value, layout)]
 
     @property
     def forwards_per_step(self) -> int:
         return 1 + self.q * len(self.layers)
 
     # ------------------------------------------------------------------ the step
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The state; a checkpoint that carries its integer graph is put in place now (the float
+        parameters follow it as soon as the pooling factors are known)."""
+        super().load_state_dict(state_dict)
+        if self.net.int_weights is None and self._pending_graph is not None:
+            self._freeze()
+
     def _freeze(self) -> bool:
-        """Freeze the network's weights; then a loaded checkpoint's integers replace them (True if so)."""
-        if self.net.int_weights is None:
+        """Freeze the network's weights -- a loaded checkpoint's integer graph as it stood, else the
+        float parameters quantised; then a loaded checkpoint's integers replace them (True if so)."""
+        graph, self._pending_graph = self._pending_graph, None
+        if self.net.int_weights is None and graph is None:
             self.net.freeze_weights()
+        elif self.net.int_weights is None:  # the trained mantissas come from the checkpoint's integers
+            layout = {(n, what): shape for n, what, shape, _ in self.integer_layout()}
+            self.net.int_weights = {
+                path: IntSynapse(
+                    g["w_int"] if "w_int" in g else torch.zeros(layout[path, "weights"], dtype=torch.int64,
+                                                                 device=m.weight.device),
+                    g["exp"],
+                    g["bias_mant"] if "w_int" in g else None if (path, "bias") not in layout else torch.zeros(
+                        layout[path, "bias"], dtype=torch.int64, device=m.weight.device),
+                    g["bias_exp"])
+                for path, m in trainable_layers(self.net).items() for g in (graph[path],)}
         if self._pending is None:
             return False
         pending, self._pending = self._pending, None
@@ -350,6 +440,8 @@ class MCUZO(LayerwiseBase):
         if net.int_weights is None and net.scales_known:
             self._freeze()  # before the clean forward: a resumed run's integers are in it
         clean = self._clean(closure, inputs, record)
+        if self._floats_stale:  # a loaded graph's float twin: the pooling factors are known now
+            self.write_back()
         # pooling factors known only now: the same integers as that forward, unless a checkpoint's
         # were waiting (then measure again, one more forward)
         if net.int_weights is None and self._freeze():
@@ -410,6 +502,9 @@ class MCUZO(LayerwiseBase):
         (``W = w_int 2**exp / (mult g/sqrt(v+eps))``; the bias goes to the synapse's bias, or to the
         folded BN's ``beta`` when the synapse has none)."""
         if self.net.int_weights is None:
+            return
+        self._floats_stale = not self.net.scales_known
+        if self._floats_stale:  # a synapse behind an AdaptiveAvgPool2d: after the next forward
             return
         mults = {p: q["mult"] for p, q in self.net.quantized_layers().items()}
         for name, m in self.layers.items():
@@ -507,68 +602,6 @@ def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batche
         opt.write_back()
     best = max(range(len(gains)), key=lambda i: gains[i])
     return {"block": best, "gains": gains, "baseline": base, "forwards": forwards}
-
-
-SELECTION_FILE = "block_selection.json"
-"""Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""
-
-
-def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks: int, epochs: int, heldout: float,
-                          batch_size: int, q: int, lr: float, seed: int, loss_fn: Callable[..., torch.Tensor],
-                          device: str | torch.device = "cpu", run_dir: str | os.PathLike | None = None,
-                          layers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Seed 004 Sec. 3.3.1 as a stage of a run: the network's synapses (``layers``: a subset, in model
-    order) cut into ``blocks`` contiguous blocks (:func:`split_blocks`), each test-trained by
-    :class:`MCUZO` (``q``, ``lr``: the run's) for ``epochs`` epochs of the train split less its last
-    ``heldout`` fraction (batches of ``batch_size``, shuffled by ``seed``; the same batches for every
-    block) from the same integers, its gain of accuracy on that held-out part (:func:`select_block`).
-
-    Freezes the network's weights to integers first (a forward of one training sample gives the
-    pooling factors) and leaves integers and float parameters as it found them. Returns ``{"block", "layers", "blocks", "gains", "baseline", "forwards",
-    "time_s", ...}``; with ``run_dir`` it is written to ``run_dir/block_selection.json`` (atomically)
-    and a later call with the same settings reads it instead of selecting again (a resumed run keeps
-    its block; other settings: one error).
-    """
-    if isinstance(heldout, bool) or not 0.0 < heldout < 1.0:
-        raise ValueError(f"heldout must be a fraction in (0, 1), got {heldout!r}")
-    settings = {"blocks": blocks, "epochs": epochs, "heldout": heldout, "batch_size": batch_size, "q": q,
-                "lr": lr, "seed": seed, "layers": None if layers is None else list(layers)}
-    path = None if run_dir is None else Path(run_dir) / SELECTION_FILE
-    if path is not None and path.is_file():
-        done = json.loads(path.read_text(encoding="utf-8"))
-        if done.get("settings") != settings:
-            raise ValueError(f"{path} records a block selection with settings {done.get('settings')}, this run's are "
-                             f"{settings}; remove the file (or the run directory) to select again")
-        return done
-    n = len(train_set)
-    n_held = max(1, int(round(n * heldout)))
-    if n - n_held < batch_size:
-        raise ValueError(f"block selection: {n - n_held} training samples after holding out {n_held} of {n} "
-                         f"({heldout:.0%}) are fewer than one batch of {batch_size}; lower hw.heldout or the batch size")
-    fit_set, held_set = Subset(train_set, range(n - n_held)), Subset(train_set, range(n - n_held, n))
-    g = torch.Generator().manual_seed(int(seed))
-    batches = [(x.to(device), y.to(device)) for _ in range(epochs)
-               for x, y in make_loader(fit_set, batch_size, shuffle=True, generator=g, drop_last=True)]
-    held = make_loader(held_set, batch_size, shuffle=False)
-    if net.int_weights is None:
-        if not net.scales_known:
-            with torch.no_grad():
-                net(fit_set[0][0].unsqueeze(0).to(device))
-        net.freeze_weights()
-    names = list(trainable_layers(net, layers))
-    cut = split_blocks(names, blocks)
-    floats = {k: v.clone() for k, v in net.state_dict().items()}
-    t = time.perf_counter()
-    res = select_block(net, cut, batches, lambda: evaluate(net, held, loss_fn, device)[1], loss_fn,
-                       lambda ls: MCUZO(net, layers=ls, q=q, lr=lr, seed=int(seed) % 0xFFFFFFFF + 1))
-    # select_block put the integers back; the float parameters too (its write-back left the tried
-    # blocks dequantised), so a resumed run, which freezes them again, gets the same integers
-    net.load_state_dict(floats)
-    res.update(layers=cut[res["block"]], blocks=cut, time_s=time.perf_counter() - t, steps_per_block=len(batches),
-               heldout_samples=n_held, settings=settings)
-    if path is not None:
-        atomic_write_json(path, res)
-    return res
 
 
 @register_builder("mcu-zo", integer=True)

@@ -2,7 +2,7 @@
 check a trained one against Lava's own runtime.
 
 Lava (lava-nc 0.10.0, Python 3.10) is a second interpreter, ``.venv-lava`` (``make lava``), that
-szo drives through the exchange bundles of :mod:`szo.hw.lava_runner` and a subprocess:
+szo drives through the exchange bundles of :mod:`szo.hw.lava.runner` and a subprocess:
 
 * :func:`lava_python` finds it (``$SZO_LAVA_PYTHON``, else ``.venv-lava`` in the working
   directory or beside the szo source tree); :func:`run_lava` runs one request bundle in it;
@@ -31,10 +31,10 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import nn
 
 import szo
-from szo.hw import lava_runner
 from szo.hw.convert import FixedPointNetwork, pool_window
 from szo.hw.fixed import A_IN_SHIFT, ACT_SHIFT, STATE_SHIFT
-from szo.hw.lava_runner import Bundle, ExchangeError, read_bundle
+from szo.hw.lava import runner as lava_runner
+from szo.hw.lava.runner import Bundle, ExchangeError, read_bundle
 from szo.io import atomic_write_json, sha256_file
 
 __all__ = ["CHECK_FILE", "LAVA_PYTHON_ENV", "LAVA_VENV", "MAX_DENSE_WEIGHTS", "ExchangeError", "LavaExportError",
@@ -85,7 +85,7 @@ def require_python(python: str | os.PathLike | None) -> Path:
 
 def run_lava(request: str | os.PathLike, out: str | os.PathLike, *, python: str | os.PathLike | None = None,
              timeout_s: float = 600.0) -> Bundle:
-    """Run a request bundle in the Lava interpreter (``lava_runner.py IN OUT``); returns the result bundle.
+    """Run a request bundle in the Lava interpreter (``szo/hw/lava/runner.py IN OUT``); returns the result bundle.
     A failure in Lava raises RuntimeError with the runner's last error line; past ``timeout_s`` the
     runner and the processes Lava's runtime started are killed (one process group)."""
     exe = require_python(python)

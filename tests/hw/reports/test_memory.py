@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from szo.hw.memory import LayerDims, layer_dims, training_memory
+from szo.hw.reports.memory import LayerDims, layer_dims, training_memory
 
 
 def test_identical_layers_reduce_to_table3():

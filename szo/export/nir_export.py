@@ -1,13 +1,15 @@
-"""szo models <-> NIR (Neuromorphic Intermediate Representation) graphs.
+"""szo models -> NIR (Neuromorphic Intermediate Representation) graphs.
 
 :func:`to_nir` turns any zoo model (float, or the fixed-point network of ``szo.hw``) into a
-``nir.NIRGraph``; :func:`from_nir` turns such a graph (or a ``.nir`` file) back into a
+``nir.NIRGraph``; its reader, :func:`szo.export.nir_import.from_nir`, turns such a graph back into a
 :class:`NIRNetwork`, a :class:`~szo.models.SpikingModel` built from SpikingJelly multi-step
 layers that every szo evaluation path runs (``model(x)`` -> logits ``[T, N, classes]``,
-neuron state reset after each forward, ``persistent_state()`` for streaming).
+neuron state reset after each forward, ``persistent_state()`` for streaming). An imported
+:class:`NIRNetwork` (a graph made anywhere, cycles and ``CubaLIF`` included) is written back node
+for node with its current weights (:func:`_imported_graph`).
 
-Tracing, add-node handling and the graph executor are nirtorch's (``torch_to_nir`` /
-``nir_to_torch``); the per-layer maps are here because SpikingJelly's own
+Tracing and add-node handling are nirtorch's (``torch_to_nir``); the per-layer maps are here
+because SpikingJelly's own
 ``nir_exchange`` refuses soft reset (``NotImplementedError("NIR does not distinguish soft
 reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold, said plainly:
 
@@ -52,7 +54,6 @@ import copy
 import io
 import operator
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -62,30 +63,17 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from szo.export.nir_common import DEFAULT_DT, FORMAT, SumPool2d, Threshold, nir_modules, why
+from szo.export.nir_import import NIRNetwork
 from szo.hw.convert import FixedPointNetwork
-from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, int_range, threshold_to_int
+from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
 from szo.io import atomic_write_bytes
 from szo.models.base import SpikingModel
-from szo.models.foreign import OUTPUTS, ForeignModel
+from szo.models.cuba import CUBA_FIELDS, CubaLIFNode
+from szo.models.foreign import ForeignModel
 from szo.models.neurons import LIFNode, make_neuron
 
-__all__ = ["DEFAULT_DT", "FORMAT", "NIRNetwork", "from_nir", "read_nir", "to_nir", "write_nir"]
-
-DEFAULT_DT: float = 1e-4
-"""Seconds per time step written into NIR time constants (snnTorch / SpikingJelly convention)."""
-FORMAT: str = "szo-nir-1"
-"""``graph.metadata["format"]`` of graphs written by :func:`to_nir`."""
-_RESETS = ("subtract", "value")
-
-
-# --------------------------------------------------------------------------- helpers
-def _nir():
-    try:
-        import nir
-        import nirtorch
-    except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
-        raise ModuleNotFoundError(f"NIR exchange needs the 'deploy' extra: pip install 'szo[deploy]' ({exc})") from None
-    return nir, nirtorch
+__all__ = ["to_nir", "write_nir"]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -194,7 +182,7 @@ def _foreign_core(model: ForeignModel) -> tuple[fx.GraphModule, bool]:
         gm = fx.GraphModule(root, _Tracer().trace(root))
     except Exception as exc:  # data-dependent control flow, unsupported Python: fx's many error types
         raise ValueError(f"cannot export {model.model_name} to NIR: its forward does not trace with torch.fx "
-                         f"({_why(exc)}); {form}") from None
+                         f"({why(exc)}); {form}") from None
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
     lift = next(iter(x.users)) if len(x.users) == 1 else None
     rep = next(iter(lift.users)) if lift is not None and len(lift.users) == 1 else None
@@ -271,48 +259,43 @@ def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphMod
     return gm
 
 
-class _SumPool2d(nn.Module):
-    """Multi-step sum pooling (``avg_pool2d`` with ``divisor_override=1``: an exact sum)."""
-
-    def __init__(self, kernel_size, stride, padding) -> None:
-        super().__init__()
-        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-
-    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.avg_pool2d(x_seq.flatten(0, 1), self.kernel_size, self.stride, self.padding,
-                                           divisor_override=1)
-        return y.unflatten(0, x_seq.shape[:2])
-
-
 class _Mapper:
-    """Module -> NIR node maps for ``nirtorch.torch_to_nir`` (shapes from one traced forward)."""
+    """Module -> NIR node maps for ``nirtorch.torch_to_nir`` or an imported graph's modules.
 
-    def __init__(self, gm: fx.GraphModule, example: torch.Tensor, dt: float,
-                 quant: dict[str, dict[str, Any]]) -> None:
-        nir, _ = _nir()
+    ``in_shape[m]``: the ``[T, N, ...]`` shape of module ``m``'s input; ``path[m]``: its layer
+    path (node metadata ``szo_layer``); ``prev[m]``: the module feeding it (a max pool's)."""
+
+    def __init__(self, dt: float, quant: dict[str, dict[str, Any]], in_shape: dict[nn.Module, tuple[int, ...]],
+                 path: dict[nn.Module, str], prev: dict[nn.Module, nn.Module | None]) -> None:
+        nir, _ = nir_modules()
         self.nir, self.dt, self.quant = nir, dt, quant
-        self.in_shape: dict[nn.Module, tuple[int, ...]] = {}
-        self.path: dict[nn.Module, str] = {}
-        self.prev: dict[nn.Module, nn.Module | None] = {}
+        self.in_shape, self.path, self.prev = in_shape, path, prev
+
+    @classmethod
+    def traced(cls, gm: fx.GraphModule, example: torch.Tensor, dt: float,
+               quant: dict[str, dict[str, Any]]) -> _Mapper:
+        """The maps of a traced deploy module (shapes from one forward of ``example``)."""
+        mapper = cls(dt, quant, {}, {}, {})
         for node in gm.graph.nodes:
             if node.op != "call_module":
                 continue
             m = gm.get_submodule(node.target)
             path = node.target.removeprefix("net.")
-            if type(m) not in self.map_dict:
+            if type(m) not in mapper.map_dict:
                 raise _unsupported(path, m, "no NIR mapping; supported: Conv2d (+ BatchNorm, folded), Linear, "
                                             "AvgPool2d, AdaptiveAvgPool2d, MaxPool2d right after spikes, Flatten, "
                                             "SpikingJelly LIFNode / IFNode, residual '+'")
-            self.path[m] = path
+            mapper.path[m] = path
             src = node.args[0]
-            self.prev[m] = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" \
+            mapper.prev[m] = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" \
                 else None
         with torch.no_grad():
             ShapeProp(gm).propagate(example)
         functional.reset_net(gm)
         for node in gm.graph.nodes:
             if node.op == "call_module":
-                self.in_shape[gm.get_submodule(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
+                mapper.in_shape[gm.get_submodule(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
+        return mapper
 
     @property
     def map_dict(self) -> dict[type, Callable[[nn.Module], Any]]:
@@ -320,8 +303,8 @@ class _Mapper:
                 layer.Linear: self.linear, nn.AvgPool2d: self.avgpool, layer.AvgPool2d: self.avgpool,
                 nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
                 nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
-                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, _SumPool2d: self.sumpool,
-                sj_neuron.IFNode: self.if_node}
+                layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, SumPool2d: self.sumpool,
+                sj_neuron.IFNode: self.if_node, Threshold: self.threshold, CubaLIFNode: self.cuba_lif}
 
     def _meta(self, m: nn.Module) -> dict[str, Any]:
         meta: dict[str, Any] = {"szo_layer": self.path.get(m, "")}
@@ -347,7 +330,7 @@ class _Mapper:
         return self.nir.AvgPool2d(kernel_size=pair(kernel), stride=pair(stride), padding=pair(padding),
                                   metadata=self._meta(m))
 
-    def sumpool(self, m: _SumPool2d) -> Any:
+    def sumpool(self, m: SumPool2d) -> Any:
         pair = lambda v: np.array(v if isinstance(v, (tuple, list)) else (v, v))  # noqa: E731
         return self.nir.SumPool2d(kernel_size=pair(m.kernel_size), stride=pair(m.stride), padding=pair(m.padding),
                                   metadata=self._meta(m))
@@ -418,6 +401,19 @@ class _Mapper:
                            v_reset=full(0.0 if m.v_reset is None else float(m.v_reset)), metadata=meta)
 
 
+    def threshold(self, m: Threshold) -> Any:
+        return self.nir.Threshold(threshold=_np(m.threshold), metadata=self._meta(m))
+
+    def cuba_lif(self, m: CubaLIFNode) -> Any:
+        """The node's own arrays (what it runs, float32); time constants rescaled by ``dt / m.dt`` when
+        written for another step (their length in steps kept)."""
+        f = {k: _np(m.get_buffer(k)) for k in CUBA_FIELDS}
+        if self.dt != m.dt:
+            for k in ("tau_syn", "tau_mem"):
+                f[k] = (f[k].astype(np.float64) * (self.dt / m.dt)).astype(np.float32)
+        return self.nir.CubaLIF(**f, metadata=self._meta(m))
+
+
 def _flatten_subgraphs(nir, nodes: dict[str, Any], edges: list[tuple[str, str]]) -> tuple[dict, list]:
     """Inline the one-level subgraphs of :meth:`_Mapper.maxpool` (``name.sum`` -> ``name.any``)."""
     for name in [n for n, v in nodes.items() if isinstance(v, nir.NIRGraph)]:
@@ -483,9 +479,9 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
             if isinstance(m, nn.AdaptiveAvgPool2d):
                 o = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
                 k = (h // (o[0] or h), w // (o[1] or w))
-                put(path, _SumPool2d(k, k, (0, 0)))
+                put(path, SumPool2d(k, k, (0, 0)))
             else:
-                put(path, _SumPool2d(m.kernel_size, m.stride if m.stride is not None else m.kernel_size, m.padding))
+                put(path, SumPool2d(m.kernel_size, m.stride if m.stride is not None else m.kernel_size, m.padding))
         elif isinstance(m, sj_neuron.LIFNode):
             d = decay_to_int(1.0 / float(m.tau), DECAY_SHIFT)
             put(path, make_neuron("lif", tau=(1 << DECAY_SHIFT) / d, v_threshold=float(m.v_threshold),
@@ -502,24 +498,33 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
 
 
 @torch.no_grad()
-def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float = DEFAULT_DT,
+def to_nir(model: SpikingModel, input_shape: tuple[int, ...] | None = None, *, dt: float | None = None,
            metadata: dict[str, Any] | None = None) -> Any:
     """``nir.NIRGraph`` of ``model`` (eval mode: BN folded with its running statistics).
 
     ``input_shape``: ``(C, H, W)`` of one frame (shapes of NIR nodes are per sample, without
-    time or batch). ``dt``: seconds per time step written into NIR time constants. ``metadata``:
+    time or batch); an imported :class:`~szo.export.NIRNetwork` has its own (given, it must be
+    that one) and is written back node for node with its current weights, its edges (cycles
+    included) and its graph's metadata (:func:`_imported_graph`). ``dt``: seconds per time step
+    written into NIR time constants (default ``DEFAULT_DT``; an imported network's own). ``metadata``:
     extra graph metadata (str / int / float / lists; e.g. ``bin_us`` and ``sensor_size`` of an
     event-stream model, which ``szo demo dvs-stream --model OUT.nir`` needs). A
     ``szo.hw.FixedPointNetwork`` is exported with its dequantised weights plus the integer
     mantissas / exponents as node metadata. Raises ``ValueError`` naming the first layer
     NIR cannot express.
     """
-    nir, nirtorch = _nir()
+    nir, nirtorch = nir_modules()
     if not isinstance(model, SpikingModel):
         raise ValueError(f"to_nir exports a szo SpikingModel, got {type(model).__name__}")
+    if dt is None:
+        dt = model.dt if isinstance(model, NIRNetwork) else DEFAULT_DT
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ValueError(f"dt must be a positive number of seconds, got {dt!r}")
-    shape = tuple(input_shape)
+    if isinstance(model, NIRNetwork):
+        if input_shape is not None and tuple(input_shape) != model.input_shape:
+            raise ValueError(f"input_shape {tuple(input_shape)!r} is not the imported graph's {model.input_shape!r}")
+        return _imported_graph(nir, model, float(dt), metadata)
+    shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else (input_shape,)
     if len(shape) != 3 or not all(isinstance(v, int) and v > 0 for v in shape):
         raise ValueError(f"input_shape must be (C, H, W) positive ints, got {input_shape!r}")
     quant: dict[str, dict[str, Any]] = {}
@@ -531,7 +536,7 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     else:
         gm = _deploy_module(source, shape)
     example = torch.zeros(1, 1, *shape)
-    mapper = _Mapper(gm, example, float(dt), quant)
+    mapper = _Mapper.traced(gm, example, float(dt), quant)
     graph = nirtorch.torch_to_nir(gm, mapper.map_dict, default_dict=None, type_check=False)
     nodes, edges = _flatten_subgraphs(nir, dict(graph.nodes), list(graph.edges))
     rename = {k: (k[4:] if k.startswith("net_") else k) for k in nodes}
@@ -551,388 +556,53 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta, type_check=False)
 
 
+def _imported_graph(nir: Any, model: NIRNetwork, dt: float, metadata: dict[str, Any] | None) -> Any:
+    """The graph of an imported network as it stands: one node per module (the maps of
+    :class:`_Mapper`, shapes from one forward), the Input / Output of its input and output shape,
+    the graph's edges in their order, and its metadata with szo's fields updated (the fixed-point
+    ones dropped: the weights may have moved off the integer grid)."""
+    net = copy.deepcopy(model).cpu().float().eval()
+    runner = net.graph_module
+    in_shape: dict[nn.Module, tuple[int, ...]] = {}
+
+    def record(m: nn.Module, args: tuple) -> None:  # a pre-hook returning None leaves the input alone
+        in_shape.setdefault(m, tuple(args[0].shape))
+
+    hooks = [runner.module_of(n).register_forward_pre_hook(record) for n in runner.names]
+    try:
+        out = runner(torch.zeros(1, 1, *net.input_shape))
+    finally:
+        for h in hooks:
+            h.remove()
+        functional.reset_net(net)
+    path = {runner.module_of(n): n for n in runner.names}
+    mapper = _Mapper(dt, {}, in_shape, path, {})
+    nodes = {}
+    for name in runner.plan.nodes:
+        if name == runner.plan.input:
+            nodes[name] = nir.Input(input_type=np.array(net.input_shape))
+        elif name == runner.plan.output:
+            nodes[name] = nir.Output(output_type=np.array(out.shape[2:]))
+        else:
+            m = runner.module_of(name)
+            if type(m) not in mapper.map_dict:
+                raise _unsupported(name, m, "no NIR mapping")
+            nodes[name] = mapper.map_dict[type(m)](m)
+    meta = {k: v for k, v in net.nir_metadata.items() if k != "fixed_point" and not k.startswith("precision_")
+            and k not in ("state_shift", "decay_shift")}
+    meta.update({"format": FORMAT, "model_name": net.model_name, "dt": dt, "num_classes": int(net.num_classes),
+                 "input_shape": np.array(net.input_shape), "fixed_point": 0, "output": net.output})
+    if net.graph_T is not None:
+        meta["T"] = int(net.graph_T)
+    for k, v in (metadata or {}).items():
+        meta[str(k)] = np.asarray(v) if isinstance(v, (list, tuple)) else v
+    return nir.NIRGraph(nodes=nodes, edges=[tuple(e) for e in runner.plan.edges], metadata=meta, type_check=False)
+
+
 def write_nir(graph: Any, path: str | os.PathLike) -> str:
     """Write ``graph`` to an HDF5 ``.nir`` file atomically (temp file + rename); returns its sha256."""
-    nir, _ = _nir()
+    nir, _ = nir_modules()
     buf = io.BytesIO()
     nir.write(buf, graph)
     return atomic_write_bytes(path, buf.getvalue())
 
-
-def read_nir(path: str | os.PathLike) -> Any:
-    """Read a ``.nir`` file; a missing file raises ``FileNotFoundError``, anything else that is
-    not a NIR graph raises one ``ValueError`` naming the file and the bad field."""
-    nir, _ = _nir()
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no NIR file {str(p)!r}")
-    try:
-        return nir.read(p)
-    except Exception as exc:  # h5py / nir raise many types for a bad file: one ValueError naming the culprit
-        raise ValueError(f"{p} is not a valid NIR file: {_locate_bad_node(p) or _why(exc)}") from None
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, KeyError):
-        return f"missing field {exc}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _locate_bad_node(path: Path) -> str | None:
-    """``node 'NAME' (TYPE): why`` for the first node of a NIR file that does not parse."""
-    import h5py
-    import nir
-    from nir.serialization import hdf2dict
-
-    try:
-        with h5py.File(path, "r") as f:
-            nodes = hdf2dict(f["node"]).get("nodes")
-    except Exception as exc:
-        return f"not an HDF5 NIR container ({_why(exc)})"
-    if not isinstance(nodes, dict):
-        return "missing field 'node/nodes'"
-    for name, d in nodes.items():
-        try:
-            kind = d.get("type", "?") if isinstance(d, dict) else "?"
-            nir.dict2NIRNode(dict(d))
-        except Exception as exc:
-            return f"node {name!r} ({kind}): {_why(exc)}"
-    return None
-
-
-# ----------------------------------------------------------------------------- import
-def _uniform(node_name: str, field: str, value: Any) -> float:
-    arr = np.asarray(value, dtype=np.float64)
-    u = np.unique(arr)
-    if u.size != 1:
-        raise ValueError(f"NIR node {node_name!r}: field {field!r} must be the same for every neuron "
-                         f"(szo's LIF has scalar parameters), got {u.size} distinct values")
-    return float(u[0])
-
-
-def meta_str(meta: dict[str, Any], key: str, default: str) -> str:
-    v = meta.get(key, default)
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-class _Threshold(nn.Module):
-    """NIR ``Threshold``: ``H(x - threshold)`` (strictly above: ``x > threshold``)."""
-
-    def __init__(self, threshold: np.ndarray) -> None:
-        super().__init__()
-        self.register_buffer("threshold", torch.as_tensor(np.asarray(threshold, dtype=np.float32)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x > self.threshold).to(x.dtype)
-
-
-def _pair(node_name: str, field: str, v: Any) -> tuple[int, int]:
-    a = np.atleast_1d(np.asarray(v)).astype(np.int64).tolist()
-    if len(a) == 1:
-        a = a * 2
-    if len(a) != 2:
-        raise ValueError(f"NIR node {node_name!r}: field {field!r} must hold 1 or 2 ints, got {v!r}")
-    return int(a[0]), int(a[1])
-
-
-class _NodeMap:
-    """NIR node -> SpikingJelly multi-step module (``nirtorch.nir_to_torch`` node map)."""
-
-    def __init__(self, dt: float) -> None:
-        self.dt = dt
-        self.name: dict[int, str] = {}
-
-    def __call__(self, nir):  # the node map
-        return {nir.Input: lambda n: nn.Identity(), nir.Output: lambda n: nn.Identity(),
-                nir.Conv2d: self.conv2d, nir.Affine: self.affine, nir.Linear: self.linear,
-                nir.AvgPool2d: self.avgpool, nir.SumPool2d: self.sumpool, nir.Threshold: self.threshold,
-                nir.Flatten: self.flatten, nir.LIF: self.lif, nir.IF: self.if_node}
-
-    def _n(self, node: Any) -> str:
-        return self.name.get(id(node), type(node).__name__)
-
-    def conv2d(self, n: Any) -> nn.Module:
-        w = np.asarray(n.weight, dtype=np.float32)
-        if w.ndim != 4:
-            raise ValueError(f"NIR node {self._n(n)!r}: Conv2d field 'weight' must be 4-D, got shape {w.shape}")
-        if int(np.asarray(n.groups)) != 1:
-            raise ValueError(f"NIR node {self._n(n)!r}: Conv2d field 'groups' must be 1, got {n.groups}")
-        m = layer.Conv2d(w.shape[1], w.shape[0], w.shape[2:], stride=_pair(self._n(n), "stride", n.stride),
-                         padding=_pair(self._n(n), "padding", n.padding),
-                         dilation=_pair(self._n(n), "dilation", n.dilation), bias=True, step_mode="m")
-        m.weight.data.copy_(torch.from_numpy(w))
-        m.bias.data.copy_(torch.from_numpy(np.asarray(n.bias, dtype=np.float32).reshape(-1)))
-        return m
-
-    def affine(self, n: Any) -> nn.Module:
-        w = np.asarray(n.weight, dtype=np.float32)
-        m = layer.Linear(w.shape[1], w.shape[0], bias=True, step_mode="m")
-        m.weight.data.copy_(torch.from_numpy(w))
-        m.bias.data.copy_(torch.from_numpy(np.asarray(n.bias, dtype=np.float32)))
-        return m
-
-    def linear(self, n: Any) -> nn.Module:
-        w = np.asarray(n.weight, dtype=np.float32)
-        m = layer.Linear(w.shape[1], w.shape[0], bias=False, step_mode="m")
-        m.weight.data.copy_(torch.from_numpy(w))
-        return m
-
-    def avgpool(self, n: Any) -> nn.Module:
-        return layer.AvgPool2d(_pair(self._n(n), "kernel_size", n.kernel_size), _pair(self._n(n), "stride", n.stride),
-                               _pair(self._n(n), "padding", n.padding), step_mode="m")
-
-    def sumpool(self, n: Any) -> nn.Module:
-        return _SumPool2d(_pair(self._n(n), "kernel_size", n.kernel_size), _pair(self._n(n), "stride", n.stride),
-                          _pair(self._n(n), "padding", n.padding))
-
-    def threshold(self, n: Any) -> nn.Module:
-        return _Threshold(n.threshold)
-
-    def flatten(self, n: Any) -> nn.Module:
-        start, end = int(n.start_dim), int(n.end_dim)  # NIR dims exclude the batch; add it (and time, below)
-        return layer.Flatten(start + 1 if start >= 0 else start, end + 1 if end >= 0 else end, step_mode="m")
-
-    def lif(self, n: Any) -> nn.Module:
-        name = self._n(n)
-        meta = getattr(n, "metadata", None) or {}
-        tau = _uniform(name, "tau", n.tau) / self.dt
-        if not np.isfinite(tau) or tau <= 1.0:
-            raise ValueError(f"NIR node {name!r}: LIF field 'tau' / dt must be > 1 (one step of dt = {self.dt} s), "
-                             f"got {tau:g}")
-        r = _uniform(name, "r", n.r)
-        if np.isclose(r, tau, rtol=1e-6):
-            decay_input = False
-        elif np.isclose(r, 1.0, rtol=1e-6):
-            decay_input = True
-        else:
-            raise ValueError(f"NIR node {name!r}: LIF field 'r' must be tau/dt = {tau:g} (input not decayed, the "
-                             f"paper's LIF) or 1 (decayed input), got {r:g}")
-        reset = meta_str(meta, "reset", "value")
-        if reset not in _RESETS:
-            raise ValueError(f"NIR node {name!r}: metadata 'reset' must be one of {list(_RESETS)}, got {reset!r}")
-        v_leak, v_reset = _uniform(name, "v_leak", n.v_leak), _uniform(name, "v_reset", n.v_reset)
-        if reset == "subtract" and v_leak != 0.0:
-            raise ValueError(f"NIR node {name!r}: LIF field 'v_leak' must be 0 with a subtractive reset, got {v_leak:g}")
-        if reset == "value" and v_leak != v_reset:
-            raise ValueError(f"NIR node {name!r}: LIF field 'v_leak' must equal 'v_reset' ({v_reset:g}) for "
-                             f"SpikingJelly's LIF, got {v_leak:g}")
-        if "tau_steps" in meta:  # written by szo: the exact float tau (tau/dt can round in the last bit)
-            tau = float(meta["tau_steps"])
-        return make_neuron("lif", tau=tau, decay_input=decay_input, v_threshold=_uniform(name, "v_threshold",
-                                                                                          n.v_threshold),
-                           v_reset=None if reset == "subtract" else v_reset)
-
-
-    def if_node(self, n: Any) -> nn.Module:
-        name = self._n(n)
-        meta = getattr(n, "metadata", None) or {}
-        r = _uniform(name, "r", n.r)
-        if not np.isclose(r * self.dt, 1.0, rtol=1e-6):
-            raise ValueError(f"NIR node {name!r}: IF field 'r' must be 1/dt = {1.0 / self.dt:g} (v += x per step of "
-                             f"dt = {self.dt} s, SpikingJelly's IFNode), got {r:g}")
-        reset = meta_str(meta, "reset", "value")
-        if reset not in _RESETS:
-            raise ValueError(f"NIR node {name!r}: metadata 'reset' must be one of {list(_RESETS)}, got {reset!r}")
-        v_reset = _uniform(name, "v_reset", n.v_reset)
-        return sj_neuron.IFNode(v_threshold=_uniform(name, "v_threshold", n.v_threshold),
-                                v_reset=None if reset == "subtract" else v_reset, step_mode="m")
-
-
-class NIRNetwork(SpikingModel):
-    """A NIR graph run by SpikingJelly multi-step layers: ``model(x)`` -> ``[T, N, num_classes]``.
-
-    ``forward`` takes ``[N, C, H, W]`` (repeated over ``T``) or ``[T, N, C, H, W]`` like every
-    zoo model; ``T`` and ``num_classes`` come from the graph (szo metadata or its output
-    type). A graph with metadata ``output = "rate"`` (a foreign network's firing-rate readout)
-    gives the mean over T of its output, ``[1, N, num_classes]``, as ``ForeignModel`` does.
-    The parameters are those of the graph (BN already folded), so the flat-parameter
-    layout is not the source model's: an imported network is for evaluation, streaming and
-    deployment checks, not for resuming SZO in the source model's subspace.
-    """
-
-    def __init__(self, graph: Any, *, T: int | None = None, dt: float | None = None) -> None:
-        nir, nirtorch = _nir()
-        if not isinstance(graph, nir.NIRGraph):
-            raise ValueError(f"from_nir needs a nir.NIRGraph or a .nir path, got {type(graph).__name__}")
-        meta = dict(graph.metadata or {})
-        dt = float(meta.get("dt", DEFAULT_DT)) if dt is None else float(dt)
-        node_map = _NodeMap(dt)
-        supported = node_map(nir)
-        outputs = []
-        for name, node in graph.nodes.items():
-            if type(node) not in supported:
-                raise ValueError(f"NIR node {name!r} has type {type(node).__name__}, which szo cannot run; supported: "
-                                 f"{sorted(t.__name__ for t in supported)}")
-            node_map.name[id(node)] = name
-            if isinstance(node, nir.Output):
-                outputs.append(node)
-        names = set(graph.nodes)
-        for s, d in graph.edges:
-            if s not in names or d not in names:
-                raise ValueError(f"NIR graph edge ({s!r}, {d!r}) names a node that is not in the graph")
-        _check_feed_forward(graph.edges)
-        for name, node in graph.nodes.items():
-            _check_node_values(name, node)
-            _check_fixed_point(name, node, meta, dt)
-        if len(outputs) != 1:
-            raise ValueError(f"NIR graph must have exactly one Output node, got {len(outputs)}")
-        out_t = np.asarray(outputs[0].output_type.get("output", []) if outputs[0].output_type else []).reshape(-1)
-        num_classes = int(meta.get("num_classes", int(np.prod(out_t)) if out_t.size else 0))
-        if num_classes < 1:
-            raise ValueError("NIR graph: cannot tell the number of classes (no 'num_classes' metadata and no Output "
-                             "type)")
-        T = meta.get("T", 0) if T is None else T
-        try:
-            T = int(T)
-        except (TypeError, ValueError):
-            raise ValueError(f"NIR graph: T = {T!r} is not a number of time steps") from None
-        if T < 1:
-            raise ValueError("NIR graph has no 'T' metadata: pass T= (time steps for static inputs)")
-        if T > MAX_T:
-            raise ValueError(f"NIR graph: T = {T} time steps is out of range; szo runs 1 <= T <= {MAX_T}")
-        super().__init__(num_classes=num_classes, T=T, model_name=meta_str(meta, "model_name", "nir"))
-        output = meta_str(meta, "output", "sequence")
-        if output not in OUTPUTS:
-            raise ValueError(f"NIR graph: metadata 'output' must be one of {list(OUTPUTS)}, got {output!r}")
-        self.dt = dt
-        self.nir_metadata = meta
-        self.output = output
-        self.graph_module = nirtorch.nir_to_torch(graph, supported)
-
-    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
-        out = self.graph_module(x_seq)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.mean(0, keepdim=True) if self.output == "rate" else out
-
-
-MAX_T = 10_000
-"""The most time steps an imported graph may ask for (metadata ``T`` or ``T=``)."""
-MAX_ELEMENTS = 1 << 30
-"""The most elements one node's array or input / output shape may have."""
-
-
-def _check_feed_forward(edges: Any) -> None:
-    """Refuse a recurrent edge or any cycle: szo's importer runs feed-forward graphs (nirtorch
-    would drop a back edge silently and run the rest as if it were feed-forward)."""
-    succ: dict[str, list[str]] = {}
-    indeg: dict[str, int] = {}
-    for s, d in edges:
-        if s == d:
-            raise ValueError(f"NIR graph has a recurrent edge {s!r} -> {s!r}; szo imports feed-forward graphs only "
-                             "(its models have no recurrent connections)")
-        succ.setdefault(s, []).append(d)
-        indeg[d] = indeg.get(d, 0) + 1
-        indeg.setdefault(s, 0)
-    ready = [n for n, k in indeg.items() if k == 0]
-    seen = 0
-    while ready:
-        n = ready.pop()
-        seen += 1
-        for m in succ.get(n, []):
-            indeg[m] -= 1
-            if indeg[m] == 0:
-                ready.append(m)
-    if seen < len(indeg):
-        loop = sorted(n for n, k in indeg.items() if k > 0)
-        raise ValueError(f"NIR graph has a cycle through {', '.join(map(repr, loop[:6]))}; szo imports feed-forward "
-                         "graphs only (its models have no recurrent connections)")
-
-
-def _check_node_values(name: str, node: Any) -> None:
-    """Every array of a node finite and of a bounded size; shapes bounded."""
-    for attr, v in vars(node).items():
-        if attr in ("input_type", "output_type") and isinstance(v, dict):  # port name -> shape
-            for k, shape in v.items():
-                dims = np.asarray(shape, dtype=np.float64).reshape(-1)
-                if dims.size and (dims.min() < 0 or float(np.prod(dims)) > MAX_ELEMENTS):
-                    raise ValueError(f"NIR node {name!r}: {attr} {k!r} has shape {[int(x) for x in dims]}, out of "
-                                     f"range (at most {MAX_ELEMENTS} elements)")
-            continue
-        if isinstance(v, np.ndarray) and v.dtype.kind in "fc":
-            if v.size > MAX_ELEMENTS:
-                raise ValueError(f"NIR node {name!r}: {attr} has {v.size} elements, more than {MAX_ELEMENTS}")
-            bad = int((~np.isfinite(v)).sum())
-            if bad:
-                raise ValueError(f"NIR node {name!r}: {attr} holds {bad} non-finite value(s) (NaN / inf); "
-                                 "szo does not run such a graph")
-
-
-_REFUSE = "a chip loads the integers, a float simulator the floats: szo refuses a fixed-point graph whose two forms differ"
-
-
-def _int_array(name: str, key: str, v: Any, shape: tuple[int, ...]) -> np.ndarray:
-    a = np.asarray(v)
-    if a.dtype.kind not in "iu" or a.shape != shape:
-        raise ValueError(f"NIR node {name!r}: metadata {key!r} must be an integer array of shape {list(shape)} "
-                         f"(the float field's), got {a.dtype} {list(a.shape)}")
-    return a.astype(np.int64)
-
-
-def _same(name: str, what: str, want: np.ndarray, have: Any) -> None:
-    have = np.asarray(have, dtype=np.float32)
-    bad = want != have
-    if bad.any():
-        diff = float(np.abs(want.astype(np.float64) - have.astype(np.float64)).max())
-        raise ValueError(f"NIR node {name!r}: {what} disagree(s) with its float field at {int(bad.sum())} of "
-                         f"{bad.size} entries (largest |difference| {diff:g}); {_REFUSE}")
-
-
-def _check_fixed_point(name: str, node: Any, graph_meta: dict[str, Any], dt: float) -> None:
-    """A fixed-point graph (``to_nir`` of a ``FixedPointNetwork``) holds every synapse twice: the
-    integers a chip loads (metadata ``w_int``, ``exp``, ``bias_int``; neurons' ``threshold_int``,
-    ``voltage_decay_int``) and the floats a simulator runs. Both must be the same network: the
-    floats exactly ``w_int * 2**exp`` and ``bias_int / 2**state_shift`` (float32), the mantissas in
-    the graph's ``precision_weight_bits``, the threshold and decay those of the integers."""
-    meta = getattr(node, "metadata", None) or {}
-    fixed = int(np.asarray(graph_meta.get("fixed_point", 0)))
-    synapse = hasattr(node, "weight") and type(node).__name__ in ("Conv2d", "Affine", "Linear")
-    if synapse and "w_int" not in meta:
-        if fixed:
-            raise ValueError(f"NIR node {name!r}: the graph is fixed-point (metadata fixed_point = 1) but this synapse "
-                             "has no integer weights (metadata w_int / exp)")
-        return
-    if synapse:
-        weight = np.asarray(node.weight)
-        w_int = _int_array(name, "w_int", meta["w_int"], weight.shape)
-        try:
-            exp = int(np.asarray(meta["exp"]))
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"NIR node {name!r}: metadata 'w_int' needs an integer 'exp' (weight = w_int * 2**exp)") \
-                from None
-        if "precision_weight_bits" in graph_meta:
-            bits = int(np.asarray(graph_meta["precision_weight_bits"]))
-            lo, hi = int_range(bits)
-            out = int(((w_int < lo) | (w_int > hi)).sum())
-            if out:
-                raise ValueError(f"NIR node {name!r}: {out} integer weight(s) (metadata w_int) outside the graph's "
-                                 f"{bits}-bit range [{lo}, {hi}] (precision_weight_bits); {_REFUSE}")
-        _same(name, "its integer weights w_int * 2**exp", (w_int.astype(np.float64) * 2.0 ** exp).astype(np.float32),
-              weight)
-        if "bias_int" in meta:
-            bias = np.asarray(getattr(node, "bias", np.zeros(weight.shape[0])))
-            b_int = _int_array(name, "bias_int", meta["bias_int"], bias.shape)
-            shift = int(np.asarray(graph_meta.get("state_shift", STATE_SHIFT)))
-            _same(name, f"its integer bias bias_int / 2**{shift}",
-                  (b_int.astype(np.float64) / float(1 << shift)).astype(np.float32), bias)
-    if "threshold_int" in meta and hasattr(node, "v_threshold"):
-        v_th = _uniform(name, "v_threshold", node.v_threshold)
-        try:
-            want = threshold_to_int(v_th)
-        except ValueError:
-            want = None
-        if want is None or int(np.asarray(meta["threshold_int"])) != want:
-            raise ValueError(f"NIR node {name!r}: metadata threshold_int = {int(np.asarray(meta['threshold_int']))} is "
-                             f"not the float threshold {v_th:g} in state units ({want}); {_REFUSE}")
-    if "voltage_decay_int" in meta and hasattr(node, "tau"):
-        d = int(np.asarray(meta["voltage_decay_int"]))
-        tau = float(meta["tau_steps"]) if "tau_steps" in meta else _uniform(name, "tau", node.tau) / dt
-        if not 0 < d <= (1 << DECAY_SHIFT) or not np.isclose(tau, (1 << DECAY_SHIFT) / d, rtol=1e-6):
-            raise ValueError(f"NIR node {name!r}: metadata voltage_decay_int = {d} is not the float tau {tau:g} steps "
-                             f"(tau = {1 << DECAY_SHIFT} / voltage_decay_int); {_REFUSE}")
-
-
-def from_nir(source: Any, *, T: int | None = None, dt: float | None = None) -> NIRNetwork:
-    """:class:`NIRNetwork` from a ``nir.NIRGraph`` or a ``.nir`` file path."""
-    if isinstance(source, (str, os.PathLike)):
-        source = read_nir(source)
-    return NIRNetwork(source, T=T, dt=dt)

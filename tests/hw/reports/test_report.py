@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from szo.hw.cli import main
-from szo.hw.report import hw_report, to_markdown
+from szo.hw.reports.hw_report import hw_report, to_markdown
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_bad_target_is_clear(tmp_path):
 def test_chip_limits_are_checked_before_any_measurement(flags, phrase, tmp_path, capsys, monkeypatch):
     """--core-kb 0 / inf used to be a traceback after the whole measurement, a negative --energy-pj or
     --coord-bits 0 a report saying "fits: True": now one line, exit 2, nothing measured or written."""
-    import szo.hw.report as R
+    import szo.hw.reports.hw_report as R
 
     def measured(*a, **k):
         raise AssertionError("the target was loaded: the limits were not checked first")
@@ -89,7 +89,7 @@ def test_chip_limits_are_checked_before_any_measurement(flags, phrase, tmp_path,
 
 def test_digits_batch_is_standardised_like_training():
     from szo.data import get_dataset
-    from szo.hw.report import input_batch
+    from szo.hw.reports.hw_report import input_batch
     from szo.models import create
 
     x, y = input_batch(create("spike_convnet"), "digits", 16, None, 0, None)

@@ -5,8 +5,8 @@ from spikingjelly.activation_based import neuron
 
 pytest.importorskip("neurobench")
 
-from szo.hw.neurobench import StepwiseModel, neurobench_metrics  # noqa: E402
-from szo.hw.report import hw_report, to_markdown  # noqa: E402
+from szo.hw.reports.hw_report import hw_report, to_markdown  # noqa: E402
+from szo.hw.reports.neurobench import StepwiseModel, neurobench_metrics  # noqa: E402
 from szo.models import create  # noqa: E402
 
 

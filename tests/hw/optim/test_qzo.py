@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from szo.hw.train import OnChipSZO, quantized_zo_update
+from szo.hw.optim.onchip import OnChipSZO, quantized_zo_update
 from szo.hw.xorshift import XorShift32
 
 

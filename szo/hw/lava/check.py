@@ -1,7 +1,7 @@
 """``szo hw lava-check`` / ``szo export --to lava``: a trained fixed-point network run in Intel Lava.
 
 :func:`lava_check` runs N test samples through Lava's own runtime (the network bundle of
-:func:`szo.hw.lava_bridge.export_network`, the samples back to back, in the ``.venv-lava``
+:func:`szo.hw.lava.bridge.export_network`, the samples back to back, in the ``.venv-lava``
 interpreter) and through szo's ``loihi`` simulator of the same network (``to_fixed(model,
 arithmetic="loihi", record=True)``), then compares every spike of every neuron layer, every
 value the readout Dense sends and every predicted label. Lava's Dense delivers one step late,
@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from szo.hw import lava_runner
 from szo.hw.convert import to_fixed
 from szo.hw.fixed import A_IN_SHIFT, Precision
-from szo.hw.lava_bridge import check_int32_bound, export_network, require_python, run_lava, weights_file
-from szo.hw.lava_runner import network_delays, write_bundle
-from szo.hw.report import input_batch, load_target
+from szo.hw.lava import runner as lava_runner
+from szo.hw.lava.bridge import check_int32_bound, export_network, require_python, run_lava, weights_file
+from szo.hw.lava.runner import network_delays, write_bundle
+from szo.hw.reports.hw_report import input_batch, load_target
 from szo.io import sha256_file
 from szo.models import SpikingModel
 

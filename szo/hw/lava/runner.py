@@ -4,9 +4,9 @@ lava-nc 0.10.0 installs on Python 3.10 only (it declares ``< 3.11``; on 3.11 it 
 while szo needs 3.11, so Lava runs as a second interpreter (``make lava``: ``.venv-lava``) that
 szo drives through files and a subprocess, the way a deployment flow would. This file is both:
 
-* imported by szo (``szo.hw.lava_runner``): :func:`write_bundle` / :func:`read_bundle` and the
+* imported by szo (``szo.hw.lava.runner``): :func:`write_bundle` / :func:`read_bundle` and the
   validation of every kind of bundle; it imports only numpy and the standard library;
-* run as a script by the Lava interpreter: ``.venv-lava/bin/python -I lava_runner.py IN_DIR OUT_DIR``
+* run as a script by the Lava interpreter: ``.venv-lava/bin/python -I szo/hw/lava/runner.py IN_DIR OUT_DIR``
   (``-I``: isolated, so that szo/hw's own modules do not shadow Lava's top-level ``lava`` package)
   reads a request bundle, builds Lava's own processes (``RingBuffer`` -> ``Dense`` ->
   ``LIF`` / ``LIFReset`` ..., read out by ``Extractor`` / ``VarWire``), runs them under
@@ -432,10 +432,10 @@ RUNNERS = {"lif": run_lif, "dense": run_dense, "network": run_network}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``lava_runner.py IN_DIR OUT_DIR``: run a request bundle in Lava, write the result bundle."""
+    """``runner.py IN_DIR OUT_DIR``: run a request bundle in Lava, write the result bundle."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: lava_runner.py IN_DIR OUT_DIR (a szo-lava-exchange request bundle; the result is written "
+        print("usage: runner.py IN_DIR OUT_DIR (a szo-lava-exchange request bundle; the result is written "
               "to OUT_DIR)", file=sys.stderr)
         return 2
     try:

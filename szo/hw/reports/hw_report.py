@@ -27,9 +27,9 @@ from szo.build import load_run_model
 from szo.data import collate_time_major, dataset_info, get_dataset
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import ARITHMETICS, Precision, check_arithmetic
-from szo.hw.lava_bridge import check_summary, read_check
-from szo.hw.neurobench import NOTES, neurobench_metrics, szo_counterparts
-from szo.hw.train import check_learner_widths, learner_state_bits
+from szo.hw.lava.bridge import check_summary, read_check
+from szo.hw.optim.onchip import check_learner_widths, learner_state_bits
+from szo.hw.reports.neurobench import NOTES, neurobench_metrics, szo_counterparts
 from szo.io import atomic_write_json, atomic_write_text
 from szo.models import SpikingModel, create, names
 from szo.options import IntegerLearnerOptions
@@ -244,7 +244,7 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     :func:`szo.hw.to_fixed`) and tabulate memory, synops and energy; compare the arithmetics
     (:func:`compare_arithmetics`) and list what a standard Loihi 2 LIF cannot run (:func:`loihi2_features`).
 
-    ``neurobench``: also compute NeuroBench's metrics (``szo.hw.neurobench``) of the float model
+    ``neurobench``: also compute NeuroBench's metrics (``szo.hw.reports.neurobench``) of the float model
     on the same batch, next to szo's counterparts (skipped, with the reason, if ``neurobench``
     is not installed or the target is already a fixed-point network). ``learner``: the widths of
     the on-chip SZO learner's state (basis, coordinates, theta_ref) whose memory is tabulated."""
@@ -253,7 +253,7 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
             raise ValueError(f"{n} must be a positive int, got {v!r}")
     check_arithmetic(arithmetic)
     if not isinstance(chip, ChipModel):
-        raise ValueError(f"chip must be a szo.hw.report.ChipModel, got {type(chip).__name__}")
+        raise ValueError(f"chip must be a szo.hw.reports.hw_report.ChipModel, got {type(chip).__name__}")
     check_learner_widths(basis_bits=learner.basis_bits, coord_bits=learner.coord_bits, ref_bits=learner.ref_bits)
     model, label, cfg = load_target(target)  # the limits above are checked before any of this
     model.eval()

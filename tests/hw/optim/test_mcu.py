@@ -1,4 +1,4 @@
-"""Seed 004's integer learner (szo.hw.mcu.MCUZO) against a transcription of Algorithm 1 and eq. 8.
+"""Seed 004's integer learner (szo.hw.optim.mcu.MCUZO) against a transcription of Algorithm 1 and eq. 8.
 
 The transcription below is written from the paper (App. A Algorithm 1, eq. 6 / 9 / 10, eq. 8,
 Sec. 3.2.2's adaptive rule) with plain loops and explicit sums; it uses the fixed-point network
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 from szo.hw import to_fixed
-from szo.hw.mcu import MCUZO, select_block, split_blocks
+from szo.hw.optim.mcu import MCUZO, select_block, split_blocks
 from szo.hw.xorshift import XorShift32
 from szo.models import create
 
@@ -293,7 +293,7 @@ def test_block_selection_stage_records_its_choice_and_a_resume_keeps_it(tmp_path
     best held-out gain chosen; block_selection.json makes a resumed run keep the block."""
     from torch.utils.data import TensorDataset
 
-    from szo.hw.mcu import SELECTION_FILE, block_selection_stage
+    from szo.stages import SELECTION_FILE, block_selection_stage
 
     x, y = _data(40)
     _, net = _net()

@@ -153,6 +153,11 @@ def _check_coords(opt: "OnChipSZO", section: dict) -> None:
     if c is None or tuple(c.shape) != (opt.k,):
         got = "none" if c is None else f"k = {c.shape[0]}"
         raise ValueError(f"optimizer state has {got} coordinates, this optimizer has k = {opt.k}")
+    origin = section.get("origin")
+    if origin is not None and (not isinstance(origin, torch.Tensor) or tuple(origin.shape) != (opt.d,)):
+        got = tuple(origin.shape) if isinstance(origin, torch.Tensor) else type(origin).__name__
+        raise ValueError(f"optimizer state has an origin theta_ref of shape {got}, this optimizer's parameters "
+                         f"are d = {opt.d}")
 
 
 class OnChipSZO(ForwardOnlyBase):
@@ -170,8 +175,13 @@ class OnChipSZO(ForwardOnlyBase):
     one-point plans, the loop evaluator, and the integer update rules of ``szo.zo.update``.
     """
 
+    # the origin theta_ref (quantised from the parameters the learner was built on) is state: the
+    # parameters are origin + P c, so a resume puts them back in either order; checkpoints written
+    # before it have none and keep the origin the constructor quantised
     codecs = (StateCodec("on_chip", (Field("c", "int64"), Field("delta", "int64"), Field("rng_state", "xorshift", "rng"),
-                                     Field("forward_passes", "int", default=0), Field("step_count", "int", default=0)),
+                                     Field("forward_passes", "int", default=0), Field("step_count", "int", default=0),
+                                     Field("origin", "float64", "theta_ref"),
+                                     Field("saturations", "counter", "counter")),
                          check=_check_coords),)
 
     def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
@@ -236,6 +246,7 @@ class OnChipSZO(ForwardOnlyBase):
         return float(self.param_groups[0]["momentum"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The state, then the parameters put at ``origin + P c`` (the point the state stands at)."""
         super().load_state_dict(state_dict)
         self.space.load(self.c)
 

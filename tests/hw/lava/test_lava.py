@@ -1,4 +1,4 @@
-"""Intel Lava itself as the oracle of the ``loihi`` arithmetic (szo.hw.lava_runner / lava_bridge / lava_check).
+"""Intel Lava itself as the oracle of the ``loihi`` arithmetic (szo.hw.lava: runner / bridge / check).
 
 The exchange format, the export's mapping (checked against the numpy transcription of
 tests/hw/lava_oracle.py) and its refusals run everywhere. The tests marked ``lava`` run Lava's
@@ -18,7 +18,7 @@ from spikingjelly.activation_based import layer
 from szo.cli import main
 from szo.hw import to_fixed
 from szo.hw.fixed import A_IN_SHIFT, ACT_SHIFT
-from szo.hw.lava_bridge import (
+from szo.hw.lava.bridge import (
     CHECK_FILE,
     LAVA_PYTHON_ENV,
     LavaExportError,
@@ -30,8 +30,8 @@ from szo.hw.lava_bridge import (
     run_lava,
     write_check,
 )
-from szo.hw.lava_check import lava_check
-from szo.hw.lava_runner import ExchangeError, network_delays, read_bundle, write_bundle
+from szo.hw.lava.check import lava_check
+from szo.hw.lava.runner import ExchangeError, network_delays, read_bundle, write_bundle
 from szo.hw.neuron import LoihiCubaLIF
 from szo.models import SpikingModel, create, make_neuron
 from tests.hw.lava_oracle import LavaDense, LavaLIF
@@ -97,7 +97,7 @@ def test_lava_python_env_and_missing_interpreter(monkeypatch, tmp_path, capsys):
     with pytest.raises(ValueError, match="is not a file; point it at a Python 3.10 interpreter"):
         lava_python()
     monkeypatch.delenv(LAVA_PYTHON_ENV)
-    monkeypatch.setattr("szo.hw.lava_bridge.lava_python", lambda: None)
+    monkeypatch.setattr("szo.hw.lava.bridge.lava_python", lambda: None)
     with pytest.raises(ValueError, match="no Lava interpreter: run `make lava`"):
         require_python(None)
     assert main(["hw", "lava-check", "spike_convnet", "--samples", "2"]) == 2
@@ -215,7 +215,7 @@ def test_export_cli_writes_a_checked_bundle(tmp_path, capsys):
 
 
 def test_hw_report_shows_a_lava_check_and_notices_changed_weights(tmp_path):
-    from szo.hw.report import _lava_markdown  # noqa: PLC2701 (the section under test)
+    from szo.hw.reports.hw_report import _lava_markdown  # noqa: PLC2701 (the section under test)
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -383,7 +383,7 @@ def test_cli_lava_check_of_a_run_directory_shows_in_hw_report(tmp_path, capsys):
     from safetensors.torch import save_file
 
     from szo.config import load_recipe
-    from szo.hw.report import hw_report, to_markdown
+    from szo.hw.reports.hw_report import hw_report, to_markdown
     from szo.io import atomic_write_text
     from szo.pipeline import build_model
 
@@ -403,7 +403,7 @@ def test_cli_lava_check_of_a_run_directory_shows_in_hw_report(tmp_path, capsys):
 
 
 def test_runner_refuses_a_bad_bundle_in_one_line(tmp_path, capsys):
-    from szo.hw import lava_runner
+    from szo.hw.lava import runner as lava_runner
 
     p = _lif_bundle(tmp_path)
     (p / "exchange.json").write_text((p / "exchange.json").read_text().replace('"version": 1', '"version": 7'))
