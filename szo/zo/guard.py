@@ -30,7 +30,8 @@
 * **Forward-only closures.** The closure is called under ``torch.no_grad`` once per probe and must
   only compute the loss. One that runs ``backward`` -- the torch.optim closure
   ``zero_grad(); loss.backward(); return loss``, or Lightning's automatic optimization -- is refused
-  in one line (:data:`FORWARD_ONLY_CLOSURE`) at its first call, before any parameter moves.
+  in one line (:data:`FORWARD_ONLY_CLOSURE`) at its first call (with the loop and JVP evaluators,
+  before any parameter moves; the batched engine first calls it for the BN forward).
 * **Compiled models.** ``SZO(torch.compile(model), ...)``: the watch's global hook steps aside
   while dynamo traces a module call (``torch.compiler.is_compiling``) and checks a compiled
   module it does not know, with all its submodules, when that module is called.
@@ -109,7 +110,8 @@ def _compiled(mod: nn.Module) -> nn.Module | None:
 
 
 def _grad_marks(model: nn.Module | None) -> list:
-    """Each parameter's ``.grad`` and its version: a closure that ran ``backward`` changes one."""
+    """Each parameter's ``.grad`` and its version counter (autograd's count of in-place writes): a
+    closure that ran ``backward`` changes one."""
     if model is None:
         return []
     return [None if p.grad is None else (p.grad, p.grad._version) for p in model.parameters()]
