@@ -1,5 +1,5 @@
 """``szo export TARGET --to nir OUT.nir``, ``szo export RUN_DIR --to lava OUT_DIR`` and ``szo import IN.nir``
-(``register(subparsers)``).
+(their arguments and handlers; the commands: the table in ``szo.cli``).
 
 ``szo export`` writes the NIR graph of a run directory's model (or of a registered model,
 random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead (dequantised
@@ -24,7 +24,6 @@ import torch
 import yaml
 
 from szo.build import load_run_model
-from szo.cli import EXPORT
 from szo.data import get_dataset, make_loader
 from szo.demos.dvs_stream import load_source_model
 from szo.export import from_nir, to_nir, write_nir
@@ -33,14 +32,9 @@ from szo.hw.lava.check import export_run
 from szo.hw.reports.hw_report import input_batch, load_target
 from szo.io import atomic_write_bytes
 
-__all__ = ["register", "add_export_arguments", "add_import_arguments", "run_export", "run_import"]
+__all__ = ["add_export_arguments", "add_import_arguments", "run_export", "run_import"]
 
 TARGETS: tuple[str, ...] = ("nir", "lava")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``szo export`` and ``szo import`` to the ``szo`` CLI (names and help: ``szo.cli.EXPORT``)."""
-    EXPORT(subparsers)
 
 
 def add_export_arguments(e: argparse.ArgumentParser) -> None:

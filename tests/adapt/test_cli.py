@@ -114,8 +114,8 @@ def test_szo_adapt_flags_are_the_schemas_keys(tmp_path):
     from szo.adapt import cli
     from szo.config import SZOConfig, TTAConfig
 
-    p = argparse.ArgumentParser().add_subparsers()
-    parser = cli.register(p)
+    parser = argparse.ArgumentParser().add_subparsers().add_parser("adapt")
+    cli.add_arguments(parser)
     args = parser.parse_args(["--source", str(tmp_path), "--out", str(tmp_path / "o"), "--mu", "0.3"])
     cfg = cli.flags_config(args)
     assert cfg.szo.q == SZOConfig().q and cfg.szo.mu == 0.3 and cfg.tta.lr_reset == TTAConfig().lr_reset

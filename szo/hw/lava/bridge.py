@@ -174,8 +174,8 @@ def export_network(net: FixedPointNetwork, in_shape: tuple[int, ...]) -> tuple[d
     """
     if net.arithmetic != "loihi":
         raise ValueError(f"export to Lava needs the 'loihi' arithmetic (bit-exact with Lava), got {net.arithmetic!r}")
-    if net.precision.weight_bits > 8:
-        raise LavaExportError(f"weight_bits = {net.precision.weight_bits}: Lava's Dense holds 8-bit weights")
+    if net.widths.weight_bits > 8:
+        raise LavaExportError(f"weight_bits = {net.widths.weight_bits}: Lava's Dense holds 8-bit weights")
     if not net.scales_known:
         with torch.no_grad():
             net(torch.zeros(1, *in_shape))  # an AdaptiveAvgPool2d fixes its window at the first forward
