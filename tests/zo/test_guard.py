@@ -14,6 +14,7 @@ import szo.zo.guard as guard_module
 from szo.engine import batch_closure
 from szo.layout import param_layout
 from szo.optim import SZO, build_optimizer
+from szo.zo import ProbePath
 
 T, N = 2, 6
 
@@ -181,7 +182,7 @@ def test_a_dropout_step_is_the_step_of_the_network_with_that_steps_masks():
 def test_the_batched_engine_refuses_train_mode_dropout_in_one_line():
     model = _plif(dropout=True, node=neuron.IFNode)  # the batched engine folds parameter-free neurons
     x, y = _batch()
-    opt = SZO(model, _subspace(model), engine="batched")
+    opt = SZO(model, _subspace(model), probes=ProbePath(engine="batched"))
     with pytest.raises(ValueError, match=r"engine='batched' folds .* train-mode dropout \(0.2, 2\) .* "
                                          r"use engine='loop'") as e:
         opt.step(batch_closure(model, _loss, x, y))
