@@ -359,6 +359,12 @@ class LayerwiseZO(LayerwiseBase):
             if ps:
                 losses = losses.mean(1)  # weight perturbation: the batch loss (Algorithm 1 line 10)
             return own.split(plan.estimate(losses, centre=clean.l0)), losses
+        if ps and batch != clean.losses.numel():
+            raise ValueError(
+                f"node perturbation with per-sample losses perturbs layer {name!r}'s output sample by sample, but its "
+                f"output {list(shape)} has no axis of the batch's {clean.losses.numel()} samples ([T, N, ...] or [N, F]; "
+                "a SeqToANNContainer folds T and N into one): use SpikingJelly's multi-step layers (layer.Conv2d / "
+                "layer.Linear, step_mode='m'), node_losses='batch-mean', or method wp-zo")
         plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
         # the BN layers this layer's output reaches normalise with the clean batch's statistics
         with cs.frozen(cs.after(m)):
