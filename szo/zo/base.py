@@ -89,6 +89,12 @@ class CodecOptimizer(torch.optim.Optimizer):
         if first in state_dict.get("state", {}):
             state_dict["state"] = {**state_dict["state"], first: entry}
         super().load_state_dict(state_dict)
+        # torch keeps the loaded tensors themselves (Tensor.to without a change returns its input) and a
+        # step updates them in place: copies, so the caller's dict stays a checkpoint (a second resume from it)
+        for st in self.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.clone()
         for codec in self.codecs:
             if sections[codec.key]:
                 codec.decode(self, dict(sections[codec.key]))
