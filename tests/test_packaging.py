@@ -11,7 +11,7 @@ from setuptools import find_packages
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # extras installed by `make install` / environment.yml; "cuda" (triton) is GPU-only and left out
-ENV_EXTRAS = ("test", "dvs", "corruptions", "deploy", "federated", "log")
+ENV_EXTRAS = ("test", "dvs", "corruptions", "deploy", "federated", "log", "lightning")
 
 
 def test_environment_yml_and_makefile_install_from_pyproject():
