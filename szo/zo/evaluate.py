@@ -73,26 +73,16 @@ class EvaluatorBase:
 
     @contextlib.contextmanager
     def session(self) -> Iterator["EvaluatorBase"]:
-<<<<<<< HEAD
-        """One step's probes: BN snapshot before, commit / restore after, restore on error; each
-        probe casts the parameters where they are, whatever autocast block encloses the step."""
-        self.guard.bn.snapshot()
+        """One step's probes: BN snapshot (and the random state every probe replays) before, commit /
+        restore after, restore on error; each probe casts the parameters where they are, whatever
+        autocast block encloses the step."""
+        self.guard.begin_step()
         with fresh_casts():
             try:
                 yield self
             except BaseException:
                 self.guard.bn.restore()
                 raise
-=======
-        """One step's probes: BN snapshot (and the random state every probe replays) before, commit /
-        restore after, restore on error."""
-        self.guard.begin_step()
-        try:
-            yield self
-        except BaseException:
-            self.guard.bn.restore()
-            raise
->>>>>>> main
         self._end_session()
 
     def _end_session(self) -> None:
