@@ -52,6 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
 from ..models.streaming import bn_momentum
+from ..precision import exact_fp32
 from ..zo.bn import BNStatsFreezer
 from ..zo.evaluate import EvaluatorBase
 from ..zo.guard import ProbeGuard, train_mode_dropout
@@ -310,12 +311,13 @@ class BatchedEvaluator:
         else:
             u = U[lo:hi]
         out = []
-        for p0, pt in zip(theta0_views, pt_views):
-            if onehot is not None:
-                delta = pt.index_select(0, idx) * coef
-            else:
-                delta = (u @ pt) * mu
-            out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
+        with exact_fp32(self.params[0].device.type):  # the copies' values in IEEE arithmetic, in any precision scope
+            for p0, pt in zip(theta0_views, pt_views):
+                if onehot is not None:
+                    delta = pt.index_select(0, idx) * coef
+                else:
+                    delta = (u @ pt) * mu
+                out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
         return out
 
     def _normalise(self, thetas):

@@ -27,6 +27,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from ..precision import exact_fp32
 from .plans import Coordinates, Plan
 
 __all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS", "adaptive_perturbation",
@@ -197,23 +198,32 @@ class SubspaceSpace(ParamSpace):
             self.basis_views.append(self.basis_t[:, off:off + n])
             off += n
 
+    def exact(self):
+        """The scope of the space's own products with ``P`` (moves, updates, projections): the
+        parameters' dtype in IEEE arithmetic whatever precision scope the step runs in (a user's
+        autocast would compute ``u @ P^T`` in bf16, TF32 would round it on CUDA; ``szo.precision``)."""
+        return exact_fp32(self.basis_t.device.type)
+
     @torch.no_grad()
     def add_coords(self, coeffs: torch.Tensor, scale: float = 1.0) -> None:
         """``theta += scale * P @ coeffs``, parameter by parameter."""
         coeffs = coeffs.to(self.basis_t.dtype).to(self.basis_t.device)
-        for p, pt in zip(self.params, self.basis_views):
-            p.add_((coeffs @ pt).view_as(p), alpha=scale)
+        with self.exact():
+            for p, pt in zip(self.params, self.basis_views):
+                p.add_((coeffs @ pt).view_as(p), alpha=scale)
 
     def direction(self, u: torch.Tensor) -> list[torch.Tensor]:
         """``P u`` as one tensor per parameter (``u`` on the basis' device and dtype)."""
-        return [(u @ pt).view_as(p) for p, pt in zip(self.params, self.basis_views)]
+        with self.exact():
+            return [(u @ pt).view_as(p) for p, pt in zip(self.params, self.basis_views)]
 
     def project(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """``P^T g`` for a gradient given per parameter (None counts as zero), on the basis' device."""
         g = torch.zeros(self.k, dtype=self.basis_t.dtype, device=self.basis_t.device)
-        for t, pt in zip(tensors, self.basis_views):
-            if t is not None:
-                g += pt @ t.reshape(-1)
+        with self.exact():
+            for t, pt in zip(tensors, self.basis_views):
+                if t is not None:
+                    g += pt @ t.reshape(-1).to(pt.dtype)
         return g
 
     def mover(self, plan: Plan) -> "SubspaceMover":  # type: ignore[override]
@@ -237,8 +247,9 @@ class SubspaceMover(_SavingMover):
                 torch.add(s, pt[c].view_as(p), alpha=alpha, out=p.data)
             return
         u = self._rows[i]
-        for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
-            torch.add(s, (u @ pt).view_as(p), alpha=alpha, out=p.data)
+        with sp.exact():
+            for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
+                torch.add(s, (u @ pt).view_as(p), alpha=alpha, out=p.data)
 
 
 class NodeSpace:
