@@ -17,7 +17,7 @@ from szo.config import RecipeConfig, SZOConfig, TTAConfig, resolve
 from szo.stages import run_dir_guard
 
 from .methods import METHODS, SETTINGS, SUBSPACE_METHODS
-from .runner import resolve_methods
+from .runner import TTAOptions, resolve_methods
 from .stage import tta_stage
 
 __all__ = ["register", "add_arguments", "main", "flags_config"]
@@ -33,16 +33,19 @@ _FLAGS = {
     "tent_optimizer": ("tta", "tent_optimizer", "Tent's optimizer"), "tent_lr": ("tta", "tent_lr", "Tent's lr"),
     "max_batches": ("tta", "max_batches", "adapt on at most this many batches per corruption"),
     "mu": ("szo", "mu", "SZO perturbation scale (null: szo.scale's; trajectory 0.3, absolute 1.0)"),
-    "q": ("szo", "q", "SZO-RGE directions per step"),
+    "q": ("szo", "q", "SZO-RGE directions per step"),  # default: TTAOptions.q (_TTA_DEFAULTS)
     "scale": ("szo", "scale", "units of --mu / --lr-*: absolute | trajectory | whitened (null: the methods' "
                                "default, trajectory for the subspace methods)"),
 }
 _SECTIONS = {"tta": TTAConfig, "szo": SZOConfig}
+# flags whose test-time-adaptation default differs from the schema's training default: q = 10 directions
+# (App. G; run_tta's and the *-tta recipes'), not szo.q's 1
+_TTA_DEFAULTS = {"q": TTAOptions.q}
 
 
 def _add_schema_flag(p: argparse.ArgumentParser, flag: str, section: str, key: str, what: str) -> None:
     cls = _SECTIONS[section]
-    default = getattr(cls(), key)
+    default = _TTA_DEFAULTS.get(flag, getattr(cls(), key))
     hint = typing.get_type_hints(cls)[key]
     choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
     inner = [a for a in typing.get_args(hint) if a is not type(None)]  # X of ``X | None``
@@ -91,8 +94,9 @@ def flags_config(args: argparse.Namespace) -> RecipeConfig:
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
     for flag, (section, key, _) in _FLAGS.items():
-        if getattr(args, flag) is not None:
-            raw[section][key] = getattr(args, flag)
+        value = getattr(args, flag)
+        if value is not None or flag in _TTA_DEFAULTS:
+            raw[section][key] = value if value is not None else _TTA_DEFAULTS[flag]
     return resolve(raw)
 
 
