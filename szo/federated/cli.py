@@ -11,7 +11,7 @@ import argparse
 from szo.cli import FEDERATED
 from szo.config import FEDERATED_OPTIMIZERS, FederatedConfig, load_recipe
 from szo.federated.flower import SPACES, run_federated
-from szo.rundir import resumed_config
+from szo.rundir import default_run_dir, resumed_config
 
 __all__ = ["register", "add_arguments"]
 
@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "server_optimizer", "secure") if (v := getattr(args, k)) is not None]
     sets = (args.set or []) + flags
     cfg = load_recipe(args.name, sets)
-    out = args.out or f"runs/federated-{cfg['name']}"
+    out = args.out or default_run_dir(cfg["name"], prefix="federated-")
     if args.resume:  # the run's own config.yaml (+ --set); the stage refuses what changes the run
         cfg = resumed_config(out, cfg, sets)
     fc = cfg.federated
