@@ -220,8 +220,8 @@ def test_planned_samples_is_a_closed_form(store, capsys):
     assert planned_samples(10 ** 18, 15, window=(10, 10 ** 17)) == 10 ** 17 - 9
     root, sets = store
     assert main(["recipe", "digits-bp", "--out", str(root / "huge")] + [a for s in sets for a in ("--set", s)]
-                + ["--set", "bptt.epochs=1000000000", "--set", "subspace.k=7000000000", "--set", "subspace.name=huge"]) == 2
-    assert "subspace.k=7000000000 needs at least k+1 = 7000000001 trajectory samples" in _one_error_line(capsys)
+                + ["--set", "bptt.epochs=1000000000", "--set", "subspace.k=1000000000000", "--set", "subspace.name=huge"]) == 2
+    assert "subspace.k=1000000000000 needs at least k+1 = 1000000000001 trajectory samples" in _one_error_line(capsys)
 
 
 def test_resumed_bptt_checks_trajectory_hashes_first(store, tmp_path, capsys):
