@@ -37,6 +37,7 @@ from szo.engine import batch_closure  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
 from szo.precision import precision_policy  # noqa: E402
+from szo.zo import ProbePath  # noqa: E402
 
 # config -> batch (T = 4 for all)
 BATCH = {"digits": 32, "resnet20": 32, "resnet18": 128}
@@ -87,7 +88,7 @@ def step_rows(config: str, model, x, y, k: int, steps: int, precision: str, devi
         if variant == "graphs":
             m.set_cuda_graphs(True)
         opt = SZO(m.parameters(), sub, mu=1e-2, lr=0.1, momentum=0.9, estimator="cge", model=m,
-                  generator=torch.Generator().manual_seed(0), engine="batched" if variant == "batched" else "loop")
+                  generator=torch.Generator().manual_seed(0), probes=ProbePath(engine="batched" if variant == "batched" else "loop"))
         closure = batch_closure(m, tet_loss, x, y)
         with pol.scope():
             t_fwd, _ = median_time(_fwd(copy.deepcopy(model), x), 10, warmup=3)  # the eager probe forward

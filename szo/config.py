@@ -75,6 +75,7 @@ from szo.schema import (  # the sections and their value checks: szo.schema; rea
     check_key,
     config_dict,
 )
+from szo.zo.path import ProbePath
 
 __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
@@ -144,8 +145,7 @@ def validate(cfg: Mapping[str, Any]) -> RecipeConfig:
         _check_method_options(full)
     _check_source(full)
     _check_hw(full)
-    _check_compile(full)
-    _check_cuda_graphs(full)
+    _check_path(full)
     if full.mode == "continual" and full.subspace.reference != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     if not full.hw.coord_frac < full.hw.coord_bits:
@@ -196,21 +196,10 @@ def _check_tta(full: RecipeConfig) -> None:
 def _check_method_options(full: RecipeConfig) -> None:
     """Options of the subspace stage that only some methods take (their ``szo.methods`` record),
     checked before anything runs: a recipe must not fail after its BPTT stage on a combination
-    known up front."""
-    method, sz = full.method, full.szo
-    spec = get_method(method)
-    spec.check_capabilities(weight_decay=full.train.weight_decay, momentum=full.train.momentum, engine=sz.engine,
-                            recipe=True)
-    if sz.time_chunk is not None and not spec.streaming:
-        why = ("backpropagates" if spec.backprop else "takes forward-mode derivatives" if spec.jvp
-               else "perturbs layer outputs over all T steps at once")
-        raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{method!r} {why}; valid methods with szo.time_chunk: "
-                         f"{', '.join(list_methods(streaming=True))}")
-    spec.check_options(sz, prefix="szo.")
-    if sz.chunk is not None and sz.engine != "batched":
-        raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
-                         "set szo.engine=batched or leave szo.chunk null")
+    known up front. What the method runs its probes with is the probe path's rule (``_check_path``)."""
+    spec = get_method(full.method)
+    spec.check_capabilities(weight_decay=full.train.weight_decay, momentum=full.train.momentum, recipe=True)
+    spec.check_options(full.szo, prefix="szo.")
 
 
 SOURCE_SECTIONS: tuple[str, ...] = ("model", "bptt", "trajectory", "subspace", "seed", "device", "progress",
@@ -248,35 +237,14 @@ def _check_source(full: RecipeConfig) -> None:
     source_config(full)
 
 
-def _check_compile(full: RecipeConfig) -> None:
-    """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
-    own multi-step forward (batched engine, streaming forward, integer backend)."""
-    c = full.compile
-    if c is False:
-        return
-    check_compile("inductor" if c is True else c)
-    sz = full.szo
-    for bad, what in ((sz.engine != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
-                      (sz.time_chunk is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
-                      (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
-        if bad:
-            raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
-
-
-def _check_cuda_graphs(full: RecipeConfig) -> None:
-    """``cuda_graphs`` replays the model's own multi-step forward: not with the paths that bypass it,
-    nor with compile (its reduce-overhead mode graphs itself); multi-process runs with hook-driven
-    synchronised BN: ``szo.stages.check_distributed``."""
-    if not full.cuda_graphs:
-        return
-    sz = full.szo
-    for bad, what in ((full.compile is not False, "compile (torch.compile's mode reduce-overhead graphs the compiled "
-                                                  "forward itself): set compile=false"),
-                      (sz.engine != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
-                      (sz.time_chunk is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
-                      (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
-        if bad:
-            raise ValueError(f"cuda_graphs=true replays the model's multi-step forward and cannot be combined with {what}")
+def _check_path(full: RecipeConfig) -> None:
+    """How the probes (and the model's forwards) run: ``compile`` names a torch.compile backend, and the
+    combination of engine, compile, CUDA graphs, streaming, backend and the method is one the probe
+    path can run (``szo.zo.ProbePath``: every such rule, in the recipe's spelling). A multi-process run's
+    own rules: ``szo.stages.check_distributed``."""
+    if full.compile is not False:
+        check_compile("inductor" if full.compile is True else full.compile)
+    ProbePath.from_recipe(full).check(recipe=True)
 
 
 def _check_hw(full: RecipeConfig) -> None:
@@ -293,15 +261,6 @@ def _check_hw(full: RecipeConfig) -> None:
         if full.bn_stats != "deployed":
             raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
                              "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
-        if not spec.fixed_backend:
-            raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full.method!r}; "
-                             f"valid: {', '.join(list_methods(fixed_backend=True))}")
-        if full.szo.engine != "loop":
-            raise ValueError("backend 'fixed' evaluates probes one integer forward at a time; "
-                             "valid szo.engine for it: loop")
-        if full.szo.time_chunk is not None:
-            raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
-                             "szo.time_chunk applies to backend 'float' (set it to null)")
     if spec.integer and hw.learner != "integer":
         raise ValueError(f"method {full.method!r} (seed-004 quantized ZO) is an integer learner on the "
                          "fixed-point forward: set backend=fixed, bn_stats=deployed and hw.learner=integer "

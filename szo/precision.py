@@ -42,12 +42,10 @@ __all__ = ["PRECISIONS", "AUTO", "PrecisionPolicy", "precision_policy", "resolve
            "exact_fp32", "tf32_flags"]
 
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
-# what ``auto`` means, by what the run trains (docs/evidence.md, "Precision", 3 seeds per cell on an
-# H200 and the CPU): forward-only probes in fp32 (TF32 probes took one SZO-RGE(q=10) digits run to
-# 71.39 % and a continual one to 86.39 %; bf16 probes a digits SZO-CGE run from 98 to 74 %); BPTT in
-# fp32 too: TF32 leaves BP's own accuracy as it is (98.3-98.6 %) but changes its trajectory, and the
-# continual runs downstream of TF32 BPTT ended at 77.22-97.78 % against 94.72-96.39 % after fp32
-# BPTT. ``tf32`` is 2.8x faster for Spike-ResNet18's BPTT at batch 128: a setting to choose, not a default.
+# what ``auto`` means, by what the run trains: forward-only probes in fp32 (TF32 and bf16 probes moved
+# digits SZO runs' accuracy), BPTT in fp32 too (TF32 BPTT changes the trajectory the continual runs
+# start from); ``tf32`` is faster for large BPTT runs: a setting to choose, not a default. The
+# measurements: docs/evidence.md, "Precision, and the CPU/CUDA gap".
 AUTO = {"backprop": "fp32", "forward-only": "fp32"}
 
 

@@ -47,7 +47,7 @@ from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
-from szo.zo import ReportsResults, trainable_layers
+from szo.zo import ProbePath, ReportsResults, trainable_layers
 
 __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
@@ -282,24 +282,13 @@ def parallel_for(cfg: RecipeConfig) -> Any:
 
 
 def check_distributed(cfg: RecipeConfig) -> None:
-    """Everything a multi-process run does not support, checked before any work starts."""
-    get_method(cfg.method).check_capabilities(parallel=cfg.distributed.mode)
-    sz = cfg.szo
-    for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
-                      (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
-                      (cfg.hw.learner == "integer", "hw.learner 'integer': use 'float'"),
-                      # a compiled graph does not see forward hooks added after it was traced, and
-                      # synchronised BN all-reduces the batch statistics from such hooks
-                      (cfg.compile is not False and cfg.distributed.mode == "data"
-                       and cfg.distributed.sync_bn,
-                       "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
-                       "distributed.sync_bn=false or distributed.mode=perturbation"),
-                      (cfg.cuda_graphs and cfg.distributed.mode == "data" and cfg.distributed.sync_bn,
-                       "cuda_graphs with distributed.mode 'data' and distributed.sync_bn (a replay does not run the "
-                       "hooks that synchronise BN): set cuda_graphs=false, distributed.sync_bn=false or "
-                       "distributed.mode=perturbation")):
-        if bad:
-            raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
+    """Everything a multi-process run does not support, checked before any work starts: the probe
+    path with its torchrun mode (``szo.zo.ProbePath``: the method's modes, the engine, streaming,
+    synchronised BN with compile or CUDA graphs) and the float learner."""
+    ProbePath.from_recipe(cfg, parallel=True).check(recipe=True)
+    if cfg.hw.learner == "integer":
+        raise ValueError("multi-process (torchrun) runs do not support hw.learner 'integer': use 'float', or run in "
+                         "one process")
 
 
 def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:

@@ -63,7 +63,7 @@ def test_block_selection_and_source_are_refused_where_they_do_not_apply():
 def test_baffle_recipe_is_the_papers_configuration():
     """Seed 002's experiments: server Adam with betas (0.9, 0.99) at lr 0.01, EMA 0.995 of the global
     model, GroupNorm (its own BPTT subspace); the default stays heavy ball, no EMA, BatchNorm."""
-    from szo.federated.flower import ADAM_BETAS
+    from szo.federated.server import ADAM_BETAS
 
     p, d = load_recipe("digits-baffle"), load_recipe("digits-scratch")
     assert (p.federated.server_optimizer, p.federated.lr, p.federated.ema) == ("adam", 0.01, 0.995)

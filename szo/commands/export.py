@@ -1,5 +1,5 @@
 """``szo export TARGET --to nir OUT.nir``, ``szo export RUN_DIR --to lava OUT_DIR`` and ``szo import IN.nir``
-(``register(subparsers)``).
+(their arguments and handlers; the commands: the table in ``szo.cli``).
 
 ``szo export`` writes the NIR graph of a run directory's model (or of a registered model,
 random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead (dequantised
@@ -16,28 +16,25 @@ difference and the prediction agreement.
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
 from szo.build import load_run_model
-from szo.cli import EXPORT
 from szo.data import get_dataset, make_loader
 from szo.demos.dvs_stream import load_source_model
-from szo.export import DEFAULT_DT, from_nir, to_nir, write_nir
+from szo.export import from_nir, to_nir, write_nir
 from szo.hw.convert import to_fixed
 from szo.hw.lava.check import export_run
 from szo.hw.reports.hw_report import input_batch, load_target
+from szo.io import atomic_write_bytes
 
-__all__ = ["register", "add_export_arguments", "add_import_arguments", "run_export", "run_import"]
+__all__ = ["add_export_arguments", "add_import_arguments", "run_export", "run_import"]
 
 TARGETS: tuple[str, ...] = ("nir", "lava")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``szo export`` and ``szo import`` to the ``szo`` CLI (names and help: ``szo.cli.EXPORT``)."""
-    EXPORT(subparsers)
 
 
 def add_export_arguments(e: argparse.ArgumentParser) -> None:
@@ -73,6 +70,11 @@ def add_import_arguments(i: argparse.ArgumentParser) -> None:
     i.add_argument("--T", type=int, default=None, help="time steps for static inputs (default: the graph's metadata)")
     i.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                    help="with --data: also run this run directory's model and report the logit difference")
+    i.add_argument("--spikes", type=Path, default=None, metavar="IN.npy",
+                   help="run the graph on these input spike trains ([T, N, *input] .npy, no pickle) and print the "
+                        "output spike counts")
+    i.add_argument("--save-spikes", type=Path, default=None, metavar="OUT.npy",
+                   help="with --spikes: write the output spikes [T, N, *output] (float32 .npy)")
     i.set_defaults(func=run_import)
 
 
@@ -105,7 +107,7 @@ def run_export(args: argparse.Namespace) -> int:
     model.eval()
     if args.fixed:
         model = to_fixed(model, weight_bits=8 if args.weight_bits is None else args.weight_bits)
-    graph = to_nir(model, shape, dt=DEFAULT_DT if args.dt is None else args.dt, metadata=stream_meta)
+    graph = to_nir(model, shape, dt=args.dt, metadata=stream_meta)
     digest = write_nir(graph, args.out)
     kinds: dict[str, int] = {}
     for node in graph.nodes.values():
@@ -146,9 +148,20 @@ def _stream_metadata(target: Path) -> dict | None:
 def run_import(args: argparse.Namespace) -> int:
     net = from_nir(args.source, T=args.T).eval()
     meta = net.nir_metadata
-    print(f"{args.source}: {net.model_name}, T={net.T}, {net.num_classes} classes, input "
-          f"{list(map(int, meta['input_shape'])) if 'input_shape' in meta else '?'}, dt={net.dt:g} s, "
-          f"{net.num_params()} parameters (BN folded){', fixed-point weights' if int(meta.get('fixed_point', 0)) else ''}")
+    kinds: dict[str, int] = {}
+    for kind in net.nir_nodes.values():
+        kinds[kind] = kinds.get(kind, 0) + 1
+    back = net.graph_module.plan.back_edges
+    print(f"{args.source}: {net.model_name}, {f'T={net.graph_T}' if net.graph_T else 'T from the input'}, "
+          f"{net.num_classes} classes, input "
+          f"{list(net.input_shape)}, dt={net.dt:g} s, {net.num_params()} parameters (BN folded)"
+          f"{', fixed-point weights' if int(meta.get('fixed_point', 0)) else ''}; "
+          + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+          + (f"; recurrent: {', '.join(f'{s} -> {d}' for s, d in back)}" if back else ""))
+    if args.spikes is not None:
+        return _run_spikes(net, args.spikes, args.save_spikes)
+    if args.save_spikes is not None:
+        raise ValueError("--save-spikes needs --spikes (the input spike trains)")
     if args.data is None:
         if args.compare is not None:
             raise ValueError("--compare needs --data (the batches to compare on)")
@@ -172,4 +185,25 @@ def run_import(args: argparse.Namespace) -> int:
     if ref is not None:
         print(f"vs {args.compare}: max |logit difference| {max_diff:.3g}, predictions agree on "
               f"{100 * agree / seen:.2f}% of samples")
+    return 0
+
+
+def _run_spikes(net, source: Path, save: Path | None) -> int:
+    """``szo import --spikes``: the graph on a ``[T, N, *input]`` array; counts printed, spikes saved."""
+    try:
+        arr = np.load(source, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--spikes {source}: not a .npy array readable without pickle ({exc})") from None
+    if arr.dtype.kind not in "biuf" or arr.ndim < 3 or tuple(arr.shape[2:]) != net.input_shape:
+        raise ValueError(f"--spikes {source}: need a numeric [T, N, {', '.join(map(str, net.input_shape))}] array for "
+                         f"this graph, got {arr.dtype} {list(arr.shape)}")
+    out = net(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)))
+    counts = out.sum((0, 1)).reshape(-1)
+    print(f"ran {arr.shape[0]} steps x {arr.shape[1]} samples: {int(out.sum())} output spikes; per output: "
+          f"{[int(c) for c in counts]}")
+    if save is not None:
+        buf = io.BytesIO()
+        np.save(buf, out.numpy().astype(np.float32), allow_pickle=False)
+        atomic_write_bytes(save, buf.getvalue())
+        print(f"wrote {save} ({list(out.shape)} float32)")
     return 0

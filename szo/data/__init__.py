@@ -1,11 +1,12 @@
-"""Data sets for szo: static images (digits, CIFAR, ImageNet), their corrupted versions, DVS events.
+"""Data sets for szo: static images (digits, CIFAR, ImageNet), their corrupted versions, events (DVS
+Gesture, N-MNIST).
 
     from szo.data import get_dataset, make_loader
     train = get_dataset("digits", "train")
     loader = make_loader(train, 64, shuffle=True, generator=torch.Generator().manual_seed(0))
 
-Loaders are imported lazily by ``get_dataset`` (``szo.data.dvs`` needs tonic, digits-c needs
-imagecorruptions), so importing ``szo.data`` costs only torch.
+Loaders are imported lazily by ``get_dataset`` (``szo.data.dvs`` and ``szo.data.nmnist`` need tonic,
+digits-c needs imagecorruptions), so importing ``szo.data`` costs only torch.
 """
 from __future__ import annotations
 

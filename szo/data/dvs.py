@@ -58,6 +58,9 @@ __all__ = [
     "segment_labels_at",
     "window_frames",
     "DVSGestureFrames",
+    "EventFrames",
+    "open_tonic_set",
+    "require_tonic",
     "get_dataset",
     "default_data_dir",
 ]
@@ -89,7 +92,8 @@ TONIC_ARCHIVES = {
 }
 
 
-def _require_tonic() -> Any:
+def require_tonic() -> Any:
+    """The tonic package, or one ImportError naming the ``dvs`` extra."""
     try:
         import tonic
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -246,7 +250,7 @@ class EventsToFrames:
         }
 
     def __call__(self, events: np.ndarray) -> np.ndarray:
-        tonic = _require_tonic()
+        tonic = require_tonic()
         events, _ = validate_events(events, self.sensor_size, policy=self.policy)
         w, h, p = self.out_sensor_size
         empty = np.zeros((int(self.T), p, h, w), dtype=np.float32)
@@ -279,7 +283,7 @@ def window_frames(events: np.ndarray, t0: int, t1: int, bins: int, sensor_size: 
     in ``bins`` equal time bins: ``tonic.transforms.ToFrame(time_window=(t1 - t0) // bins,
     start_time=t0, end_time=t1)``, x and y first divided by the integer ``downsample``.
     Returns float32 ``[bins, P, H // downsample, W // downsample]``."""
-    tonic = _require_tonic()
+    tonic = require_tonic()
     w, h, p = check_sensor_size(sensor_size)
     if t1 <= t0 or (t1 - t0) % bins:
         raise ValueError(f"the window [{t0}, {t1}) us must be a positive multiple of its {bins} bins")
@@ -339,15 +343,33 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
         raise ValueError(f"cannot read {path} as a .npy array without pickle: {e}") from None
 
 
+NMNIST_DTYPE = np.dtype([("x", np.int64), ("y", np.int64), ("t", np.int64), ("p", np.int64)])
+"""The events of an N-MNIST ``.bin`` recording as ``tonic.datasets.NMNIST`` reads them."""
+
+
+def _load_recording(path: Path) -> np.ndarray:
+    """A ``.npy`` structured event array, or an N-MNIST / N-Caltech101 ``.bin`` recording (5 bytes per
+    event, ``tonic.io.read_mnist_file``)."""
+    if path.suffix != ".bin":
+        return _load_npy(path, "event file")
+    if not path.is_file():
+        raise ValueError(f"event file {path} does not exist")
+    size = path.stat().st_size
+    if size % 5:
+        raise ValueError(f"{path} is not an N-MNIST recording: {size} bytes is not a whole number of 5-byte events")
+    return require_tonic().io.read_mnist_file(str(path), dtype=NMNIST_DTYPE)
+
+
 def load_event_file(path: str | os.PathLike, sensor_size: tuple[int, int, int],
                     labels_path: str | os.PathLike | None = None) -> tuple[EventStream, EventReport]:
-    """A ``.npy`` structured event array (x, y, t, p; t in microseconds) as a validated stream.
+    """An event file as a validated stream: a ``.npy`` structured array (x, y, t, p; t in
+    microseconds) or an N-MNIST ``.bin`` recording (``szo.data.nmnist``'s format).
 
     Malformed events (outside the sensor, negative t, bad polarity) are dropped and counted;
     unsorted timestamps are sorted (``validate_events``). ``labels_path``: a ``.npy``
     structured array with fields ``start_us``, ``end_us``, ``label``, one row per labelled
     segment (as ``szo.data.synthetic_events.stream`` returns them)."""
-    events, report = validate_events(_load_npy(Path(path), "event file"), sensor_size, policy="drop")
+    events, report = validate_events(_load_recording(Path(path)), sensor_size, policy="drop")
     segments = None
     if labels_path is not None:
         segments = _load_npy(Path(labels_path), "labels file")
@@ -375,7 +397,7 @@ def _not_found_message(root: Path, split: str, reason: str = "") -> str:
 @functools.lru_cache(maxsize=1)
 def _extracted_dvsgesture_class() -> type:
     """``tonic.datasets.DVSGesture`` whose existence check accepts an extracted folder only."""
-    tonic = _require_tonic()
+    tonic = require_tonic()
 
     # the class name must stay "DVSGesture": tonic derives the folder <save_to>/<class name>
     class DVSGesture(tonic.datasets.DVSGesture):
@@ -390,49 +412,45 @@ def _has_extracted(root: Path, split: str) -> bool:
     return folder.is_dir() and any(folder.glob("*/*.npy"))
 
 
-class DVSGestureFrames(torch.utils.data.Dataset):
-    """DVS128 Gesture as ``(frames float32 [T, 2, H, W], label int)``, frames cached on disk."""
+def open_tonic_set(extracted: bool, offline: Any, online: Any, *, train: bool, download: bool,
+                   not_found: Any) -> Any:
+    """A tonic event data set from its extracted folder, offline (``offline(train=)``: a tonic class
+    whose existence check accepts the folder alone); else, with ``download``, through tonic's own
+    class (``online(train=)``, which downloads). ``not_found(reason)``: the one-line message of the
+    ``DataNotFoundError`` raised when neither gives files."""
+    if extracted:
+        events_ds = offline(train=train)
+    elif not download:
+        raise DataNotFoundError(not_found(""))
+    else:
+        try:
+            events_ds = online(train=train)
+        except Exception as e:  # network errors, bad archive, ...
+            raise DataNotFoundError(not_found(f"download failed ({e})")) from e
+        if len(events_ds) == 0:
+            raise DataNotFoundError(not_found("download produced no files"))
+    if len(events_ds) == 0:
+        raise DataNotFoundError(not_found("the folder holds no recordings"))
+    return events_ds
 
-    classes = CLASSES
 
-    def __init__(
-        self,
-        data_dir: str | os.PathLike | None = None,
-        split: str = "train",
-        *,
-        T: int = 20,
-        size: int | None = None,
-        denoise_us: float | None = 10000.0,
-        download: bool = False,
-        cache: bool = True,
-    ) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        tonic = _require_tonic()
-        self.root = Path(data_dir) if data_dir is not None else default_data_dir()
-        self.split = split
-        self.to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us)
-        train = split == "train"
-        if _has_extracted(self.root, split):
-            self.events_ds = _extracted_dvsgesture_class()(save_to=str(self.root), train=train)
-        elif not download:
-            raise DataNotFoundError(_not_found_message(self.root, split))
-        else:
-            try:
-                self.events_ds = tonic.datasets.DVSGesture(save_to=str(self.root), train=train)
-            except Exception as e:  # network errors, bad archive, ...
-                raise DataNotFoundError(_not_found_message(self.root, split, f"download failed ({e})")) from e
-            if len(self.events_ds) == 0:
-                raise DataNotFoundError(_not_found_message(self.root, split, "download produced no files"))
-        if len(self.events_ds) == 0:
-            raise DataNotFoundError(_not_found_message(self.root, split, "the folder holds no .npy files"))
+class EventFrames(torch.utils.data.Dataset):
+    """A tonic event data set as ``(frames float32 [T, P, H, W], label int)``: ``to_frames`` of each
+    recording, cached on disk (module docstring) under a key of ``name`` and the frame settings."""
+
+    classes: tuple[str, ...] = ()
+
+    def __init__(self, events_ds: Any, to_frames: EventsToFrames, *, name: str, root: Path, split: str,
+                 cache: bool) -> None:
+        self.events_ds, self.to_frames, self.root, self.split = events_ds, to_frames, root, split
         self.targets: list[int] = [int(v) for v in self.events_ds.targets]
-        bad = sorted({v for v in self.targets if not 0 <= v < len(CLASSES)})
+        bad = sorted({v for v in self.targets if not 0 <= v < len(self.classes)})
         if bad:
-            raise ValueError(f"DVS Gesture files must be named <label>.npy with label in 0..10, found labels {bad}")
+            raise ValueError(f"{name}: recordings must be filed under labels 0..{len(self.classes) - 1}, found labels "
+                             f"{bad}")
         self.cache_dir: Path | None = None
         if cache:
-            settings = {"format": _CACHE_FORMAT, "dataset": "dvs-gesture", **self.to_frames.settings()}
+            settings = {"format": _CACHE_FORMAT, "dataset": name, **self.to_frames.settings()}
             key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
             self.cache_dir = self.root / "cache" / key / split
             settings_file = self.cache_dir.parent / "settings.json"
@@ -470,6 +488,34 @@ class DVSGestureFrames(torch.utils.data.Dataset):
                 np.save(buf, frames, allow_pickle=False)
                 atomic_write_bytes(path, buf.getvalue())
         return torch.from_numpy(np.ascontiguousarray(frames, dtype=np.float32)), label
+
+
+class DVSGestureFrames(EventFrames):
+    """DVS128 Gesture as ``(frames float32 [T, 2, H, W], label int)``, frames cached on disk."""
+
+    classes = CLASSES
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike | None = None,
+        split: str = "train",
+        *,
+        T: int = 20,
+        size: int | None = None,
+        denoise_us: float | None = 10000.0,
+        download: bool = False,
+        cache: bool = True,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        tonic = require_tonic()
+        root = Path(data_dir) if data_dir is not None else default_data_dir()
+        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us)
+        events_ds = open_tonic_set(
+            _has_extracted(root, split), functools.partial(_extracted_dvsgesture_class(), save_to=str(root)),
+            functools.partial(tonic.datasets.DVSGesture, save_to=str(root)), train=split == "train",
+            download=download, not_found=lambda reason: _not_found_message(root, split, reason))
+        super().__init__(events_ds, to_frames, name="dvs-gesture", root=root, split=split, cache=cache)
 
 
 def get_dataset(

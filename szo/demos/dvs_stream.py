@@ -1,8 +1,8 @@
 """``szo demo dvs-stream``: an event stream classified window by window, adapting on-line with SZO.
 
-The stream (``szo.data.dvs.EventStream``: a ``.npy`` event file, or ``szo.data.synthetic_events.
-random_stream``: seeded gestures, a domain shift half way) is cut into ``window_ms`` windows that tonic
-bins into frames of the source model's frame length; ``szo.demos.online`` classifies them with carried
+The stream (``szo.data.dvs.EventStream``: a ``.npy`` event file or an N-MNIST ``.bin`` recording, or
+``szo.data.synthetic_events.random_stream``: seeded gestures, a domain shift half way) is cut into
+``window_ms`` windows that tonic bins into frames of the source model's frame length; ``szo.demos.online`` classifies them with carried
 neuron state and adapts (``adapt``: one SZO step per window in the source subspace).
 
 Source model: the recipe ``recipe`` (``synthetic-gesture``, ``overrides`` on top) trained in

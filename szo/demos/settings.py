@@ -33,7 +33,7 @@ class StreamConfig(Section):
     """The demo's settings, each checked when built (one line naming it); ``loss: auto`` (labels for a
     labelled stream), ``lr: null`` and ``shift: null`` are resolved here, so config.yaml says what ran."""
 
-    source: str = "synthetic"              # synthetic | a .npy event file
+    source: str = "synthetic"              # synthetic | a .npy event file | an N-MNIST .bin recording
     labels_file: str | None = None         # FILE source: .npy segments (start_us, end_us, label)
     sensor_size: list | tuple | None = None  # FILE source: (W, H, P); null = the model's input
     gestures: int = _f(30, min=1)          # synthetic: stream length

@@ -1,7 +1,7 @@
 """Batched perturbation forward: the losses of m perturbed parameter sets in one pass.
 
 One SZO step evaluates the loss of the same batch at m = 2k (CGE) or 2q (RGE) parameter
-vectors. The sequential loop (``SZO.evaluate_plan``) perturbs in place and calls the model
+vectors. The sequential loop (``szo.zo.LoopEvaluator.run``) perturbs in place and calls the model
 m times. This engine instead runs the model *once* on a "channel-folded" tensor that
 carries all m copies side by side in the channel (feature) dimension:
 
@@ -54,13 +54,13 @@ from ..functional import zo as F
 from ..models.streaming import bn_momentum
 from ..zo.bn import BNStatsFreezer
 from ..zo.evaluate import EvaluatorBase
-from ..zo.guard import ProbeGuard
+from ..zo.guard import ProbeGuard, train_mode_dropout
+from ..zo.path import ENGINES  # "loop" is szo.zo.LoopEvaluator, "batched" this module
 from ..zo.plans import Plan
 from ..zo.space import SubspaceSpace
 
 __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "BatchedProbeEvaluator", "available_memory_bytes"]
 
-ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is szo.zo.LoopEvaluator, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # the parameterised leaves the engine can fold; every other leaf must have no parameters and
@@ -468,6 +468,11 @@ class BatchedProbeEvaluator(EvaluatorBase):
         x, y, loss_fn = batch
         _check_loss_fn(loss_fn)
         ev = self.evaluator
+        dropout = train_mode_dropout(ev.model)
+        if dropout:
+            raise ValueError(f"engine='batched' folds a step's probes into one forward, where train-mode dropout "
+                             f"({', '.join(dropout)}) would draw a different mask for every probe; use engine='loop' "
+                             "(every probe replays the step's random state) or put the dropout layers in eval mode")
         if self._checked is not space:  # once per space, not per step
             if not isinstance(space, SubspaceSpace):
                 raise ValueError(f"the batched engine evaluates subspace plans; got a {type(space).__name__}")

@@ -1,14 +1,15 @@
 """What szo's NIR export (:mod:`szo.export.nir_export`) and import (:mod:`szo.export.nir_import`)
 share: the time step written into time constants, the format tag, the reset kinds, the sum pool
-both run, and the small readers of NIR metadata and errors."""
+and threshold modules both run, and the small readers of NIR metadata and errors."""
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_DT", "FORMAT", "RESETS", "SumPool2d", "meta_str", "nir_modules", "why"]
+__all__ = ["DEFAULT_DT", "FORMAT", "RESETS", "SumPool2d", "Threshold", "meta_str", "nir_modules", "why"]
 
 DEFAULT_DT: float = 1e-4
 """Seconds per time step written into NIR time constants (snnTorch / SpikingJelly convention)."""
@@ -38,6 +39,17 @@ class SumPool2d(nn.Module):
         y = torch.nn.functional.avg_pool2d(x_seq.flatten(0, 1), self.kernel_size, self.stride, self.padding,
                                            divisor_override=1)
         return y.unflatten(0, x_seq.shape[:2])
+
+
+class Threshold(nn.Module):
+    """NIR ``Threshold``: ``H(x - threshold)`` (strictly above: ``x > threshold``)."""
+
+    def __init__(self, threshold: np.ndarray) -> None:
+        super().__init__()
+        self.register_buffer("threshold", torch.as_tensor(np.asarray(threshold, dtype=np.float32)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x > self.threshold).to(x.dtype)
 
 
 def why(exc: BaseException) -> str:

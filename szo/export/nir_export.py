@@ -4,10 +4,12 @@
 ``nir.NIRGraph``; its reader, :func:`szo.export.nir_import.from_nir`, turns such a graph back into a
 :class:`NIRNetwork`, a :class:`~szo.models.SpikingModel` built from SpikingJelly multi-step
 layers that every szo evaluation path runs (``model(x)`` -> logits ``[T, N, classes]``,
-neuron state reset after each forward, ``persistent_state()`` for streaming).
+neuron state reset after each forward, ``persistent_state()`` for streaming). An imported
+:class:`NIRNetwork` (a graph made anywhere, cycles and ``CubaLIF`` included) is written back node
+for node with its current weights (:func:`_imported_graph`).
 
-Tracing, add-node handling and the graph executor are nirtorch's (``torch_to_nir`` /
-``nir_to_torch``); the per-layer maps are here because SpikingJelly's own
+Tracing and add-node handling are nirtorch's (``torch_to_nir``); the per-layer maps are here
+because SpikingJelly's own
 ``nir_exchange`` refuses soft reset (``NotImplementedError("NIR does not distinguish soft
 reset.")``) and has no BatchNorm, adaptive or max pooling. What NIR cannot hold, said plainly:
 
@@ -61,11 +63,13 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from szo.export.nir_common import DEFAULT_DT, FORMAT, SumPool2d, nir_modules, why
+from szo.export.nir_common import DEFAULT_DT, FORMAT, SumPool2d, Threshold, nir_modules, why
+from szo.export.nir_import import NIRNetwork
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
 from szo.io import atomic_write_bytes
 from szo.models.base import SpikingModel
+from szo.models.cuba import CUBA_FIELDS, CubaLIFNode
 from szo.models.foreign import ForeignModel
 from szo.models.neurons import LIFNode, make_neuron
 
@@ -256,34 +260,42 @@ def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphMod
 
 
 class _Mapper:
-    """Module -> NIR node maps for ``nirtorch.torch_to_nir`` (shapes from one traced forward)."""
+    """Module -> NIR node maps for ``nirtorch.torch_to_nir`` or an imported graph's modules.
 
-    def __init__(self, gm: fx.GraphModule, example: torch.Tensor, dt: float,
-                 quant: dict[str, dict[str, Any]]) -> None:
+    ``in_shape[m]``: the ``[T, N, ...]`` shape of module ``m``'s input; ``path[m]``: its layer
+    path (node metadata ``szo_layer``); ``prev[m]``: the module feeding it (a max pool's)."""
+
+    def __init__(self, dt: float, quant: dict[str, dict[str, Any]], in_shape: dict[nn.Module, tuple[int, ...]],
+                 path: dict[nn.Module, str], prev: dict[nn.Module, nn.Module | None]) -> None:
         nir, _ = nir_modules()
         self.nir, self.dt, self.quant = nir, dt, quant
-        self.in_shape: dict[nn.Module, tuple[int, ...]] = {}
-        self.path: dict[nn.Module, str] = {}
-        self.prev: dict[nn.Module, nn.Module | None] = {}
+        self.in_shape, self.path, self.prev = in_shape, path, prev
+
+    @classmethod
+    def traced(cls, gm: fx.GraphModule, example: torch.Tensor, dt: float,
+               quant: dict[str, dict[str, Any]]) -> _Mapper:
+        """The maps of a traced deploy module (shapes from one forward of ``example``)."""
+        mapper = cls(dt, quant, {}, {}, {})
         for node in gm.graph.nodes:
             if node.op != "call_module":
                 continue
             m = gm.get_submodule(node.target)
             path = node.target.removeprefix("net.")
-            if type(m) not in self.map_dict:
+            if type(m) not in mapper.map_dict:
                 raise _unsupported(path, m, "no NIR mapping; supported: Conv2d (+ BatchNorm, folded), Linear, "
                                             "AvgPool2d, AdaptiveAvgPool2d, MaxPool2d right after spikes, Flatten, "
                                             "SpikingJelly LIFNode / IFNode, residual '+'")
-            self.path[m] = path
+            mapper.path[m] = path
             src = node.args[0]
-            self.prev[m] = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" \
+            mapper.prev[m] = gm.get_submodule(src.target) if isinstance(src, fx.Node) and src.op == "call_module" \
                 else None
         with torch.no_grad():
             ShapeProp(gm).propagate(example)
         functional.reset_net(gm)
         for node in gm.graph.nodes:
             if node.op == "call_module":
-                self.in_shape[gm.get_submodule(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
+                mapper.in_shape[gm.get_submodule(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
+        return mapper
 
     @property
     def map_dict(self) -> dict[type, Callable[[nn.Module], Any]]:
@@ -292,7 +304,7 @@ class _Mapper:
                 nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
                 nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
                 layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, SumPool2d: self.sumpool,
-                sj_neuron.IFNode: self.if_node}
+                sj_neuron.IFNode: self.if_node, Threshold: self.threshold, CubaLIFNode: self.cuba_lif}
 
     def _meta(self, m: nn.Module) -> dict[str, Any]:
         meta: dict[str, Any] = {"szo_layer": self.path.get(m, "")}
@@ -389,6 +401,19 @@ class _Mapper:
                            v_reset=full(0.0 if m.v_reset is None else float(m.v_reset)), metadata=meta)
 
 
+    def threshold(self, m: Threshold) -> Any:
+        return self.nir.Threshold(threshold=_np(m.threshold), metadata=self._meta(m))
+
+    def cuba_lif(self, m: CubaLIFNode) -> Any:
+        """The node's own arrays (what it runs, float32); time constants rescaled by ``dt / m.dt`` when
+        written for another step (their length in steps kept)."""
+        f = {k: _np(m.get_buffer(k)) for k in CUBA_FIELDS}
+        if self.dt != m.dt:
+            for k in ("tau_syn", "tau_mem"):
+                f[k] = (f[k].astype(np.float64) * (self.dt / m.dt)).astype(np.float32)
+        return self.nir.CubaLIF(**f, metadata=self._meta(m))
+
+
 def _flatten_subgraphs(nir, nodes: dict[str, Any], edges: list[tuple[str, str]]) -> tuple[dict, list]:
     """Inline the one-level subgraphs of :meth:`_Mapper.maxpool` (``name.sum`` -> ``name.any``)."""
     for name in [n for n, v in nodes.items() if isinstance(v, nir.NIRGraph)]:
@@ -466,19 +491,22 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()
-    P = net.precision.as_dict()
+    P = net.widths.as_dict()
     graph_meta = {f"precision_{k}": int(v) for k, v in P.items()}
     graph_meta.update(state_shift=STATE_SHIFT, decay_shift=DECAY_SHIFT)
     return gm, meta, graph_meta
 
 
 @torch.no_grad()
-def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float = DEFAULT_DT,
+def to_nir(model: SpikingModel, input_shape: tuple[int, ...] | None = None, *, dt: float | None = None,
            metadata: dict[str, Any] | None = None) -> Any:
     """``nir.NIRGraph`` of ``model`` (eval mode: BN folded with its running statistics).
 
     ``input_shape``: ``(C, H, W)`` of one frame (shapes of NIR nodes are per sample, without
-    time or batch). ``dt``: seconds per time step written into NIR time constants. ``metadata``:
+    time or batch); an imported :class:`~szo.export.NIRNetwork` has its own (given, it must be
+    that one) and is written back node for node with its current weights, its edges (cycles
+    included) and its graph's metadata (:func:`_imported_graph`). ``dt``: seconds per time step
+    written into NIR time constants (default ``DEFAULT_DT``; an imported network's own). ``metadata``:
     extra graph metadata (str / int / float / lists; e.g. ``bin_us`` and ``sensor_size`` of an
     event-stream model, which ``szo demo dvs-stream --model OUT.nir`` needs). A
     ``szo.hw.FixedPointNetwork`` is exported with its dequantised weights plus the integer
@@ -488,9 +516,15 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     nir, nirtorch = nir_modules()
     if not isinstance(model, SpikingModel):
         raise ValueError(f"to_nir exports a szo SpikingModel, got {type(model).__name__}")
+    if dt is None:
+        dt = model.dt if isinstance(model, NIRNetwork) else DEFAULT_DT
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ValueError(f"dt must be a positive number of seconds, got {dt!r}")
-    shape = tuple(input_shape)
+    if isinstance(model, NIRNetwork):
+        if input_shape is not None and tuple(input_shape) != model.input_shape:
+            raise ValueError(f"input_shape {tuple(input_shape)!r} is not the imported graph's {model.input_shape!r}")
+        return _imported_graph(nir, model, float(dt), metadata)
+    shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else (input_shape,)
     if len(shape) != 3 or not all(isinstance(v, int) and v > 0 for v in shape):
         raise ValueError(f"input_shape must be (C, H, W) positive ints, got {input_shape!r}")
     quant: dict[str, dict[str, Any]] = {}
@@ -502,7 +536,7 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     else:
         gm = _deploy_module(source, shape)
     example = torch.zeros(1, 1, *shape)
-    mapper = _Mapper(gm, example, float(dt), quant)
+    mapper = _Mapper.traced(gm, example, float(dt), quant)
     graph = nirtorch.torch_to_nir(gm, mapper.map_dict, default_dict=None, type_check=False)
     nodes, edges = _flatten_subgraphs(nir, dict(graph.nodes), list(graph.edges))
     rename = {k: (k[4:] if k.startswith("net_") else k) for k in nodes}
@@ -520,6 +554,49 @@ def to_nir(model: SpikingModel, input_shape: tuple[int, int, int], *, dt: float 
     for k, v in (metadata or {}).items():
         meta[str(k)] = np.asarray(v) if isinstance(v, (list, tuple)) else v
     return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta, type_check=False)
+
+
+def _imported_graph(nir: Any, model: NIRNetwork, dt: float, metadata: dict[str, Any] | None) -> Any:
+    """The graph of an imported network as it stands: one node per module (the maps of
+    :class:`_Mapper`, shapes from one forward), the Input / Output of its input and output shape,
+    the graph's edges in their order, and its metadata with szo's fields updated (the fixed-point
+    ones dropped: the weights may have moved off the integer grid)."""
+    net = copy.deepcopy(model).cpu().float().eval()
+    runner = net.graph_module
+    in_shape: dict[nn.Module, tuple[int, ...]] = {}
+
+    def record(m: nn.Module, args: tuple) -> None:  # a pre-hook returning None leaves the input alone
+        in_shape.setdefault(m, tuple(args[0].shape))
+
+    hooks = [runner.module_of(n).register_forward_pre_hook(record) for n in runner.names]
+    try:
+        out = runner(torch.zeros(1, 1, *net.input_shape))
+    finally:
+        for h in hooks:
+            h.remove()
+        functional.reset_net(net)
+    path = {runner.module_of(n): n for n in runner.names}
+    mapper = _Mapper(dt, {}, in_shape, path, {})
+    nodes = {}
+    for name in runner.plan.nodes:
+        if name == runner.plan.input:
+            nodes[name] = nir.Input(input_type=np.array(net.input_shape))
+        elif name == runner.plan.output:
+            nodes[name] = nir.Output(output_type=np.array(out.shape[2:]))
+        else:
+            m = runner.module_of(name)
+            if type(m) not in mapper.map_dict:
+                raise _unsupported(name, m, "no NIR mapping")
+            nodes[name] = mapper.map_dict[type(m)](m)
+    meta = {k: v for k, v in net.nir_metadata.items() if k != "fixed_point" and not k.startswith("precision_")
+            and k not in ("state_shift", "decay_shift")}
+    meta.update({"format": FORMAT, "model_name": net.model_name, "dt": dt, "num_classes": int(net.num_classes),
+                 "input_shape": np.array(net.input_shape), "fixed_point": 0, "output": net.output})
+    if net.graph_T is not None:
+        meta["T"] = int(net.graph_T)
+    for k, v in (metadata or {}).items():
+        meta[str(k)] = np.asarray(v) if isinstance(v, (list, tuple)) else v
+    return nir.NIRGraph(nodes=nodes, edges=[tuple(e) for e in runner.plan.edges], metadata=meta, type_check=False)
 
 
 def write_nir(graph: Any, path: str | os.PathLike) -> str:

@@ -14,13 +14,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from spikingjelly.activation_based import layer
+from spikingjelly.activation_based import functional, layer
 from spikingjelly.activation_based import neuron as sj_neuron
 from torch import nn
 
-from szo.export.nir_common import DEFAULT_DT, RESETS, SumPool2d, meta_str, nir_modules, why
+from szo.export.nir_common import DEFAULT_DT, RESETS, SumPool2d, Threshold, meta_str, nir_modules, why
+from szo.export.nir_graph import GraphRunner, inline_subgraphs, plan_graph
 from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, int_range, threshold_to_int
 from szo.models.base import SpikingModel
+from szo.models.cuba import CUBA_FIELDS, CubaLIFNode
 from szo.models.foreign import OUTPUTS
 from szo.models.neurons import make_neuron
 
@@ -71,17 +73,6 @@ def _uniform(node_name: str, field: str, value: Any) -> float:
     return float(u[0])
 
 
-class _Threshold(nn.Module):
-    """NIR ``Threshold``: ``H(x - threshold)`` (strictly above: ``x > threshold``)."""
-
-    def __init__(self, threshold: np.ndarray) -> None:
-        super().__init__()
-        self.register_buffer("threshold", torch.as_tensor(np.asarray(threshold, dtype=np.float32)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x > self.threshold).to(x.dtype)
-
-
 def _pair(node_name: str, field: str, v: Any) -> tuple[int, int]:
     a = np.atleast_1d(np.asarray(v)).astype(np.int64).tolist()
     if len(a) == 1:
@@ -92,17 +83,16 @@ def _pair(node_name: str, field: str, v: Any) -> tuple[int, int]:
 
 
 class _NodeMap:
-    """NIR node -> SpikingJelly multi-step module (``nirtorch.nir_to_torch`` node map)."""
+    """NIR node type -> the multi-step module that runs it (SpikingJelly layers, szo's neurons)."""
 
     def __init__(self, dt: float) -> None:
         self.dt = dt
         self.name: dict[int, str] = {}
 
     def __call__(self, nir):  # the node map
-        return {nir.Input: lambda n: nn.Identity(), nir.Output: lambda n: nn.Identity(),
-                nir.Conv2d: self.conv2d, nir.Affine: self.affine, nir.Linear: self.linear,
+        return {nir.Input: None, nir.Output: None, nir.Conv2d: self.conv2d, nir.Affine: self.affine, nir.Linear: self.linear,
                 nir.AvgPool2d: self.avgpool, nir.SumPool2d: self.sumpool, nir.Threshold: self.threshold,
-                nir.Flatten: self.flatten, nir.LIF: self.lif, nir.IF: self.if_node}
+                nir.Flatten: self.flatten, nir.LIF: self.lif, nir.IF: self.if_node, nir.CubaLIF: self.cuba_lif}
 
     def _n(self, node: Any) -> str:
         return self.name.get(id(node), type(node).__name__)
@@ -142,7 +132,7 @@ class _NodeMap:
                           _pair(self._n(n), "padding", n.padding))
 
     def threshold(self, n: Any) -> nn.Module:
-        return _Threshold(n.threshold)
+        return Threshold(n.threshold)
 
     def flatten(self, n: Any) -> nn.Module:
         start, end = int(n.start_dim), int(n.end_dim)  # NIR dims exclude the batch; add it (and time, below)
@@ -179,6 +169,24 @@ class _NodeMap:
                            v_reset=None if reset == "subtract" else v_reset)
 
 
+    def cuba_lif(self, n: Any) -> nn.Module:
+        """``nir.CubaLIF`` -> :class:`szo.models.cuba.CubaLIFNode` (norse's discretisation, per-neuron
+        arrays as they are); a subtractive reset (szo's LIF metadata) is not its reading."""
+        name = self._n(n)
+        meta = getattr(n, "metadata", None) or {}
+        if meta_str(meta, "reset", "value") != "value":
+            raise ValueError(f"NIR node {name!r}: CubaLIF resets to v_reset; metadata 'reset' must be 'value', got "
+                             f"{meta_str(meta, 'reset', 'value')!r}")
+        fields = {k: np.asarray(getattr(n, k), dtype=np.float64) for k in CUBA_FIELDS}
+        for k in ("tau_syn", "tau_mem"):
+            if not (fields[k] > 0).all():
+                raise ValueError(f"NIR node {name!r}: CubaLIF field {k!r} must be > 0 seconds for every neuron")
+        shape = fields["v_threshold"].shape
+        bad = [k for k, a in fields.items() if a.shape != shape]
+        if bad:
+            raise ValueError(f"NIR node {name!r}: CubaLIF fields {bad} must have v_threshold's shape {list(shape)}")
+        return CubaLIFNode(fields, self.dt)
+
     def if_node(self, n: Any) -> nn.Module:
         name = self._n(n)
         meta = getattr(n, "metadata", None) or {}
@@ -195,103 +203,110 @@ class _NodeMap:
 
 
 class NIRNetwork(SpikingModel):
-    """A NIR graph run by SpikingJelly multi-step layers: ``model(x)`` -> ``[T, N, num_classes]``.
+    """A NIR graph run by multi-step layers: ``model(x)`` -> ``[T, N, *output]``.
 
-    ``forward`` takes ``[N, C, H, W]`` (repeated over ``T``) or ``[T, N, C, H, W]`` like every
-    zoo model; ``T`` and ``num_classes`` come from the graph (szo metadata or its output
-    type). A graph with metadata ``output = "rate"`` (a foreign network's firing-rate readout)
-    gives the mean over T of its output, ``[1, N, num_classes]``, as ``ForeignModel`` does.
-    The parameters are those of the graph (BN already folded), so the flat-parameter
-    layout is not the source model's: an imported network is for evaluation, streaming and
-    deployment checks, not for resuming SZO in the source model's subspace.
+    ``forward`` takes one frame per sample ``[N, *input]`` (repeated over ``T``) or a sequence
+    ``[T, N, *input]``, ``input`` being the shape of the graph's ``Input`` node (``[C, H, W]`` for
+    szo's exports, ``[12]`` for norse's braille network); ``T`` and ``num_classes`` come from the
+    graph (szo metadata or its output type). A graph without ``T`` metadata runs sequences (their
+    own T); a frame needs ``T=``. A graph with metadata ``output = "rate"`` (a foreign network's
+    firing-rate readout) gives the mean over T of its output, ``[1, N, num_classes]``, as
+    ``ForeignModel`` does. Cycles and nested subgraphs run as :mod:`szo.export.nir_graph` says.
+    The parameters are those of the graph (BN already folded; synapse weights and biases are
+    trainable, neuron constants are buffers), so the flat-parameter layout is not the source
+    model's: a forward-only method trains it in its own space (full-space ZO, or a subspace built
+    for it), not in the source model's subspace. ``szo.export.to_nir`` writes it back.
     """
 
     def __init__(self, graph: Any, *, T: int | None = None, dt: float | None = None) -> None:
-        nir, nirtorch = nir_modules()
+        nir, _ = nir_modules()
         if not isinstance(graph, nir.NIRGraph):
             raise ValueError(f"from_nir needs a nir.NIRGraph or a .nir path, got {type(graph).__name__}")
         meta = dict(graph.metadata or {})
         dt = float(meta.get("dt", DEFAULT_DT)) if dt is None else float(dt)
+        if not (np.isfinite(dt) and dt > 0):
+            raise ValueError(f"NIR graph: dt = {dt!r} is not a positive number of seconds")
         node_map = _NodeMap(dt)
         supported = node_map(nir)
-        outputs = []
         for name, node in graph.nodes.items():
+            if type(node) not in supported and not isinstance(node, nir.NIRGraph):
+                raise ValueError(f"NIR node {name!r} has type {type(node).__name__}, which szo cannot run; supported: "
+                                 f"{sorted(t.__name__ for t in supported)} (and nested NIRGraph nodes)")
+        nodes, edges = inline_subgraphs(nir, graph.nodes, graph.edges)
+        for name, node in nodes.items():
             if type(node) not in supported:
                 raise ValueError(f"NIR node {name!r} has type {type(node).__name__}, which szo cannot run; supported: "
                                  f"{sorted(t.__name__ for t in supported)}")
-            node_map.name[id(node)] = name
-            if isinstance(node, nir.Output):
-                outputs.append(node)
-        names = set(graph.nodes)
-        for s, d in graph.edges:
-            if s not in names or d not in names:
+        for s, d in edges:
+            if s not in nodes or d not in nodes:
                 raise ValueError(f"NIR graph edge ({s!r}, {d!r}) names a node that is not in the graph")
-        _check_feed_forward(graph.edges)
-        for name, node in graph.nodes.items():
+        for name, node in nodes.items():
             _check_node_values(name, node)
             _check_fixed_point(name, node, meta, dt)
+        inputs = [k for k, v in nodes.items() if isinstance(v, nir.Input)]
+        outputs = [k for k, v in nodes.items() if isinstance(v, nir.Output)]
+        if len(inputs) != 1:
+            raise ValueError(f"NIR graph must have exactly one Input node, got {len(inputs)}")
         if len(outputs) != 1:
             raise ValueError(f"NIR graph must have exactly one Output node, got {len(outputs)}")
-        out_t = np.asarray(outputs[0].output_type.get("output", []) if outputs[0].output_type else []).reshape(-1)
-        num_classes = int(meta.get("num_classes", int(np.prod(out_t)) if out_t.size else 0))
+        plan = plan_graph(nodes, edges, inputs[0], outputs[0])
+        out_t = _port_shape(nodes[outputs[0]].output_type)
+        num_classes = int(meta.get("num_classes", int(np.prod(out_t)) if out_t else 0))
         if num_classes < 1:
             raise ValueError("NIR graph: cannot tell the number of classes (no 'num_classes' metadata and no Output "
                              "type)")
-        T = meta.get("T", 0) if T is None else T
+        in_t = _port_shape(nodes[inputs[0]].input_type or nodes[inputs[0]].output_type)
+        if not in_t:
+            raise ValueError(f"NIR graph: the Input node {inputs[0]!r} has no shape")
+        T = meta.get("T") if T is None else T
         try:
-            T = int(T)
+            T = None if T is None else int(T)
         except (TypeError, ValueError):
             raise ValueError(f"NIR graph: T = {T!r} is not a number of time steps") from None
-        if T < 1:
-            raise ValueError("NIR graph has no 'T' metadata: pass T= (time steps for static inputs)")
-        if T > MAX_T:
+        if T is not None and not 1 <= T <= MAX_T:
             raise ValueError(f"NIR graph: T = {T} time steps is out of range; szo runs 1 <= T <= {MAX_T}")
-        super().__init__(num_classes=num_classes, T=T, model_name=meta_str(meta, "model_name", "nir"))
+        super().__init__(num_classes=num_classes, T=T or 1, model_name=meta_str(meta, "model_name", "nir"))
         output = meta_str(meta, "output", "sequence")
         if output not in OUTPUTS:
             raise ValueError(f"NIR graph: metadata 'output' must be one of {list(OUTPUTS)}, got {output!r}")
         self.dt = dt
         self.nir_metadata = meta
         self.output = output
-        self.graph_module = nirtorch.nir_to_torch(graph, supported)
+        self.graph_T = T
+        self.input_shape = in_t
+        self.sample_dims = len(in_t)
+        self.nir_nodes = {k: type(v).__name__ for k, v in nodes.items()}
+        for name, node in nodes.items():
+            node_map.name[id(node)] = name
+        modules = {k: supported[type(v)](v) for k, v in nodes.items() if supported[type(v)] is not None}
+        self.graph_module = GraphRunner(plan, modules)
+        with torch.no_grad():  # every node takes what its edges bring: one line naming the first that does not
+            self.graph_module(torch.zeros(2, 1, *in_t), name_errors=True)
+        functional.reset_net(self)
+
+    def forward(self, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.dim() == self.sample_dims + 1 and self.graph_T is None:
+            raise ValueError("this NIR graph has no 'T' metadata: pass T= to from_nir (szo import --T) to repeat one "
+                             f"{self.sample_dims}-D frame per sample over T steps, or give a sequence [T, N, ...]")
+        return super().forward(x, **kw)
 
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         out = self.graph_module(x_seq)
-        out = out[0] if isinstance(out, tuple) else out
         return out.mean(0, keepdim=True) if self.output == "rate" else out
+
+
+def _port_shape(port: Any) -> tuple[int, ...]:
+    """The shape of a node's one port (``{"input": shape}``), or ``()``."""
+    if not port:
+        return ()
+    dims = np.asarray(next(iter(port.values()))).reshape(-1)
+    return tuple(int(v) for v in dims)
 
 
 MAX_T = 10_000
 """The most time steps an imported graph may ask for (metadata ``T`` or ``T=``)."""
 MAX_ELEMENTS = 1 << 30
 """The most elements one node's array or input / output shape may have."""
-
-
-def _check_feed_forward(edges: Any) -> None:
-    """Refuse a recurrent edge or any cycle: szo's importer runs feed-forward graphs (nirtorch
-    would drop a back edge silently and run the rest as if it were feed-forward)."""
-    succ: dict[str, list[str]] = {}
-    indeg: dict[str, int] = {}
-    for s, d in edges:
-        if s == d:
-            raise ValueError(f"NIR graph has a recurrent edge {s!r} -> {s!r}; szo imports feed-forward graphs only "
-                             "(its models have no recurrent connections)")
-        succ.setdefault(s, []).append(d)
-        indeg[d] = indeg.get(d, 0) + 1
-        indeg.setdefault(s, 0)
-    ready = [n for n, k in indeg.items() if k == 0]
-    seen = 0
-    while ready:
-        n = ready.pop()
-        seen += 1
-        for m in succ.get(n, []):
-            indeg[m] -= 1
-            if indeg[m] == 0:
-                ready.append(m)
-    if seen < len(indeg):
-        loop = sorted(n for n, k in indeg.items() if k > 0)
-        raise ValueError(f"NIR graph has a cycle through {', '.join(map(repr, loop[:6]))}; szo imports feed-forward "
-                         "graphs only (its models have no recurrent connections)")
 
 
 def _check_node_values(name: str, node: Any) -> None:

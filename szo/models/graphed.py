@@ -1,8 +1,7 @@
 """Probe forwards as CUDA graphs: ``model.set_cuda_graphs(True)`` (recipe key ``cuda_graphs``).
 
-A small spiking network at a small batch is launch-bound on a GPU: Spike-ResNet20 at batch 32,
-T = 4 takes the same 5.6-6.5 ms per forward in fp32, TF32 and bf16 (an H200, docs/performance.md),
-because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
+A small spiking network at a small batch is launch-bound on a GPU: its forward takes about the same
+time in fp32, TF32 and bf16 (measured: docs/performance.md), because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
 fill the card, and the CPU launches them one by one. A zeroth-order step is 2k such forwards of
 the *same* shapes with the parameters changed *in place* (the probe moves them, the restore moves
 them back): exactly what a CUDA graph replays. :class:`ForwardGraphs` captures the no-grad
@@ -27,12 +26,15 @@ multi-step forward (``model.forward_seq``) once per input signature and replays 
   sequence (``store_v_seq``), a full graph table, or a capture that failed (e.g. an operation that
   synchronises with the host: that signature stays eager, one warning).
 * Forward hooks run in the warm-up forwards only, never in a replay (as with ``torch.compile``):
-  code that drives layers through hooks at every call (``szo.distributed.SyncBatchNorm``) must
-  not use graphs; config validation refuses that combination.
+  code that drives layers through hooks at every call (``szo.distributed.SyncBatchNorm``, the
+  layer-wise methods' node perturbation and clean-forward records: ``MethodSpec.hooks``) must not
+  use graphs; the probe path (``szo.zo.ProbePath``) refuses those combinations at every door.
 
 The capture mechanism is a :class:`GraphBackend`: :class:`CudaGraphBackend` (``torch.cuda.CUDAGraph``)
 on a GPU; the tests drive the same bookkeeping on the CPU with a backend that replays by calling
-the function again (``tests/models/test_graphed.py``).
+the function again, and with one that replays the recorded ATen operations without running any
+Python, as a CUDA graph does (``tests/models/graph_replay.py``: a hook added after the capture does
+not run in its replays).
 """
 from __future__ import annotations
 

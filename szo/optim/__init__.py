@@ -16,8 +16,16 @@ from torch import nn
 from szo.hw.optim.mcu import MCUZO
 from szo.hw.optim.onchip import OnChipSZO
 from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
-from szo.options import RUN_KEYWORDS, IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, split_keywords
-from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
+from szo.options import (
+    RUN_KEYWORDS,
+    IntegerLearnerOptions,
+    OptimizerOptions,
+    RunOptions,
+    TTOptions,
+    probe_path,
+    split_keywords,
+)
+from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, ProbePath, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .fullspace import FullSpaceZO
@@ -46,6 +54,7 @@ __all__ = [
     "StepInfo",
     "OptimizerOptions",
     "RunOptions",
+    "ProbePath",
     "TTOptions",
     "IntegerLearnerOptions",
     "METHODS",
@@ -63,7 +72,8 @@ def build_bp(spec, model: nn.Module, subspace, o: OptimizerOptions, run: RunOpti
 def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     """What the registry says a method can take, checked once for every method."""
     m = spec.name
-    spec.check_capabilities(weight_decay=o.weight_decay, momentum=o.momentum, engine=o.engine, parallel=run.distributed)
+    spec.check_capabilities(weight_decay=o.weight_decay, momentum=o.momentum)
+    probe_path(o, run, spec).on(model).check()
     if not isinstance(model, nn.Module):
         raise ValueError(f"build_optimizer needs the model (a torch.nn.Module), got {type(model).__name__}")
     if not list(model.parameters()):

@@ -17,15 +17,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
     Coordinates,
     ForwardOnlyBase,
-    LoopEvaluator,
     ParamSpace,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     check_hparams,
     gaussian_rows,
@@ -64,19 +64,19 @@ class FullSpaceZO(ForwardOnlyBase):
         bn_update: str = "recompute",
     ):
         kind = get_estimator(estimator, ("cge", "coord-one-point", "rge"))
-        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=None if kind.coordinate else q)
         params, model = resolve_model(params, model, "FullSpaceZO")
         super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
         self.space = ParamSpace(params)
         self.d = self.space.d
         if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
             raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
-        self.estimator = estimator
+        self.estimator = kind.name
         self.kind = kind
         self.q = q
         self.coords_per_step = coords_per_step
         self.model = model
-        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "FullSpaceZO", bn_update=bn_update)), generator)
+        self._init_forward_only(build_evaluator(ProbePath(bn_update=bn_update), model, "FullSpaceZO"), generator)
         self.state[params[0]]["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
 
     @property
@@ -114,7 +114,7 @@ def build_full_space_zo(spec, model: nn.Module, subspace, o, run) -> FullSpaceZO
     """Full-space ZO (``spec.variant``: cge, rge). CGE's ``coords_per_step`` defaults to the
     subspace's k when one is given (the same 2k forwards per step as SZO-CGE), else all d."""
     coords = o.coords_per_step
-    if spec.variant == "cge" and coords is None and subspace is not None:
+    if get_estimator(spec.variant).coordinate and coords is None and subspace is not None:
         coords = int(subspace.basis.shape[1])
     return FullSpaceZO(model, estimator=spec.variant, mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q,
                        coords_per_step=coords, generator=run.generator, bn_update=o.bn_update)

@@ -41,6 +41,7 @@ from szo.precision import check_precision, precision_policy
 from szo.rundir import run_lock
 from szo.stages import bptt_stage, device_for, subspace_model
 from szo.study.diagnose import diagnose_model, run_batch
+from szo.zo import get_estimator
 
 __all__ = ["study_precision", "estimate_rows", "training_rows", "spike_flip_rate", "render_precision",
            "plot_precision", "default_precisions"]
@@ -212,7 +213,7 @@ def render_precision(result: dict[str, Any]) -> str:
              "| precision | estimator | mu | cosine to fp32 BP grad | cosine to the fp32 estimate | variance | "
              "relative error | spike flips |", "|---|---|---|---|---|---|---|---|"]
     for r in result["estimates"]:
-        est = "CGE" if r["estimator"] == "cge" else f"RGE q={r['q']}"
+        est = get_estimator(r["estimator"]).describe(r["q"])
         lines.append(f"| {r['precision']} | {est} | {r['mu']:g} | {r['cosine']:.3f} | {r['cosine_to_fp32']:.4f} | "
                      f"{r['variance']:.3g} | {r['relative_error']:.3g} | {100 * r['spike_flip_rate']:.3f} % |")
     if result["accuracy"]:
@@ -234,7 +235,7 @@ def plot_precision(result: dict[str, Any], path: str | os.PathLike) -> Path:
     ax = axes[0]
     series: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in result["estimates"]:
-        est = "CGE" if r["estimator"] == "cge" else f"RGE q={r['q']}"
+        est = get_estimator(r["estimator"]).describe(r["q"])
         series.setdefault((r["precision"], est), []).append((r["mu"], r["cosine"]))
     styles = {p: c for p, c in zip(result["precisions"], ("C0", "C1", "C2", "C3"))}
     marks = {e: m for e, m in zip(dict.fromkeys(e for _, e in series), ("o-", "s--", "^:", "v-.", "D--"))}

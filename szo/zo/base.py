@@ -55,6 +55,15 @@ class ForwardOnlyBase(CodecOptimizer):
 
     # ------------------------------------------------------------------ protocol
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """``torch.amp.GradScaler.step`` reads this before it unscales any gradient; a forward-only
+        optimizer has none, so the read refuses the scaler in one line (GradScaler checks its own scale
+        first: with nothing scaled yet it stops on its own assertion before it reaches an optimizer)."""
+        raise ValueError(f"{type(self).__name__} is forward-only: GradScaler scales the gradients of a backward pass "
+                         "and this optimizer has none; call opt.step(closure) without GradScaler (mixed precision: "
+                         "szo's precision setting, or torch.autocast(..., cache_enabled=False) inside the closure)")
+
+    @property
     def guard(self):
         """The evaluator's probe guard (model, BN rule, resets)."""
         return self.evaluator.guard

@@ -35,6 +35,9 @@ __all__ = ["ProbeEvaluator", "EvaluatorBase", "LoopEvaluator", "JVPEvaluator", "
 
 Closure = Callable[[], torch.Tensor]
 
+# torch's message for an autograd.Function that has no forward-mode (jvp) rule
+_NO_JVP = "You must implement the jvp function"
+
 
 @runtime_checkable
 class ProbeEvaluator(Protocol):
@@ -68,8 +71,9 @@ class EvaluatorBase:
 
     @contextlib.contextmanager
     def session(self) -> Iterator["EvaluatorBase"]:
-        """One step's probes: BN snapshot before, commit / restore after, restore on error."""
-        self.guard.bn.snapshot()
+        """One step's probes: BN snapshot (and the random state every probe replays) before, commit /
+        restore after, restore on error."""
+        self.guard.begin_step()
         try:
             yield self
         except BaseException:
@@ -160,7 +164,15 @@ def jvp_closure(model: nn.Module, names: list[str], closure: Closure, tangents: 
     with ctx, fwAD.dual_level():
         duals = {f"model.{n}": fwAD.make_dual(p.detach(), t.to(p.dtype))
                  for n, p, t in zip(names, model.parameters(), tangents)}
-        value = functional_call(wrapper, duals, (closure,))
+        try:
+            value = functional_call(wrapper, duals, (closure,))
+        except RuntimeError as e:  # an autograd.Function without a forward-mode rule on the way
+            if _NO_JVP not in str(e):
+                raise
+            raise ValueError(f"forward gradients need forward-mode AD through every operation of the forward, and "
+                             f"{where} ran one without it (torch: {str(e).splitlines()[0]}); szo gives SpikingJelly's "
+                             f"neurons a forward-mode surrogate (szo.models.forward_mode); for another custom "
+                             f"operation use a zeroth-order method (szo-cge, zo-rge, ...)") from None
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{where} must return the loss as a tensor for a forward gradient, "
                              f"got {type(value).__name__}")
@@ -192,11 +204,13 @@ class JVPEvaluator(EvaluatorBase):
         losses = torch.empty(q, dtype=torch.float64)
         jvps = torch.empty(q, dtype=torch.float64)
         guard = self.guard
+        checked = lambda: guard.call(closure)  # noqa: E731  (a closure that runs backward: one line)
         with guard.watch():
             for j in range(q):
                 guard.bn.restore()
+                guard.random.restore()
                 guard.reset()
-                losses[j], jvps[j] = jvp_closure(self.model, self.names, closure, tangents(j),
+                losses[j], jvps[j] = jvp_closure(self.model, self.names, checked, tangents(j),
                                                  f"closure ({label} {j + 1}/{q})", self.dual_context)
                 guard.bn.accumulate()
         return losses, jvps

@@ -115,8 +115,8 @@ def test_szo_adapt_flags_are_the_schemas_keys(tmp_path):
     from szo.adapt import cli
     from szo.config import TTAConfig
 
-    p = argparse.ArgumentParser().add_subparsers()
-    parser = cli.register(p)
+    parser = argparse.ArgumentParser().add_subparsers().add_parser("adapt")
+    cli.add_arguments(parser)
     args = parser.parse_args(["--source", str(tmp_path), "--out", str(tmp_path / "o"), "--mu", "0.3"])
     cfg = cli.flags_config(args)
     assert cfg.szo.q == 10 and cfg.szo.mu == 0.3 and cfg.tta.lr_reset == TTAConfig().lr_reset
@@ -140,8 +140,9 @@ def test_every_tta_door_adapts_with_the_same_q_and_units(tmp_path):
     from szo.adapt.runner import TTAOptions
     from szo.config import load_recipe
 
-    p = argparse.ArgumentParser().add_subparsers()
-    flags = cli.flags_config(cli.register(p).parse_args(["--source", "x", "--out", "y"]))
+    parser = argparse.ArgumentParser().add_subparsers().add_parser("adapt")
+    cli.add_arguments(parser)
+    flags = cli.flags_config(parser.parse_args(["--source", "x", "--out", "y"]))
     o = TTAOptions(out_dir=str(tmp_path)).resolved(["none", "bn", "bp-subspace", "szo-cge", "szo-rge"])
     recipes = [load_recipe(n) for n in ("digits-c-tta", "fmnist-c-tta", "mnist5k-c-tta")]
     for c in [flags, *recipes]:

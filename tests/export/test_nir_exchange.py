@@ -145,9 +145,13 @@ def test_unknown_node_and_bad_lif_fields_are_named():
     with pytest.raises(ValueError, match=r"NIR node 'sn1': LIF field 'r'"):
         from_nir(g)
     g = to_nir(create("spike_convnet"), (1, 8, 8))
+    g.nodes["sn2"] = nir.LI(tau=np.ones(3), r=np.ones(3), v_leak=np.zeros(3))
+    with pytest.raises(ValueError, match=r"NIR node 'sn2' has type LI, which szo cannot run; supported: .*'CubaLIF'"):
+        from_nir(g)
+    g = to_nir(create("spike_convnet"), (1, 8, 8))  # a CubaLIF of 3 neurons where 16x8x8 arrive
     g.nodes["sn2"] = nir.CubaLIF(tau_syn=np.ones(3), tau_mem=np.ones(3), r=np.ones(3), v_leak=np.zeros(3),
                                  v_threshold=np.ones(3))
-    with pytest.raises(ValueError, match=r"NIR node 'sn2' has type CubaLIF"):
+    with pytest.raises(ValueError, match=r"^NIR node 'sn2' cannot take its input of shape \[16, 8, 8\] \(per sample\)"):
         from_nir(g)
     g = to_nir(create("spike_convnet"), (1, 8, 8))
     g.nodes["sn1"].metadata["reset"] = "bounce"
@@ -219,16 +223,18 @@ def test_every_registered_model_round_trips(name):
 
 
 def test_graphs_szo_cannot_run_faithfully_are_refused(tmp_path):
-    """A recurrent self-edge (nirtorch would drop it and run the rest feed-forward), a cycle,
-    T = 1e9 (an allocator error), all-NaN weights: each one line, also through a .nir file."""
+    """A node the Input does not reach, an edge into the Input, T = 1e9 (an allocator error),
+    all-NaN weights: each one line, also through a .nir file.
+    (Recurrent edges and cycles run: tests/export/test_nir_recurrent.py.)"""
     g = to_nir(create("spike_convnet"), (1, 8, 8))
-    g.edges.append(("sn1", "sn1"))
-    with pytest.raises(ValueError, match=r"recurrent edge 'sn1' -> 'sn1'; szo imports feed-forward graphs only"):
+    g.nodes["stray"] = nir.Affine(np.ones((10, 10), dtype=np.float32), np.zeros(10, dtype=np.float32))
+    inp, out = (next(k for k, v in g.nodes.items() if isinstance(v, t)) for t in (nir.Input, nir.Output))
+    g.edges.append(("stray", out))
+    with pytest.raises(ValueError, match=rf"node\(s\) 'stray' cannot be reached from the Input node '{inp}'"):
         from_nir(g)
     g = to_nir(create("spike_convnet"), (1, 8, 8))
-    first, second = g.edges[1]
-    g.edges.append((second, first))
-    with pytest.raises(ValueError, match="has a cycle through"):
+    g.edges.append(("sn1", inp))
+    with pytest.raises(ValueError, match=rf"edge \('sn1', '{inp}'\) leads into the Input node"):
         from_nir(g)
     g = to_nir(create("spike_convnet"), (1, 8, 8))
     g.metadata["T"] = 1_000_000_000

@@ -117,11 +117,12 @@ def tiny_fed(tmp_path_factory):
 
 def _server(tiny_fed, tmp_path):
     from szo.data import make_loader
-    from szo.federated.flower import BaffleServer, _dataset, _Task
+    from szo.federated.server import BaffleServer
+    from szo.federated.task import FederatedTask, task_dataset
 
     _, cfg, _ = tiny_fed
-    task = _Task(cfg, "subspace")
-    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    task = FederatedTask(cfg, "subspace")
+    test = make_loader(task_dataset(cfg, "test"), 360, shuffle=False)
     return BaffleServer(cfg, task, 300, tmp_path / "run", test, None, [], []), task
 
 
@@ -285,12 +286,13 @@ def _adam_server(tiny_fed, tmp_path, state=None, **kw):
     import dataclasses
 
     from szo.data import make_loader
-    from szo.federated.flower import BaffleServer, _dataset, _Task
+    from szo.federated.server import BaffleServer
+    from szo.federated.task import FederatedTask, task_dataset
 
     _, cfg, _ = tiny_fed
     cfg = dataclasses.replace(cfg, federated=dataclasses.replace(cfg.federated, **kw))
-    task = _Task(cfg, "subspace")
-    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    task = FederatedTask(cfg, "subspace")
+    test = make_loader(task_dataset(cfg, "test"), 360, shuffle=False)
     return BaffleServer(cfg, task, 300, tmp_path, test, state, [], []), task
 
 
@@ -333,7 +335,7 @@ def test_adam_and_ema_state_survive_the_checkpoint(tiny_fed, tmp_path):
     import numpy as np
     import torch
 
-    from szo.federated.flower import ServerState
+    from szo.federated.server import ServerState
     from szo.train.checkpoint import checkpoint_path
 
     kw = dict(server_optimizer="adam", ema=0.9, lr=0.05)

@@ -31,7 +31,7 @@ from szo.models.tt import tt_parametrize
 from szo.optim import build_optimizer
 from szo.options import IntegerLearnerOptions
 
-INTEGER = "/integer"  # a method trained by the integer on-chip learner (szo.hw.train.OnChipSZO)
+INTEGER = "/integer"  # a method trained by the integer on-chip learner (szo.hw.optim.onchip.OnChipSZO)
 CASES = list(list_methods()) + [m + INTEGER for m in list_methods(integer_learner=True, integer=False)]
 FORWARD_ONLY = [c for c in CASES if get_method(c.split("/")[0]).forward_only]
 

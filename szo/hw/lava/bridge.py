@@ -216,8 +216,8 @@ def export_network(net: FixedPointNetwork, in_shape: tuple[int, ...]) -> tuple[d
     """
     if net.arithmetic != "loihi":
         raise ValueError(f"export to Lava needs the 'loihi' arithmetic (bit-exact with Lava), got {net.arithmetic!r}")
-    if net.precision.weight_bits > 8:
-        raise LavaExportError(f"weight_bits = {net.precision.weight_bits}: Lava's Dense holds 8-bit weights")
+    if net.widths.weight_bits > 8:
+        raise LavaExportError(f"weight_bits = {net.widths.weight_bits}: Lava's Dense holds 8-bit weights")
     if not net.scales_known:
         with torch.no_grad():
             net(torch.zeros(1, *in_shape))  # an AdaptiveAvgPool2d fixes its window at the first forward
@@ -279,7 +279,7 @@ def export_network(net: FixedPointNetwork, in_shape: tuple[int, ...]) -> tuple[d
     arrays["readout_bias"] = (last_bias[0] << last_bias[1]).astype(np.int64)  # state units, added by the host
     meta = {"T": int(net.T), "n_in": int(np.prod(in_shape)), "in_shape": list(map(int, in_shape)), "layers": layers,
             "source": {"model": net.model_name, "arithmetic": net.arithmetic,
-                       "weight_bits": int(net.precision.weight_bits)}}
+                       "weight_bits": int(net.widths.weight_bits)}}
     for layer in layers:  # one more line of the contract: exponents Loihi's wgtExp register cannot hold
         if layer["kind"] == "dense" and not LAVA_WEIGHT_EXP[0] <= layer["weight_exp"] <= LAVA_WEIGHT_EXP[1]:
             layer["beyond_loihi_wgtexp"] = True

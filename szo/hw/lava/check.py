@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from szo.hw.convert import to_fixed
-from szo.hw.fixed import A_IN_SHIFT, Precision
+from szo.hw.fixed import A_IN_SHIFT, BitWidths
 from szo.hw.lava import runner as lava_runner
 from szo.hw.lava.bridge import (
     RUNNER_TIMEOUT_S,
@@ -44,7 +44,7 @@ def _model_and_net(target: str | SpikingModel, reset: str | None, weight_bits: i
     hw = (cfg or {}).get("hw") or {}
     reset = reset if reset is not None else hw.get("reset")
     bits = weight_bits or hw.get("weight_bits") or 8
-    net = to_fixed(model, precision=Precision(weight_bits=int(bits)), arithmetic="loihi", reset=reset, record=True)
+    net = to_fixed(model, widths=BitWidths(weight_bits=int(bits)), arithmetic="loihi", reset=reset, record=True)
     return model, label, cfg, net
 
 

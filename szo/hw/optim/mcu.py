@@ -45,18 +45,18 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
 from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
-from szo.methods import register_builder
+from szo.methods import get_method, register_builder
 from szo.zo import (
     CleanForward,
     Field,
     LayerwiseBase,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     adaptive_perturbation,
     check_hparams,
@@ -230,7 +230,7 @@ class MCUZO(LayerwiseBase):
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
         self._pending_graph: dict[str, dict] | None = None  # a loaded checkpoint's exponents / untrained mantissas
         self._floats_stale = False  # the float twin waits for the pooling factors (known after a forward)
-        self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
+        self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False, method=get_method("mcu-zo")), net, "MCUZO"))
 
     # ------------------------------------------------------------------ state
     @property
@@ -293,7 +293,7 @@ class MCUZO(LayerwiseBase):
         if not isinstance(value, dict) or set(value) != set(synapses):
             got = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise ValueError(f"optimizer state: the synapses are {got}, this network's are {sorted(synapses)}")
-        P, out = self.net.precision, {}
+        P, out = self.net.widths, {}
         for path, m in synapses.items():
             g = value[path]
             if not isinstance(g, dict) or not all(isinstance(g.get(k), int) for k in ("exp", "bias_exp")):
@@ -342,7 +342,7 @@ class MCUZO(LayerwiseBase):
         per tensor -- each layer's weight mantissas (its weight's shape, ``weight_bits`` signed),
         then its bias mantissas when the synapse has a bias (its own or a folded BatchNorm's;
         ``bias_mant_bits`` signed). Known from the modules before the weights are frozen."""
-        P, out = self.net.precision, []
+        P, out = self.net.widths, []
         for n, m in self.layers.items():
             out.append((n, "weights", tuple(m.weight.shape), P.weight_bits))
             if m.bias is not None or n in self.net.fused:
@@ -458,7 +458,7 @@ class MCUZO(LayerwiseBase):
         if name not in self.plans:
             self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
         if self.plans[name].mode == "weight":
-            space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits, self.counter, name)
+            space = IntWeightSpace(syn, net.widths.weight_bits, net.widths.bias_mant_bits, self.counter, name)
             plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
             losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
             g = plan.estimate(losses, centre=clean.l0).to(syn.w_int.device)  # per LSB, over weights then biases
@@ -487,7 +487,7 @@ class MCUZO(LayerwiseBase):
     def _update_layer(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
                 batch: int) -> None:
         n, d = (1, lp.d_w) if lp.mode == "weight" else (batch, lp.d_a)
-        P = self.net.precision
+        P = self.net.widths
         syn.w_int = quantized_zo_update(syn.w_int, gw, lr=self.lr, scale=2.0 ** syn.exp, n=n, q=self.q, d=d,
                                         bits=P.weight_bits, counter=self.counter, layer=name, quantity="weight")
         if gb is not None:
