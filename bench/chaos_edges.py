@@ -79,6 +79,12 @@ def _when_lava_runs(pidfile: Path, seconds: float = 120.0) -> int:
     return pid
 
 
+def _as_in_a_terminal() -> None:
+    """SIGINT as a terminal's foreground command has it: the drill may run in the background of a
+    non-interactive shell, which starts it (and so every child) with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -207,7 +213,7 @@ def edge_cases(tmp: Path, row: Callable[[str, str, bool, str], None], base: list
         pidfile = tmp / f"pid-{who[:5]}"
         exe = _script(tmp / f"ctrlc-{who[:5]}", f'echo $$ > "{pidfile}"\n{body}')
         p = subprocess.Popen(long_check + ["--lava-python", str(exe)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+                             stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO, preexec_fn=_as_in_a_terminal)
         pid = _when_lava_runs(pidfile)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)

@@ -536,7 +536,9 @@ def test_ctrl_c_during_lava_check_leaves_no_runner_behind(tmp_path):
     exe = _script(tmp_path / "python", f'echo $$ > "{pidfile}"\nsleep 60 &\nexec sleep 60\n')
     p = subprocess.Popen([sys.executable, "-m", "szo", "hw", "lava-check", "spike_convnet", "--data", "random",
                           "--samples", "2", "--reset", "zero", "--lava-python", str(exe)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # SIGINT as in a terminal: a test run in a shell's background inherits it ignored
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for _ in range(600):
         if pidfile.is_file() and pidfile.read_text().strip():
             break
