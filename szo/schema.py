@@ -445,7 +445,7 @@ class RecipeConfig(Section):
     # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     compile: bool | str = False
     # the arithmetic of every stage (szo.precision): fp32 (IEEE; TF32 off) | tf32 (TF32 convolutions and
-    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (the measured choice per kind of training,
+    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast, its weight cache off) | auto (the measured choice per kind of training,
     # szo.precision.AUTO: fp32 for BPTT and for forward-only probes, docs/evidence.md "Precision");
     # PyTorch's own defaults are never used
     precision: Precision = "auto"

@@ -1,7 +1,8 @@
 """Probe forwards as CUDA graphs: ``model.set_cuda_graphs(True)`` (recipe key ``cuda_graphs``).
 
 A small spiking network at a small batch is launch-bound on a GPU: its forward takes about the same
-time in fp32, TF32 and bf16 (measured: docs/performance.md), because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
+time in fp32 and TF32 (measured: docs/performance.md; its bf16 times predate issue 40's weight-cache
+fix), because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
 fill the card, and the CPU launches them one by one. A zeroth-order step is 2k such forwards of
 the *same* shapes with the parameters changed *in place* (the probe moves them, the restore moves
 them back): exactly what a CUDA graph replays. :class:`ForwardGraphs` captures the no-grad
@@ -16,7 +17,9 @@ multi-step forward (``model.forward_seq``) once per input signature and replays 
   switches (``szo.precision``: the captured kernels were chosen under them), and the addresses
   of the parameters and buffers.
 * **Capture**: ``warmup`` eager forwards on a side stream (cuDNN / cuBLAS initialise their
-  workspaces), then the capture; the warm-up's side effects on the buffers (BN running
+  workspaces), then the capture, both with autocast's weight cache off (``szo.precision.fresh_casts``:
+  under bf16 the graph holds the casts of the parameters, so every replay casts them where they
+  are; a cached cast would be a tensor the graph reads at the weights of the capture); the warm-up's side effects on the buffers (BN running
   statistics) are undone, then the graph is replayed once for the call itself, so a captured call
   and an eager one change the model's state alike. The neuron state starts from its reset value
   in every forward (``SpikingModel.forward`` resets after each call), which is what was captured.
@@ -48,7 +51,7 @@ from spikingjelly.activation_based import functional
 from spikingjelly.activation_based.neuron import BaseNode
 from torch import nn
 
-from szo.precision import tf32_flags
+from szo.precision import fresh_casts, tf32_flags
 
 __all__ = ["ForwardGraphs", "GraphStats", "GraphBackend", "CudaGraphBackend", "eager_reason"]
 
@@ -195,7 +198,8 @@ class ForwardGraphs:
                     b.copy_(saved)
 
         try:
-            replay, out = self.backend.capture(lambda: model.forward_seq(static_x), self.warmup, restore)
+            with fresh_casts():
+                replay, out = self.backend.capture(lambda: model.forward_seq(static_x), self.warmup, restore)
         except Exception as e:  # an operation a graph cannot hold (a host sync): this signature stays eager
             restore()
             self._failed.add(key)

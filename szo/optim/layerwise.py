@@ -60,6 +60,7 @@ from szo.zo import (
     check_hparams,
     heavy_ball_,
     one_point_plan,
+    refuse_shared_weights,
     trainable_layers,
 )
 
@@ -257,6 +258,7 @@ class LayerwiseZO(LayerwiseBase):
 
     # state_dict()["layerwise"]: generator, forward count, per-layer modes
     codecs = (StateCodec("layerwise", GENERATOR_COUNTERS + (Field("modes", "plain"),)),)
+    fixed_space = "the parameters of the layers it was built with (layers=)"
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
@@ -271,6 +273,13 @@ class LayerwiseZO(LayerwiseBase):
                              "the probes' own statistics, a biased per-sample estimate)")
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
         self.layers = trainable_layers(model, layers)
+        refuse_shared_weights(self.layers, "LayerwiseZO")
+        # a layer whose parameters are all frozen (requires_grad=False) is not trained (named: refused)
+        still = [n for n, m in self.layers.items() if not any(p.requires_grad for p in m.parameters(recurse=False))]
+        if layers is not None and still:
+            raise ValueError(f"LayerwiseZO: layer(s) {', '.join(still)} have only frozen parameters "
+                             "(requires_grad=False), which an optimizer never changes: leave them out of layers=")
+        self.layers = {n: m for n, m in self.layers.items() if n not in still}
         params = [p for m in self.layers.values() for p in m.parameters(recurse=False) if p.requires_grad]
         if not params:
             raise ValueError("the chosen layers have no trainable parameters")

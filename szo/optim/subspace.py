@@ -104,6 +104,7 @@ class SubspaceOptimizer(CodecOptimizer):
 
     forward_only = False
     codecs = (StateCodec("subspace", COORDS, check=check_k),)
+    fixed_space = "the parameters of the subspace it was built with (theta_0 + P c)"
 
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
                  start: str | None = None, scale: str = "absolute"):
@@ -117,11 +118,17 @@ class SubspaceOptimizer(CodecOptimizer):
         units = None if scale == "absolute" else coordinate_scales(subspace.eigenvalues, scale)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
+        # a frozen parameter (requires_grad=False) is never moved: its rows of P are left out
+        rows = torch.cat([torch.full((p.numel(),), p.requires_grad) for p in params])
+        if not bool(rows.any()):
+            raise ValueError(f"{type(self).__name__}: every parameter has requires_grad=False: nothing to train")
+        basis = subspace.basis if bool(rows.all()) else subspace.basis[rows.to(subspace.basis.device)]
+        params = [p for p in params if p.requires_grad]
         super().__init__(params, defaults)
         self.model = model
         self.scale = scale
         self.units = units
-        self.space = SubspaceSpace(params, subspace.basis, scales=units)
+        self.space = SubspaceSpace(params, basis, scales=units)
         self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
@@ -328,8 +335,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         plan = self.plan()
         losses = self.evaluate(closure, plan)
         self.apply_update(plan.estimate(losses))

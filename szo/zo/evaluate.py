@@ -13,8 +13,9 @@
   loss and its directional derivative along a tangent.
 
 An optimizer runs its probes inside ``with evaluator.session():`` (one per step: the BN
-snapshot at the start, the BN commit / restore at the end, a restore on any error), and after
-its update asks ``evaluator.unperturbed(closure)`` for the BN forward of ``bn_update="recompute"``.
+snapshot at the start, the BN commit / restore at the end, a restore on any error; autocast's
+weight cache off, ``szo.precision.fresh_casts``: the probes move the parameters in place), and
+after its update asks ``evaluator.unperturbed(closure)`` for the BN forward of ``bn_update="recompute"``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..functional import zo as F
+from ..precision import fresh_casts
 from .guard import ProbeGuard
 from .plans import Plan, coord_one_point_plan
 from .space import Space, Still
@@ -72,13 +74,15 @@ class EvaluatorBase:
     @contextlib.contextmanager
     def session(self) -> Iterator["EvaluatorBase"]:
         """One step's probes: BN snapshot (and the random state every probe replays) before, commit /
-        restore after, restore on error."""
+        restore after, restore on error; each probe casts the parameters where they are, whatever
+        autocast block encloses the step."""
         self.guard.begin_step()
-        try:
-            yield self
-        except BaseException:
-            self.guard.bn.restore()
-            raise
+        with fresh_casts():
+            try:
+                yield self
+            except BaseException:
+                self.guard.bn.restore()
+                raise
         self._end_session()
 
     def _end_session(self) -> None:

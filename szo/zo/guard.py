@@ -52,6 +52,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..functional import zo as F
+from ..precision import fresh_casts
 from .bn import BNStatsFreezer, check_bn_update
 
 __all__ = ["resolve_model", "ProbeGuard", "RandomReplay", "check_hparams", "FORWARD_ONLY_CLOSURE", "train_mode_dropout"]
@@ -293,7 +294,7 @@ class ProbeGuard:
         self.reset()
         if distributed and sync is None:
             self.bn.snapshot()
-        with sync if sync is not None else contextlib.nullcontext():
+        with sync if sync is not None else contextlib.nullcontext(), fresh_casts():  # the updated weights, cast now
             value = F.check_loss(self.call(closure), "closure (unperturbed BN forward)")
         if distributed and sync is None:
             self.bn.accumulate()

@@ -228,3 +228,21 @@ def test_data_parallel_sync_bn_is_refused_on_a_graphed_model(tmp_path):
         SZO(m, sub, start="current", probes=ProbePath(distributed="perturbation"))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_capture_holds_the_weight_casts_not_autocasts_cached_ones():
+    """Under autocast a graph must contain the casts of the parameters (a replay then casts them
+    where the probe moved them); a cast taken from autocast's weight cache would be a tensor the
+    graph reads at the capture's weights. The capture runs with the cache off, inside any block."""
+    seen = []
+
+    class Watch(CallAgain):
+        def capture(self, fn, warmup, between):
+            seen.append(torch.is_autocast_cache_enabled())
+            return super().capture(fn, warmup, between)
+
+    m = _model().set_cuda_graphs(True, backend=Watch())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(_x())
+        assert torch.is_autocast_cache_enabled()  # the caller's switch back
+    assert seen == [False]

@@ -62,6 +62,8 @@ from szo.zo import (
     check_hparams,
     one_point_plan,
     quantized_zo_update,
+    refuse_frozen,
+    refuse_shared_weights,
     trainable_layers,
 )
 
@@ -207,6 +209,7 @@ class MCUZO(LayerwiseBase):
                                  Field("forward_passes", "int", default=0), Field("step_count", "int", default=0),
                                  Field("saturations", "counter", "counter")),
                          check=_check_state),)
+    fixed_space = "the integers of the layers it was built with (layers=)"
 
     def __init__(self, net: FixedPointNetwork, *, layers: Sequence[str] | None = None, perturbation: str = "adaptive",
                  q: int = 10, lr: float = 1e-3, mu_w: int = 1, mu_node: int = 1, seed: int = 1) -> None:
@@ -220,6 +223,13 @@ class MCUZO(LayerwiseBase):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int (LSBs; the paper's is 1), got {v!r}")
         self.layers = trainable_layers(net, layers)  # the synapses (model order), or the named subset
+        refuse_shared_weights(self.layers, "MCUZO")
+        # a layer's integers stand for its weight and bias, or the folded BatchNorm's shift (write_back)
+        moved = [p for n, m in self.layers.items() for p in m.parameters(recurse=False)] + [
+            net.get_submodule(net.fused[n]).bias for n, m in self.layers.items()
+            if m.bias is None and n in net.fused and net.get_submodule(net.fused[n]).bias is not None]
+        refuse_frozen(moved, net, "MCUZO", "trains the integers of every layer it is given (weights, biases, a "
+                      "folded BatchNorm's shift)", "unfreeze them, or name the layers to train in layers=")
         super().__init__([p for m in self.layers.values() for p in m.parameters(recurse=False)], dict(lr=float(lr)))
         self.net = net
         self.perturbation, self.q, self.mu_w, self.mu_node = perturbation, q, mu_w, mu_node

@@ -46,6 +46,8 @@ from szo.zo import (
     one_point_plan,
     quantized_zo_update,
     rademacher_rows,
+    refuse_frozen,
+    refuse_meta,
 )
 
 __all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "LEARNER_WIDTHS", "OnChipSZO", "quantized_zo_update", "basis_error",
@@ -183,6 +185,7 @@ class OnChipSZO(ForwardOnlyBase):
                                      Field("origin", "float64", "theta_ref"),
                                      Field("saturations", "counter", "counter")),
                          check=_check_coords),)
+    fixed_space = "every parameter of its network (theta_ref + P c)"
 
     def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
                  mu_lsb: int = 1 << 12, estimator: str = "cge", q: int = 1, seed: int = 1,
@@ -202,6 +205,10 @@ class OnChipSZO(ForwardOnlyBase):
             raise ValueError(f"need 0 <= coord_frac < coord_bits = {coord_bits}, got {coord_frac!r}")
         if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
             raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
+        refuse_meta(list(model.parameters()), "OnChipSZO")
+        refuse_frozen(list(model.parameters()), model, "OnChipSZO",
+                      "moves every parameter of its network (theta_ref + P c)",
+                      "unfreeze them, or train with the float learner (szo-cge), which leaves them out")
         theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host
         if subspace.basis.shape[0] != theta.numel():
             raise ValueError(f"subspace d = {subspace.basis.shape[0]} does not match the model's d = {theta.numel()}")
@@ -218,15 +225,18 @@ class OnChipSZO(ForwardOnlyBase):
         self.d, self.k = self.P.shape
         self.counter = SaturationCounter()
         self.theta_ref = self._quantize_ref(model, theta)
-        self.momentum_int = int(round(momentum * (1 << MOMENTUM_SHIFT)))
         self.delta = torch.zeros(self.k, dtype=torch.int64)
         self.rng = XorShift32(seed)
         self.step_count = 0
         self.space = HostSpace(model, self.parameters_at, torch.zeros(self.k, dtype=torch.int64), probe="coords",
-                               clip=lambda c: saturate(c, self.coord_bits, self.counter, "coords", "probe"))
+                               clip=self._clip_probe)
         # the fixed-point forward keeps no BN statistics to freeze; its neurons are reset before every probe
         self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False), model, "OnChipSZO"))
         self.space.load(self.c)
+
+    def _clip_probe(self, c: torch.Tensor) -> torch.Tensor:
+        """A probe's coordinates saturated to ``coord_bits`` (clamps counted)."""
+        return saturate(c, self.coord_bits, self.counter, "coords", "probe")
 
     @property
     def c(self) -> torch.Tensor:
@@ -244,6 +254,12 @@ class OnChipSZO(ForwardOnlyBase):
     @property
     def momentum(self) -> float:
         return float(self.param_groups[0]["momentum"])
+
+    @property
+    def momentum_int(self) -> int:
+        """The momentum factor as the chip stores it, ``round(momentum * 2**8)``, from ``param_groups``
+        each step (a scheduler's momentum, e.g. OneCycleLR's cycle, applies)."""
+        return int(round(self.momentum * (1 << MOMENTUM_SHIFT)))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The state, then the parameters put at ``origin + P c`` (the point the state stands at)."""
@@ -293,8 +309,10 @@ class OnChipSZO(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
+        if self.rule == "eq8" and self.momentum != self.defaults["momentum"]:  # a momentum schedule: nothing to apply to
+            raise ValueError(f"OnChipSZO rule 'eq8' (seed 004's quantized ZO) takes no momentum, but param_groups "
+                             f"changed it to {self.momentum:g}: leave it (a scheduler: OneCycleLR(cycle_momentum=False))")
         plan = self.plan()
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan)
