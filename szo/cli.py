@@ -35,7 +35,10 @@ exits with status 2, without a traceback. Under torchrun every rank that fails p
 line prefixed with ``[rank R/W]``; a lost peer (``szo.distributed.RankFailure``) exits with
 status 3 (rerun the same command with ``--resume``). A diverged run (``szo.train.TrainingDiverged``:
 non-finite or exploding loss, non-finite parameters) prints one line and exits with status 4;
-its results.json says ``"status": "diverged"``. Only rank 0 prints the summary line.
+its results.json says ``"status": "diverged"``. A process szo runs that fails (``szo.exits.ExternalError``:
+the Lava runner) or an operating-system error other than a missing file (``OSError``: a permission, a
+full disk, a file where a directory is needed) prints one line and exits with status 5. Only rank 0
+prints the summary line.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Sequence
 
-from szo.exits import RankFailure, TrainingDiverged, env_world_size
+from szo.exits import ExternalError, RankFailure, TrainingDiverged, env_world_size
 from szo.recipes import recipe_description, recipe_names
 
 __all__ = ["main", "build_parser", "CommandParser", "Command", "Run", "load", "COMMANDS", "DEMOS", "COMMAND_GROUP",
@@ -261,6 +264,14 @@ def _one_line(e: BaseException) -> str:
     return msg[0] if msg else type(e).__name__
 
 
+def _os_line(e: OSError) -> str:
+    """An operating-system error as one line: what was refused and on which file."""
+    if e.strerror and e.filename is not None:
+        other = f" -> {e.filename2}" if e.filename2 is not None else ""
+        return f"{e.strerror}: {e.filename}{other} ({type(e).__name__})"
+    return _one_line(e)
+
+
 def _error_line(text: str) -> None:
     """One line on stderr in one write: ranks of a multi-process run share the terminal, and
     ``print`` writes the text and its newline separately when stderr is unbuffered (two ranks'
@@ -294,8 +305,12 @@ def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) ->
     except BrokenPipeError:  # the reader went away (szo recipe --list | head): not szo's failure
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 0
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)
+    except (ExternalError, OSError) as e:  # a process szo runs, or the operating system, failed
+        _error_line(f"error: {who}{_os_line(e) if isinstance(e, OSError) else _one_line(e)}")
+        code = 5
+    except KeyboardInterrupt:  # only a command that can continue a run (it has --resume) says how
+        more = "; rerun the same command with --resume to continue" if hasattr(args, "resume") else ""
+        print(f"interrupted{more}", file=sys.stderr)
         code = 130
     except BaseException:
         if world <= 1:

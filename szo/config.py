@@ -30,7 +30,16 @@ from typing import Any, Iterable
 import yaml
 
 from szo.io import atomic_write_text
-from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label, which_methods
+from szo.methods import (
+    METHODS,
+    TTA_METHODS,
+    get_method,
+    list_methods,
+    method_label,
+    shared_mu,
+    shared_scale,
+    which_methods,
+)
 from szo.models.compiled import check_compile
 from szo.recipes import deep_merge, read_recipe, recipe_names, recipe_path
 from szo.schema import (  # the sections and their value checks: szo.schema; read them from here
@@ -293,22 +302,18 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
         methods = [m for m in _tta_names("method", full.method, TTA_METHODS, "all") if get_method(m).subspace]
     else:
         methods = [full.method]
-    specs = [get_method(m) for m in methods]
     integer = full.hw.learner == "integer"
-    defaults = {s.default_scale(integer=integer) for s in specs}
-    relative = bool(specs) and defaults == {"trajectory"}
+    default = shared_scale(methods, integer=integer)  # the one rule run_tta resolves by too
+    relative = default == "trajectory"
     scale = sz.scale
     if scale is None:
-        scale = "trajectory" if relative else "absolute"
+        scale = default
     elif scale != "absolute" and not relative:
         why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if integer
                else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
         raise ValueError(f"szo.scale {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; "
                          "use szo.scale absolute (or leave it null: the method's default)")
-    mu = sz.mu
-    if mu is None:  # the probing methods' default (MethodSpec.default_mu); App. G's 1.0 if they disagree
-        mus = {s.default_mu(scale) for s in specs if s.forward_only}
-        mu = mus.pop() if len(mus) == 1 else 1.0
+    mu = sz.mu if sz.mu is not None else shared_mu(methods, scale)  # App. G's 1.0 where the methods disagree
     return dataclasses.replace(full, szo=sz.replace(mu=mu, scale=scale))
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping
 
 __all__ = [
     "MethodSpec", "Family", "register_method", "register_builder", "get_method", "list_methods", "method_label",
-    "which_methods",
+    "which_methods", "shared_scale", "shared_mu",
     "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
     "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
     "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
@@ -119,6 +119,20 @@ class MethodSpec:
         "Scale-free mu and lr"), ``absolute`` for every other method and for the integer on-chip
         learner (``integer``), whose units are its own."""
         return "trajectory" if self.relative is not None and not integer else "absolute"
+
+    def check_scale(self, scale: str | None, *, integer: bool = False, recipe: bool = False) -> None:
+        """A relative ``scale`` (mu / lr in units of the subspace's spread) only where the method has
+        relative defaults and the float learner trains it (:meth:`default_scale`); one ValueError
+        otherwise, for config validation (``recipe``: spelled ``szo.scale``) and ``build_optimizer`` alike.
+        ``None`` and ``"absolute"`` always pass."""
+        if scale is None or scale == "absolute" or self.default_scale(integer=integer) != "absolute":
+            return
+        key = "szo.scale" if recipe else "scale"
+        why = ("the integer on-chip learner keeps its own units" if integer and self.relative is not None else
+               f"method {self.name!r} has no relative defaults; relative scales apply to "
+               + which_methods(trainable=None, relative=lambda r: r is not None))
+        raise ValueError(f"{key} {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; use {key} "
+                         f"absolute (or leave it {'null' if recipe else 'unset'}: the method's default)")
 
     def default_mu(self, scale: str) -> float:
         """``mu`` where none is set: under a relative ``scale`` the record's relative ``szo.mu``, else
@@ -236,6 +250,21 @@ def which_methods(**capabilities: Any) -> str:
     values, for an error message that says which methods take a setting."""
     names = list_methods(**capabilities)
     return f"method {names[0]!r}" if len(names) == 1 else f"methods {', '.join(map(repr, names))}"
+
+
+def shared_scale(names: Any, *, integer: bool = False) -> str:
+    """The default ``szo.scale`` of methods that run under one setting (a test-time adaptation run's
+    subspace methods): ``trajectory`` where it is every one's default (:meth:`MethodSpec.default_scale`),
+    else ``absolute``. The recipe (kind tta), ``szo adapt`` and ``run_tta`` read it."""
+    specs = [get_method(n, trainable=None) for n in names]
+    return "trajectory" if specs and {s.default_scale(integer=integer) for s in specs} == {"trajectory"} else "absolute"
+
+
+def shared_mu(names: Any, scale: str) -> float:
+    """The default ``mu`` of those methods under ``scale``: the forward-only ones' common
+    :meth:`MethodSpec.default_mu`, App. G's 1.0 where they disagree or none probes."""
+    mus = {s.default_mu(scale) for s in (get_method(n, trainable=None) for n in names) if s.forward_only}
+    return mus.pop() if len(mus) == 1 else 1.0
 
 
 def get_method(name: str, *, trainable: bool | None = None) -> MethodSpec:

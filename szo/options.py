@@ -21,7 +21,8 @@ from szo.config import IntegerStateConfig, StepConfig, SZOConfig, TTConfig
 from szo.methods import MethodSpec
 from szo.zo.path import ProbePath
 
-__all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions", "split_keywords", "probe_path"]
+__all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions", "split_keywords", "probe_path",
+           "RUN_KEYWORDS"]
 
 
 #: HybridZO's signRGE phase and its switch to CGE (seed 000; ``szo.optim.tt``): the recipe's ``tt``
@@ -65,6 +66,8 @@ class RunOptions:
 _OPTION_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions) if not f.metadata.get("model")}
 _MODEL_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions) if f.metadata.get("model")}
 _RUN_KEYS = {f.name for f in dataclasses.fields(RunOptions)}
+RUN_KEYWORDS: frozenset[str] = frozenset(_RUN_KEYS)
+"""``build_optimizer``'s keywords that are :class:`RunOptions` fields (the others are :class:`OptimizerOptions`')."""
 
 
 def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]:

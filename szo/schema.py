@@ -549,10 +549,18 @@ def _check_value(key: str, v: Any, hint: Any, meta: Mapping[str, Any]) -> Any:
     return v
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a float setting beyond it is finite in Python's float64 but not in the
+float32 the model's forwards, probes and updates compute in (mu = 1e39 would overflow at the first probe)."""
+
+
 def _check_range(key: str, v: float, meta: Mapping[str, Any]) -> None:
     lo, hi, gt, below = meta.get("min"), meta.get("max"), meta.get("gt"), meta.get("below")
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"'{key}' must be a finite number, got {v!r}")
+    if isinstance(v, float) and abs(v) > FLOAT32_MAX:
+        raise ValueError(f"'{key}' must be finite in float32, the arithmetic runs in it (|value| <= "
+                         f"{FLOAT32_MAX:.4g}), got {v!r}")
     if lo is not None and v < lo:
         raise ValueError(f"'{key}' must be >= {lo}, got {v!r}")
     if gt is not None and not v > gt:

@@ -20,13 +20,15 @@ Flags = Mapping[str, "tuple[str, str, str]"]
 
 
 def add_schema_flags(p: argparse.ArgumentParser, flags: Flags, sections: Mapping[str, type[Section]], *,
-                     over_recipe: bool = False) -> None:
+                     over_recipe: bool = False, defaults: Mapping[str, Any] | None = None) -> None:
     """One ``--flag`` per entry of ``flags``, typed and defaulted by its section's field (``Literal``:
     its choices; ``X | None``: X). ``over_recipe``: the flag overrides a recipe's value (the help says
-    the default is the recipe's, else the schema's)."""
+    the default is the recipe's, else the schema's). ``defaults``: flag -> the command's own default
+    where it differs from the field's (``szo adapt``'s --q: test-time adaptation's 10, not training's 1;
+    :func:`flag_values` fills it in)."""
     for flag, (section, key, what) in flags.items():
         cls = sections[section]
-        default = getattr(cls(), key)
+        default = (defaults or {}).get(flag, getattr(cls(), key))
         hint = typing.get_type_hints(cls)[key]
         choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
         inner = [a for a in typing.get_args(hint) if a is not type(None)]  # X of ``X | None``
@@ -38,11 +40,15 @@ def add_schema_flags(p: argparse.ArgumentParser, flags: Flags, sections: Mapping
                        type=None if choices else base, help=f"{what} ({section}.{key}; default {where})")
 
 
-def flag_values(args: argparse.Namespace, flags: Flags) -> dict[str, dict[str, Any]]:
-    """The flags given, as ``{section: {key: value}}`` (the recipe values they stand for)."""
+def flag_values(args: argparse.Namespace, flags: Flags, defaults: Mapping[str, Any] | None = None
+                ) -> dict[str, dict[str, Any]]:
+    """The flags given, and those of ``defaults`` not given, as ``{section: {key: value}}`` (the recipe
+    values they stand for)."""
     out: dict[str, dict[str, Any]] = {}
     for flag, (section, key, _) in flags.items():
         value = getattr(args, flag)
+        if value is None:
+            value = (defaults or {}).get(flag)
         if value is not None:
             out.setdefault(section, {})[key] = value
     return out

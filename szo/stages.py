@@ -51,7 +51,7 @@ from szo.zo import ProbePath, ReportsResults, trainable_layers
 
 __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
-           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE"]
+           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
 
 
 def device_for(cfg: RecipeConfig, device: str | None = None) -> str:
@@ -358,6 +358,25 @@ SELECTION_FILE = "block_selection.json"
 """Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""
 
 
+class SelectionBatches:
+    """The block selection's training batches, streamed as the training loop streams its own: ``epochs``
+    shuffled passes over ``data`` (full batches), drawn from one generator seeded with ``seed`` each time
+    it is iterated, so every block sees the same batches and memory does not grow with ``epochs``
+    (materialised, hw.select_epochs = 1e6 once took every epoch's batches before the first step)."""
+
+    def __init__(self, data: Dataset, batch_size: int, epochs: int, seed: int, device: str | torch.device) -> None:
+        self.data, self.batch_size, self.epochs, self.seed, self.device = data, batch_size, epochs, seed, device
+
+    def __len__(self) -> int:
+        return self.epochs * (len(self.data) // self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epochs):
+            for x, y in make_loader(self.data, self.batch_size, shuffle=True, generator=g, drop_last=True):
+                yield x.to(self.device), y.to(self.device)
+
+
 def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks: int, epochs: int, heldout: float,
                           batch_size: int, q: int, lr: float, seed: int, loss_fn: Callable[..., torch.Tensor],
                           device: str | torch.device = "cpu", run_dir: str | os.PathLike | None = None,
@@ -391,9 +410,7 @@ def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks:
         raise ValueError(f"block selection: {n - n_held} training samples after holding out {n_held} of {n} "
                          f"({heldout:.0%}) are fewer than one batch of {batch_size}; lower hw.heldout or the batch size")
     fit_set, held_set = Subset(train_set, range(n - n_held)), Subset(train_set, range(n - n_held, n))
-    g = torch.Generator().manual_seed(int(seed))
-    batches = [(x.to(device), y.to(device)) for _ in range(epochs)
-               for x, y in make_loader(fit_set, batch_size, shuffle=True, generator=g, drop_last=True)]
+    batches = SelectionBatches(fit_set, batch_size, epochs, int(seed), device)
     held = make_loader(held_set, batch_size, shuffle=False)
     if net.int_weights is None:
         if not net.scales_known:

@@ -264,3 +264,41 @@ def test_a_command_whose_optional_package_is_missing_says_so_in_one_line(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 2  # usage, then the one error line
     assert "needs the package 'szo_no_such_package_xyz'" in err[1] and "pip install szo_no_such_package_xyz" in err[1]
+
+
+@pytest.mark.parametrize("error, line", [
+    (PermissionError(13, "Permission denied", "/data/x"), "error: Permission denied: /data/x (PermissionError)"),
+    (IsADirectoryError(21, "Is a directory", "/data/y"), "error: Is a directory: /data/y (IsADirectoryError)"),
+    (OSError(28, "No space left on device"), "error: [Errno 28] No space left on device"),
+])
+def test_an_operating_system_or_external_failure_is_one_line_with_status_5(monkeypatch, capsys, error, line):
+    """What the operating system refuses, or a process szo drives that fails (szo.exits.ExternalError), is
+    one line and exit status 5, not a traceback; a missing file stays status 2 (bad input)."""
+    import szo.commands.report as report
+    from szo.exits import ExternalError
+
+    def raise_(e):
+        def run(args):
+            raise e
+        return run
+
+    for e, want, code in ((error, line, 5),
+                          (ExternalError("the Lava runner was killed by signal SIGKILL"),
+                           "error: the Lava runner was killed by signal SIGKILL", 5),
+                          (FileNotFoundError(2, "No such file or directory", "/nope"),
+                           "error: [Errno 2] No such file or directory: '/nope'", 2)):
+        monkeypatch.setattr(report, "run", raise_(e))
+        assert main(["report", "somewhere"]) == code
+        assert capsys.readouterr().err.strip().splitlines() == [want]
+
+
+def test_an_interrupted_command_says_resume_only_where_it_has_it(monkeypatch, capsys):
+    """Ctrl-C: 'rerun with --resume' only for a command that has --resume (szo recipe does, szo report not)."""
+    import szo.commands.report as report
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "run", interrupted)
+    assert main(["report", "somewhere"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

@@ -410,3 +410,20 @@ def test_sections_built_from_python_take_tuples_and_paths():
     assert OptimizerOptions(lr=0.1, layers=("conv1",)).layers == ["conv1"]
     with pytest.raises(ValueError, match="'corruptions' must be list"):
         TTAConfig(corruptions="fog")
+
+
+@pytest.mark.parametrize("key, value", [("szo.mu", "1e39"), ("szo.mu", "1e308"), ("train.lr", "-1e39"),
+                                        ("federated.sigma", "3.5e38")])
+def test_a_float_setting_must_be_finite_in_float32(key, value):
+    """Finite in float64 is not finite in the float32 the probes and updates run in: mu = 1e39 once passed
+    the schema and ended in a traceback at the first probe. One line, at every door (recipe, build_optimizer)."""
+    import torch
+
+    from szo.optim import build_optimizer
+
+    with pytest.raises(ValueError, match=rf"^'{key}' must be finite in float32, the arithmetic runs in it "
+                                         r"\(\|value\| <= 3.403e\+38\), got "):
+        load_recipe("digits-scratch", [f"{key}={value}", "method=szo-rge"])
+    with pytest.raises(ValueError, match=r"^'mu' must be finite in float32"):
+        build_optimizer("zo-rge", torch.nn.Linear(2, 2), mu=1e39)
+    assert load_recipe("digits-scratch", ["szo.mu=3e38"]).szo.mu == 3e38  # the largest float32 is allowed

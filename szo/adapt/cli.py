@@ -17,7 +17,7 @@ from szo.schema_flags import add_schema_flags, flag_values
 from szo.stages import run_dir_guard
 
 from .methods import METHODS, SETTINGS, SUBSPACE_METHODS
-from .runner import resolve_methods
+from .runner import TTAOptions, resolve_methods
 from .stage import tta_stage
 
 __all__ = ["add_arguments", "main", "flags_config"]
@@ -38,6 +38,9 @@ _FLAGS = {
                                "default, trajectory for the subspace methods)"),
 }
 _SECTIONS = {"tta": TTAConfig, "szo": SZOConfig}
+# flags whose test-time-adaptation default differs from the schema's training default: q = 10 directions
+# (App. G; run_tta's and the *-tta recipes'), not szo.q's 1
+_TTA_DEFAULTS = {"q": TTAOptions.q}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -54,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="subspace store root (subspace.root; default $SZO_SUBSPACE_ROOT or ./subspaces)")
     p.add_argument("--method", default=None, help=f"all or comma list of: {', '.join(METHODS)} (method; default all)")
     p.add_argument("--setting", default=None, help=f"both or one of: {', '.join(SETTINGS)} (setting; default both)")
-    add_schema_flags(p, _FLAGS, _SECTIONS)
+    add_schema_flags(p, _FLAGS, _SECTIONS, defaults=_TTA_DEFAULTS)
     d = RecipeConfig()
     p.add_argument("--seed", type=int, default=None, help=f"seed (default {d.seed})")
     p.add_argument("--device", default=None, help=f"cpu | cuda | cuda:N (device; default {d.device})")
@@ -66,13 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def flags_config(args: argparse.Namespace) -> RecipeConfig:
     """``szo adapt``'s flags as the ``kind: tta`` recipe config they stand for (config.yaml of the run);
-    a flag not given leaves its key to the schema."""
+    a flag not given leaves its key to the schema (--q: to test-time adaptation's 10, ``_TTA_DEFAULTS``)."""
     raw: dict = {"name": "adapt", "kind": "tta", "progress": True, "tta": {"source_run": args.source},
                  "subspace": {"name": args.subspace, "root": args.subspace_root}, "szo": {}}
     for key in ("method", "setting", "seed", "device", "precision"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
-    for section, values in flag_values(args, _FLAGS).items():
+    for section, values in flag_values(args, _FLAGS, _TTA_DEFAULTS).items():
         raw[section].update(values)
     return resolve(raw)
 

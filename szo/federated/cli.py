@@ -10,7 +10,7 @@ import argparse
 
 from szo.config import FederatedConfig, load_recipe
 from szo.federated.flower import run_federated
-from szo.rundir import resumed_config
+from szo.rundir import default_run_dir, resumed_config
 from szo.schema_flags import add_schema_flags, flag_values
 
 __all__ = ["add_arguments"]
@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
         given["secure"] = args.secure
     sets = (args.set or []) + [f"federated.{k}={v}" for k, v in given.items()]
     cfg = load_recipe(args.name, sets)
-    out = args.out or f"runs/federated-{cfg['name']}"
+    out = args.out or default_run_dir(cfg["name"], prefix="federated-")
     if args.resume:  # the run's own config.yaml (+ --set); the stage refuses what changes the run
         cfg = resumed_config(out, cfg, sets)
     fc = cfg.federated

@@ -88,7 +88,8 @@ try:  # optional (extra "federated"): run_federated says how to install it
 except ImportError:  # pragma: no cover - exercised where flwr is missing
     fl = None
 
-__all__ = ["FederatedConfig", "run_federated", "SPACES", "MIN_SECURE_CLIENTS", "UploadCheck", "client_app",
+__all__ = ["FederatedConfig", "run_federated", "check_federated_settings", "FEDERATED_RUN", "SPACES",
+           "MIN_SECURE_CLIENTS", "UploadCheck", "client_app",
            "client_main", "server_app"]
 
 SPACES: tuple[str, ...] = FEDERATED_SPACES
@@ -188,6 +189,7 @@ def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Federa
     if cfg.kind != "subspace":
         raise ValueError(f"szo federated trains in a stored subspace: use a 'kind: subspace' recipe "
                          f"(e.g. digits-scratch); {cfg.name!r} is kind {cfg.kind!r}")
+    check_federated_settings(cfg)
     if fl is None:
         raise ValueError("szo federated runs on Flower: pip install 'szo[federated]' (flwr)")
     if cfg.federated.secure and cfg.federated.clients < MIN_SECURE_CLIENTS:
@@ -202,6 +204,24 @@ def run_federated(cfg: Mapping[str, Any], out_dir: str | os.PathLike, fc: Federa
             return _run_federated(cfg, Path(out_dir), resume, callbacks)
     finally:
         torch.set_num_threads(prev)
+
+
+FEDERATED_RUN = {"precision": ("auto", "fp32"), "device": ("cpu",), "compile": (False,), "cuda_graphs": (False,)}
+"""The run settings a federation applies (key -> valid values): its server and clients run fp32 eager
+forwards on the CPU (``auto`` is fp32 for forward-only and BPTT training alike, ``szo.precision.AUTO``);
+results.json records them. Any other value is refused before anything runs (:func:`check_federated_settings`)."""
+
+
+def check_federated_settings(cfg: RecipeConfig) -> None:
+    """One ValueError for a run setting (precision, device, compile, cuda_graphs) that ``szo federated``
+    would not apply: the recipe door applies it, so silently training without it would mean something else."""
+    for key, valid in FEDERATED_RUN.items():
+        v = cfg[key]
+        if v not in valid or isinstance(v, bool) != isinstance(valid[0], bool):
+            shown = " | ".join(str(x).lower() if isinstance(x, bool) else str(x) for x in valid)
+            raise ValueError(f"{key} {v!r} is not applied by szo federated: its server and {cfg.federated.clients} "
+                             f"client processes run fp32 eager forwards on the CPU; valid here: {key} {shown} "
+                             "(train with it through szo recipe instead)")
 
 
 def _start_state(run_dir: Path, resume: bool, cfg: RecipeConfig) -> ServerState | None:
@@ -327,6 +347,9 @@ def _summary(cfg: RecipeConfig, server: BaffleServer, splits: Sequence[np.ndarra
         "bytes_up_per_client_round": float(np.mean(st.bytes_up)) / fc.clients,
         "bytes_setup_per_client": int(setup_bytes),
         "wall_time_min": st.history[-1]["wall_time_s"] / 60,
+        # what it ran in (FEDERATED_RUN: the only settings it applies)
+        "precision": {"requested": cfg.precision, "effective": "fp32"}, "device": "cpu",
+        "compile": False, "cuda_graphs": False,
         "status": "completed",
     }
 

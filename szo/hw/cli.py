@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from szo.hw.fixed import ARITHMETICS, BitWidths
-from szo.hw.lava.bridge import check_summary, write_check
+from szo.hw.lava.bridge import RUNNER_TIMEOUT_S, check_summary, write_check
 from szo.hw.lava.check import lava_check
 from szo.hw.neuron import RESETS
 from szo.hw.reports.hw_report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
@@ -85,12 +85,15 @@ def add_hw_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--keep", type=Path, default=None, help="keep the request / result exchange bundles in this directory")
     c.add_argument("--lava-python", default=None,
                    help="interpreter with lava-nc (default $SZO_LAVA_PYTHON, else .venv-lava/bin/python)")
+    c.add_argument("--timeout-s", type=float, default=RUNNER_TIMEOUT_S,
+                   help=f"seconds the Lava runner may take; past them it and Lava's processes are killed "
+                        f"(default {RUNNER_TIMEOUT_S:g})")
     c.set_defaults(func=run_lava_check)
 
 
 def run_lava_check(args: argparse.Namespace) -> int:
     rep = lava_check(args.target, args.samples, data=args.data, reset=args.reset, seed=args.seed,
-                     python=args.lava_python, keep=args.keep)
+                     python=args.lava_python, keep=args.keep, timeout_s=args.timeout_s)
     print("\n".join(check_summary(rep)))
     if Path(args.target).is_dir():
         print(f"wrote {write_check(rep, args.target)}")

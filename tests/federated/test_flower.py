@@ -31,7 +31,11 @@ def test_three_client_processes_two_rounds_over_loopback(tmp_path):
     assert s["rounds_aggregated"] == 2 and s["rounds_refused"] == 0 and s["clients_dropped"] == []
     # four SecAgg+ stages per round: keys, encrypted shares, the masked [K=3 + 16 BN statistics + check], shares
     assert 0 < s["bytes_down_per_round"] < 3 * 7000 and 0 < s["bytes_up_per_client_round"] < 7000
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["rounds"] == 2
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["rounds"] == 2
+    # what it ran in: the only run settings a federation applies (the recipe's precision auto is fp32 here)
+    assert (res["precision"], res["device"], res["compile"], res["cuda_graphs"]) == \
+        ({"requested": "auto", "effective": "fp32"}, "cpu", False, False)
 
 
 def test_killed_federation_resumes_bit_exactly(tmp_path):
@@ -254,6 +258,21 @@ def test_a_client_that_dies_at_start_up_is_one_line_in_seconds(tiny_fed, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "error: client 1 exited with status 7 before the round started (see its output above); " \
                       "the federation needs all 3 clients"
+
+
+@pytest.mark.parametrize("setting, shown", [("precision=bf16", "precision 'bf16'"), ("precision=tf32", "precision 'tf32'"),
+                                            ("device=cuda", "device 'cuda'"), ("compile=true", "compile True"),
+                                            ("cuda_graphs=true", "cuda_graphs True")])
+def test_a_run_setting_federated_does_not_apply_is_refused(tmp_path, capsys, setting, shown):
+    """szo federated runs fp32 eager forwards on the CPU: a recipe's precision / device / compile /
+    cuda_graphs that would mean something else is one line, before any directory or process."""
+    from szo.cli import main
+
+    assert main(["federated", "digits-scratch", "--set", setting, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {shown} is not applied by szo federated: its server and 8 "
+                                               "client processes run fp32 eager forwards on the CPU; valid here:"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_non_finite_federated_settings_are_one_line(capsys):

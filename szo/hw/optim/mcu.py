@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -584,18 +584,22 @@ def split_blocks(layers: Sequence[str], n_blocks: int = 4) -> list[list[str]]:
     return out
 
 
-def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batches: Iterable,
+def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batches: Collection,
                  heldout: Callable[[], float], loss_fn: Callable[..., torch.Tensor],
                  make: Callable[[list[str]], MCUZO]) -> dict[str, Any]:
     """Sec. 3.3.1: from the same integers, a BP-free test training of each block on ``batches``
     (``(x, y)`` pairs, e.g. one epoch), its gain of ``heldout()`` accuracy; the integers are put
     back after each. Returns ``{"block": index of the best, "gains": [...], "forwards": total}``.
 
+    Each block iterates ``batches`` once: a list, or an iterable that yields the same batches every
+    time it is iterated and knows its length, so they need not be held in memory
+    (``szo.stages.block_selection_stage`` streams them); a one-shot iterator is read into a list first.
     ``make(layers)`` builds the learner of one block (the same settings for every block);
     ``loss_fn(out, y, reduction="none")`` gives the per-sample losses.
     """
-    batches = list(batches)
-    if not blocks or not batches:
+    if iter(batches) is batches:  # an iterator: a second block would see nothing
+        batches = list(batches)
+    if not blocks or not len(batches):
         raise ValueError("select_block needs at least one block and one batch")
     if net.int_weights is None:
         raise ValueError("freeze the network's weights first (net.freeze_weights()): every block starts from them")
