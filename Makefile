@@ -31,7 +31,7 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,dvs,corruptions,deploy,federated,log]"
+	$(PY) -m pip install --quiet -e ".[test,dvs,corruptions,deploy,federated,log,lightning]"
 	touch $(STAMP)
 
 install: $(STAMP)

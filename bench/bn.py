@@ -32,6 +32,8 @@ import torch
 from common import RESULTS, machine_info, set_threads, write_result
 from torch import nn
 
+from szo.zo import ProbePath
+
 
 def _bn(model: nn.Module) -> list[nn.Module]:
     from szo.optim import bn_layers
@@ -102,8 +104,8 @@ def step_bias(root: Path, batches: int, at: Path | None = None) -> list[dict]:
             if state is not None:  # or a trained run's parameters and statistics
                 fresh.load_state_dict(state)
             pm = copy.deepcopy(fresh)
-            opt = SZO(pm, sub, mu=mu, lr=0.0, momentum=0.0, estimator=est, q=q, bn_update="probe-mean",
-                      generator=torch.Generator().manual_seed(i), start="reference" if state is None else "current")
+            opt = SZO(pm, sub, mu=mu, lr=0.0, momentum=0.0, estimator=est, q=q,
+                      generator=torch.Generator().manual_seed(i), start="reference" if state is None else "current", probes=ProbePath(bn_update="probe-mean"))
             v0 = _running_var(pm)
             opt.step(lambda: loss_fn(pm(x), y))  # lr 0: theta_{t+1} = theta_t
             ref = copy.deepcopy(pm)

@@ -17,6 +17,11 @@ with an override that changes the run; two runs started at once on one --out; a 
 run (zo-rge at a huge learning rate); ``subspace.k`` larger than the trajectory allows; ``szo demo
 dvs-stream`` (its source model's BPTT stage, then the on-line replays) SIGKILLed at a random moment and
 resumed with ``--resume``, rerun on its --out without ``--resume``, and resumed with a changed setting.
+Then bench/chaos_edges.py's cases: a setting a door does not apply (federated precision, mu beyond float32),
+a run directory written before the newer schema keys, run names and sizes (a name leaving runs/, 1e9 BPTT
+epochs, study precision --out, hw.select_epochs=1e6) and the Lava runner's failures (no lava-nc, not
+executable, SIGKILL, timeout, Ctrl-C, a result without its arrays, too many samples, an object array,
+export flags, an unreadable lava_check.json).
 """
 from __future__ import annotations
 
@@ -24,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -32,9 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from chaos_edges import edge_cases
 from common import machine_info, write_result
+from drill import REPO, _env, error_lines, final_state, one_line, run, same, szo_cmd, torch_load
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.T=2", "model.kwargs={width: 4}", "progress=false", "data.batch_size=32", "data.test_batch_size=120"]
 SZO = ["train.epochs=2", "train.max_steps_per_epoch=12", "train.checkpoint_every_steps=3"]
 BPTT = ["bptt.epochs=2", "bptt.max_steps_per_epoch=8", "trajectory.every=1", "subspace.k=6", "bptt.lr=0.5",
@@ -47,20 +52,6 @@ for _s in ("model.kwargs={width: 4}", "data.kwargs={T: 10, n_per_class: 2, durat
     DVS += ["--set", _s]
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-
-
-def szo_cmd(recipe: str, out: Path, sets: list[str], *extra: str, fault: str | None = None) -> list[str]:
-    """``python -m szo recipe ...``; ``fault="RANK:STEP"``: through tests/fault_launcher.py, which
-    makes rank RANK SIGKILL itself right after optimizer step STEP (no such hook in the library)."""
-    module = ["szo"] if fault is None else ["tests.fault_launcher", fault]
-    cmd = [sys.executable, "-m", *module, "recipe", recipe, "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd + list(extra)
-
-
 def dvs_cmd(out: Path, *extra: str) -> list[str]:
     """``python -m szo demo dvs-stream`` on the tiny source (``DVS``)."""
     return [sys.executable, "-m", "szo", "demo", "dvs-stream", "--out", str(out), *DVS, *extra]
@@ -70,46 +61,6 @@ def dvs_windows(out: Path) -> dict:
     """Each replay's (window, label, prediction, SZO loss) records (timings left out)."""
     recs = json.loads((out / "windows.json").read_text())
     return {k: [(r["window"], r["label"], r["pred"], r["loss"]) for r in v] for k, v in recs.items()}
-
-
-def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env(), cwd=REPO)
-
-
-def error_lines(stderr: str) -> list[str]:
-    """The lines of stderr that are not progress-bar redraws, warnings or torchrun chatter."""
-    lines = [seg.strip() for ln in stderr.splitlines() for seg in ln.split("\r")]
-    return [ln for ln in lines if ln and not re.match(r"^(epoch \d+/\d+|eval|W\d{4}|\*{5,}|Setting OMP)", ln)
-            and "OMP_NUM_THREADS" not in ln and "warnings.warn" not in ln and "UserWarning" not in ln]
-
-
-def one_line(r: subprocess.CompletedProcess, code: int, phrase: str) -> tuple[bool, str]:
-    errs = [ln for ln in error_lines(r.stderr) if ln.startswith("error:")]
-    ok = r.returncode == code and len(errs) >= 1 and phrase in errs[0] and "Traceback" not in r.stderr
-    ok = ok and len({e.split("] ", 1)[-1] for e in errs}) == 1  # torchrun: the same line from each rank
-    return ok, (errs[0] if errs else (error_lines(r.stderr) or ["(no stderr)"])[-1])[:150]
-
-
-def final_state(run_dir: Path, bptt: bool) -> dict:
-    import torch
-
-    if bptt:
-        from safetensors.torch import load_file
-
-        return load_file(run_dir / "model.safetensors")
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
-
-
-def torch_load(run_dir: Path) -> dict:
-    import torch
-
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-
-
-def same(a: dict, b: dict) -> bool:
-    import torch
-
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def started(p: subprocess.Popen, out: Path) -> float:
@@ -395,6 +346,8 @@ def main() -> int:
     ok, line = one_line(r, 2, "subspace.k=40 needs at least")
     ok = ok and not (out / "bptt" / "checkpoints").exists()
     row("subspace.k > planned samples - 1", "exit 2, one line, before BPTT", ok, f"exit={r.returncode} '{line}'")
+    # --- issue 41: settings at other doors, old run directories, names and sizes, the Lava runner
+    edge_cases(tmp, row, base, sets, BPTT)
 
     wall = time.perf_counter() - t0
     print("\n| case | expected | outcome | ok |\n|---|---|---|---|")

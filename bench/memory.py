@@ -54,6 +54,7 @@ from common import (  # noqa: E402
 )
 
 from szo.models.streaming import STREAM_BN_MODES  # noqa: E402
+from szo.zo import ProbePath  # noqa: E402
 
 MEMOPT_METHODS = ("bptt-memopt1", "bptt-memopt2", "bptt-memopt3", "bptt-memopt4")
 METHODS = ("bptt", "bptt-ckpt", "bptt-bf16", *MEMOPT_METHODS, "szo-loop", "szo-batched", "szo-stream",
@@ -122,8 +123,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     elif method in SZO_METHODS:
         batched = "batched" in method
         opt = SZO(model.parameters(), RandomSubspace(model.num_params(), k), mu=1e-3, lr=1e-3, momentum=0.9,
-                  estimator="cge", model=model, engine="batched" if batched else "loop",
-                  chunk=chunk if batched else None)
+                  estimator="cge", model=model, probes=ProbePath(engine="batched" if batched else "loop", chunk=chunk if batched else None))
 
         def step():
             opt.step(batch_closure(model, tet_loss, batch_data["x"], batch_data["y"]))

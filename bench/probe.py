@@ -7,10 +7,14 @@ Spike-ResNet18 at batch 128 -- compute-bound; T = 4):
   memory format (NCHW; channels-last for Spike-ResNet18) and path: ``eager`` or ``graphs``
   (``model.set_cuda_graphs``: captured once, replayed) -- and, with ``--compile``, torch.compile's
   ``reduce-overhead`` mode (inductor + its own CUDA graphs);
-* one SZO-CGE step (k = 20: 40 probes + the BN forward) in the forward-only default precision
-  (``--step-precision``, fp32) with the loop engine eager, the loop engine on CUDA graphs and the
-  batched engine (auto chunk), its ratio to 41 eager forwards, and whether the graphed step's
-  parameters and BN statistics are bitwise the eager step's.
+* one SZO-CGE step (k = 20: 40 probes + the BN forward) per ``--step-precision`` (default the
+  forward-only default, fp32; ``--step-precision fp32 bf16`` for both) with the loop engine eager,
+  the loop engine on CUDA graphs and the batched engine (auto chunk), its ratio to 41 eager
+  forwards, and whether the graphed step's parameters and BN statistics are bitwise the eager step's.
+
+Every forward here casts the weights it runs at (``szo.precision.fresh_casts``: a precision scope
+keeps autocast's weight cache off), so a bf16 forward's time includes its weight casts, as a probe's
+does; before issue 40 the scope cached them and bf16 forwards were timed without the casts.
 
 Targets (issue 30, one H100/H200): Spike-ResNet20 B32 probe forward <= 1.5 ms and its SZO-CGE k = 20
 step <= 41 x that; Spike-ResNet18 B128 forward <= 3.7 ms (if the precision study allows the
@@ -37,6 +41,7 @@ from szo.engine import batch_closure  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
 from szo.precision import precision_policy  # noqa: E402
+from szo.zo import ProbePath  # noqa: E402
 
 # config -> batch (T = 4 for all)
 BATCH = {"digits": 32, "resnet20": 32, "resnet18": 128}
@@ -87,7 +92,7 @@ def step_rows(config: str, model, x, y, k: int, steps: int, precision: str, devi
         if variant == "graphs":
             m.set_cuda_graphs(True)
         opt = SZO(m.parameters(), sub, mu=1e-2, lr=0.1, momentum=0.9, estimator="cge", model=m,
-                  generator=torch.Generator().manual_seed(0), engine="batched" if variant == "batched" else "loop")
+                  generator=torch.Generator().manual_seed(0), probes=ProbePath(engine="batched" if variant == "batched" else "loop"))
         closure = batch_closure(m, tet_loss, x, y)
         with pol.scope():
             t_fwd, _ = median_time(_fwd(copy.deepcopy(model), x), 10, warmup=3)  # the eager probe forward
@@ -120,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=list(BATCH), choices=list(BATCH))
     ap.add_argument("--precisions", nargs="+", default=None, help="default fp32 tf32 bf16 (CUDA), fp32 bf16 (CPU)")
-    ap.add_argument("--step-precision", default="fp32", help="precision of the SZO steps (default fp32)")
+    ap.add_argument("--step-precision", nargs="+", default=["fp32"],
+                    help="precision(s) of the SZO steps, one row set each (default fp32)")
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20, help="timed forwards per row (median)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         x, y = make_batch(shape, a.batch or (8 if a.quick else BATCH[cfg]), device)
         formats = ["contiguous", "channels_last"] if cfg == "resnet18" else ["contiguous"]
         rows += forward_rows(cfg, model, x, precisions, formats, a.reps, a.compile, device)
-        rows += step_rows(cfg, model, x, y, a.k, a.steps, a.step_precision, device)
+        for prec in a.step_precision:
+            rows += step_rows(cfg, model, x, y, a.k, a.steps, prec, device)
     out = dict(benchmark="probe", args=vars(a), machine=machine_info(), rows=rows, wall_s=time.perf_counter() - t0)
     name = "probe_quick" if a.quick else "probe" + ("_compile" if a.compile else "")
     print("wrote", write_result(name, out))

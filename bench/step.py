@@ -34,6 +34,7 @@ from common import (  # noqa: E402
 from szo.engine import batch_closure  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
+from szo.zo import ProbePath  # noqa: E402
 
 TARGETS = {("loop", "digits"): 1.2, ("loop", "resnet20"): 1.2, ("batched", "digits"): 0.7, ("batched", "resnet20"): 1.0}
 
@@ -108,8 +109,7 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
             for engine in (("loop",) if compiled else ("loop", "batched")):
                 # the production path: SZO(engine=...) stepping a closure that carries its batch
                 opt = SZO(model.parameters(), sub, mu=1e-3, lr=0.0, momentum=0.0, estimator=est, q=q or k, model=model,
-                          generator=torch.Generator().manual_seed(0), engine=engine,
-                          chunk=chunk if engine == "batched" else None)
+                          generator=torch.Generator().manual_seed(0), probes=ProbePath(engine=engine, chunk=chunk if engine == "batched" else None))
                 m = opt.forwards_per_step
                 closure = batch_closure(model, tet_loss, x, y)
 

@@ -41,8 +41,10 @@ from pathlib import Path
 
 from common import RESULTS, machine_info, set_threads, write_result
 
+from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.pipeline import run_or_reuse
+from szo.study.subspaces import subspace_variants
 
 TABLES = ("random", "prefix", "target")
 EXTRA = ("refresh",)
@@ -102,9 +104,6 @@ def store_name(name: str, seed: int, variant: str) -> str:
 
 def build_variants(name: str, seed: int) -> None:
     """whole, first{E} and random{seed} of this seed's BPTT run in the store (once)."""
-    from szo.build import subspace_store_for
-    from szo.study.subspaces import subspace_variants
-
     ds = SETS[name]
     out, _ = bp_run(name, seed)
     store = subspace_store_for(load_recipe(ds.scratch, [*store_sets(), f"subspace.name={store_name(name, seed, 'whole')}"]))

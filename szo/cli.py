@@ -8,34 +8,37 @@
     szo subspace build|ls|show|rm ...          (subspace_store.cli)
     szo export RUN_DIR --to nir OUT.nir / szo import IN.nir [--data NAME]   (szo.commands.export)
 
-Subcommands are entry points of the ``szo.commands`` group (``szo.demos`` for ``szo demo NAME``)
-in pyproject.toml: each names a ``register(subparsers)`` that adds a parser whose ``func(args) ->
-int`` runs it, so a plugin package adds a command by declaring one entry point. szo's own
-registrars run first; one whose own module is missing (an extra not installed) is skipped, other
-errors in them propagate (a bug of this package). A third-party plugin that fails (raises on
-import or in ``register``, imports a missing package, or takes a command name already registered,
-e.g. ``recipe``) costs one ``warning:`` line on stderr naming it and is left out; it never breaks
-``szo --help`` or another command. Its ``register`` is first tried on a scratch parser holding the
-names already taken, so a plugin failing halfway adds nothing.
+szo's own commands are a table here, the way pip keeps its own: :data:`COMMANDS` (and
+:data:`DEMOS` for ``szo demo NAME``). A :class:`Command` is a name, the one-line help ``szo --help``
+shows, and the ``"module:function"`` that adds the command's arguments and ``func(args) -> int`` to
+its parser. Their parsers are :class:`CommandParser` s, built (and the command's module, ``*/cli.py``
+or ``szo.commands.*``, imported) the first time the command is parsed or its help printed, so a
+command whose optional extra is missing is one ``error:`` line when used and costs nothing
+otherwise; ``recipe``, ``report`` and ``demo digits`` have light parsers here and run through
+:class:`Run`, which imports their module when they run. The table needs no installed packaging
+metadata: ``python -m szo ...`` works from a plain checkout. This module imports only the standard
+library and two torch-free modules (``szo.exits``, ``szo.recipes``), so ``szo --help`` and ``szo
+recipe --list`` import no torch (docs/performance.md, "Start-up of the szo command"). Command
+modules import at module level and never import this module; library modules never import a
+command module.
 
-szo's own commands are declared here as data, the way pip keeps its own (the table at the end of
-the registrars below): a :class:`Command` is a name, the one-line help ``szo --help`` shows, and
-the ``"module:function"`` that adds the command's arguments and ``func`` to its parser; the
-entry points name the :class:`Registrar` objects holding them. Their parsers are
-:class:`CommandParser` s, built (and the command's module, ``*/cli.py`` or ``szo.commands.*``,
-imported) the first time the command is parsed or its help printed; ``recipe``, ``report`` and
-``demo digits`` have light parsers here and run through :class:`Run`, which imports their module
-when they run. This module imports only the standard library and two torch-free modules
-(``szo.exits``, ``szo.recipes``), so ``szo --help`` and ``szo recipe --list`` import no torch
-(docs/performance.md, "Start-up of the szo command"). Command modules import at module level;
-library modules never import a command module.
+Third-party packages add commands through entry points of the ``szo.commands`` group (``szo.demos``
+for ``szo demo NAME``), each naming a ``register(subparsers)`` that adds a parser whose ``func(args)
+-> int`` runs it. A plugin that fails (raises on import or in ``register``, imports a missing
+package, or takes a command name already registered, e.g. ``recipe``) costs one ``warning:`` line
+on stderr naming it and is left out; it never breaks ``szo --help`` or another command. Its
+``register`` is first tried on a scratch parser holding the names already taken, so a plugin failing
+halfway adds nothing.
 
 Bad input (unknown recipe / key / choice, missing data) prints one line ``error: ...`` and
 exits with status 2, without a traceback. Under torchrun every rank that fails prints its own
 line prefixed with ``[rank R/W]``; a lost peer (``szo.distributed.RankFailure``) exits with
 status 3 (rerun the same command with ``--resume``). A diverged run (``szo.train.TrainingDiverged``:
 non-finite or exploding loss, non-finite parameters) prints one line and exits with status 4;
-its results.json says ``"status": "diverged"``. Only rank 0 prints the summary line.
+its results.json says ``"status": "diverged"``. A process szo runs that fails (``szo.exits.ExternalError``:
+the Lava runner) or an operating-system error other than a missing file (``OSError``: a permission, a
+full disk, a file where a directory is needed) prints one line and exits with status 5. Only rank 0
+prints the summary line.
 """
 from __future__ import annotations
 
@@ -48,20 +51,20 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Sequence
 
-from szo.exits import RankFailure, TrainingDiverged, env_world_size
+from szo.exits import ExternalError, RankFailure, TrainingDiverged, env_world_size
 from szo.recipes import recipe_description, recipe_names
 
-__all__ = ["main", "build_parser", "CommandParser", "Command", "Registrar", "Run", "load", "ADAPT", "DVS_STREAM", "EXPORT",
-           "FEDERATED", "HW", "HW_REPORT", "STUDY", "SUBSPACE"]
+__all__ = ["main", "build_parser", "CommandParser", "Command", "Run", "load", "COMMANDS", "DEMOS", "COMMAND_GROUP",
+           "DEMO_GROUP"]
 
 COMMAND_GROUP = "szo.commands"
-"""Entry-point group of the subcommands: ``name = "module:register"`` (``register(subparsers)``)."""
+"""Entry-point group of third-party subcommands: ``name = "module:register"`` (``register(subparsers)``)."""
 DEMO_GROUP = "szo.demos"
-"""Entry-point group of ``szo demo NAME``: ``register_demo(demo_subparsers)``."""
+"""Entry-point group of third-party demos under ``szo demo NAME``: ``register(demo_subparsers)``."""
 
 
 SZO_DISTRIBUTION = "szo"
-"""The distribution whose entry points are szo's own (errors in them propagate)."""
+"""szo's own distribution: entry points it declares (an earlier version's metadata) are not plugins."""
 
 
 def load(target: str) -> Callable[..., Any]:
@@ -127,17 +130,6 @@ class Command:
         return parser
 
 
-class Registrar:
-    """What an entry point of szo's own commands names: ``registrar(subparsers)`` adds its
-    commands and returns their parsers."""
-
-    def __init__(self, *commands: Command) -> None:
-        self.commands = commands
-
-    def __call__(self, subparsers: Any) -> tuple[argparse.ArgumentParser, ...]:
-        return tuple(c.add_to(subparsers) for c in self.commands)
-
-
 @dataclass(frozen=True)
 class Run:
     """``args.func`` of a command whose code is imported only when it runs:
@@ -150,29 +142,29 @@ class Run:
 
 
 # ----------------------------------------------------------------------------- szo's own commands
-# the objects the entry points of pyproject.toml name ([project.entry-points."szo.commands"] and
-# ."szo.demos")
-SUBSPACE = Registrar(Command("subspace", "build / list / show / remove trajectory subspaces",
-                             "subspace_store.cli:add_subcommands"))
-HW_REPORT = Registrar(Command("hw-report", "on-chip memory / synaptic ops / energy of SZO on a Loihi-class chip",
-                              "szo.hw.cli:add_hw_report_arguments"))
-HW = Registrar(Command("hw", "fixed-point hardware tools (szo hw lava-check)", "szo.hw.cli:add_hw_arguments"))
-ADAPT = Registrar(Command("adapt", "test-time adaptation on a corrupted test set (paper Sec. 6.3)",
-                          "szo.adapt.cli:add_arguments"))
-EXPORT = Registrar(
+COMMANDS: tuple[Command, ...] = (
+    Command("adapt", "test-time adaptation on a corrupted test set (paper Sec. 6.3)", "szo.adapt.cli:add_arguments"),
     Command("export", "write a trained model as a NIR graph (snnTorch, Norse, Lava, Sinabs...)",
             "szo.commands.export:add_export_arguments"),
     Command("import", "load a NIR graph as a szo model; optionally evaluate it",
-            "szo.commands.export:add_import_arguments"))
-FEDERATED = Registrar(Command("federated", "forward-only federated training (BAFFLE on Flower, one process per client)",
-                              "szo.federated.cli:add_arguments"))
-STUDY = Registrar(
+            "szo.commands.export:add_import_arguments"),
+    Command("federated", "forward-only federated training (BAFFLE on Flower, one process per client)",
+            "szo.federated.cli:add_arguments"),
+    Command("hw", "fixed-point hardware tools (szo hw lava-check)", "szo.hw.cli:add_hw_arguments"),
+    Command("hw-report", "on-chip memory / synaptic ops / energy of SZO on a Loihi-class chip",
+            "szo.hw.cli:add_hw_report_arguments"),
     Command("diagnose", "ZO estimate variance / cosine to the BPTT gradient on a run's model",
             "szo.study.cli:add_diagnose_arguments"),
     Command("study", "evidence studies (szo study subspaces BP_RUN | q RECIPE | precision RECIPE | shift BP_RUN)",
-            "szo.study.cli:add_study_arguments"))
-DVS_STREAM = Registrar(Command("dvs-stream", "classify an event stream window by window, adapting on-line with SZO",
-                               "szo.demos.cli:add_arguments"))
+            "szo.study.cli:add_study_arguments"),
+    Command("subspace", "build / list / show / remove trajectory subspaces", "subspace_store.cli:add_subcommands"),
+)
+"""szo's own subcommands besides ``recipe``, ``demo`` and ``report`` (built in :func:`build_parser`)."""
+DEMOS: tuple[Command, ...] = (
+    Command("dvs-stream", "classify an event stream window by window, adapting on-line with SZO",
+            "szo.demos.cli:add_arguments"),
+)
+"""szo's own demos besides ``digits`` (``szo demo NAME``)."""
 
 
 def _own(ep: metadata.EntryPoint) -> bool:
@@ -180,23 +172,10 @@ def _own(ep: metadata.EntryPoint) -> bool:
     return dist is not None and dist.name == SZO_DISTRIBUTION
 
 
-def _entry_points(group: str) -> list[metadata.EntryPoint]:
-    """szo's own entry points of ``group`` first, then third-party plugins', each by name."""
-    eps = sorted(metadata.entry_points(group=group), key=lambda ep: (not _own(ep), ep.name))
-    if group == COMMAND_GROUP and not any(_own(ep) for ep in eps):
-        raise RuntimeError(f"no '{group}' entry points: szo is not installed (pip install -e . from the project root)")
-    return eps
-
-
-def _load(ep: metadata.EntryPoint):
-    """The registrar function; None when its module needs an extra that is not installed."""
-    try:
-        return ep.load()
-    except ModuleNotFoundError as e:
-        module = ep.value.split(":")[0]
-        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
-            return None
-        raise
+def _plugins(group: str) -> list[metadata.EntryPoint]:
+    """Third-party entry points of ``group``, by name (szo's own commands are :data:`COMMANDS`; entries an
+    earlier install of szo declared are not plugins)."""
+    return sorted((ep for ep in metadata.entry_points(group=group) if not _own(ep)), key=lambda ep: ep.name)
 
 
 def _plugin_warning(group: str, ep: metadata.EntryPoint, e: BaseException) -> None:
@@ -272,20 +251,25 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="write report.md, report.json and accuracy.png here")
     rp.set_defaults(func=Run("szo.commands.report:run"))
 
-    for group, target in ((COMMAND_GROUP, sub), (DEMO_GROUP, dsub)):
-        for ep in _entry_points(group):
-            if not _own(ep):
-                _register_plugin(group, ep, target)
-                continue
-            register = _load(ep)
-            if register is not None:
-                register(target)
+    for group, target, table in ((COMMAND_GROUP, sub, COMMANDS), (DEMO_GROUP, dsub, DEMOS)):
+        for command in table:
+            command.add_to(target)
+        for ep in _plugins(group):
+            _register_plugin(group, ep, target)
     return p
 
 
 def _one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return msg[0] if msg else type(e).__name__
+
+
+def _os_line(e: OSError) -> str:
+    """An operating-system error as one line: what was refused and on which file."""
+    if e.strerror and e.filename is not None:
+        other = f" -> {e.filename2}" if e.filename2 is not None else ""
+        return f"{e.strerror}: {e.filename}{other} ({type(e).__name__})"
+    return _one_line(e)
 
 
 def _error_line(text: str) -> None:
@@ -321,8 +305,12 @@ def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[Any] = ()) ->
     except BrokenPipeError:  # the reader went away (szo recipe --list | head): not szo's failure
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 0
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command with --resume to continue", file=sys.stderr)
+    except (ExternalError, OSError) as e:  # a process szo runs, or the operating system, failed
+        _error_line(f"error: {who}{_os_line(e) if isinstance(e, OSError) else _one_line(e)}")
+        code = 5
+    except KeyboardInterrupt:  # only a command that can continue a run (it has --resume) says how
+        more = "; rerun the same command with --resume to continue" if hasattr(args, "resume") else ""
+        print(f"interrupted{more}", file=sys.stderr)
         code = 130
     except BaseException:
         if world <= 1:

@@ -30,7 +30,16 @@ from typing import Any, Iterable
 import yaml
 
 from szo.io import atomic_write_text
-from szo.methods import METHODS, TTA_METHODS, get_method, list_methods, method_label, which_methods
+from szo.methods import (
+    METHODS,
+    TTA_METHODS,
+    get_method,
+    list_methods,
+    method_label,
+    shared_mu,
+    shared_scale,
+    which_methods,
+)
 from szo.models.compiled import check_compile
 from szo.recipes import deep_merge, read_recipe, recipe_names, recipe_path
 from szo.schema import (  # the sections and their value checks: szo.schema; read them from here
@@ -66,6 +75,7 @@ from szo.schema import (  # the sections and their value checks: szo.schema; rea
     check_key,
     config_dict,
 )
+from szo.zo.path import ProbePath
 
 __all__ = [
     "DEFAULTS", "KINDS", "MODES", "METHODS", "DEVICES", "SCHEDULERS", "DIST_MODES", "RecipeConfig", "Section",
@@ -135,8 +145,7 @@ def validate(cfg: Mapping[str, Any]) -> RecipeConfig:
         _check_method_options(full)
     _check_source(full)
     _check_hw(full)
-    _check_compile(full)
-    _check_cuda_graphs(full)
+    _check_path(full)
     if full.mode == "continual" and full.subspace.reference != "last":
         raise ValueError("continual recipes start from the pretrained model: subspace.reference must be 'last'")
     if not full.hw.coord_frac < full.hw.coord_bits:
@@ -190,21 +199,10 @@ def _check_tta(full: RecipeConfig) -> None:
 def _check_method_options(full: RecipeConfig) -> None:
     """Options of the subspace stage that only some methods take (their ``szo.methods`` record),
     checked before anything runs: a recipe must not fail after its BPTT stage on a combination
-    known up front."""
-    method, sz = full.method, full.szo
-    spec = get_method(method)
-    spec.check_capabilities(weight_decay=full.train.weight_decay, momentum=full.train.momentum, engine=sz.engine,
-                            recipe=True)
-    if sz.time_chunk is not None and not spec.streaming:
-        why = ("backpropagates" if spec.backprop else "takes forward-mode derivatives" if spec.jvp
-               else "perturbs layer outputs over all T steps at once")
-        raise ValueError(f"'szo.time_chunk' (streaming forward) applies to forward-only methods; method "
-                         f"{method!r} {why}; valid methods with szo.time_chunk: "
-                         f"{', '.join(list_methods(streaming=True))}")
-    spec.check_options(sz, prefix="szo.")
-    if sz.chunk is not None and sz.engine != "batched":
-        raise ValueError("'szo.chunk' (copies per folded forward) applies to szo.engine 'batched'; "
-                         "set szo.engine=batched or leave szo.chunk null")
+    known up front. What the method runs its probes with is the probe path's rule (``_check_path``)."""
+    spec = get_method(full.method)
+    spec.check_capabilities(weight_decay=full.train.weight_decay, momentum=full.train.momentum, recipe=True)
+    spec.check_options(full.szo, prefix="szo.")
 
 
 SOURCE_SECTIONS: tuple[str, ...] = ("model", "bptt", "trajectory", "subspace", "seed", "device", "progress",
@@ -242,35 +240,14 @@ def _check_source(full: RecipeConfig) -> None:
     source_config(full)
 
 
-def _check_compile(full: RecipeConfig) -> None:
-    """``compile``: a bool or a torch.compile backend; not with the paths that bypass the model's
-    own multi-step forward (batched engine, streaming forward, integer backend)."""
-    c = full.compile
-    if c is False:
-        return
-    check_compile("inductor" if c is True else c)
-    sz = full.szo
-    for bad, what in ((sz.engine != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
-                      (sz.time_chunk is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
-                      (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
-        if bad:
-            raise ValueError(f"compile={c!r} compiles the model's multi-step forward and cannot be combined with {what}")
-
-
-def _check_cuda_graphs(full: RecipeConfig) -> None:
-    """``cuda_graphs`` replays the model's own multi-step forward: not with the paths that bypass it,
-    nor with compile (its reduce-overhead mode graphs itself); multi-process runs with hook-driven
-    synchronised BN: ``szo.stages.check_distributed``."""
-    if not full.cuda_graphs:
-        return
-    sz = full.szo
-    for bad, what in ((full.compile is not False, "compile (torch.compile's mode reduce-overhead graphs the compiled "
-                                                  "forward itself): set compile=false"),
-                      (sz.engine != "loop", "szo.engine 'batched' (it folds the probes itself): use 'loop'"),
-                      (sz.time_chunk is not None, "szo.time_chunk (the streaming forward runs eagerly): set it to null"),
-                      (full.backend != "float", "backend 'fixed' (the integer forward): use backend 'float'")):
-        if bad:
-            raise ValueError(f"cuda_graphs=true replays the model's multi-step forward and cannot be combined with {what}")
+def _check_path(full: RecipeConfig) -> None:
+    """How the probes (and the model's forwards) run: ``compile`` names a torch.compile backend, and the
+    combination of engine, compile, CUDA graphs, streaming, backend and the method is one the probe
+    path can run (``szo.zo.ProbePath``: every such rule, in the recipe's spelling). A multi-process run's
+    own rules: ``szo.stages.check_distributed``."""
+    if full.compile is not False:
+        check_compile("inductor" if full.compile is True else full.compile)
+    ProbePath.from_recipe(full).check(recipe=True)
 
 
 def _check_hw(full: RecipeConfig) -> None:
@@ -287,15 +264,6 @@ def _check_hw(full: RecipeConfig) -> None:
         if full.bn_stats != "deployed":
             raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
                              "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
-        if not spec.fixed_backend:
-            raise ValueError(f"backend 'fixed' runs forward-only SZO; got method {full.method!r}; "
-                             f"valid: {', '.join(list_methods(fixed_backend=True))}")
-        if full.szo.engine != "loop":
-            raise ValueError("backend 'fixed' evaluates probes one integer forward at a time; "
-                             "valid szo.engine for it: loop")
-        if full.szo.time_chunk is not None:
-            raise ValueError("backend 'fixed' runs its own integer forward over all T steps; "
-                             "szo.time_chunk applies to backend 'float' (set it to null)")
     if spec.integer and hw.learner != "integer":
         raise ValueError(f"method {full.method!r} (seed-004 quantized ZO) is an integer learner on the "
                          "fixed-point forward: set backend=fixed, bn_stats=deployed and hw.learner=integer "
@@ -340,22 +308,18 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
         methods = [m for m in _tta_names("method", full.method, TTA_METHODS, "all") if get_method(m).subspace]
     else:
         methods = [full.method]
-    specs = [get_method(m) for m in methods]
     integer = full.hw.learner == "integer"
-    defaults = {s.default_scale(integer=integer) for s in specs}
-    relative = bool(specs) and defaults == {"trajectory"}
+    default = shared_scale(methods, integer=integer)  # the one rule run_tta resolves by too
+    relative = default == "trajectory"
     scale = sz.scale
     if scale is None:
-        scale = "trajectory" if relative else "absolute"
+        scale = default
     elif scale != "absolute" and not relative:
         why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if integer
                else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
         raise ValueError(f"szo.scale {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; "
                          "use szo.scale absolute (or leave it null: the method's default)")
-    mu = sz.mu
-    if mu is None:  # the probing methods' default (MethodSpec.default_mu); App. G's 1.0 if they disagree
-        mus = {s.default_mu(scale) for s in specs if s.forward_only}
-        mu = mus.pop() if len(mus) == 1 else 1.0
+    mu = sz.mu if sz.mu is not None else shared_mu(methods, scale)  # App. G's 1.0 where the methods disagree
     return dataclasses.replace(full, szo=sz.replace(mu=mu, scale=scale))
 
 

@@ -44,6 +44,7 @@ from szo.exits import RankFailure, env_world_size
 from szo.zo.comm import all_reduce_, comm_device, rank_and_world
 from szo.zo.evaluate import LoopEvaluator
 from szo.zo.guard import ProbeGuard
+from szo.zo.path import MODES, ProbePath
 
 __all__ = [
     "DistInfo",
@@ -66,7 +67,6 @@ __all__ = [
     "main_decides",
 ]
 
-MODES = ("data", "perturbation")
 
 
 @dataclass(frozen=True)
@@ -380,8 +380,7 @@ class DistributedEvaluator(LoopEvaluator):
     """
 
     def __init__(self, guard: ProbeGuard, mode: str, *, process_group=None, sync_bn: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"unknown distributed mode {mode!r}; valid: {', '.join(MODES)}")
+        ProbePath(distributed=mode).check()  # the mode is one of MODES
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"distributed={mode!r} needs an initialised torch.distributed process "
                              "group (dist.init_process_group, or launch with torchrun)")
@@ -454,8 +453,7 @@ class Parallel:
     startup_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown distributed mode {self.mode!r}; valid: {', '.join(MODES)}")
+        ProbePath(distributed=self.mode).check()  # the mode is one of MODES
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("multi-process training needs an initialised torch.distributed process group "
                              "(launch with torchrun)")

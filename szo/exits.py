@@ -4,6 +4,10 @@
   (raised by ``szo.distributed``; rerun the same command with ``--resume``).
 * :class:`TrainingDiverged` (exit status 4): non-finite or exploding loss, non-finite parameters
   (raised by ``szo.train.fit``; results.json of the run says ``"status": "diverged"``).
+* :class:`ExternalError` (exit status 5): a process szo runs (the Lava interpreter of ``szo hw
+  lava-check``) could not be started, failed, was killed or timed out. The CLI gives the same one line
+  and status to an ``OSError`` that is not a missing file (a permission, a full disk, a path that is a
+  file where a directory is needed): the operating system refused, not szo's input check.
 * :func:`env_world_size`: torchrun's ``WORLD_SIZE``, which decides the ``[rank R/W]`` prefix of an
   error line and the hard exit of a failing rank.
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["RankFailure", "TrainingDiverged", "env_world_size"]
+__all__ = ["RankFailure", "TrainingDiverged", "ExternalError", "env_world_size"]
 
 
 class RankFailure(RuntimeError):
@@ -23,6 +27,11 @@ class RankFailure(RuntimeError):
 class TrainingDiverged(ValueError):
     """Training diverged (non-finite or exploding loss, non-finite parameters); results.json
     of the run says ``"status": "diverged"``."""
+
+
+class ExternalError(RuntimeError):
+    """A process szo drives (not a torchrun peer) could not be started, failed, was killed or did not
+    finish in time; the message is one line naming it and what to do."""
 
 
 def env_world_size() -> int:

@@ -23,7 +23,9 @@ Layout = list[tuple[str, tuple[int, ...]]]
 
 
 def param_layout(module: nn.Module) -> Layout:
-    """``(name, shape)`` of every parameter of ``module`` in ``named_parameters()`` order."""
+    """``(name, shape)`` of every parameter of ``module`` in ``named_parameters()`` order; a
+    module compiled by ``torch.compile`` has the names of the module it compiled (not ``_orig_mod.``-prefixed)."""
+    module = getattr(module, "_orig_mod", module)
     return [(n, tuple(int(s) for s in p.shape)) for n, p in module.named_parameters()]
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping
 
 __all__ = [
     "MethodSpec", "Family", "register_method", "register_builder", "get_method", "list_methods", "method_label",
-    "which_methods",
+    "which_methods", "shared_scale", "shared_mu",
     "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
     "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
     "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
@@ -62,6 +62,9 @@ class MethodSpec:
     * ``engines`` / ``parallel``: probe evaluators it can use (``szo.engine``) and torchrun modes;
       ``streaming``: ``szo.time_chunk`` allowed; ``fixed_backend``: trains through the
       fixed-point forward; ``integer_learner``: ``hw.learner: integer`` allowed;
+    * ``hooks``: drives layers through forward hooks at every forward (the layer-wise methods' clean
+      forward and node perturbation, the integer learner's accumulator hooks): a replayed CUDA graph or a
+      compiled forward would skip them, so ``szo.zo.ProbePath`` refuses both with it;
     * ``weight_decay`` / ``momentum``: whether the method takes them; ``options``: the
       method-specific ``szo.*`` keys it reads (``layers``, ``stages``, ``coords_per_step``);
     * ``variant``: what the family's optimizer is told (the estimator of an SZO / full-space ZO
@@ -91,6 +94,7 @@ class MethodSpec:
     streaming: bool = False
     fixed_backend: bool = False
     integer_learner: bool = False
+    hooks: bool = False
     weight_decay: bool = False
     momentum: bool = True
     options: tuple[str, ...] = ()
@@ -116,6 +120,20 @@ class MethodSpec:
         "Scale-free mu and lr"), ``absolute`` for every other method and for the integer on-chip
         learner (``integer``), whose units are its own."""
         return "trajectory" if self.relative is not None and not integer else "absolute"
+
+    def check_scale(self, scale: str | None, *, integer: bool = False, recipe: bool = False) -> None:
+        """A relative ``scale`` (mu / lr in units of the subspace's spread) only where the method has
+        relative defaults and the float learner trains it (:meth:`default_scale`); one ValueError
+        otherwise, for config validation (``recipe``: spelled ``szo.scale``) and ``build_optimizer`` alike.
+        ``None`` and ``"absolute"`` always pass."""
+        if scale is None or scale == "absolute" or self.default_scale(integer=integer) != "absolute":
+            return
+        key = "szo.scale" if recipe else "scale"
+        why = ("the integer on-chip learner keeps its own units" if integer and self.relative is not None else
+               f"method {self.name!r} has no relative defaults; relative scales apply to "
+               + which_methods(trainable=None, relative=lambda r: r is not None))
+        raise ValueError(f"{key} {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; use {key} "
+                         f"absolute (or leave it {'null' if recipe else 'unset'}: the method's default)")
 
     def default_mu(self, scale: str) -> float:
         """``mu`` where none is set: under a relative ``scale`` the record's relative ``szo.mu``, else
@@ -146,25 +164,18 @@ class MethodSpec:
                                  f"{self.name!r} does not use it: leave {prefix}{key} "
                                  f"{'null' if unset is None else unset}")
 
-    def check_capabilities(self, *, weight_decay: float = 0.0, momentum: float = 0.0, engine: str = "loop",
-                           parallel: str | None = None, recipe: bool = False) -> None:
-        """The registry's rules on what this method takes -- weight decay, momentum, the probe engine,
-        a multi-process mode -- one message each, for config validation (``recipe``: the keys spelled
-        as a recipe spells them, ``train.`` / ``szo.``) and ``build_optimizer`` alike."""
-        train, szo = ("train.", "szo.") if recipe else ("", "")
+    def check_capabilities(self, *, weight_decay: float = 0.0, momentum: float = 0.0, recipe: bool = False) -> None:
+        """The registry's rules on what this method's update takes -- weight decay, momentum -- one
+        message each, for config validation (``recipe``: the keys spelled as a recipe spells them,
+        ``train.``) and ``build_optimizer`` alike. What it runs with (engines, torchrun modes, the
+        streaming forward, the integer backend, hooks) is a rule of the probe path: ``szo.zo.ProbePath``."""
+        train = "train." if recipe else ""
         if weight_decay and not self.weight_decay:
             raise ValueError(f"method {self.name!r} uses no weight decay (paper App. G / its seed paper); set "
                              f"{train}weight_decay=0 (got {weight_decay})")
         if momentum and not self.momentum:
             raise ValueError(f"method {self.name!r} takes no momentum (seed 001 Algorithm 1 / seed 004 eq. 8: plain "
                              f"steps); set {train}momentum=0 (got {momentum})")
-        if engine not in self.engines:
-            raise ValueError(f"{szo}engine {engine!r} evaluates SZO probe plans: it applies to "
-                             f"{which_methods(engines=engine)}; method {self.name!r} runs with {szo}engine "
-                             f"{' / '.join(map(repr, self.engines))}")
-        if parallel is not None and parallel not in self.parallel:
-            raise ValueError(f"method {self.name!r} does not run on several processes; multi-process (torchrun) "
-                             f"runs support: {', '.join(list_methods(parallel=parallel))} (or run it in one process)")
 
     def builder(self, integer: bool = False) -> Callable[..., Any]:
         """The optimizer factory ``builder(spec, model, subspace, options, run)`` (``szo.optim``):
@@ -242,6 +253,21 @@ def which_methods(**capabilities: Any) -> str:
     return f"method {names[0]!r}" if len(names) == 1 else f"methods {', '.join(map(repr, names))}"
 
 
+def shared_scale(names: Any, *, integer: bool = False) -> str:
+    """The default ``szo.scale`` of methods that run under one setting (a test-time adaptation run's
+    subspace methods): ``trajectory`` where it is every one's default (:meth:`MethodSpec.default_scale`),
+    else ``absolute``. The recipe (kind tta), ``szo adapt`` and ``run_tta`` read it."""
+    specs = [get_method(n, trainable=None) for n in names]
+    return "trajectory" if specs and {s.default_scale(integer=integer) for s in specs} == {"trajectory"} else "absolute"
+
+
+def shared_mu(names: Any, scale: str) -> float:
+    """The default ``mu`` of those methods under ``scale``: the forward-only ones' common
+    :meth:`MethodSpec.default_mu`, App. G's 1.0 where they disagree or none probes."""
+    mus = {s.default_mu(scale) for s in (get_method(n, trainable=None) for n in names) if s.forward_only}
+    return mus.pop() if len(mus) == 1 else 1.0
+
+
 def get_method(name: str, *, trainable: bool | None = None) -> MethodSpec:
     """The record of ``name``; one ValueError listing the valid names otherwise."""
     spec = _REGISTRY.get(name) if isinstance(name, str) else None
@@ -271,10 +297,8 @@ _FO = dict(streaming=True)  # forward-only, single-evaluation probes: the stream
 # measured on digits, mnist5k and Fashion-MNIST (docs/evidence.md, "Scale-free mu and lr"); trajectory is
 # then these methods' default scale (MethodSpec.default_scale)
 _REL = {"szo.mu": 0.3, "train.lr": 0.03}
-# The one-point estimators take the same setting: no smaller mu carries over (trajectory mu 0.3 / 0.03, seed
-# 0: digits SZO-CGE one-point 66.11 / 98.61 %, SZO-1pt 96.94 / 98.33 %; Fashion-MNIST 74.14 / 10.00 %,
-# 81.54 / 23.96 %); at 0.3 only one-point CGE on mnist5k ends below the paper's units (13.0 vs 17.9 %,
-# near chance in both; docs/evidence.md "Scale-free mu and lr")
+# The one-point estimators take the same setting: no smaller mu carries over (docs/evidence.md, "Scale-free
+# mu and lr", the one-point paragraph)
 for _spec in (
     # test-time adaptation only (szo.adapt): no recipe trains with them
     MethodSpec(NO_ADAPTATION, "No adapt.", "test-time", "1", trainable=False, adapter="source"),
@@ -308,16 +332,16 @@ for _spec in (
     MethodSpec("asyncfgd-adam", "AsyncFGD-Adam", "forward-gradient", "1 (JVP pass)", jvp=True, momentum=False,
                options=("stages",), defaults={"train.lr": 1.0e-3}, variant="adam"),
     MethodSpec("np-zo", "NP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers", "node_losses"), q_labeled=True,
-               variant="node"),
+               hooks=True, variant="node"),
     MethodSpec("wp-zo", "WP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers",), q_labeled=True,
-               variant="weight"),
+               hooks=True, variant="weight"),
     MethodSpec("awp-zo", "WP/NP-ZO", "layer-wise-zo", "1 + qL + 1", options=("layers", "node_losses"), q_labeled=True,
-               variant="adaptive"),
+               hooks=True, variant="adaptive"),
     MethodSpec("qzo-subspace", "QZO-Subspace", "on-chip", "1 + q", subspace=True, integer=True, fixed_backend=True,
                integer_learner=True, momentum=False, q_labeled=True, variant="eq8", **_FO),
     # seed 004's learner as published: int8 weights of the integer forward, 1-LSB XORShift32 Rademacher
     # probes, layer-wise adaptive weight / node perturbation, eq. 8 (szo.hw.optim.mcu.MCUZO)
-    MethodSpec("mcu-zo", "MCU-ZO", "on-chip", "1 + qL", integer=True, fixed_backend=True, integer_learner=True,
+    MethodSpec("mcu-zo", "MCU-ZO", "on-chip", "1 + qL", integer=True, fixed_backend=True, integer_learner=True, hooks=True,
                momentum=False, q_labeled=True, options=("layers",)),
 ):
     register_method(_spec)

@@ -18,8 +18,11 @@ from typing import Any, Literal, Mapping
 import torch
 
 from szo.config import IntegerStateConfig, StepConfig, SZOConfig, TTConfig
+from szo.methods import MethodSpec
+from szo.zo.path import ProbePath
 
-__all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions", "split_keywords"]
+__all__ = ["OptimizerOptions", "RunOptions", "TTOptions", "IntegerLearnerOptions", "split_keywords", "probe_path",
+           "RUN_KEYWORDS"]
 
 
 #: HybridZO's signRGE phase and its switch to CGE (seed 000; ``szo.optim.tt``): the recipe's ``tt``
@@ -63,6 +66,8 @@ class RunOptions:
 _OPTION_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions) if not f.metadata.get("model")}
 _MODEL_KEYS = {f.name for f in dataclasses.fields(OptimizerOptions) if f.metadata.get("model")}
 _RUN_KEYS = {f.name for f in dataclasses.fields(RunOptions)}
+RUN_KEYWORDS: frozenset[str] = frozenset(_RUN_KEYS)
+"""``build_optimizer``'s keywords that are :class:`RunOptions` fields (the others are :class:`OptimizerOptions`')."""
 
 
 def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]:
@@ -85,3 +90,10 @@ def split_keywords(kw: Mapping[str, Any]) -> tuple[OptimizerOptions, RunOptions]
     if isinstance(opt.get("integer"), Mapping) and not isinstance(opt["integer"], IntegerLearnerOptions):
         opt["integer"] = IntegerLearnerOptions(**opt["integer"])
     return OptimizerOptions(**opt), RunOptions(**{k: v for k, v in kw.items() if k in _RUN_KEYS})
+
+
+def probe_path(o: OptimizerOptions, run: RunOptions, method: MethodSpec | None = None) -> ProbePath:
+    """How the probes of an optimizer built from these records run (``szo.zo.ProbePath``): the engine
+    and BN update of ``o``, the torchrun mode of ``run``, the method's record for its rules."""
+    return ProbePath(engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, distributed=run.distributed,
+                     sync_bn=run.sync_bn, process_group=run.process_group, method=method)

@@ -28,10 +28,11 @@ import yaml
 
 from szo.config import apply_overrides, resolve, source_config
 from szo.distributed import main_decides
+from szo.methods import METHOD_OPTIONS, get_method, list_methods
 
 __all__ = ["LOCK_NAME", "HARMLESS_KEYS", "RunDirError", "RunLockedError", "ResumeMismatchError", "run_lock",
            "check_resume_config", "config_differences", "saved_config_path", "resumed_config", "run_pins",
-           "check_pins"]
+           "check_pins", "with_added_keys", "default_run_dir"]
 
 LOCK_NAME = ".lock"
 
@@ -40,11 +41,32 @@ HARMLESS_KEYS = (
     "description", "progress", "device", "data.data_dir", "data.download", "data.num_workers",
     "data.test_batch_size", "bptt.eval_every", "train.eval_every", "bptt.checkpoint_every_steps",
     "train.checkpoint_every_steps", "subspace.root", "distributed.timeout_s", "log.tensorboard",
-    "federated.eval_every", "federated.round_timeout_s",
+    "federated.eval_every", "federated.round_timeout_s", "federated.startup_timeout_s",
 )
-# Keys added to the schema after runs were written: the value a saved config.yaml without the key
-# stands for (so resuming a run written before the key existed is not refused for it).
-ADDED_KEYS = {"precision": "auto", "szo.scale": "absolute", "hw.select_epochs": 1, "hw.heldout": 0.1}
+def _node_losses(flat: Mapping[str, Any]) -> str:
+    """szo.node_losses of a run written before it existed: node perturbation weighed every node by the
+    batch loss's difference (batch-mean) in the methods that read it; the others hold the unset value."""
+    method = flat.get("method")
+    reads = isinstance(method, str) and method in list_methods(trainable=None) \
+        and "node_losses" in get_method(method).options
+    return "batch-mean" if reads else METHOD_OPTIONS["node_losses"][0]
+
+
+# Keys added to the schema after runs were written: what a saved config.yaml without the key trained
+# with, which can differ from today's default (szo.scale: every run before it was in the paper's
+# units; szo.node_losses: node perturbation weighed by the batch loss; tt.cge: TT-ZO's CGE phase
+# was central); a callable gives it from the saved config's other keys (flattened). A resume fills them
+# in before it resolves the saved config (resumed_config), so an old run continues as it was trained,
+# and the comparison of configs reads them for a missing key.
+ADDED_KEYS: dict[str, Any] = {
+    "precision": "auto", "cuda_graphs": False, "source": None, "szo.scale": "absolute", "szo.node_losses": _node_losses,
+    "tt.cge": "central", "bptt.t_max": None, "train.t_max": None, "hw.blocks": None, "hw.select_epochs": 1,
+    "hw.heldout": 0.1, "federated.ema": 0.0, "federated.server_optimizer": "sgd"}
+
+
+def _added(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """:data:`ADDED_KEYS`' values for the config ``flat`` (its keys flattened)."""
+    return {k: v(flat) if callable(v) else v for k, v in ADDED_KEYS.items()}
 # Sections a stage does not use (a difference there does not change what that stage trains).
 _ELSEWHERE = ("tta", "federated", "setting")  # sections of the other kinds of run
 _STAGE_IGNORES = {
@@ -65,6 +87,23 @@ class RunLockedError(RunDirError):
 
 class ResumeMismatchError(ValueError):
     """A resumed run would train something other than what its run directory holds."""
+
+
+RUNS_ROOT = "runs"
+"""Where a run goes when no --out is given: ``runs/NAME`` (:func:`default_run_dir`)."""
+
+
+def default_run_dir(name: Any, prefix: str = "") -> Path:
+    """``runs/PREFIX+NAME``, the run directory of a recipe run without ``--out``. The name (a recipe's
+    ``name``, also from ``--set name=...``) must be one plain path component, so the run stays in
+    ``runs/``: one ValueError otherwise."""
+    ok = isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name \
+        and not any(sep and sep in name for sep in (os.sep, os.altsep, "/"))
+    if not ok:
+        raise ValueError(f"name {name!r} cannot name a run directory in {RUNS_ROOT}/ (the default without --out): "
+                         "a name is one path component, without '/' and not '.' or '..'; rename it "
+                         "(--set name=...) or pass --out DIR")
+    return Path(RUNS_ROOT) / f"{prefix}{name}"
 
 
 # ----------------------------------------------------------------------------- lock
@@ -195,7 +234,8 @@ def config_differences(saved: Mapping[str, Any], new: Mapping[str, Any], stage: 
     """``(key, saved value, new value)`` for every key that differs and matters for ``stage``
     (``"bptt"``, ``"subspace"``, ``"federated"`` or None: every section), harmless keys left out."""
     ignore = _STAGE_IGNORES.get(stage or "", ())
-    a, b = {**ADDED_KEYS, **_flat(saved)}, {**ADDED_KEYS, **_flat(new)}
+    fa, fb = _flat(saved), _flat(new)
+    a, b = {**_added(fa), **fa}, {**_added(fb), **fb}
     out = []
     for key in sorted(set(a) | set(b)):
         if key in HARMLESS_KEYS or key.split(".")[0] in ignore:
@@ -303,4 +343,13 @@ def resumed_config(run_dir: str | os.PathLike, cfg: Mapping[str, Any], overrides
         raise ResumeMismatchError(f"cannot resume {run_dir}: it holds a run of recipe {saved.get('name')!r}, "
                                   f"not {cfg.get('name')!r}; resume it with `szo recipe {saved.get('name')} "
                                   f"--out {run_dir} --resume`")
-    return resolve(apply_overrides(saved, overrides))
+    return resolve(apply_overrides(with_added_keys(saved), overrides))
+
+
+def with_added_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved config (plain mapping) with every :data:`ADDED_KEYS` key it lacks set to what the run
+    trained with: resolving it then gives that run, not today's defaults (a run written before
+    ``szo.scale`` existed trained in absolute units and resumes in them)."""
+    flat = _flat(saved)
+    missing = [(k, v) for k, v in _added(flat).items() if k not in flat and not any(f.startswith(k + ".") for f in flat)]
+    return apply_overrides(saved, missing)

@@ -450,7 +450,7 @@ class RecipeConfig(Section):
     # time is repaid after 500-2,500 Spike-ResNet20 but 20,000-60,000 digits forwards (docs/performance.md)
     compile: bool | str = False
     # the arithmetic of every stage (szo.precision): fp32 (IEEE; TF32 off) | tf32 (TF32 convolutions and
-    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast) | auto (the measured choice per kind of training,
+    # matmuls on CUDA; fp32 on the CPU) | bf16 (autocast, its weight cache off) | auto (the measured choice per kind of training,
     # szo.precision.AUTO: fp32 for BPTT and for forward-only probes, docs/evidence.md "Precision");
     # PyTorch's own defaults are never used
     precision: Precision = "auto"
@@ -554,10 +554,18 @@ def _check_value(key: str, v: Any, hint: Any, meta: Mapping[str, Any]) -> Any:
     return v
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a float setting beyond it is finite in Python's float64 but not in the
+float32 the model's forwards, probes and updates compute in (mu = 1e39 would overflow at the first probe)."""
+
+
 def _check_range(key: str, v: float, meta: Mapping[str, Any]) -> None:
     lo, hi, gt, below = meta.get("min"), meta.get("max"), meta.get("gt"), meta.get("below")
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"'{key}' must be a finite number, got {v!r}")
+    if isinstance(v, float) and abs(v) > FLOAT32_MAX:
+        raise ValueError(f"'{key}' must be finite in float32, the arithmetic runs in it (|value| <= "
+                         f"{FLOAT32_MAX:.4g}), got {v!r}")
     if lo is not None and v < lo:
         raise ValueError(f"'{key}' must be >= {lo}, got {v!r}")
     if gt is not None and not v > gt:

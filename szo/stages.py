@@ -47,11 +47,11 @@ from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
-from szo.zo import ReportsResults, trainable_layers
+from szo.zo import ProbePath, ReportsResults, trainable_layers
 
 __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
-           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE"]
+           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
 
 
 def device_for(cfg: RecipeConfig, device: str | None = None) -> str:
@@ -282,24 +282,13 @@ def parallel_for(cfg: RecipeConfig) -> Any:
 
 
 def check_distributed(cfg: RecipeConfig) -> None:
-    """Everything a multi-process run does not support, checked before any work starts."""
-    get_method(cfg.method).check_capabilities(parallel=cfg.distributed.mode)
-    sz = cfg.szo
-    for bad, what in ((sz["time_chunk"] is not None, "szo.time_chunk (streaming forward): leave it null"),
-                      (sz["engine"] != "loop", "szo.engine 'batched': use 'loop'"),
-                      (cfg.hw.learner == "integer", "hw.learner 'integer': use 'float'"),
-                      # a compiled graph does not see forward hooks added after it was traced, and
-                      # synchronised BN all-reduces the batch statistics from such hooks
-                      (cfg.compile is not False and cfg.distributed.mode == "data"
-                       and cfg.distributed.sync_bn,
-                       "compile with distributed.mode 'data' and distributed.sync_bn: set compile=false, "
-                       "distributed.sync_bn=false or distributed.mode=perturbation"),
-                      (cfg.cuda_graphs and cfg.distributed.mode == "data" and cfg.distributed.sync_bn,
-                       "cuda_graphs with distributed.mode 'data' and distributed.sync_bn (a replay does not run the "
-                       "hooks that synchronise BN): set cuda_graphs=false, distributed.sync_bn=false or "
-                       "distributed.mode=perturbation")):
-        if bad:
-            raise ValueError(f"multi-process (torchrun) runs do not support {what}, or run in one process")
+    """Everything a multi-process run does not support, checked before any work starts: the probe
+    path with its torchrun mode (``szo.zo.ProbePath``: the method's modes, the engine, streaming,
+    synchronised BN with compile or CUDA graphs) and the float learner."""
+    ProbePath.from_recipe(cfg, parallel=True).check(recipe=True)
+    if cfg.hw.learner == "integer":
+        raise ValueError("multi-process (torchrun) runs do not support hw.learner 'integer': use 'float', or run in "
+                         "one process")
 
 
 def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
@@ -369,6 +358,25 @@ SELECTION_FILE = "block_selection.json"
 """Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""
 
 
+class SelectionBatches:
+    """The block selection's training batches, streamed as the training loop streams its own: ``epochs``
+    shuffled passes over ``data`` (full batches), drawn from one generator seeded with ``seed`` each time
+    it is iterated, so every block sees the same batches and memory does not grow with ``epochs``
+    (materialised, hw.select_epochs = 1e6 once took every epoch's batches before the first step)."""
+
+    def __init__(self, data: Dataset, batch_size: int, epochs: int, seed: int, device: str | torch.device) -> None:
+        self.data, self.batch_size, self.epochs, self.seed, self.device = data, batch_size, epochs, seed, device
+
+    def __len__(self) -> int:
+        return self.epochs * (len(self.data) // self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epochs):
+            for x, y in make_loader(self.data, self.batch_size, shuffle=True, generator=g, drop_last=True):
+                yield x.to(self.device), y.to(self.device)
+
+
 def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks: int, epochs: int, heldout: float,
                           batch_size: int, q: int, lr: float, seed: int, loss_fn: Callable[..., torch.Tensor],
                           device: str | torch.device = "cpu", run_dir: str | os.PathLike | None = None,
@@ -402,9 +410,7 @@ def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks:
         raise ValueError(f"block selection: {n - n_held} training samples after holding out {n_held} of {n} "
                          f"({heldout:.0%}) are fewer than one batch of {batch_size}; lower hw.heldout or the batch size")
     fit_set, held_set = Subset(train_set, range(n - n_held)), Subset(train_set, range(n - n_held, n))
-    g = torch.Generator().manual_seed(int(seed))
-    batches = [(x.to(device), y.to(device)) for _ in range(epochs)
-               for x, y in make_loader(fit_set, batch_size, shuffle=True, generator=g, drop_last=True)]
+    batches = SelectionBatches(fit_set, batch_size, epochs, int(seed), device)
     held = make_loader(held_set, batch_size, shuffle=False)
     if net.int_weights is None:
         if not net.scales_known:

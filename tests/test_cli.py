@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from szo.cli import COMMAND_GROUP, build_parser, main
+from szo.cli import COMMANDS, build_parser, main
 
 
 def _one_error_line(capsys):
@@ -51,9 +51,29 @@ def test_subcommands_registered():
     p = build_parser()
     sub = next(a for a in p._actions if a.dest == "command")
     assert {"recipe", "demo", "report", "subspace", "federated", "export", "adapt", "study"} <= set(sub.choices)
-    from importlib import metadata  # a plugin package's entry in the group adds its subcommand the same way
+    assert {c.name for c in COMMANDS} <= set(sub.choices)  # szo's own: the table, not packaging metadata
 
-    assert "subspace" in {ep.name for ep in metadata.entry_points(group=COMMAND_GROUP)}
+
+def test_recipe_list_from_a_plain_checkout(tmp_path):
+    """``python -m szo recipe --list`` in a copy of the source tree with no installed packaging metadata
+    (importlib.metadata finds no entry points): the commands come from szo.cli's table."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for pkg in ("szo", "subspace_store", "recipes"):
+        shutil.copytree(root / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import importlib.metadata as m, runpy, sys; m.entry_points = lambda **kw: []; "
+            "sys.argv = ['szo', *sys.argv[1:]]; runpy.run_module('szo', run_name='__main__')")
+    out = {}
+    for args in (("recipe", "--list"), ("--help",)):
+        r = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        out[args] = r.stdout
+    assert "digits-scratch" in out[("recipe", "--list")]
+    assert all(c.name in out[("--help",)] for c in COMMANDS)
 
 
 def test_report_command(tmp_path, capsys):
@@ -183,16 +203,13 @@ def test_help_and_recipe_list_import_no_torch():
     """``szo --help`` and ``szo recipe --list`` build the command line from torch-free modules (each
     command's parser is built only when that command is used): the same help and list as the
     commands' own modules give, without importing torch (issue 31)."""
-    from importlib import metadata
 
     from szo.config import load_recipe, recipe_names
 
     code, out, names = _imported(["--help"])
     assert code == 0 and _torch(names) == [] and "szo.cli" in names and "szo.config" not in names
     listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.split()}
-    own = {ep.name for ep in metadata.entry_points(group=COMMAND_GROUP) if ep.dist and ep.dist.name == "szo"}
-    # the registrars add import (with export) and diagnose (with study) under their own names
-    assert own <= listed and {"recipe", "demo", "report", "import", "diagnose"} <= listed
+    assert {c.name for c in COMMANDS} <= listed and {"recipe", "demo", "report"} <= listed
 
     code, out, names = _imported(["recipe", "--list"])
     assert code == 0 and _torch(names) == [] and "szo.config" not in names
@@ -247,3 +264,41 @@ def test_a_command_whose_optional_package_is_missing_says_so_in_one_line(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 2  # usage, then the one error line
     assert "needs the package 'szo_no_such_package_xyz'" in err[1] and "pip install szo_no_such_package_xyz" in err[1]
+
+
+@pytest.mark.parametrize("error, line", [
+    (PermissionError(13, "Permission denied", "/data/x"), "error: Permission denied: /data/x (PermissionError)"),
+    (IsADirectoryError(21, "Is a directory", "/data/y"), "error: Is a directory: /data/y (IsADirectoryError)"),
+    (OSError(28, "No space left on device"), "error: [Errno 28] No space left on device"),
+])
+def test_an_operating_system_or_external_failure_is_one_line_with_status_5(monkeypatch, capsys, error, line):
+    """What the operating system refuses, or a process szo drives that fails (szo.exits.ExternalError), is
+    one line and exit status 5, not a traceback; a missing file stays status 2 (bad input)."""
+    import szo.commands.report as report
+    from szo.exits import ExternalError
+
+    def raise_(e):
+        def run(args):
+            raise e
+        return run
+
+    for e, want, code in ((error, line, 5),
+                          (ExternalError("the Lava runner was killed by signal SIGKILL"),
+                           "error: the Lava runner was killed by signal SIGKILL", 5),
+                          (FileNotFoundError(2, "No such file or directory", "/nope"),
+                           "error: [Errno 2] No such file or directory: '/nope'", 2)):
+        monkeypatch.setattr(report, "run", raise_(e))
+        assert main(["report", "somewhere"]) == code
+        assert capsys.readouterr().err.strip().splitlines() == [want]
+
+
+def test_an_interrupted_command_says_resume_only_where_it_has_it(monkeypatch, capsys):
+    """Ctrl-C: 'rerun with --resume' only for a command that has --resume (szo recipe does, szo report not)."""
+    import szo.commands.report as report
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "run", interrupted)
+    assert main(["report", "somewhere"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

@@ -10,14 +10,22 @@ from szo.config import SOURCE_SECTIONS, load_recipe, source_config
 def test_mcu_recipe_is_the_papers_setting():
     """Seed 004 Sec. 4.1: Q = 100 per layer, initial lr 0.01 with cosine decay, no momentum or weight
     decay, batch 100, BP-free selection among four blocks with one epoch of test training each,
-    adapting the pretrained int8 model to corrupted data."""
+    adapting the pretrained int8 model to corrupted data; its length: "a training dataset with 1000
+    images" for 50 epochs, 50 x 10 = 500 steps."""
     c = load_recipe("digits-c-mcu")
     assert (c.method, c.backend, c.bn_stats, c.hw.learner, c.mode) == ("mcu-zo", "fixed", "deployed", "integer",
                                                                        "continual")
     assert (c.szo.q, c.train.lr, c.train.scheduler, c.train.momentum, c.train.weight_decay, c.data.batch_size) == \
         (100, 0.01, "cosine", 0.0, 0.0, 100)
     assert (c.hw.blocks, c.hw.select_epochs, c.hw.heldout, c.szo.layers) == (4, 1, 0.1, None)
-    assert c.data.name == "digits-c" and c.data.kwargs == {"corruption": "gaussian_noise", "severity": 5}
+    assert c.data.name == "digits-c" and c.data.kwargs == {"corruption": "gaussian_noise", "severity": 5, "limit": 1000}
+    assert (c.train.epochs, c.train.max_steps_per_epoch, c.train.t_max) == (50, None, None)
+    import torch
+
+    from szo.build import loaders_for
+
+    train, test = loaders_for(c, torch.Generator())
+    assert (len(train.dataset), len(train), len(test.dataset)) == (1000, 10, 360)  # 10 steps an epoch, all 360 tested
     # its pretrained model comes from clean digits: the source's BPTT stage, with this recipe's model and entry
     src = source_config(c)
     assert (src.name, src.data.name, src.subspace.name, src.subspace.reference) == \
@@ -55,7 +63,7 @@ def test_block_selection_and_source_are_refused_where_they_do_not_apply():
 def test_baffle_recipe_is_the_papers_configuration():
     """Seed 002's experiments: server Adam with betas (0.9, 0.99) at lr 0.01, EMA 0.995 of the global
     model, GroupNorm (its own BPTT subspace); the default stays heavy ball, no EMA, BatchNorm."""
-    from szo.federated.flower import ADAM_BETAS
+    from szo.federated.server import ADAM_BETAS
 
     p, d = load_recipe("digits-baffle"), load_recipe("digits-scratch")
     assert (p.federated.server_optimizer, p.federated.lr, p.federated.ema) == ("adam", 0.01, 0.995)

@@ -195,6 +195,35 @@ def test_planned_samples_match_the_recorder(store):
     assert planned_samples(4, 5, every=2, window="2-3") == 5  # steps 11..20 -> 12, 14, 16, 18, 20
 
 
+def _recorded(epochs, spe, every, record_initial, window):
+    """What a TrajectoryRecorder writes, step by step (the rule planned_samples counts in closed form)."""
+    inside = (lambda e: True) if window is None else (lambda e: window[0] <= e <= window[1])
+    n = int(record_initial and inside(0))
+    if every == "epoch":
+        return n + sum(inside(e) for e in range(1, epochs + 1))
+    return n + sum(inside((s - 1) // spe) for s in range(1, epochs * spe + 1) if s % every == 0)
+
+
+def test_planned_samples_is_a_closed_form(store, capsys):
+    """The count equals the step-by-step rule on every small case, and costs nothing for any number of
+    epochs: bptt.epochs=1e9 with a subspace.k beyond it is refused in one line at once (it once spun for
+    minutes in an O(epochs) count before anything was written)."""
+    import itertools
+
+    from szo.trajectory import planned_samples
+
+    windows = [None, (0, 0), (0, 3), (1, 2), (2, 9), (5, 7)]
+    for e, spe, every, ri, w in itertools.product(range(1, 6), range(1, 5), ["epoch", 1, 2, 3, 7], (True, False),
+                                                  windows):
+        assert planned_samples(e, spe, every=every, record_initial=ri, window=w) == _recorded(e, spe, every, ri, w)
+    assert planned_samples(10 ** 18, 15, every=10) == 15 * 10 ** 17 + 1  # a loop over the epochs would never end
+    assert planned_samples(10 ** 18, 15, window=(10, 10 ** 17)) == 10 ** 17 - 9
+    root, sets = store
+    assert main(["recipe", "digits-bp", "--out", str(root / "huge")] + [a for s in sets for a in ("--set", s)]
+                + ["--set", "bptt.epochs=1000000000", "--set", "subspace.k=1000000000000", "--set", "subspace.name=huge"]) == 2
+    assert "subspace.k=1000000000000 needs at least k+1 = 1000000000001 trajectory samples" in _one_error_line(capsys)
+
+
 def test_resumed_bptt_checks_trajectory_hashes_first(store, tmp_path, capsys):
     root, _ = store
     run = tmp_path / "bp"
@@ -407,3 +436,65 @@ def test_a_run_written_before_the_newer_schema_keys_resumes(tmp_path):
     # ... and is not taken for a run under today's default scale, which trains in other units
     with pytest.raises(ResumeMismatchError, match="szo.mu is 1.0 in its config.yaml but 0.3 now .and 2 more: szo.scale, train.lr."):
         check_resume_config(tmp_path / "digits-scratch", load_recipe("digits-scratch"), "subspace")
+
+
+def _drop(tree, dotted):
+    *path, last = dotted.split(".")
+    for p in path:
+        tree = tree.get(p, {})
+    tree.pop(last, None)
+
+
+def test_a_run_written_before_the_newer_keys_resumes_as_it_was_trained(store, tmp_path, capsys):
+    """An earlier szo's run directory (config.yaml without precision, cuda_graphs, szo.scale, ... : every
+    rundir.ADDED_KEYS key) resumes as it was trained -- in the paper's units, not today's default
+    trajectory ones -- and ends bit for bit where the uninterrupted run ends; restating the new keys
+    with their old values is accepted, changing one is refused in one line."""
+    import yaml
+
+    from szo.rundir import ADDED_KEYS, check_resume_config, resumed_config, with_added_keys
+
+    # what such a run trained with: absolute units, central TT-ZO CGE (batch-mean node losses: np-zo / awp-zo)
+    old = ["szo.scale=absolute", "tt.cge=central"]
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "ref")] + _sets(store, *old)) == 0
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run")] + _sets(store, *old),
+                callbacks=[_Interrupt(3)]) == 130
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    for key in ADDED_KEYS:
+        _drop(cfg, key)
+    assert "precision" not in cfg and "scale" not in cfg["szo"] and "cuda_graphs" not in cfg
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    capsys.readouterr()
+    # every new key restated with the value the run had: accepted
+    restated = ["precision=auto", "cuda_graphs=false", "szo.scale=absolute", "hw.select_epochs=1"]
+    now = resumed_config(tmp_path / "copy", load_recipe("digits-scratch"), restated)
+    assert (now.szo.scale, now.szo.mu, now.szo.node_losses, now.tt.cge) == ("absolute", 1.0, "per-sample", "central")
+    check_resume_config(tmp_path / "copy", now, "subspace")
+    # an old node-perturbation run weighed its nodes by the batch loss: it resumes so
+    np_old = with_added_keys({**cfg, "method": "np-zo"})
+    assert np_old["szo"]["node_losses"] == "batch-mean" and np_old["szo"]["scale"] == "absolute"
+    # today's default units would train something else: refused, naming the key
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "copy"), "--resume",
+                 "--set", "szo.scale=trajectory"]) == 2
+    assert "szo.scale is 'absolute' in its config.yaml but 'trajectory' now" in _one_error_line(capsys)
+    # resumed without a --set: exact
+    assert main(["recipe", "digits-scratch", "--out", str(tmp_path / "run"), "--resume", "--set", "progress=false"]) == 0
+    a = torch.load(checkpoint_path(tmp_path / "ref"), weights_only=True)["model"]
+    b = torch.load(checkpoint_path(tmp_path / "run"), weights_only=True)["model"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("name", ["../../x", "..", ".", "a/b"])
+def test_a_run_name_never_leaves_runs(store, tmp_path, capsys, monkeypatch, name):
+    """Without --out a run goes to runs/NAME: a name that is not one path component (``--set name=...`` or
+    ``name:`` in a recipe file) is refused in one line before anything is written."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # runs/../../x would be tmp_path/x
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"extends: digits-scratch\nname: '{name}'\n")
+    for args in (["digits-scratch", "--set", f"name={name}"], [str(recipe)]):
+        assert main(["recipe", *args] + _sets(store)) == 2
+        line = _one_error_line(capsys)
+        assert f"name {name!r} cannot name a run directory in runs/" in line and "pass --out DIR" in line
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["cwd", "mine.yaml"]

@@ -12,15 +12,15 @@ import argparse
 import typing
 from pathlib import Path
 
-from szo.cli import ADAPT
 from szo.config import RecipeConfig, SZOConfig, TTAConfig, resolve
+from szo.schema_flags import add_schema_flags, flag_values
 from szo.stages import run_dir_guard
 
 from .methods import METHODS, SETTINGS, SUBSPACE_METHODS
-from .runner import resolve_methods
+from .runner import TTAOptions, resolve_methods
 from .stage import tta_stage
 
-__all__ = ["register", "add_arguments", "main", "flags_config"]
+__all__ = ["add_arguments", "main", "flags_config"]
 
 # flag -> (schema section, key, what it is); the type, choices and default come from the schema
 _FLAGS = {
@@ -38,26 +38,12 @@ _FLAGS = {
                                "default, trajectory for the subspace methods)"),
 }
 _SECTIONS = {"tta": TTAConfig, "szo": SZOConfig}
-
-
-def _add_schema_flag(p: argparse.ArgumentParser, flag: str, section: str, key: str, what: str) -> None:
-    cls = _SECTIONS[section]
-    default = getattr(cls(), key)
-    hint = typing.get_type_hints(cls)[key]
-    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-    inner = [a for a in typing.get_args(hint) if a is not type(None)]  # X of ``X | None``
-    base = type(default) if default is not None else inner[0] if len(inner) == 1 and inner[0] in (int, float) else str
-    shown = "null" if default is None else default
-    p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, choices=choices,
-                   type=None if choices else base, help=f"{what} ({section}.{key}; default {shown})")
+# flags whose test-time-adaptation default differs from the schema's training default: q = 10 directions
+# (App. G; run_tta's and the *-tta recipes'), not szo.q's 1
+_TTA_DEFAULTS = {"q": TTAOptions.q}
 
 
 # --------------------------------------------------------------------------- CLI
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``szo adapt`` to the ``szo`` CLI (its name and help: ``szo.cli.ADAPT``)."""
-    return ADAPT(subparsers)[0]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``szo adapt``'s arguments and handler, added to its parser."""
     p.description = ("Adapt a trained source model on the 15 corruptions with none / bn / tent / bp-subspace / "
@@ -71,8 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="subspace store root (subspace.root; default $SZO_SUBSPACE_ROOT or ./subspaces)")
     p.add_argument("--method", default=None, help=f"all or comma list of: {', '.join(METHODS)} (method; default all)")
     p.add_argument("--setting", default=None, help=f"both or one of: {', '.join(SETTINGS)} (setting; default both)")
-    for flag, (section, key, what) in _FLAGS.items():
-        _add_schema_flag(p, flag, section, key, what)
+    add_schema_flags(p, _FLAGS, _SECTIONS, defaults=_TTA_DEFAULTS)
     d = RecipeConfig()
     p.add_argument("--seed", type=int, default=None, help=f"seed (default {d.seed})")
     p.add_argument("--device", default=None, help=f"cpu | cuda | cuda:N (device; default {d.device})")
@@ -84,15 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def flags_config(args: argparse.Namespace) -> RecipeConfig:
     """``szo adapt``'s flags as the ``kind: tta`` recipe config they stand for (config.yaml of the run);
-    a flag not given leaves its key to the schema."""
+    a flag not given leaves its key to the schema (--q: to test-time adaptation's 10, ``_TTA_DEFAULTS``)."""
     raw: dict = {"name": "adapt", "kind": "tta", "progress": True, "tta": {"source_run": args.source},
                  "subspace": {"name": args.subspace, "root": args.subspace_root}, "szo": {}}
     for key in ("method", "setting", "seed", "device", "precision"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
-    for flag, (section, key, _) in _FLAGS.items():
-        if getattr(args, flag) is not None:
-            raw[section][key] = getattr(args, flag)
+    for section, values in flag_values(args, _FLAGS, _TTA_DEFAULTS).items():
+        raw[section].update(values)
     return resolve(raw)
 
 

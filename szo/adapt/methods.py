@@ -351,6 +351,7 @@ class SZOAdapt(Adapter):
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         check_choice("SZO method", method, [m for m in METHODS if get_method(m).adapter == self.kind])
         configure_bn(model)
+        model.requires_grad_(True)  # what it trains: every parameter, in the subspace (an optimizer leaves frozen ones)
         # adaptation starts from the source model; BN normalises with test-batch statistics and
         # never uses its running statistics, so an unperturbed BN forward per step would buy nothing
         opt = build_optimizer(method, model, subspace=subspace, lr=lr, momentum=momentum, mu=mu, q=q,

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from szo.config import AdaptationConfig, AdapterConfig
 from szo.data import CORRUPTIONS, get_dataset, make_loader
-from szo.methods import get_method
+from szo.methods import get_method, shared_mu, shared_scale
 from szo.precision import check_precision, precision_policy
 from szo.zo.scale import coordinate_scales, scale_record
 
@@ -94,7 +94,10 @@ class TTAOptions(AdaptationConfig):
 
     ``lr_reset`` / ``lr_continual``: learning rate of the subspace methods per setting (None: the default of
     ``scale``: absolute 1.0 / 0.1, App. G; relative: each method's relative ``train.lr``, continual x 0.1 as App. G);
-    ``scale``: the units of ``mu`` and the learning rates (``szo.zo.scale``);
+    ``scale``: the units of ``mu`` and the learning rates (``szo.zo.scale``; None: the subspace methods'
+    default, ``szo.methods.shared_scale``: trajectory, as a ``kind: tta`` recipe and ``szo adapt`` take it);
+    ``mu``: None is the scale's default (``shared_mu``: 0.3 under trajectory, 1.0 absolute); ``q``: SZO-RGE's
+    directions per step, 10 (App. G; the ``*-tta`` recipes' and ``szo adapt``'s default too);
     ``corruptions``: default ``szo.data.CORRUPTIONS`` (the 15, table order); ``predict``:
     ``"before"`` | ``"after"`` (see ``szo.adapt.methods``); ``max_batches``: adapt on at most this
     many batches per corruption (quick checks); ``get_data``: ``corruption -> Dataset`` instead of
@@ -105,9 +108,9 @@ class TTAOptions(AdaptationConfig):
 
     out_dir: str | os.PathLike | None = None  # required (run_tta says so)
     seed: int = 0
-    mu: float = 1.0
+    mu: float | None = None
     q: int = 10
-    scale: str = "absolute"
+    scale: str | None = None
     device: str | torch.device = "cpu"
     dataset_kwargs: Mapping | None = None
     get_data: Callable | None = None
@@ -122,6 +125,15 @@ class TTAOptions(AdaptationConfig):
         if self.out_dir is None:
             raise ValueError("run_tta needs out_dir= (where tta_results.json and the tables go)")
 
+    def resolved(self, methods: Sequence[str]) -> "TTAOptions":
+        """``scale`` / ``mu`` left None filled with the defaults of the subspace methods in ``methods``
+        (``shared_scale`` / ``shared_mu``), the rule a ``kind: tta`` recipe resolves by."""
+        subspace = [m for m in methods if get_method(m).subspace]
+        scale = self.scale if self.scale is not None else shared_scale(subspace)
+        for m in subspace:
+            get_method(m).check_scale(scale)
+        return self.replace(scale=scale, mu=self.mu if self.mu is not None else shared_mu(subspace, scale))
+
     def lr_of(self, method: str, setting: str) -> float | None:
         """The learning rate ``method`` adapts with in ``setting`` (None: it takes none)."""
         option = adapter_class(method).lr_option
@@ -132,8 +144,10 @@ class TTAOptions(AdaptationConfig):
         lr = self.lr_reset if setting == "reset" else self.lr_continual
         if lr is not None:
             return lr
-        # the method's step under the scale (absolute: App. G's 1.0); continual: the paper's ratio to reset
-        return get_method(method).default_lr(self.scale) * APP_G_LR[setting] / APP_G_LR["reset"]
+        # the method's step under the scale (absolute: App. G's 1.0; None: the method's default scale);
+        # continual: the paper's ratio to reset
+        scale = self.scale if self.scale is not None else shared_scale([method])
+        return get_method(method).default_lr(scale) * APP_G_LR[setting] / APP_G_LR["reset"]
 
 
 class _TTARun:
@@ -323,7 +337,9 @@ def run_tta(source_model: nn.Module, subspace: Any, dataset_name: str, methods: 
     """
     o = TTAOptions(**options)
     o.check()
-    out = _TTARun(source_model, subspace, dataset_name, resolve_methods(methods), resolve_settings(settings), o).run()
+    methods = resolve_methods(methods)
+    o = o.resolved(methods)
+    out = _TTARun(source_model, subspace, dataset_name, methods, resolve_settings(settings), o).run()
     if o.write:
         write_tables(out, Path(o.out_dir), plot=o.plot)
     return out

@@ -8,7 +8,7 @@ data set, ``loss``, ``bptt``, ``trajectory``, ``subspace.k``, ``szo.mu`` / ``szo
 
 1. the source model: ``tta.source_run`` (a ``szo recipe`` run directory: ``config.yaml`` +
    ``model.safetensors`` or ``checkpoints/last.pt``, and a trajectory; read by
-   ``szo.pipeline.load_run_model``) or, with ``tta.train_source: true``, the BPTT stage run here
+   ``szo.build.load_run_model``) or, with ``tta.train_source: true``, the BPTT stage run here
    (``szo.stages.bptt_stage`` into ``OUT/source``, no store subspace);
 2. the adaptation subspace (``szo.adapt.subspace``): a store entry ``subspace.name`` if given,
    else a given fine-tuning trajectory (``tta.finetune.trajectory``) + PCA, else the
@@ -59,7 +59,7 @@ def train_source(cfg: Mapping[str, Any], run_dir: Path, device: str) -> tuple[to
 
 
 def load_source(run_dir: str | os.PathLike, dataset_name: str, device: str = "cpu") -> torch.nn.Module:
-    """The model of a ``szo recipe`` run directory (``szo.pipeline.load_run_model``), checked
+    """The model of a ``szo recipe`` run directory (``szo.build.load_run_model``), checked
     against the corrupted data set's number of classes."""
     model, _ = load_run_model(run_dir, device)
     n = dataset_info(dataset_name).num_classes

@@ -1,5 +1,5 @@
 """``szo export TARGET --to nir OUT.nir``, ``szo export RUN_DIR --to lava OUT_DIR`` and ``szo import IN.nir``
-(``register(subparsers)``).
+(their arguments and handlers; the commands: the table in ``szo.cli``).
 
 ``szo export`` writes the NIR graph of a run directory's model (or of a registered model,
 random init); ``--fixed`` exports the fixed-point network of ``szo.hw`` instead (dequantised
@@ -24,7 +24,6 @@ import torch
 import yaml
 
 from szo.build import load_run_model
-from szo.cli import EXPORT
 from szo.data import get_dataset, make_loader
 from szo.demos.dvs_stream import load_source_model
 from szo.export import from_nir, to_nir, write_nir
@@ -33,14 +32,9 @@ from szo.hw.lava.check import export_run
 from szo.hw.reports.hw_report import input_batch, load_target
 from szo.io import atomic_write_bytes
 
-__all__ = ["register", "add_export_arguments", "add_import_arguments", "run_export", "run_import"]
+__all__ = ["add_export_arguments", "add_import_arguments", "run_export", "run_import"]
 
 TARGETS: tuple[str, ...] = ("nir", "lava")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``szo export`` and ``szo import`` to the ``szo`` CLI (names and help: ``szo.cli.EXPORT``)."""
-    EXPORT(subparsers)
 
 
 def add_export_arguments(e: argparse.ArgumentParser) -> None:
@@ -53,9 +47,14 @@ def add_export_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("out", metavar="OUT", type=Path, help="OUT.nir, or with --to lava the bundle directory")
     e.add_argument("--input-size", type=int, default=None,
                    help="H = W of one frame (default: the run's data set; 8 for spike_convnet, else 32)")
-    e.add_argument("--dt", type=float, default=None, help="seconds per time step in NIR time constants (default 1e-4)")
-    e.add_argument("--fixed", action="store_true", help="export the fixed-point network (szo.hw) instead of the float one")
-    e.add_argument("--weight-bits", type=int, default=8, help="with --fixed: weight mantissa bits")
+    e.add_argument("--dt", type=float, default=None,
+                   help="--to nir: seconds per time step in NIR time constants (default 1e-4); a Lava bundle counts "
+                        "steps, so --to lava refuses it")
+    e.add_argument("--fixed", action="store_true",
+                   help="export the fixed-point network (szo.hw) instead of the float one (--to lava always does)")
+    e.add_argument("--weight-bits", type=int, default=None,
+                   help="weight mantissa bits of the fixed-point network: with --fixed (default 8), or --to lava "
+                        "(2 to 8; default the run's hw.weight_bits, else 8)")
     e.add_argument("--reset", choices=("zero",), default=None,
                    help="with --to lava: deploy every LIF with the hard reset of a standard Lava LIF "
                         "(default: the run's hw.reset)")
@@ -79,7 +78,22 @@ def add_import_arguments(i: argparse.ArgumentParser) -> None:
     i.set_defaults(func=run_import)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every flag given applies to the chosen export, or is refused in one line (never silently dropped)."""
+    if args.to == "lava":
+        if args.dt is not None:
+            raise ValueError("--dt sets NIR's time constants (--to nir); a Lava bundle counts time steps (T) and "
+                             "has no step length: leave --dt out with --to lava")
+        return
+    if args.reset is not None:
+        raise ValueError("--reset deploys the LIFs of a Lava bundle (--to lava); --to nir exports each LIF's own reset")
+    if args.weight_bits is not None and not args.fixed:
+        raise ValueError(f"--weight-bits {args.weight_bits} quantises the fixed-point network: add --fixed (or use "
+                         "--to lava), or leave it out for the float network")
+
+
 def run_export(args: argparse.Namespace) -> int:
+    _check_flags(args)
     if args.to == "lava":
         return _export_lava(args)
     stream_meta = _stream_metadata(Path(args.target))
@@ -92,7 +106,7 @@ def run_export(args: argparse.Namespace) -> int:
         shape = tuple(input_batch(model, "random", 1, args.input_size, 0, cfg)[0].shape[-3:])
     model.eval()
     if args.fixed:
-        model = to_fixed(model, weight_bits=args.weight_bits)
+        model = to_fixed(model, weight_bits=8 if args.weight_bits is None else args.weight_bits)
     graph = to_nir(model, shape, dt=args.dt, metadata=stream_meta)
     digest = write_nir(graph, args.out)
     kinds: dict[str, int] = {}
@@ -105,11 +119,12 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _export_lava(args: argparse.Namespace) -> int:
-    path, meta = export_run(args.target, args.out, reset=args.reset, input_size=args.input_size)
+    path, meta = export_run(args.target, args.out, reset=args.reset, input_size=args.input_size,
+                            weight_bits=args.weight_bits)
     parts = [f"{ly['name']}: Dense {ly['n_out']}x{ly['n_in']} exp {ly['weight_exp']}" if ly["kind"] == "dense"
              else f"{ly['name']}: LIF du {ly['du']} dv {ly['dv']} vth {ly['vth']}" for ly in meta["layers"]]
-    print(f"wrote {path} (Lava network of {meta['source']['target']}, input {meta['in_shape']}, T={meta['T']}: "
-          + "; ".join(parts) + ")")
+    print(f"wrote {path} (Lava network of {meta['source']['target']}, {meta['source']['weight_bits']}-bit weights, "
+          f"input {meta['in_shape']}, T={meta['T']}: " + "; ".join(parts) + ")")
     return 0
 
 

@@ -11,7 +11,7 @@ import argparse
 from szo.config import RecipeConfig, load_recipe
 from szo.distributed import launch
 from szo.pipeline import run_recipe
-from szo.rundir import resumed_config
+from szo.rundir import default_run_dir, resumed_config
 
 __all__ = ["run", "recipe_config"]
 
@@ -26,7 +26,7 @@ def recipe_config(args: argparse.Namespace) -> tuple[RecipeConfig, list[str]]:
 def run(args: argparse.Namespace) -> int:
     """Run recipe ``args.name`` in ``args.out`` (default ``runs/NAME``); rank 0 prints the summary line."""
     cfg, sets = recipe_config(args)
-    out = args.out or f"runs/{cfg['name']}"
+    out = args.out or default_run_dir(cfg["name"])
     with launch(device=cfg["device"], timeout_s=cfg["distributed"]["timeout_s"]) as info:
         if args.resume:  # the run's own config.yaml (+ --set); stages refuse what changes the run
             cfg = resumed_config(out, cfg, sets)

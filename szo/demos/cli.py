@@ -2,8 +2,8 @@
 
 Every flag below is one setting of ``szo.demos.settings.StreamConfig`` (its default and its
 check live there); a flag not given keeps the default, or with ``--resume`` the run's own
-config.yaml. ``register_demo(demo_subparsers)`` adds the subcommand to the main CLI's ``demo``
-group; ``python -m szo.demos.cli dvs-stream ...`` runs it standalone.
+config.yaml. ``szo.cli.DEMOS`` adds the subcommand to the main CLI's ``demo`` group;
+``python -m szo.demos.cli dvs-stream ...`` runs it standalone.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import argparse
 import json
 from typing import Any, Sequence
 
-from szo.cli import DVS_STREAM
 from szo.demos.dvs_stream import run_demo
 from szo.demos.settings import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig, resumed_settings
 
-__all__ = ["register_demo", "add_arguments", "add_dvs_stream_arguments", "main"]
+__all__ = ["add_arguments", "add_dvs_stream_arguments", "main"]
 
 # setting -> (type, help); the rest of the flags are added one by one below
 _FLAGS = {
@@ -91,12 +90,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_demo(demo_subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``dvs-stream`` to the ``szo demo`` subparsers (name and help: ``szo.cli.DVS_STREAM``); the
-    handler is ``args.func(args) -> int``."""
-    return DVS_STREAM(demo_subparsers)[0]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``szo demo dvs-stream``'s arguments and handler, added to its parser."""
     p.description = ("Replay an event stream in fixed windows with a persistent network state, classify "
@@ -110,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point: ``python -m szo.demos.cli dvs-stream ...``."""
     parser = argparse.ArgumentParser(prog="szo demo")
     sub = parser.add_subparsers(dest="demo", required=True)
-    register_demo(sub)
+    add_arguments(sub.add_parser("dvs-stream"))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

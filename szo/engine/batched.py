@@ -1,7 +1,7 @@
 """Batched perturbation forward: the losses of m perturbed parameter sets in one pass.
 
 One SZO step evaluates the loss of the same batch at m = 2k (CGE) or 2q (RGE) parameter
-vectors. The sequential loop (``SZO.evaluate_plan``) perturbs in place and calls the model
+vectors. The sequential loop (``szo.zo.LoopEvaluator.run``) perturbs in place and calls the model
 m times. This engine instead runs the model *once* on a "channel-folded" tensor that
 carries all m copies side by side in the channel (feature) dimension:
 
@@ -52,15 +52,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional import zo as F
 from ..models.streaming import bn_momentum
+from ..precision import exact_fp32
 from ..zo.bn import BNStatsFreezer
 from ..zo.evaluate import EvaluatorBase
-from ..zo.guard import ProbeGuard
+from ..zo.guard import ProbeGuard, train_mode_dropout
+from ..zo.path import ENGINES  # "loop" is szo.zo.LoopEvaluator, "batched" this module
 from ..zo.plans import Plan
 from ..zo.space import SubspaceSpace
 
 __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "BatchedProbeEvaluator", "available_memory_bytes"]
 
-ENGINES = ("loop", "batched")  # SZO(engine=...): "loop" is szo.zo.LoopEvaluator, "batched" this module
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # the parameterised leaves the engine can fold; every other leaf must have no parameters and
@@ -310,12 +311,13 @@ class BatchedEvaluator:
         else:
             u = U[lo:hi]
         out = []
-        for p0, pt in zip(theta0_views, pt_views):
-            if onehot is not None:
-                delta = pt.index_select(0, idx) * coef
-            else:
-                delta = (u @ pt) * mu
-            out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
+        with exact_fp32(self.params[0].device.type):  # the copies' values in IEEE arithmetic, in any precision scope
+            for p0, pt in zip(theta0_views, pt_views):
+                if onehot is not None:
+                    delta = pt.index_select(0, idx) * coef
+                else:
+                    delta = (u @ pt) * mu
+                out.append((p0.reshape(1, -1) + delta).view(hi - lo, *p0.shape))
         return out
 
     def _normalise(self, thetas):
@@ -468,6 +470,11 @@ class BatchedProbeEvaluator(EvaluatorBase):
         x, y, loss_fn = batch
         _check_loss_fn(loss_fn)
         ev = self.evaluator
+        dropout = train_mode_dropout(ev.model)
+        if dropout:
+            raise ValueError(f"engine='batched' folds a step's probes into one forward, where train-mode dropout "
+                             f"({', '.join(dropout)}) would draw a different mask for every probe; use engine='loop' "
+                             "(every probe replays the step's random state) or put the dropout layers in eval mode")
         if self._checked is not space:  # once per space, not per step
             if not isinstance(space, SubspaceSpace):
                 raise ValueError(f"the batched engine evaluates subspace plans; got a {type(space).__name__}")

@@ -491,7 +491,7 @@ def _fixed_deploy_module(net: Any, shape: tuple[int, int, int]) -> tuple[fx.Grap
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()
-    P = net.precision.as_dict()
+    P = net.widths.as_dict()
     graph_meta = {f"precision_{k}": int(v) for k, v in P.items()}
     graph_meta.update(state_shift=STATE_SHIFT, decay_shift=DECAY_SHIFT)
     return gm, meta, graph_meta

@@ -1,7 +1,8 @@
 """Forward-only federated training: BAFFLE (seed 002) on Flower.
 
 ``szo.federated.baffle``: the math (seeds, loss differences, Stein's estimate, SecAgg+ ranges);
-``szo.federated.flower``: the engine (Flower ServerApp with SecAgg+, ClientApps in client processes);
+``szo.federated.flower``: the engine (ClientApps in client processes, the run); ``szo.federated.server``: its
+ServerApp with SecAgg+, the update and the upload checks; ``szo.federated.task``: what both build from the recipe;
 ``szo.federated.grid``: the loopback transport between them;
 ``szo federated RECIPE --clients 8`` runs it (see docs/federated.md).
 """

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.functional.zo import rge_coefficients, sample_gaussian
-from szo.zo import HostSpace, LoopEvaluator, ProbeGuard, rge_plan
+from szo.zo import HostSpace, ProbePath, rge_plan
 
 __all__ = ["dirichlet_split", "round_directions", "RoundSeeds", "loss_differences", "stein_coordinates",
            "weighted_mean", "check_value", "MODULUS_RANGE", "secagg_ranges", "secagg_error_bound"]
@@ -109,7 +110,7 @@ def loss_differences(model: nn.Module, closure: Callable[[], torch.Tensor], poin
     space = HostSpace(model, to_params if to_params is not None else (lambda c: c), point.to(torch.float64),
                       probe="params", basis=None if basis is None else basis.to(torch.float64))
     plan = rge_plan(z, sigma, interleaved=True)
-    evaluator = LoopEvaluator(ProbeGuard(model, "BAFFLE client", freeze_bn=False))
+    evaluator = build_evaluator(ProbePath(freeze_bn=False), model, "BAFFLE client")
     with evaluator.session():
         losses = evaluator.run(closure, space, plan, label="direction")
     lp, lm = plan.pairs(losses)

@@ -8,31 +8,29 @@ from __future__ import annotations
 
 import argparse
 
-from szo.cli import FEDERATED
-from szo.config import FEDERATED_OPTIMIZERS, FederatedConfig, load_recipe
-from szo.federated.flower import SPACES, run_federated
-from szo.rundir import resumed_config
+from szo.config import FederatedConfig, load_recipe
+from szo.federated.flower import run_federated
+from szo.rundir import default_run_dir, resumed_config
+from szo.schema_flags import add_schema_flags, flag_values
 
-__all__ = ["register", "add_arguments"]
+__all__ = ["add_arguments"]
 
-# flag -> federated.KEY (the flag's help says what the key means)
-_FLAGS = {"clients": "client processes (at least 3 with SecAgg+)", "rounds": "rounds", "K": "directions per round (2K forwards per client)",
-          "sigma": "perturbation scale", "lr": "server learning rate (cosine over the rounds)",
-          "momentum": "server heavy-ball momentum (--server-optimizer sgd)",
-          "ema": "evaluate an exponential moving average of the model with this decay (BAFFLE: 0.995; 0 = off)", "alpha": "Dirichlet label skew (small = non-IID)",
-          "batch_size": "local batch per client and round", "eval_every": "server-side test evaluation period",
-          "clip_range": "SecAgg+ bound on every uploaded value (a client beyond it sits the round out)",
-          "secagg_threshold": "SecAgg+ reconstruction threshold, a fraction of the clients"}
-
-
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``szo federated`` to the ``szo`` CLI (its name and help: ``szo.cli.FEDERATED``)."""
-    return FEDERATED(subparsers)[0]
+# flag -> (section, key, what it is): type, choices and default come from the schema (szo.schema_flags)
+_FLAGS = {key: ("federated", key, what) for key, what in {
+    "clients": "client processes (at least 3 with SecAgg+)", "rounds": "rounds",
+    "K": "directions per round (2K forwards per client)", "sigma": "perturbation scale",
+    "lr": "server learning rate (cosine over the rounds)", "momentum": "server heavy-ball momentum (--server-optimizer sgd)",
+    "ema": "evaluate an exponential moving average of the model with this decay (BAFFLE: 0.995; 0 = off)",
+    "alpha": "Dirichlet label skew (small = non-IID)", "batch_size": "local batch per client and round",
+    "eval_every": "server-side test evaluation period",
+    "clip_range": "SecAgg+ bound on every uploaded value (a client beyond it sits the round out)",
+    "secagg_threshold": "SecAgg+ reconstruction threshold, a fraction of the clients",
+    "space": "subspace: directions P z in the recipe's stored subspace; full: z in R^d",
+    "server_optimizer": "sgd: heavy ball, Algorithm 1; adam: betas (0.9, 0.99), the paper's experiments"}.items()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``szo federated``'s arguments and handler, added to its parser."""
-    d = FederatedConfig()
     p.description = ("BAFFLE (seed 002): each round the server sends the model and a seed; every client "
                      "returns K loss differences on its local data; Flower's SecAgg+ gives the server "
                      "only their weighted mean over the clients that answered; the server regenerates "
@@ -40,15 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "section come from RECIPE (a 'kind: subspace' recipe name or YAML file, e.g. "
                      "digits-scratch). See docs/federated.md.")
     p.add_argument("name", metavar="RECIPE")
-    for key, help_text in _FLAGS.items():
-        flag = "--" + key.replace("_", "-")
-        p.add_argument(flag, dest=key, type=type(getattr(d, key)), default=None,
-                       help=f"{help_text} (federated.{key}; default: the recipe's, else {getattr(d, key)})")
-    p.add_argument("--space", choices=SPACES, default=None,
-                   help="subspace: directions P z in the recipe's stored subspace; full: z in R^d (federated.space)")
-    p.add_argument("--server-optimizer", dest="server_optimizer", choices=FEDERATED_OPTIMIZERS, default=None,
-                   help="sgd: heavy ball, Algorithm 1 (default); adam: betas (0.9, 0.99), the paper's experiments "
-                        "(federated.server_optimizer)")
+    add_schema_flags(p, _FLAGS, {"federated": FederatedConfig}, over_recipe=True)
     p.add_argument("--no-secure", dest="secure", action="store_const", const=False, default=None,
                    help="plain Flower aggregation instead of SecAgg+: the server sees every client's upload "
                         "(federated.secure=false)")
@@ -60,10 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    flags = [f"federated.{k}={v}" for k in (*_FLAGS, "space", "server_optimizer", "secure") if (v := getattr(args, k)) is not None]
-    sets = (args.set or []) + flags
+    given = flag_values(args, _FLAGS).get("federated", {})
+    if args.secure is not None:
+        given["secure"] = args.secure
+    sets = (args.set or []) + [f"federated.{k}={v}" for k, v in given.items()]
     cfg = load_recipe(args.name, sets)
-    out = args.out or f"runs/federated-{cfg['name']}"
+    out = args.out or default_run_dir(cfg["name"], prefix="federated-")
     if args.resume:  # the run's own config.yaml (+ --set); the stage refuses what changes the run
         cfg = resumed_config(out, cfg, sets)
     fc = cfg.federated

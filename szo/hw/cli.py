@@ -1,5 +1,5 @@
-"""``szo hw-report MODEL_OR_RUN`` (``register``) and ``szo hw lava-check RUN_DIR`` (``register_hw``): CLI wiring
-(also ``python -m szo.hw.cli``)."""
+"""``szo hw-report MODEL_OR_RUN`` and ``szo hw lava-check RUN_DIR``: their arguments and handlers (the
+commands themselves: the table in ``szo.cli``; also ``python -m szo.hw.cli``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,21 +7,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from szo.cli import HW, HW_REPORT
-from szo.hw.fixed import ARITHMETICS, Precision
-from szo.hw.lava.bridge import check_summary, write_check
+from szo.hw.fixed import ARITHMETICS, BitWidths
+from szo.hw.lava.bridge import RUNNER_TIMEOUT_S, check_summary, write_check
 from szo.hw.lava.check import lava_check
 from szo.hw.neuron import RESETS
 from szo.hw.reports.hw_report import DATA_CHOICES, LOIHI2, hw_report, to_markdown, write_report
 from szo.options import IntegerLearnerOptions
 
-__all__ = ["register", "register_hw", "add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",
+__all__ = ["add_hw_report_arguments", "add_hw_arguments", "run_hw_report", "run_lava_check",
            "main"]
-
-
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``hw-report`` sub-command to a ``szo`` CLI parser (name and help: ``szo.cli.HW_REPORT``)."""
-    return HW_REPORT(subparsers)[0]
 
 
 def add_hw_report_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +54,7 @@ def run_hw_report(args: argparse.Namespace) -> int:
     chip = replace(LOIHI2, core_memory_kb=args.core_kb, cores=args.cores, energy_per_synop_pj=args.energy_pj)
     learner = IntegerLearnerOptions(basis_bits=args.basis_bits, coord_bits=args.coord_bits, ref_bits=args.ref_bits)
     rep = hw_report(args.target, data=args.data, batch=args.batch, k=args.k, learner=learner, input_size=args.input_size,
-                    precision=Precision(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
+                    widths=BitWidths(weight_bits=args.weight_bits), chip=chip, seed=args.seed,
                     arithmetic=args.arithmetic, reset=args.reset, neurobench=not args.no_neurobench)
     if args.out is None:
         sys.stdout.write(to_markdown(rep))
@@ -68,12 +62,6 @@ def run_hw_report(args: argparse.Namespace) -> int:
         md, js = write_report(rep, args.out)
         print(f"wrote {md} and {js}")
     return 0
-
-
-def register_hw(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``szo hw lava-check``: a trained fixed-point network run in Intel Lava against szo's simulator
-    (name and help: ``szo.cli.HW``)."""
-    return HW(subparsers)[0]
 
 
 def add_hw_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,12 +85,15 @@ def add_hw_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--keep", type=Path, default=None, help="keep the request / result exchange bundles in this directory")
     c.add_argument("--lava-python", default=None,
                    help="interpreter with lava-nc (default $SZO_LAVA_PYTHON, else .venv-lava/bin/python)")
+    c.add_argument("--timeout-s", type=float, default=RUNNER_TIMEOUT_S,
+                   help=f"seconds the Lava runner may take; past them it and Lava's processes are killed "
+                        f"(default {RUNNER_TIMEOUT_S:g})")
     c.set_defaults(func=run_lava_check)
 
 
 def run_lava_check(args: argparse.Namespace) -> int:
     rep = lava_check(args.target, args.samples, data=args.data, reset=args.reset, seed=args.seed,
-                     python=args.lava_python, keep=args.keep)
+                     python=args.lava_python, keep=args.keep, timeout_s=args.timeout_s)
     print("\n".join(check_summary(rep)))
     if Path(args.target).is_dir():
         print(f"wrote {write_check(rep, args.target)}")
@@ -112,8 +103,8 @@ def run_lava_check(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="szo")
     sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    register_hw(sub)
+    add_hw_report_arguments(sub.add_parser("hw-report"))
+    add_hw_arguments(sub.add_parser("hw"))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

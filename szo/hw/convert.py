@@ -36,7 +36,7 @@ from szo.hw.fixed import (
     A_IN_SHIFT,
     ACT_SHIFT,
     STATE_SHIFT,
-    Precision,
+    BitWidths,
     SaturationCounter,
     check_arithmetic,
     floor_shift,
@@ -178,12 +178,12 @@ def pool_window(path: str, m: nn.Module, hw: tuple[int, int]) -> tuple[Any, Any,
 class FixedPointNetwork(SpikingModel):
     """Integer forward of a converted szo model; float master parameters in the source layout.
 
-    The layer graph, the integer neurons (tau, threshold, reset, ``precision``) and the module
+    The layer graph, the integer neurons (tau, threshold, reset, ``widths``) and the module
     lookup are fixed at conversion; the weights are re-quantised on every forward.
     ``collect_stats=True`` fills ``last_stats`` on every forward (see :func:`to_fixed`).
     """
 
-    def __init__(self, model: SpikingModel, precision: Precision | None = None, *,
+    def __init__(self, model: SpikingModel, widths: BitWidths | None = None, *,
                  verify_exact: bool = False, collect_stats: bool = False, arithmetic: str = "szo",
                  reset: str | None = None, record: bool = False) -> None:
         if not isinstance(model, SpikingModel):
@@ -193,9 +193,9 @@ class FixedPointNetwork(SpikingModel):
             raise ValueError(f"unknown reset {reset!r}; valid: None (each LIF's own: v_reset None -> 'subtract', "
                              f"0 -> 'zero') or one of {list(RESETS)}")
         super().__init__(num_classes=model.num_classes, T=model.T, model_name=model.model_name)
-        if precision is not None and not isinstance(precision, Precision):
-            raise ValueError(f"precision must be a szo.hw.fixed.Precision, got {type(precision).__name__}")
-        self.precision = precision or Precision()
+        if widths is not None and not isinstance(widths, BitWidths):
+            raise ValueError(f"widths must be a szo.hw.fixed.BitWidths, got {type(widths).__name__}")
+        self.widths = widths or BitWidths()
         self.verify_exact = bool(verify_exact)
         self.collect_stats = bool(collect_stats)  # per-layer events / synops / spikes in last_stats (costs syncs)
         self.arithmetic = arithmetic  # 'szo' | 'loihi' (szo.hw.fixed.ARITHMETICS)
@@ -272,7 +272,7 @@ class FixedPointNetwork(SpikingModel):
                     neuron_cls = LoihiCubaLIF if self.arithmetic == "loihi" else FixedCubaLIF
                     try:
                         self.neurons[path] = neuron_cls(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
-                                                         self.precision, self.counter, path)
+                                                         self.widths, self.counter, path)
                     except ValueError as exc:
                         raise _unsupported(path, tname, f"{self.arithmetic} arithmetic: {exc}") from None
                 if isinstance(m, nn.Flatten) and (m.start_dim, m.end_dim) != (1, -1):
@@ -312,6 +312,10 @@ class FixedPointNetwork(SpikingModel):
         ``AdaptiveAvgPool2d``): :meth:`quantized_layers` and :meth:`freeze_weights` can run."""
         return all(m is not None for m in self._synapse_mult.values())
 
+    def forward_settings(self) -> dict[str, Any]:
+        """The probe path's view of this network (``szo.zo.ProbePath.on``): the integer forward."""
+        return {**super().forward_settings(), "backend": "fixed"}
+
     def freeze_weights(self) -> dict[str, IntSynapse]:
         """Quantise every synapse once (:meth:`quantized_layers`) and run every later forward on
         these stored integers instead of re-quantising the float parameters: the real-quantized
@@ -336,7 +340,7 @@ class FixedPointNetwork(SpikingModel):
         if self.int_weights is not None:
             s = self.int_weights[path]
             return s.w_int, s.exp, 0, s.bias_int, 0, s.bias_exp
-        P = self.precision
+        P = self.widths
         bn = self._mods[self.fused[path]] if path in self.fused else None
         w, b = _fold_bn(m.weight, m.bias, bn)
         w_int, e, n_w = quantize_weight(w * mult if mult != 1.0 else w, P)
@@ -371,14 +375,14 @@ class FixedPointNetwork(SpikingModel):
 
     def quantize_input(self, x_seq: torch.Tensor) -> torch.Tensor:
         """The graded input spikes the forward sees: ``round(x * 2**ACT_SHIFT)`` (to nearest), saturated to
-        ``precision.input_bits`` (counted as ``input``)."""
+        ``widths.input_bits`` (counted as ``input``)."""
         q = torch.round(x_seq.to(torch.float64) * (1 << ACT_SHIFT)).to(torch.int64)  # round to nearest
-        return saturate(q, self.precision.input_bits, self.counter, "input", "input")
+        return saturate(q, self.widths.input_bits, self.counter, "input", "input")
 
     @torch.no_grad()
     def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
         if not x_seq.is_floating_point():
-            raise ValueError(f"input must be a float tensor (it is quantised to {self.precision.input_bits}-bit "
+            raise ValueError(f"input must be a float tensor (it is quantised to {self.widths.input_bits}-bit "
                              f"graded spikes with {ACT_SHIFT} fractional bits), got {x_seq.dtype}")
         env: dict[fx.Node, _Val] = {}
         self.last_stats = {}
@@ -399,7 +403,7 @@ class FixedPointNetwork(SpikingModel):
         if result.kind == "current":
             if result.bias is not None:  # "loihi": no neuron to take the bias; the host adds it to the readout
                 result = _Val(result.data + result.bias, "current")
-            acc = saturate(result.data.sum(0), self.precision.readout_bits, self.counter, "readout", "accumulator")
+            acc = saturate(result.data.sum(0), self.widths.readout_bits, self.counter, "readout", "accumulator")
             self.last_readout_sum = acc  # integer readout accumulated over T
             return result.data.to(torch.float32) / (1 << STATE_SHIFT)  # de-scale to float logits
         self.last_readout_sum = None
@@ -471,7 +475,7 @@ class FixedPointNetwork(SpikingModel):
         return int(pairs.sum().round()) * (c_out // groups)
 
     def _synapse(self, path: str, m: nn.Module, x: _Val) -> _Val:
-        P = self.precision
+        P = self.widths
         self._synapse_mult[path] = x.mult  # what quantized_layers() reports
         w_int, e, n_w, bias_int, n_b, _ = self._quantize_synapse(path, m, x.mult)
         self.counter.add(path, "weight", n_w)
@@ -563,10 +567,10 @@ class FixedPointNetwork(SpikingModel):
         if self.arithmetic == "loihi":  # Lava sums the projections into one in-port without clipping; the LIF wraps
             bias = a.bias if b.bias is None else (b.bias if a.bias is None else a.bias + b.bias)
             return _Val(s, "current", bias=bias)
-        return _Val(saturate(s, self.precision.state_bits, self.counter, name, "current"), "current")
+        return _Val(saturate(s, self.widths.state_bits, self.counter, name, "current"), "current")
 
 
-def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, precision: Precision | None = None,
+def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, widths: BitWidths | None = None,
              verify_exact: bool = False, collect_stats: bool = False, arithmetic: str = "szo",
              reset: str | None = None, record: bool = False) -> FixedPointNetwork:
     """Convert a szo model to the fixed-point backend (sharing its float parameters).
@@ -579,16 +583,16 @@ def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, precision: 
     custom neuron program on Loihi.
     ``record``: keep the last forward's synaptic currents (without bias) and spikes per layer in
     ``net.last_record`` (to compare arithmetics).
-    ``weight_bits`` (default 8) is a shortcut for ``Precision(weight_bits=...)``.
+    ``weight_bits`` (default 8) is a shortcut for ``BitWidths(weight_bits=...)``.
     ``collect_stats``: fill ``net.last_stats`` (per-layer input events, exact synaptic
     operations, spikes, kernel bounds) on every forward, as ``szo hw-report`` does; off by
     default because counting costs an extra convolution per layer and device syncs.
     """
-    if precision is None:
-        precision = Precision(weight_bits=8 if weight_bits is None else weight_bits)
-    elif weight_bits is not None and weight_bits != precision.weight_bits:
-        raise ValueError(f"weight_bits={weight_bits} conflicts with precision.weight_bits={precision.weight_bits}")
-    return FixedPointNetwork(model, precision, verify_exact=verify_exact, collect_stats=collect_stats,
+    if widths is None:
+        widths = BitWidths(weight_bits=8 if weight_bits is None else weight_bits)
+    elif weight_bits is not None and weight_bits != widths.weight_bits:
+        raise ValueError(f"weight_bits={weight_bits} conflicts with widths.weight_bits={widths.weight_bits}")
+    return FixedPointNetwork(model, widths, verify_exact=verify_exact, collect_stats=collect_stats,
                              arithmetic=arithmetic, reset=reset, record=record)
 
 

@@ -1,4 +1,4 @@
-"""Loihi-style fixed-point number formats: precision as data, named shifts, saturating ops.
+"""Loihi-style fixed-point number formats: widths as data, named shifts, saturating ops.
 
 Every integer quantity in ``szo.hw`` is an ``int64`` torch tensor holding a value that fits
 the bit width stated here; the wider host type only makes the arithmetic exact, every
@@ -42,7 +42,7 @@ __all__ = [
     "STATE_SHIFT",
     "VTH_SHIFT",
     "WGT_SHIFT",
-    "Precision",
+    "BitWidths",
     "SaturationCounter",
     "check_arithmetic",
     "decay_to_int",
@@ -85,7 +85,7 @@ def check_arithmetic(arithmetic: object) -> str:
 
 
 @dataclass(frozen=True)
-class Precision:
+class BitWidths:
     """Bit widths of every stored or computed quantity (Loihi-1/2 CUBA neuron defaults)."""
 
     weight_bits: int = 8  # signed synaptic weight mantissa
@@ -102,16 +102,16 @@ class Precision:
         for name in ("weight_bits", "state_bits", "decay_bits", "input_bits", "bias_mant_bits", "readout_bits"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 48:
-                raise ValueError(f"Precision.{name} must be an int in [2, 48], got {v!r}")
+                raise ValueError(f"BitWidths.{name} must be an int in [2, 48], got {v!r}")
         if self.decay_bits != DECAY_SHIFT:
-            raise ValueError(f"Precision.decay_bits must be {DECAY_SHIFT} (the Loihi decay scale), got {self.decay_bits}")
+            raise ValueError(f"BitWidths.decay_bits must be {DECAY_SHIFT} (the Loihi decay scale), got {self.decay_bits}")
         if not -STATE_SHIFT <= self.weight_exp_min <= self.weight_exp_max <= 16:
             raise ValueError(
                 f"need {-STATE_SHIFT} <= weight_exp_min <= weight_exp_max <= 16, "
                 f"got [{self.weight_exp_min}, {self.weight_exp_max}]"
             )
         if not 0 <= self.bias_exp_max <= 16:
-            raise ValueError(f"Precision.bias_exp_max must be in [0, 16], got {self.bias_exp_max}")
+            raise ValueError(f"BitWidths.bias_exp_max must be in [0, 16], got {self.bias_exp_max}")
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -188,7 +188,7 @@ def _exponent(x: torch.Tensor, lo: int, hi: int, e_min: int, e_max: int) -> int:
     return min(max(e, e_min), e_max)
 
 
-def quantize_weight(w: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, int, int]:
+def quantize_weight(w: torch.Tensor, widths: BitWidths) -> tuple[torch.Tensor, int, int]:
     """Float weights -> ``(w_int, e, n_saturated)`` with ``W ~= w_int * 2**e``, ``w_int`` signed ``weight_bits``.
 
     ``e`` is the smallest exponent in ``[weight_exp_min, weight_exp_max]`` for which every weight
@@ -197,25 +197,25 @@ def quantize_weight(w: torch.Tensor, precision: Precision) -> tuple[torch.Tensor
     back (``szo.hw.optim.mcu``: mantissas clipped to [-128, 127]) re-quantise to the same integers.
     Rounding is to nearest (ties to even); weights beyond the range at ``weight_exp_max`` saturate.
     """
-    lo, hi = int_range(precision.weight_bits)
+    lo, hi = int_range(widths.weight_bits)
     w = w.detach().to(torch.float64)
     amax = float(w.abs().max()) if w.numel() else 0.0  # NaN if any weight is NaN, inf if any is infinite
     if not math.isfinite(amax):
         raise ValueError("weights contain NaN or Inf; cannot quantise")
-    e = _exponent(w, lo, hi, precision.weight_exp_min, precision.weight_exp_max)
+    e = _exponent(w, lo, hi, widths.weight_exp_min, widths.weight_exp_max)
     q = torch.round(w * 2.0 ** (-e))  # exact: scaling by a power of two, then round to nearest
     n_sat = int(((q < lo) | (q > hi)).sum())
     return q.clamp(lo, hi).to(torch.int64), e, n_sat  # saturate out-of-range weights
 
 
-def quantize_bias(b_state: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, int, int]:
+def quantize_bias(b_state: torch.Tensor, widths: BitWidths) -> tuple[torch.Tensor, int, int]:
     """Bias in state units (float) -> ``(bias_int, exp, n_sat)`` with bias = mant << exp (Loihi biasMant/biasExp).
 
     Returns the effective integer ``mant << exp`` (what is added to the current each step).
     """
-    lo, hi = int_range(precision.bias_mant_bits)
+    lo, hi = int_range(widths.bias_mant_bits)
     b = b_state.detach().to(torch.float64)
-    exp = _exponent(b, lo, hi, 0, precision.bias_exp_max)  # -4096 << exp re-quantises to itself too
+    exp = _exponent(b, lo, hi, 0, widths.bias_exp_max)  # -4096 << exp re-quantises to itself too
     mant = torch.round(b / 2.0**exp)  # round to nearest (ties to even)
     n_sat = int(((mant < lo) | (mant > hi)).sum())
     return mant.clamp(lo, hi).to(torch.int64) << exp, exp, n_sat  # saturate the mantissa

@@ -31,7 +31,7 @@ import torch
 from szo.hw.fixed import (
     DECAY_SHIFT,
     VTH_SHIFT,
-    Precision,
+    BitWidths,
     SaturationCounter,
     decay_to_int,
     right_shift_to_zero,
@@ -155,14 +155,14 @@ class FixedCubaLIF(CubaLIFBase):
     """Bit-exact Loihi CUBA-LIF on int64 tensors holding ``state_bits``-wide values.
 
     Inputs are integers in state units (``2**-STATE_SHIFT``). Every add saturates to
-    ``precision.state_bits`` and is counted in ``counter[layer]``.
+    ``widths.state_bits`` and is counted in ``counter[layer]``.
     """
 
     def __init__(self, current_decay: float, voltage_decay: float, v_threshold: float = 1.0,
-                 reset: str = "subtract", precision: Precision | None = None,
+                 reset: str = "subtract", widths: BitWidths | None = None,
                  counter: SaturationCounter | None = None, layer: str = "neuron") -> None:
         super().__init__(current_decay, voltage_decay, v_threshold, reset)
-        self.precision = precision or Precision()
+        self.widths = widths or BitWidths()
         self.counter = counter if counter is not None else SaturationCounter()
         self.layer = layer
         self.current_decay_int = decay_to_int(self.current_decay, DECAY_SHIFT)
@@ -182,7 +182,7 @@ class FixedCubaLIF(CubaLIFBase):
     def _add(self, a: torch.Tensor, b: torch.Tensor, quantity: str) -> torch.Tensor:
         if b.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"fixed-point neuron input must be an integer tensor (state units), got {b.dtype}")
-        return saturate(a + b.to(torch.int64), self.precision.state_bits, self.counter, self.layer, quantity)
+        return saturate(a + b.to(torch.int64), self.widths.state_bits, self.counter, self.layer, quantity)
 
     def _fire(self, v: torch.Tensor) -> torch.Tensor:
         return (v > self.threshold_int).to(torch.int64)  # Loihi compares strictly
@@ -225,9 +225,9 @@ class LoihiCubaLIF(FixedCubaLIF):
     """
 
     def __init__(self, current_decay: float, voltage_decay: float, v_threshold: float = 1.0,
-                 reset: str = "zero", precision: Precision | None = None,
+                 reset: str = "zero", widths: BitWidths | None = None,
                  counter: SaturationCounter | None = None, layer: str = "neuron") -> None:
-        super().__init__(current_decay, voltage_decay, v_threshold, reset, precision, counter, layer)
+        super().__init__(current_decay, voltage_decay, v_threshold, reset, widths, counter, layer)
         self.lava_params()  # raises ValueError where Lava's registers cannot hold the parameters
 
     def _add(self, a: torch.Tensor, b: torch.Tensor, quantity: str) -> torch.Tensor:
@@ -235,12 +235,12 @@ class LoihiCubaLIF(FixedCubaLIF):
             raise ValueError(f"fixed-point neuron input must be an integer tensor (state units), got {b.dtype}")
         s = a + b.to(torch.int64)
         if quantity == "current":
-            return wrap_lava(s, self.precision.state_bits, self.counter, self.layer, "current_wrap")  # wrap, once
-        return saturate(s, self.precision.state_bits, self.counter, self.layer, quantity, symmetric=True)  # np.clip
+            return wrap_lava(s, self.widths.state_bits, self.counter, self.layer, "current_wrap")  # wrap, once
+        return saturate(s, self.widths.state_bits, self.counter, self.layer, quantity, symmetric=True)  # np.clip
 
 
 def paper_lif(kind: str = "fixed", *, tau: float = 1.1, v_threshold: float = 1.0, reset: str = "subtract",
-              precision: Precision | None = None, counter: SaturationCounter | None = None,
+              widths: BitWidths | None = None, counter: SaturationCounter | None = None,
               layer: str = "neuron") -> CubaLIFBase:
     """The paper's LIF (eq. 1) as a CUBA neuron: ``dI = 1``, ``dV = 1/tau``, soft reset.
 
@@ -251,9 +251,9 @@ def paper_lif(kind: str = "fixed", *, tau: float = 1.1, v_threshold: float = 1.0
     if kind == "float":
         return FloatCubaLIF(1.0, 1.0 / tau, v_threshold, reset)
     if kind == "fixed":
-        return FixedCubaLIF(1.0, 1.0 / tau, v_threshold, reset, precision, counter, layer)
+        return FixedCubaLIF(1.0, 1.0 / tau, v_threshold, reset, widths, counter, layer)
     if kind == "loihi":
-        return LoihiCubaLIF(1.0, 1.0 / tau, v_threshold, reset, precision, counter, layer)
+        return LoihiCubaLIF(1.0, 1.0 / tau, v_threshold, reset, widths, counter, layer)
     raise ValueError(f"unknown neuron kind {kind!r}; valid: ['float', 'fixed', 'loihi']")
 
 

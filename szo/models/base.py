@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from spikingjelly.activation_based import functional
@@ -18,7 +19,15 @@ from torch import nn
 from szo.layout import layout_fingerprint, param_layout
 from szo.models.compiled import check_compile, compiled_forward_seq
 from szo.models.graphed import ForwardGraphs, GraphBackend
-from szo.models.streaming import BatchNorm2d, check_bn_time, check_stream_bn, check_time_chunk, chunked_forward
+from szo.models.streaming import (
+    BatchNorm2d,
+    bn_time_of,
+    check_bn_time,
+    check_stream_bn,
+    check_time_chunk,
+    chunked_forward,
+)
+from szo.zo.path import ProbePath
 
 MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
 
@@ -127,8 +136,8 @@ class SpikingModel(nn.Module):
         CPU inputs of the models measured faster so (``cpu_channels_last``: the BasicBlock
         Spike-ResNets and Spike-VGG11; not Spike-ResNet50, where it was not faster, nor the
         digits ConvNet), as given otherwise. On the CPU oneDNN runs
-        the zoo's 16-channel 3x3 convolutions about 2x faster on NHWC (brgemm kernels) than on
-        NCHW (direct kernel plus two reorders), which is also the layout ``torch.compile``
+        the zoo's 16-channel 3x3 convolutions faster on NHWC (brgemm kernels) than on NCHW
+        (direct kernel plus two reorders; docs/performance.md has the measurements), which is also the layout ``torch.compile``
         picks on CPU; on CUDA it is unmeasured here, so ``"auto"`` leaves CUDA inputs alone.
         The layout changes the convolution kernels, so results agree with ``"contiguous"``
         to float rounding, not bitwise. Only the input is converted (the weights keep their
@@ -162,6 +171,14 @@ class SpikingModel(nn.Module):
                 m.bn_time = bn_time
         return self
 
+    def forward_settings(self) -> dict[str, Any]:
+        """How this model's forward runs, as the probe path's fields (``szo.zo.ProbePath.on``): compiled
+        (the backend) or not, replayed as CUDA graphs, streamed (``time_chunk``), BN per time step in any
+        layer, and the backend (``float``; the fixed-point network says ``fixed``)."""
+        return {"compile": self.compile_opts[0] if self.compile_opts is not None else False,
+                "cuda_graphs": self.cuda_graphs is not None, "time_chunk": self.time_chunk,
+                "bn_time": bn_time_of(self), "backend": "float"}
+
     # ---------------------------------------------------------------- streaming
     def set_streaming(self, time_chunk: int | None = None, stream_bn: str = "exact") -> SpikingModel:
         """Default ``time_chunk`` / ``stream_bn`` of every later ``forward`` (``None``: all T at once)."""
@@ -191,9 +208,7 @@ class SpikingModel(nn.Module):
         """
         if not isinstance(enabled, bool):
             raise ValueError(f"set_compile(enabled) must be True or False, got {enabled!r}")
-        if enabled and self.cuda_graphs is not None:
-            raise ValueError("set_compile(True) on a model with CUDA graphs: use one of them (torch.compile's "
-                             "mode='reduce-overhead' graphs the compiled forward itself); set_cuda_graphs(False) first")
+        ProbePath(compile=enabled, cuda_graphs=self.cuda_graphs is not None).check()  # one of them
         self.compile_opts = check_compile(backend, mode) if enabled else None
         return self
 
@@ -207,9 +222,7 @@ class SpikingModel(nn.Module):
         replays and eager forwards by reason."""
         if not isinstance(enabled, bool):
             raise ValueError(f"set_cuda_graphs(enabled) must be True or False, got {enabled!r}")
-        if enabled and self.compile_opts is not None:
-            raise ValueError("set_cuda_graphs(True) on a compiled model: use one of them (torch.compile's "
-                             "mode='reduce-overhead' graphs the compiled forward itself); set_compile(False) first")
+        ProbePath(compile=self.compile_opts is not None, cuda_graphs=enabled).check()  # one of them
         self.cuda_graphs = ForwardGraphs(warmup=warmup, max_graphs=max_graphs, backend=backend) if enabled else None
         return self
 

@@ -1,18 +1,27 @@
-"""Forward-mode AD (JVP) through the SpikingJelly LIF and its surrogate.
+"""Forward-mode AD (JVP) through SpikingJelly's spiking neurons and their surrogates.
 
-SpikingJelly's multi-step LIF runs as a custom op (``sj_lif::forward``) and its surrogates
-are ``torch.autograd.Function``s with a backward rule only, so neither supports forward-mode
-AD (``torch.autograd.forward_ad`` / ``torch.func.jvp``: "You must implement the jvp function").
-Inside :func:`jvp_neurons` every ``LIFNode`` of a model runs instead a pure-torch step of
-the same neuron (SpikingJelly's own charge / fire / reset equations) whose spike is
+SpikingJelly's neurons run as custom ops (``sj_lif::forward``, ``sj_if``, ``sj_plif``) and its
+surrogates are ``torch.autograd.Function``s with a backward rule only, so neither supports
+forward-mode AD (``torch.autograd.forward_ad`` / ``torch.func.jvp``: "You must implement the jvp
+function"). Inside :func:`jvp_neurons` every spike is instead
 
     s = H(x) + g(x) - g(x).detach()        g = the surrogate's primitive function
 
 i.e. exactly the Heaviside step in value (``g(x) - g(x)`` is 0 in floating point), and with
-tangent ``g'(x) dx``, the surrogate derivative SpikingJelly's backward uses. The
-directional derivative of a loss through this forward therefore equals autograd's gradient
-through the SpikingJelly LIF, dotted with the tangent (tests/models/test_forward_mode.py
-checks both to 1e-5, and that the spikes equal the custom op's).
+tangent ``g'(x) dx``, the surrogate derivative SpikingJelly's backward uses. Two ways, one spike:
+
+* every multi-step ``LIFNode`` (szo's paper neuron, whose no-grad fast path would bypass the
+  tangent) runs a pure-torch step of the same neuron, :func:`lif_multi_step_torch`;
+* every other SpikingJelly neuron (``BaseNode``: ``IFNode`` -- the tutorial network's --,
+  ``ParametricLIFNode``, a single-step ``LIFNode``, ...) keeps its own forward, with its surrogate
+  replaced by :class:`ForwardModeSurrogate`. SpikingJelly's functional neurons
+  (``functional.if_multi_step`` & co.) run "the Torch reference formulas" for a surrogate that is
+  not one of their built-ins, so the neuron's own charge / fire / reset equations run in torch ops
+  and call this spike; PLIF's learnable ``w`` gets its tangent like any parameter.
+
+The directional derivative of a loss through this forward therefore equals autograd's gradient
+through SpikingJelly's neurons, dotted with the tangent (tests/models/test_forward_mode.py checks
+it to 1e-5 for the LIF, IF and PLIF, and that the spikes equal the custom ops').
 """
 from __future__ import annotations
 
@@ -21,9 +30,10 @@ from typing import Iterator
 
 import torch
 from spikingjelly.activation_based import neuron
+from spikingjelly.activation_based.neuron import BaseNode
 from torch import nn
 
-__all__ = ["jvp_neurons", "lif_multi_step_torch", "surrogate_spike"]
+__all__ = ["jvp_neurons", "lif_multi_step_torch", "surrogate_spike", "ForwardModeSurrogate"]
 
 
 def surrogate_spike(x: torch.Tensor, surrogate: nn.Module) -> torch.Tensor:
@@ -58,21 +68,45 @@ def lif_multi_step_torch(node: neuron.LIFNode, x_seq: torch.Tensor) -> torch.Ten
     return torch.stack(spikes)
 
 
+class ForwardModeSurrogate(nn.Module):
+    """A SpikingJelly surrogate's stand-in inside :func:`jvp_neurons`: :func:`surrogate_spike` with
+    the original's primitive and alpha. The original is held outside the module tree, so the
+    model's parameter names (what ``functional_call`` swaps) do not change."""
+
+    def __init__(self, surrogate: nn.Module):
+        super().__init__()
+        surrogate_spike(torch.zeros(1), surrogate)  # one clear error before the forward
+        self.__dict__["surrogate"] = surrogate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return surrogate_spike(x, self.surrogate)
+
+
+def _lif_override(m: nn.Module) -> bool:
+    """``m`` runs :func:`lif_multi_step_torch` (a multi-step LIF), not its own forward."""
+    return isinstance(m, neuron.LIFNode) and m.step_mode == "m"
+
+
 @contextlib.contextmanager
 def jvp_neurons(model: nn.Module) -> Iterator[nn.Module]:
-    """Run every SpikingJelly ``LIFNode`` of ``model`` through :func:`lif_multi_step_torch` in the block."""
-    nodes = [m for m in model.modules() if isinstance(m, neuron.LIFNode)]
-    for m in nodes:
-        if m.step_mode != "m":
-            raise ValueError(f"forward-mode AD supports multi-step LIF nodes (step_mode='m'), got "
-                             f"step_mode={m.step_mode!r}")
+    """In the block, every SpikingJelly neuron of ``model`` spikes with a forward-mode rule (module
+    docstring): multi-step ``LIFNode`` through :func:`lif_multi_step_torch`, every other
+    ``BaseNode`` with its surrogate replaced by :class:`ForwardModeSurrogate`."""
+    lifs = [m for m in model.modules() if _lif_override(m)]
+    others = [m for m in model.modules() if isinstance(m, BaseNode) and not _lif_override(m)]
+    for m in lifs:
         if getattr(m, "store_v_seq", False):
             raise ValueError("forward-mode AD does not store v_seq; build the LIF with store_v_seq=False")
         surrogate_spike(torch.zeros(1), m.surrogate_function)  # one clear error before the forward
+    stand_ins = {m: ForwardModeSurrogate(m.surrogate_function) for m in others}
     try:
-        for m in nodes:
+        for m in lifs:
             m.multi_step_forward = (lambda x_seq, _m=m: lif_multi_step_torch(_m, x_seq))  # instance override
+        for m, sg in stand_ins.items():
+            m.surrogate_function = sg
         yield model
     finally:
-        for m in nodes:
+        for m in lifs:
             m.__dict__.pop("multi_step_forward", None)
+        for m, sg in stand_ins.items():
+            m.surrogate_function = sg.surrogate

@@ -1,8 +1,8 @@
 """Probe forwards as CUDA graphs: ``model.set_cuda_graphs(True)`` (recipe key ``cuda_graphs``).
 
-A small spiking network at a small batch is launch-bound on a GPU: Spike-ResNet20 at batch 32,
-T = 4 takes the same 5.6-6.5 ms per forward in fp32, TF32 and bf16 (an H200, docs/performance.md),
-because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
+A small spiking network at a small batch is launch-bound on a GPU: its forward takes about the same
+time in fp32 and TF32 (measured: docs/performance.md; its bf16 times predate issue 40's weight-cache
+fix), because the LIF's per-time-step elementwise kernels and the convolutions are each too small to
 fill the card, and the CPU launches them one by one. A zeroth-order step is 2k such forwards of
 the *same* shapes with the parameters changed *in place* (the probe moves them, the restore moves
 them back): exactly what a CUDA graph replays. :class:`ForwardGraphs` captures the no-grad
@@ -17,7 +17,9 @@ multi-step forward (``model.forward_seq``) once per input signature and replays 
   switches (``szo.precision``: the captured kernels were chosen under them), and the addresses
   of the parameters and buffers.
 * **Capture**: ``warmup`` eager forwards on a side stream (cuDNN / cuBLAS initialise their
-  workspaces), then the capture; the warm-up's side effects on the buffers (BN running
+  workspaces), then the capture, both with autocast's weight cache off (``szo.precision.fresh_casts``:
+  under bf16 the graph holds the casts of the parameters, so every replay casts them where they
+  are; a cached cast would be a tensor the graph reads at the weights of the capture); the warm-up's side effects on the buffers (BN running
   statistics) are undone, then the graph is replayed once for the call itself, so a captured call
   and an eager one change the model's state alike. The neuron state starts from its reset value
   in every forward (``SpikingModel.forward`` resets after each call), which is what was captured.
@@ -27,12 +29,15 @@ multi-step forward (``model.forward_seq``) once per input signature and replays 
   sequence (``store_v_seq``), a full graph table, or a capture that failed (e.g. an operation that
   synchronises with the host: that signature stays eager, one warning).
 * Forward hooks run in the warm-up forwards only, never in a replay (as with ``torch.compile``):
-  code that drives layers through hooks at every call (``szo.distributed.SyncBatchNorm``) must
-  not use graphs; config validation refuses that combination.
+  code that drives layers through hooks at every call (``szo.distributed.SyncBatchNorm``, the
+  layer-wise methods' node perturbation and clean-forward records: ``MethodSpec.hooks``) must not
+  use graphs; the probe path (``szo.zo.ProbePath``) refuses those combinations at every door.
 
 The capture mechanism is a :class:`GraphBackend`: :class:`CudaGraphBackend` (``torch.cuda.CUDAGraph``)
 on a GPU; the tests drive the same bookkeeping on the CPU with a backend that replays by calling
-the function again (``tests/models/test_graphed.py``).
+the function again, and with one that replays the recorded ATen operations without running any
+Python, as a CUDA graph does (``tests/models/graph_replay.py``: a hook added after the capture does
+not run in its replays).
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ from spikingjelly.activation_based import functional
 from spikingjelly.activation_based.neuron import BaseNode
 from torch import nn
 
-from szo.precision import tf32_flags
+from szo.precision import fresh_casts, tf32_flags
 
 __all__ = ["ForwardGraphs", "GraphStats", "GraphBackend", "CudaGraphBackend", "eager_reason"]
 
@@ -193,7 +198,8 @@ class ForwardGraphs:
                     b.copy_(saved)
 
         try:
-            replay, out = self.backend.capture(lambda: model.forward_seq(static_x), self.warmup, restore)
+            with fresh_casts():
+                replay, out = self.backend.capture(lambda: model.forward_seq(static_x), self.warmup, restore)
         except Exception as e:  # an operation a graph cannot hold (a host sync): this signature stays eager
             restore()
             self._failed.add(key)

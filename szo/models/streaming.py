@@ -79,7 +79,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 if TYPE_CHECKING:  # pragma: no cover
     from szo.models.base import SpikingModel
 
-__all__ = ["STREAM_BN_MODES", "BN_TIMES", "check_bn_time", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
+__all__ = ["STREAM_BN_MODES", "BN_TIMES", "bn_time_of", "check_bn_time", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
            "chunked_forward", "batch_stat_bn_layers", "bn_momentum"]
 
 STREAM_BN_MODES: tuple[str, ...] = ("exact", "running", "chunk")
@@ -90,6 +90,12 @@ BN_TIMES: tuple[str, ...] = ("shared", "per-step")
 """BatchNorm over time (``BatchNorm2d.bn_time``): one normalisation over the T*N samples of a
 multi-step forward (``"shared"``, SpikingJelly's multi-step BN) or one per time step
 (``"per-step"``, the single-step BN of a loop over T, as the SZO authors ran it)."""
+
+
+def bn_time_of(model: nn.Module) -> str:
+    """``"per-step"`` when any BN layer of ``model`` normalises each time step apart, else ``"shared"``."""
+    return "per-step" if any(isinstance(m, BatchNorm2d) and m.bn_time == "per-step" for m in model.modules()) \
+        else "shared"
 
 
 def check_bn_time(value: object) -> str:

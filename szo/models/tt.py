@@ -74,6 +74,12 @@ def tt_parametrize(model: nn.Module, rank: int | list[int] = 4, *, cores: int = 
             if isinstance(m, (nn.Linear, nn.Conv2d)) and m.weight.numel() >= min_params]
     if not todo:
         raise ValueError(f"no Linear / Conv2d weight has >= min_params={min_params} entries; lower tt.min_params")
+    owner: dict[int, str] = {}
+    for name, m in todo:  # one weight tied to several layers would become independent cores per layer
+        if id(m.weight) in owner:
+            raise ValueError(f"layers {owner[id(m.weight)]!r} and {name!r} share one weight; TT-parameterising them "
+                             "would untie it: untie the weight, or raise min_params to leave one of them dense")
+        owner[id(m.weight)] = name
     plans = []
     for name, m in todo:  # validate every layer before changing any
         shape = tuple(m.weight.shape)

@@ -16,8 +16,16 @@ from torch import nn
 from szo.hw.optim.mcu import MCUZO
 from szo.hw.optim.onchip import OnChipSZO
 from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
-from szo.options import IntegerLearnerOptions, OptimizerOptions, RunOptions, TTOptions, split_keywords
-from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, StepInfo, bn_layers
+from szo.options import (
+    RUN_KEYWORDS,
+    IntegerLearnerOptions,
+    OptimizerOptions,
+    RunOptions,
+    TTOptions,
+    probe_path,
+    split_keywords,
+)
+from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, ProbePath, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .fullspace import FullSpaceZO
@@ -46,6 +54,7 @@ __all__ = [
     "StepInfo",
     "OptimizerOptions",
     "RunOptions",
+    "ProbePath",
     "TTOptions",
     "IntegerLearnerOptions",
     "METHODS",
@@ -63,7 +72,8 @@ def build_bp(spec, model: nn.Module, subspace, o: OptimizerOptions, run: RunOpti
 def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     """What the registry says a method can take, checked once for every method."""
     m = spec.name
-    spec.check_capabilities(weight_decay=o.weight_decay, momentum=o.momentum, engine=o.engine, parallel=run.distributed)
+    spec.check_capabilities(weight_decay=o.weight_decay, momentum=o.momentum)
+    probe_path(o, run, spec).on(model).check()
     if not isinstance(model, nn.Module):
         raise ValueError(f"build_optimizer needs the model (a torch.nn.Module), got {type(model).__name__}")
     if not list(model.parameters()):
@@ -79,6 +89,21 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
                          "learner keeps its quantised basis: leave refresh None")
 
 
+def _records(options: OptimizerOptions | None, run: RunOptions | None, keywords: dict
+             ) -> tuple[OptimizerOptions, RunOptions]:
+    """The two option records from ``build_optimizer``'s arguments: a record given is used as it is,
+    one not given comes from the keywords of its fields (its defaults without them). A keyword of a
+    record that was given as well is refused in one line: which one was meant is not known."""
+    kw_options, kw_run = split_keywords(keywords)
+    both = sorted(k for k in keywords if (options is not None and k not in RUN_KEYWORDS)
+                  or (run is not None and k in RUN_KEYWORDS))
+    if both:
+        given = "options=" if options is not None and both[0] not in RUN_KEYWORDS else "run="
+        raise ValueError(f"build_optimizer got {given} and the keyword(s) {', '.join(both)} of that record; set "
+                         f"them in the record (record.replace(...)) or give keywords only")
+    return (kw_options if options is None else options), (kw_run if run is None else run)
+
+
 def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: OptimizerOptions | None = None,
                     run: RunOptions | None = None, **keywords) -> torch.optim.Optimizer:
     """The optimizer of a registered method (``szo.methods``); subspace methods need ``subspace``.
@@ -87,11 +112,15 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     :class:`RunOptions`) or as keywords of their fields (``lr=``, ``momentum=``, ``mu=``,
     ``q=``, ``coords_per_step=``, ``engine=``, ``chunk=``, ``bn_update=``, ``layers=``,
     ``stages=``, ``tt=``, ``integer=``, ``weight_decay=``; ``generator=``, ``distributed=``,
-    ``sync_bn=``, ``process_group=``, ``start=``), not both. ``scale`` (``szo.zo.scale``) left unset is
+    ``sync_bn=``, ``process_group=``, ``start=``): a record given is used as it is, one not given is
+    built from the keywords of its fields (``run=RunOptions(generator=g), lr=0.1`` sets both), and a
+    keyword of a record that was also given is refused. ``scale`` (``szo.zo.scale``) left unset is
     the method's default (``trajectory`` for the subspace methods with relative defaults, else
     ``absolute``), and ``mu`` / ``lr`` left unset the scale's: ``build_optimizer("szo-cge", model,
     subspace=sub)`` probes 0.3 and steps 0.03 of the subspace's spread; the paper's procedure is
-    ``scale="absolute", mu=1.0, lr=1.0`` (App. G).
+    ``scale="absolute", mu=1.0, lr=1.0`` (App. G). A relative scale where the method has no relative
+    defaults (zo-cge, fg, np-zo, ...) or for the integer learner is refused, as a recipe's is
+    (``MethodSpec.check_scale``).
 
     ``distributed`` (``"data"`` | ``"perturbation"``, see ``SZO``) is supported by the methods
     whose record lists it (the SZO methods). ``zo-cge`` perturbs ``coords_per_step`` random
@@ -109,16 +138,10 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     coordinate units; ``mcu-zo`` is seed 004's own learner on the int8 weights (``szo.hw.optim.mcu.MCUZO``).
     """
     spec = get_method(method, trainable=True)
-    if options is None or run is None:
-        if (options is None) != (run is None) and keywords:
-            raise ValueError("give build_optimizer either options= and run= or keywords, not both")
-        if options is None:
-            options, run = split_keywords(keywords)
-    elif keywords:
-        raise ValueError("give build_optimizer either options= and run= or keywords, not both")
-    run = RunOptions() if run is None else run
+    options, run = _records(options, run, keywords)
     if spec.integer and options.integer is None:
         options = options.replace(integer=IntegerLearnerOptions())
+    spec.check_scale(options.scale, integer=options.integer is not None)
     if options.scale is None:  # the method's default: trajectory for the relative methods' float learner
         options = options.replace(scale=spec.default_scale(integer=options.integer is not None))
     if options.mu is None:  # the scale's default: the method's relative mu, or App. G's 1.0

@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
 from szo.methods import register_builder
 from szo.zo import (
@@ -46,6 +47,7 @@ from szo.zo import (
     gaussian_rows,
     heavy_ball_,
     jvp_closure,
+    refuse_frozen,
 )
 
 from ..asyncfgd import split_stages, stage_tangent
@@ -63,6 +65,8 @@ def _check_model(model: nn.Module | None, params: list[torch.Tensor], who: str) 
     if len(named) != len(params) or any(p is not q for (_, p), q in zip(named, params)):
         raise ValueError(f"{who} optimizes all of the model's parameters in named_parameters() order: "
                          "pass model.parameters()")
+    refuse_frozen(params, model, who, "moves every parameter of its model (a forward-mode tangent over all of them)",
+                  "unfreeze them, or train with a method that leaves frozen parameters out (szo-cge, zo-rge)")
     return [n for n, _ in named]
 
 
@@ -79,6 +83,7 @@ class ForwardGradient(ForwardOnlyBase):
     """
 
     codecs = (StateCodec("fg", GENERATOR_COUNTERS),)  # state_dict()["fg"]: generator, forward count
+    fixed_space = "every parameter of its model (the JVP swaps them all)"
 
     def __init__(self, params: Iterable[torch.Tensor], *, model: nn.Module, lr: float = 1e-3,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
@@ -101,8 +106,7 @@ class ForwardGradient(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("ForwardGradient.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         sp = self.space
         z = gaussian_rows(self.q, self.d, self.generator, dtype=torch.float32)
         with self.evaluator.session():
@@ -115,16 +119,21 @@ class ForwardGradient(ForwardOnlyBase):
 
 
 class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
-    """Forward gradient in the trajectory subspace: tangents ``P z``, ``z ~ N(0, I_k)``; SZO's eq. (6) on c."""
+    """Forward gradient in the trajectory subspace: tangents ``P z``, ``z ~ N(0, I_k)``; SZO's eq. (6) on c.
+
+    ``start`` as for the other subspace optimizers: ``"current"`` (this params form's default) keeps
+    the parameters, ``"reference"`` moves them to ``subspace.reference`` (``build_optimizer``'s
+    default for ``fg-subspace``, as for ``szo-cge`` and ``bp-subspace``)."""
 
     codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS, check=check_k),)
 
     def __init__(self, params: Iterable[torch.Tensor], subspace, *, model: nn.Module, lr: float = 1.0,
-                 momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
+                 momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None,
+                 start: str = "current"):
         params = list(params)
         check_hparams(q=q)
         names = _check_model(model, params, "SubspaceForwardGradient")
-        SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum), model=model)
+        SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start)
         self.q = q
         self._init_forward_only(_jvp_evaluator(model, names, "SubspaceForwardGradient"), generator)
 
@@ -134,9 +143,7 @@ class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("SubspaceForwardGradient.step needs a closure that runs a forward pass and returns "
-                             "the loss")
+        self.check_closure(closure)
         sp = self.space
         z = gaussian_rows(self.q, self.k, self.generator, dtype=torch.float64)
         with self.evaluator.session():
@@ -176,6 +183,7 @@ class AsyncFGD(ForwardOnlyBase):
                                                  Field("history", "versions"),
                                                  Field("adam", "plain", "adam_state", optional=True)),
                          check=lambda opt, sec: opt.check_stages(sec)),)
+    fixed_space = "its model's parameters, cut into pipeline stages"
 
     def __init__(self, model: nn.Module, *, stages: int = 2, lr: float = 1e-3, momentum: float = 0.0,
                  seed: int | None = None, generator: torch.Generator | None = None, update: str = "sgd",
@@ -235,8 +243,7 @@ class AsyncFGD(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("AsyncFGD.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         i = self.steps
         u = [stage_tangent(st, self.seed, i, k) for k, st in enumerate(self.stages)]
         current: list[list[torch.Tensor] | None] = []
@@ -271,14 +278,27 @@ class AsyncFGD(ForwardOnlyBase):
 
 
     def _adam_step(self, u: list[dict[str, torch.Tensor]], d: float, lr: float) -> None:
-        """Algorithm 2: Adam on the forward-gradient estimate ``g = d u`` of every parameter."""
+        """Algorithm 2: Adam on the forward-gradient estimate ``g = d u`` of every parameter: torch's
+        functional ``adam`` on the moments ``self.adam`` keeps (its state, created as ``Adam.step``
+        creates it, and its settings), so that the step hooks fire once, for this optimizer's step,
+        not again for an inner ``Adam.step`` (issue 40 item 16)."""
         params = self.param_groups[0]["params"]
-        for p, (k, n) in zip(params, self._where):
-            p.grad = u[k][n] * d
-        self.adam.param_groups[0]["lr"] = lr
-        self.adam.step()
+        group = self.adam.param_groups[0]
+        group["lr"] = lr
         for p in params:
-            p.grad = None
+            st = self.adam.state[p]
+            if not st:  # as Adam._init_group: a CPU step counter, zero moments
+                st["step"] = torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
+                                          else torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.adam.state[p] for p in params]
+        adam(params, [u[k][n] * d for k, n in self._where], [s["exp_avg"] for s in states],
+             [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=group["foreach"],
+             capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
+             decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+             beta1=group["betas"][0], beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"],
+             eps=group["eps"], maximize=group["maximize"])
 
     @property
     def adam_state(self) -> dict | None:
@@ -303,9 +323,9 @@ def build_fg(spec, model: nn.Module, subspace, o, run) -> ForwardGradient:
 
 @register_builder("fg-subspace")
 def build_fg_subspace(spec, model: nn.Module, subspace, o, run) -> SubspaceForwardGradient:
-    """The params form: the parameters stay where they are (``start`` does not apply)."""
+    """Starts where the other subspace methods start: ``subspace.reference`` unless ``start="current"``."""
     return SubspaceForwardGradient(model.parameters(), subspace, model=model, lr=o.lr, momentum=o.momentum, q=o.q,
-                                   generator=run.generator)
+                                   generator=run.generator, start=run.start)
 
 
 @register_builder("asyncfgd", "asyncfgd-adam")

@@ -17,15 +17,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
     Coordinates,
     ForwardOnlyBase,
-    LoopEvaluator,
     ParamSpace,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     check_hparams,
     gaussian_rows,
@@ -40,7 +40,8 @@ __all__ = ["FullSpaceZO"]
 class FullSpaceZO(ForwardOnlyBase):
     """Forward-only full-space ZO optimizer (``estimator="cge"``, ``"coord-one-point"`` or ``"rge"``).
 
-    A :class:`~szo.zo.ParamSpace` over all parameters, a CGE plan over ``coords_per_step`` random
+    A :class:`~szo.zo.ParamSpace` over all its parameters (those with ``requires_grad``; param
+    groups set their own ``lr`` and ``momentum``, and ``add_param_group`` adds to the space), a CGE plan over ``coords_per_step`` random
     coordinates (probes ``+i, -i`` interleaved; ``"coord-one-point"``: the centre, then ``+i`` --
     one-sided differences, ``n + 1`` forwards) or an RGE plan over ``q`` Gaussian directions
     (drawn one ``[d]`` vector at a time, estimate accumulated direction by direction), the loop
@@ -48,6 +49,7 @@ class FullSpaceZO(ForwardOnlyBase):
     """
 
     codecs = (StateCodec("zo", GENERATOR_COUNTERS),)
+    fixed_space = None  # add_param_group adds to the flat vector
 
     def __init__(
         self,
@@ -64,20 +66,41 @@ class FullSpaceZO(ForwardOnlyBase):
         bn_update: str = "recompute",
     ):
         kind = get_estimator(estimator, ("cge", "coord-one-point", "rge"))
-        check_hparams(lr=lr, momentum=momentum, mu=mu, q=q if estimator == "rge" else None)
+        check_hparams(lr=lr, momentum=momentum, mu=mu, q=None if kind.coordinate else q)
         params, model = resolve_model(params, model, "FullSpaceZO")
-        super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))
-        self.space = ParamSpace(params)
-        self.d = self.space.d
+        self.coords_per_step = coords_per_step
+        super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))  # each group through add_param_group
+        if not self.space.d:
+            raise ValueError("FullSpaceZO: every parameter has requires_grad=False: nothing to train")
         if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
             raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
-        self.estimator = estimator
+        self.estimator = kind.name
         self.kind = kind
         self.q = q
-        self.coords_per_step = coords_per_step
         self.model = model
-        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "FullSpaceZO", bn_update=bn_update)), generator)
-        self.state[params[0]]["velocity"] = torch.zeros(self.d, dtype=params[0].dtype, device=params[0].device)
+        self._init_forward_only(build_evaluator(ProbePath(bn_update=bn_update), model, "FullSpaceZO"), generator)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """A group's parameters join the flat vector (their velocity 0; ``lr`` and ``momentum`` of its
+        own, ``mu`` the optimizer's); a frozen parameter (``requires_grad=False``) is left out, never
+        probed nor moved."""
+        group = dict(param_group)
+        ps = group.get("params")
+        group["params"] = [p for p in ([ps] if isinstance(ps, torch.Tensor) else list(ps or [])) if p.requires_grad]
+        if group.get("mu", self.defaults["mu"]) != self.defaults["mu"]:
+            raise ValueError(f"FullSpaceZO probes every coordinate with one mu (the optimizer's, "
+                             f"{self.defaults['mu']}); a param group may set its own lr and momentum, not mu")
+        super().add_param_group(group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        space = ParamSpace(params)
+        self.space, self.d = space, space.d
+        if not params:
+            return
+        old = self.state[params[0]].get("velocity")
+        vel = torch.zeros(space.d, dtype=params[0].dtype, device=params[0].device)
+        if old is not None:
+            vel[:old.numel()] = old
+        self.state[params[0]]["velocity"] = vel
 
     @property
     def forwards_per_step(self) -> int:
@@ -96,15 +119,16 @@ class FullSpaceZO(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         plan = self.plan()
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan)
         grad = plan.estimate(losses, dtype=self.space.dtype).to(self.space.device)
-        group = self.param_groups[0]
-        vel = heavy_ball_(self.state[self.space.params[0]]["velocity"], grad, lr=group["lr"],
-                          momentum=group["momentum"])
+        vel, off = self.state[self.space.params[0]]["velocity"], 0
+        for group in self.param_groups:  # each group's slice of the flat vector with its lr / momentum
+            n = sum(p.numel() for p in group["params"])
+            heavy_ball_(vel[off:off + n], grad[off:off + n], lr=group["lr"], momentum=group["momentum"])
+            off += n
         self.space.add_(vel)
         return self.finish_step(closure, losses, self.kind.step_loss(losses), plan.m)
 
@@ -114,7 +138,7 @@ def build_full_space_zo(spec, model: nn.Module, subspace, o, run) -> FullSpaceZO
     """Full-space ZO (``spec.variant``: cge, rge). CGE's ``coords_per_step`` defaults to the
     subspace's k when one is given (the same 2k forwards per step as SZO-CGE), else all d."""
     coords = o.coords_per_step
-    if spec.variant == "cge" and coords is None and subspace is not None:
+    if get_estimator(spec.variant).coordinate and coords is None and subspace is not None:
         coords = int(subspace.basis.shape[1])
     return FullSpaceZO(model, estimator=spec.variant, mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q,
                        coords_per_step=coords, generator=run.generator, bn_update=o.bn_update)

@@ -44,22 +44,23 @@ import torch.nn.functional as TF
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.engine import build_evaluator
 from szo.functional.zo import per_sample_node_estimate
-from szo.methods import register_builder
+from szo.methods import get_method, list_methods, register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
     CleanForward,
     Field,
     LayerwiseBase,
-    LoopEvaluator,
     NodeSpace,
     ParamSpace,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     adaptive_perturbation,
     check_hparams,
     heavy_ball_,
     one_point_plan,
+    refuse_shared_weights,
     trainable_layers,
 )
 
@@ -257,6 +258,7 @@ class LayerwiseZO(LayerwiseBase):
 
     # state_dict()["layerwise"]: generator, forward count, per-layer modes
     codecs = (StateCodec("layerwise", GENERATOR_COUNTERS + (Field("modes", "plain"),)),)
+    fixed_space = "the parameters of the layers it was built with (layers=)"
 
     def __init__(self, model: nn.Module, *, perturbation: str = "node", layers: Sequence[str] | None = None,
                  mu: float = 1e-2, lr: float = 0.1, momentum: float = 0.9, q: int = 1,
@@ -271,6 +273,13 @@ class LayerwiseZO(LayerwiseBase):
                              "the probes' own statistics, a biased per-sample estimate)")
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=q)
         self.layers = trainable_layers(model, layers)
+        refuse_shared_weights(self.layers, "LayerwiseZO")
+        # a layer whose parameters are all frozen (requires_grad=False) is not trained (named: refused)
+        still = [n for n, m in self.layers.items() if not any(p.requires_grad for p in m.parameters(recurse=False))]
+        if layers is not None and still:
+            raise ValueError(f"LayerwiseZO: layer(s) {', '.join(still)} have only frozen parameters "
+                             "(requires_grad=False), which an optimizer never changes: leave them out of layers=")
+        self.layers = {n: m for n, m in self.layers.items() if n not in still}
         params = [p for m in self.layers.values() for p in m.parameters(recurse=False) if p.requires_grad]
         if not params:
             raise ValueError("the chosen layers have no trainable parameters")
@@ -282,7 +291,11 @@ class LayerwiseZO(LayerwiseBase):
         self.loss_reduction = "none" if self.per_sample else "mean"
         self.node_bn = node_bn
         self.clean_stats = CleanBatchStatistics(model, self.layers, enabled=self.per_sample and node_bn != "live")
-        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "LayerwiseZO", bn_update=bn_update)), generator)
+        # the method's record says it drives layers through hooks (its clean forward records inputs, node
+        # perturbation adds noise through them): the probe path refuses forwards that would skip them
+        method = get_method(list_methods(family="layer-wise-zo", variant=perturbation)[0])
+        self._init_forward_only(build_evaluator(ProbePath(bn_update=bn_update, method=method), model, "LayerwiseZO"),
+                                generator)
         self.modes: dict[str, str] = {}  # layer -> "node" | "weight" (adaptive: fixed at the first step)
         self.spaces = {n: ParamSpace([p for p in m.parameters(recurse=False) if p.requires_grad])
                        for n, m in self.layers.items()}
@@ -346,6 +359,12 @@ class LayerwiseZO(LayerwiseBase):
             if ps:
                 losses = losses.mean(1)  # weight perturbation: the batch loss (Algorithm 1 line 10)
             return own.split(plan.estimate(losses, centre=clean.l0)), losses
+        if ps and batch != clean.losses.numel():
+            raise ValueError(
+                f"node perturbation with per-sample losses perturbs layer {name!r}'s output sample by sample, but its "
+                f"output {list(shape)} has no axis of the batch's {clean.losses.numel()} samples ([T, N, ...] or [N, F]; "
+                "a SeqToANNContainer folds T and N into one): use SpikingJelly's multi-step layers (layer.Conv2d / "
+                "layer.Linear, step_mode='m'), node_losses='batch-mean', or method wp-zo")
         plan = one_point_plan(self._noise(torch.Size(shape)), mu, centre=False)
         # the BN layers this layer's output reaches normalise with the clean batch's statistics
         with cs.frozen(cs.after(m)):

@@ -31,20 +31,20 @@ import torch
 from torch import nn
 
 from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
-from szo.distributed import DistributedEvaluator
-from szo.engine import ENGINES, BatchedProbeEvaluator
+from szo.engine import build_evaluator
 from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
+from szo.options import probe_path
 from szo.zo import (
     ESTIMATORS,
     GENERATOR_COUNTERS,
     CodecOptimizer,
+    Estimator,
     Field,
     ForwardOnlyBase,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     SubspaceSpace,
     check_hparams,
@@ -105,6 +105,7 @@ class SubspaceOptimizer(CodecOptimizer):
 
     forward_only = False
     codecs = (StateCodec("subspace", COORDS, check=check_k),)
+    fixed_space = "the parameters of the subspace it was built with (theta_0 + P c)"
 
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
                  start: str | None = None, scale: str = "absolute"):
@@ -118,11 +119,18 @@ class SubspaceOptimizer(CodecOptimizer):
         units = None if scale == "absolute" else coordinate_scales(subspace.eigenvalues, scale)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
+        # a frozen parameter (requires_grad=False) is never moved: its rows of P are left out
+        rows = torch.cat([torch.full((p.numel(),), p.requires_grad) for p in params])
+        if not bool(rows.any()):
+            raise ValueError(f"{type(self).__name__}: every parameter has requires_grad=False: nothing to train")
+        basis = subspace.basis if bool(rows.all()) else subspace.basis[rows.to(subspace.basis.device)]
+        params = [p for p in params if p.requires_grad]
         super().__init__(params, defaults)
         self.model = model
         self.scale = scale
         self.units = units
-        self.space = SubspaceSpace(params, subspace.basis, scales=units)
+        self.space = SubspaceSpace(params, basis, scales=units)
+        self.initial_basis = basis  # P over the trained rows ([d, k]): the basis it was built on
         self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
@@ -243,16 +251,15 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     * ``estimator="coord-one-point"``: k + 1 probes, the centre and ``theta + mu v_i``: the paper's
       one-point CGE ablation (Table 13, "SZO-CGE (one-point)"; method ``szo-cge-1pt``).
 
-    ``engine="batched"`` evaluates the probes of a step as perturbed copies folded into one
-    forward per ``chunk`` of probes (``szo.engine``; equal to the loop to 1e-5) instead of one
-    closure call each. It needs the batch, so the closure must carry it:
-    ``closure.batch = (x, y, loss_fn)`` (``szo.engine.batch_closure(model, loss_fn, x, y)``
-    builds such a closure; ``szo.train.fit`` sets it). The default ``"loop"`` calls the
-    closure once per probe.
-
-    ``compile=True`` runs the model's forward through ``torch.compile``
-    (``model.set_compile(True)``, see ``szo.models.compiled``): compiled once per input shape,
-    no recompilation when the probes perturb the parameters in place.
+    ``probes`` (``szo.zo.ProbePath``) says how the probes run and checks the combination once:
+    the engine (``ProbePath(engine="batched", chunk=...)`` evaluates a step's probes as perturbed
+    copies folded into one forward per ``chunk`` of probes, ``szo.engine``; equal to the loop to
+    1e-5; it needs the batch, so the closure must carry it: ``closure.batch = (x, y, loss_fn)``,
+    ``szo.engine.batch_closure(model, loss_fn, x, y)`` builds such a closure, ``szo.train.fit`` sets
+    it; the default ``"loop"`` calls the closure once per probe), the BN statistics (``freeze_bn``,
+    ``bn_update``) and the torchrun mode. The model's own forward settings (``model.set_compile``,
+    ``model.set_cuda_graphs``, ``model.set_streaming``, see ``szo.models``) are read from the model
+    and checked with it.
 
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore).
@@ -265,7 +272,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     carries the number of redraws and the generator state before the last one (``refresh`` in the
     ``subspace`` section), from which :meth:`load_state_dict` redraws the current basis.
 
-    ``distributed="data"`` (every rank: all probes on its shard of the batch, the closure
+    ``ProbePath(distributed="data")`` (every rank: all probes on its shard of the batch, the closure
     returning the shard's share of the batch loss) or ``"perturbation"`` (every rank: probes
     ``rank, rank + W, ...`` on the full batch) runs on an initialised torch.distributed group
     (``process_group`` or the default one). Per step the m probe losses (float64) and, with BN,
@@ -289,78 +296,41 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         mu: float = 1.0,
         lr: float = 1.0,
         momentum: float = 0.9,
-        estimator: str = "cge",
+        estimator: str | Estimator = "cge",
         q: int = 1,
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
-        freeze_bn: bool = True,
-        distributed: str | None = None,
-        process_group=None,
-        sync_bn: bool = True,
-        engine: str = "loop",
-        chunk: int | None = None,
-        compile: bool = False,
-        bn_update: str = "recompute",
         start: str | None = None,
         scale: str = "absolute",
         refresh: int | None = None,
+        probes: ProbePath | None = None,
     ):
         if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1):
             raise ValueError(f"refresh must be None (keep the basis) or a number of steps >= 1, got {refresh!r}")
         if refresh is not None and generator is not None and generator.device.type != "cpu":
             raise ValueError("refresh draws the new bases from the generator on the CPU: pass a CPU torch.Generator")
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
-        if engine == "batched" and ((model is None and not isinstance(params, nn.Module)) or distributed is not None
-                                    or not freeze_bn):
-            raise ValueError("engine='batched' needs the model (SZO(model, ...)), runs in one process "
-                             "(distributed=None) and keeps BN statistics frozen across the probes (freeze_bn=True); "
-                             "use engine='loop'")
-        if distributed not in DISTRIBUTED_MODES:
-            raise ValueError(f"unknown distributed mode {distributed!r}; valid: None, 'data', 'perturbation'")
-        kind = get_estimator(estimator)
+        kind = estimator if isinstance(estimator, Estimator) else get_estimator(estimator)
         check_hparams(mu=mu, q=None if kind.coordinate else q)
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
                                    start=start, scale=scale)
-        model = self.model
-        if distributed == "data" and sync_bn and model is not None and any(
-                getattr(m, "bn_time", "shared") == "per-step" for m in model.modules()):
-            raise ValueError("distributed='data' with sync_bn synchronises BN statistics over the T*N samples of a "
-                             "forward; per-time-step BN (bn_time='per-step') is not supported there: use "
-                             "bn_time='shared', sync_bn=False or distributed='perturbation'")
-        if compile:  # the probe forwards run model.forward_seq through torch.compile (szo.models.compiled)
-            if model is None or not callable(getattr(model, "set_compile", None)) or engine != "loop":
-                raise ValueError("compile=True compiles the model's forward: it needs model=<a szo.models.SpikingModel> "
-                                 "and engine='loop' (the batched engine folds the copies itself)")
-            model.set_compile(True)
-        if distributed == "data" and sync_bn and getattr(model, "compile_opts", None) is not None:
-            raise ValueError("distributed='data' with sync_bn synchronises BN through forward hooks, which a compiled "
-                             "forward does not see: use model.set_compile(False), sync_bn=False or "
-                             "distributed='perturbation'")
-        self.estimator = estimator
+        self.estimator = kind.name
         self.kind = kind
         self.q = q
-        guard = ProbeGuard(model, "SZO", bn_update=bn_update, freeze_bn=freeze_bn)
-        # torch.distributed: "data" = every rank evaluates all probes on its shard of the
-        # batch, losses are averaged; "perturbation" = every rank evaluates a slice of the
-        # probes on the full batch. Either way only the m probe losses (and BN statistics)
-        # cross the network; every rank applies the identical update (same RGE generator
-        # seed on all ranks), so parameters stay in sync without broadcasting weights.
-        # engine="batched": all probes of a step in folded forwards (szo.engine), which needs the
-        # batch itself rather than an opaque closure: the closure carries it as closure.batch
-        if distributed is not None:
-            evaluator = DistributedEvaluator(guard, distributed, process_group=process_group, sync_bn=sync_bn)
-        elif engine == "batched":
-            evaluator = BatchedProbeEvaluator(guard, model, chunk=chunk)
-        else:
-            evaluator = LoopEvaluator(guard)
-        self._init_forward_only(evaluator, generator)
+        # how the probes run (the loop, the batched engine, torch.distributed: "data" = every rank
+        # evaluates all probes on its shard of the batch, "perturbation" = a slice of the probes on the
+        # full batch; either way only the m probe losses and BN statistics cross the network and every
+        # rank applies the identical update), every combination checked by the record
+        self.probes = ProbePath() if probes is None else probes
+        self._init_forward_only(build_evaluator(self.probes, self.model, "SZO"), generator)
+
         self.refresh = refresh
         self.refresh_state: dict | None = None if refresh is None else {"count": 0, "draw_state": None}
-        self._first_basis = subspace.basis
-        self.engine = engine
-        self.process_group = process_group
-        self.sync_bn = bool(sync_bn)
+        self._first_basis = self.initial_basis
+
+    @property
+    def engine(self) -> str:
+        """The probe engine its path runs (``self.probes.engine``: ``loop`` or ``batched``)."""
+        return self.probes.engine
 
     @property
     def forwards_per_step(self) -> int:
@@ -431,8 +401,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("SZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         if self.refresh is not None and self.subspace_state["step"] // self.refresh > self.refresh_state["count"]:
             self.refresh_basis()
         plan = self.plan()
@@ -485,6 +454,5 @@ def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
 def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
-               generator=run.generator, distributed=run.distributed, sync_bn=run.sync_bn,
-               process_group=run.process_group, engine=o.engine, chunk=o.chunk, bn_update=o.bn_update, start=run.start,
-               scale=o.scale, refresh=o.refresh)
+               generator=run.generator, start=run.start, scale=o.scale, refresh=o.refresh,
+               probes=probe_path(o, run, spec))

@@ -113,6 +113,14 @@ class HybridZO(FullSpaceZO):
             return self.sign_q + 1 + int(self.guard.recomputes)
         return super().forwards_per_step
 
+    def sign_scale(self, group: dict) -> float:
+        """The factor on ``sign_lr``: ``lr`` of ``group`` over the lr it started from (a scheduler's
+        ``initial_lr``, else the lr the optimizer was built with), so that a scheduler -- or an lr of 0
+        set in ``param_groups`` -- scales the signRGE phase as it scales the CGE phase; an optimizer
+        built with lr 0 steps by ``sign_lr`` once its lr is raised above 0."""
+        base = group.get("initial_lr", self.defaults["lr"])
+        return group["lr"] / base if base > 0 else float(group["lr"] > 0)
+
     def _switch(self) -> None:
         self.phase = "cge"
         self.hybrid_state["switched_at"] = self.hybrid_state["steps"]
@@ -136,14 +144,12 @@ class HybridZO(FullSpaceZO):
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan)
         center = float(losses[0])
-        scale = group["lr"] / group.get("initial_lr", group["lr"]) if group.get("initial_lr") else 1.0
-        self.space.load(sign_descent_(self.space.flat(), plan.estimate(losses), self.sign_lr * scale))
+        self.space.load(sign_descent_(self.space.flat(), plan.estimate(losses), self.sign_lr * self.sign_scale(group)))
         return self.finish_step(closure, losses, center, plan.m), center
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("HybridZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
         st = self.hybrid_state
         if self.phase == "sign-rge":
             loss, center = self._sign_step(closure)

@@ -1,12 +1,11 @@
 """``szo diagnose RUN_DIR``, ``szo study subspaces BP_RUN``, ``szo study q RECIPE``, ``szo study precision RECIPE``
 and ``szo study shift BP_RUN``
-(entry points of group ``szo.commands``)."""
+(the commands: the table in ``szo.cli``)."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from szo.cli import STUDY
 from szo.study import diagnose, precision, qsweep, shift, subspaces
 from szo.study.diagnose import diagnose_run, render
 from szo.study.precision import render_precision, study_precision
@@ -14,7 +13,7 @@ from szo.study.qsweep import render_q, study_q
 from szo.study.shift import ShiftSettings, render_shift, study_shift
 from szo.study.subspaces import study_subspaces
 
-__all__ = ["register", "add_diagnose_arguments", "add_study_arguments"]
+__all__ = ["add_diagnose_arguments", "add_study_arguments"]
 
 
 def _floats(s: str) -> list[float]:
@@ -94,11 +93,6 @@ def _cmd_study_precision(args: argparse.Namespace) -> int:
     print(render_precision(res))
     print(f"written: {args.out}/precision.json, precision.md, precision.png")
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``szo diagnose`` and ``szo study`` to the ``szo`` CLI (names and help: ``szo.cli.STUDY``)."""
-    STUDY(subparsers)
 
 
 def add_diagnose_arguments(p: argparse.ArgumentParser) -> None:

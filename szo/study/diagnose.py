@@ -31,7 +31,7 @@ from szo.build import build_model, load_run_model, loss_for, subspace_store_for
 from szo.data import get_dataset, make_loader
 from szo.functional.diagnostics import draw_estimates, estimate_statistics, rge_variance_closed_form
 from szo.io import atomic_write_json
-from szo.zo import ProbeGuard
+from szo.zo import ProbeGuard, get_estimator
 
 __all__ = ["diagnose_model", "diagnose_run", "run_batch", "plot_diagnose", "render"]
 
@@ -108,15 +108,15 @@ def diagnose_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, los
                 if dirs is not None or theta.numel() <= max_full_cge:
                     configs.insert(0, ("cge", None))
                 for est, q in configs:
+                    kind = get_estimator(est)  # coordinate (deterministic: drawn once) or random directions
                     e = draw_estimates(loss_at, theta, dirs, mu, estimator=est, q=q or 1,
-                                       repeats=1 if est == "cge" else repeats, generator=gen)
+                                       repeats=1 if kind.coordinate else repeats, generator=gen)
                     row = {"model": label, "space": space, "estimator": est, "mu": mu, "q": q,
                            "k": theta.numel() if dirs is None else dirs.shape[1], "d": theta.numel(),
                            **estimate_statistics(e, grad, dirs)}
-                    if est == "rge":
+                    if not kind.coordinate:
                         row["variance_closed_form"] = rge_variance_closed_form(grad, dirs, q)
-                    forwards = 2 * row["k"] if est == "cge" else 2 * q
-                    row["forwards_per_estimate"] = forwards
+                    row["forwards_per_estimate"] = kind.probes(row["k"], q or 1)
                     if keep_estimates:
                         row["estimates"] = e
                     rows.append(row)

@@ -41,6 +41,7 @@ from szo.precision import check_precision, precision_policy
 from szo.rundir import run_lock
 from szo.stages import bptt_stage, device_for, subspace_model
 from szo.study.diagnose import diagnose_model, run_batch
+from szo.zo import get_estimator
 
 __all__ = ["study_precision", "estimate_rows", "training_rows", "spike_flip_rate", "render_precision",
            "plot_precision", "default_precisions"]
@@ -147,9 +148,10 @@ def study_precision(recipe: str, *, precisions: Sequence[str] | None = None, mus
                     qs: Sequence[int] = (1, 10), repeats: int = 10, batch: int = 64, seeds: Sequence[int] = (0, 1, 2),
                     train_mus: Sequence[float] | None = None, overrides: Sequence[str] = (), device: str | None = None,
                     out: str | os.PathLike, train: bool = True, plot: bool = True) -> dict[str, Any]:
-    """The study (module doc); writes precision.json / .md / .png into ``out`` and returns the result."""
+    """The study (module doc); writes precision.json / .md / .png into ``out`` and returns the result.
+    Everything is checked before ``out`` is created (a refused study leaves nothing behind); ``out``
+    is held as a run directory (``szo.rundir.run_lock``: a file there is refused in one line)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     sets = list(overrides)
     if not any(s.startswith("subspace.root=") for s in sets):
         sets.append(f"subspace.root={(out / 'subspaces').resolve()}")
@@ -161,7 +163,13 @@ def study_precision(recipe: str, *, precisions: Sequence[str] | None = None, mus
     precs = list(precisions) if precisions else default_precisions(dev)
     for p in precs:
         check_precision(p)
-    with run_lock(out):  # the study's directory; every run in it holds its own
+    _check_settings(mus, qs, repeats, batch, seeds if train else (0,))
+    if train:  # every training run's config, checked now rather than after the estimates
+        for p in precs:
+            for mu in (list(train_mus) if train_mus else [None]):
+                load_recipe(recipe, sets + [f"precision={p}", f"seed={seeds[0]}"]
+                            + ([f"szo.mu={mu}"] if mu is not None else []))
+    with run_lock(out):  # creates the study's directory (one line if it cannot); every run in it holds its own
         if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):
             bptt_stage(cfg, out / "bptt", device=dev)
         sm = subspace_model(cfg)
@@ -181,6 +189,23 @@ def study_precision(recipe: str, *, precisions: Sequence[str] | None = None, mus
     return result
 
 
+def _check_settings(mus: Sequence[float], qs: Sequence[int], repeats: int, batch: int, seeds: Sequence[int]) -> None:
+    """The study's own numbers, one ValueError naming the first bad one (before any directory is made)."""
+    def bad(what: str, got: Any, valid: str) -> None:
+        raise ValueError(f"szo study precision: {what} {got!r}; valid: {valid}")
+
+    if not mus or any(isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf") for m in mus):
+        bad("--mu", list(mus), "positive finite numbers")
+    if not qs or any(isinstance(q, bool) or not isinstance(q, int) or q < 1 for q in qs):
+        bad("--q", list(qs), "ints >= 1")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
+        bad("--repeats", repeats, "an int >= 2 (a variance needs two draws)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        bad("--batch", batch, "an int >= 1")
+    if not seeds or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in seeds):
+        bad("--seeds", list(seeds), "ints >= 0")
+
+
 def render_precision(result: dict[str, Any]) -> str:
     """Both tables as markdown."""
     lines = [f"### {result['recipe']} on {result['device']}: ZO estimates at the subspace's start point "
@@ -188,7 +213,7 @@ def render_precision(result: dict[str, Any]) -> str:
              "| precision | estimator | mu | cosine to fp32 BP grad | cosine to the fp32 estimate | variance | "
              "relative error | spike flips |", "|---|---|---|---|---|---|---|---|"]
     for r in result["estimates"]:
-        est = "CGE" if r["estimator"] == "cge" else f"RGE q={r['q']}"
+        est = get_estimator(r["estimator"]).describe(r["q"])
         lines.append(f"| {r['precision']} | {est} | {r['mu']:g} | {r['cosine']:.3f} | {r['cosine_to_fp32']:.4f} | "
                      f"{r['variance']:.3g} | {r['relative_error']:.3g} | {100 * r['spike_flip_rate']:.3f} % |")
     if result["accuracy"]:
@@ -210,7 +235,7 @@ def plot_precision(result: dict[str, Any], path: str | os.PathLike) -> Path:
     ax = axes[0]
     series: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in result["estimates"]:
-        est = "CGE" if r["estimator"] == "cge" else f"RGE q={r['q']}"
+        est = get_estimator(r["estimator"]).describe(r["q"])
         series.setdefault((r["precision"], est), []).append((r["mu"], r["cosine"]))
     styles = {p: c for p, c in zip(result["precisions"], ("C0", "C1", "C2", "C3"))}
     marks = {e: m for e, m in zip(dict.fromkeys(e for _, e in series), ("o-", "s--", "^:", "v-.", "D--"))}

@@ -8,21 +8,27 @@
   RGE, one-point, coordinate one-point; Gaussian and XORShift32 Rademacher directions;
 * **evaluator** (``szo.zo.evaluate``) -- how the probes run: :class:`LoopEvaluator` (THE loop:
   BN frozen or recomputed, neurons reset, first-step watch, loss check), the batched engine
-  (``szo.engine``), torch.distributed (``szo.distributed``), :class:`JVPEvaluator`;
+  (``szo.engine``), torch.distributed (``szo.distributed``), :class:`JVPEvaluator`; which of them
+  runs a step's probes, and every rule on combining engine, torchrun mode, synchronised BN,
+  compile, CUDA graphs, streaming and backend, is one record: :class:`ProbePath` (``szo.zo.path``;
+  ``szo.engine.build_evaluator`` builds the evaluator from it);
 * **update** (``szo.zo.update``) -- :func:`heavy_ball_`, :func:`sign_descent_`, the integer rules,
   and :class:`StateCodec` for the state a checkpoint carries;
 * **protocol** (``szo.zo.protocol``) -- :class:`ForwardOnlyOptimizer` and the per-step
   :class:`StepInfo` the trainer reads; :class:`ForwardOnlyBase` implements the common part.
 
-The core depends on torch, SpikingJelly and ``szo.functional`` only. docs/architecture.md shows
+The core depends on torch, SpikingJelly, ``szo.functional``, the method registry (``szo.methods``) and
+``szo.precision`` (autocast's weight cache, ``fresh_casts``) only. docs/architecture.md shows
 how the optimizers of ``szo.optim`` compose it and how to add a method.
 """
-from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase
+from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase, refuse_meta
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
 from .evaluate import EvaluatorBase, JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
 from .guard import ProbeGuard, check_hparams, resolve_model
+from .path import ForwardSettings, ProbePath
 from .plans import (
                     ESTIMATORS,
+                    INTEGER_ESTIMATORS,
                     Coordinates,
                     Estimator,
                     Plan,
@@ -45,7 +51,10 @@ from .space import (
                     Still,
                     SubspaceSpace,
                     adaptive_perturbation,
+                    frozen,
                     move_to_start,
+                    refuse_frozen,
+                    refuse_shared_weights,
                     trainable_layers,
 )
 from .update import (
@@ -59,10 +68,11 @@ from .update import (
 )
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
+    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "INTEGER_ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
     "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
-    "rademacher_rows", "resolve_model", "rge_plan", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
+    "rademacher_rows", "resolve_model", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
+    "ProbePath", "ForwardSettings",
 ]

@@ -18,27 +18,113 @@ import torch
 from .protocol import StepInfo
 from .update import StateCodec
 
-__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward"]
+__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_meta"]
 
 
 class CodecOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` whose extra state is ``codecs``: ``state_dict()[codec.key]`` each."""
+    """A ``torch.optim.Optimizer`` whose extra state is ``codecs``: ``state_dict()[codec.key]`` each.
+
+    The sections are also in the first parameter's entry of ``state_dict()["state"]`` (the same
+    objects: a file stores them once), where torch's LBFGS keeps an optimizer's own state, and every
+    parameter has an entry: tools that keep only ``state`` and ``param_groups`` and want an entry per
+    parameter (``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict``) carry them, and the live ``state`` is never empty, so such a tool
+    does not call ``step(None)`` to create it. ``load_state_dict`` reads either place.
+
+    It deep-copies and pickles whole (``copy.deepcopy``, ``pickle``, ``torch.save(optimizer)``):
+    torch's ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``, which
+    leaves a copy of a composed optimizer without its space, evaluator and counters. As torch does,
+    the step and state-dict hooks are not copied.
+
+    A parameter on the ``meta`` device (a shape without values) is refused at construction.
+    """
 
     codecs: tuple[StateCodec, ...] = ()
+    #: what the optimizer moves, for the one-line refusal of add_param_group (None: it accepts groups)
+    fixed_space: str | None = "a space fixed when it was built"
 
-    def state_dict(self):
-        sd = super().state_dict()
-        for codec in self.codecs:
-            sd[codec.key] = codec.encode(self)
-        return sd
+    def __init__(self, params, defaults: dict[str, Any]) -> None:
+        self._built = False
+        super().__init__(params, defaults)
+        self._built = True
+        refuse_meta([p for g in self.param_groups for p in g["params"]], type(self).__name__)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is not None and self.codecs:
+            self.state[first]  # the entry that holds the sections in state_dict() (defaultdict: created empty)
+        self._hook_sections()
+
+    def _hook_sections(self) -> None:
+        """The sections join ``state_dict()`` as its first post hook, so that every hook a user
+        registers sees the whole state dict."""
+        if self.codecs and not self.__dict__.get("_sections_hooked"):
+            self.register_state_dict_post_hook(_with_sections, prepend=True)
+            self._sections_hooked = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, while the constructor adds its groups; afterwards one ValueError unless the
+        optimizer's space can grow (``fixed_space`` None): a group it accepted and never trained
+        would be a silent no-op."""
+        if self._built and self.fixed_space is not None:
+            raise ValueError(f"{type(self).__name__} moves {self.fixed_space}: add_param_group cannot add parameters "
+                             f"to it; build a new {type(self).__name__} over all the parameters to train")
+        super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's hook tables (_optimizer_*) are left out, as torch leaves them; its __setstate__
+        # re-creates them empty and re-wraps step for the hooks, and ours hooks the sections again
+        return {k: v for k, v in self.__dict__.items() if not k.startswith(("_optimizer_", "_sections_hooked"))}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._hook_sections()
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
-        sections = {c.key: state_dict.pop(c.key, None) for c in self.codecs}
+        first = _first_key(state_dict.get("param_groups", []))
+        entry = dict(state_dict.get("state", {}).get(first, {}))
+        sections = {}
+        for c in self.codecs:
+            top, inner = state_dict.pop(c.key, None), entry.pop(c.key, None)
+            sections[c.key] = top if top is not None else inner
+        if first in state_dict.get("state", {}):
+            state_dict["state"] = {**state_dict["state"], first: entry}
         super().load_state_dict(state_dict)
+        # torch keeps the loaded tensors themselves (Tensor.to without a change returns its input) and a
+        # step updates them in place: copies, so the caller's dict stays a checkpoint (a second resume from it)
+        for st in self.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.clone()
         for codec in self.codecs:
             if sections[codec.key]:
                 codec.decode(self, dict(sections[codec.key]))
+
+
+def _with_sections(opt: CodecOptimizer, sd: dict) -> dict:
+    """``state_dict()``'s first post hook: the codec sections, at the top and in the first parameter's entry."""
+    sections = {codec.key: codec.encode(opt) for codec in opt.codecs}
+    sd.update(sections)
+    first = _first_key(sd["param_groups"])
+    if sections and first is not None:
+        sd["state"][first] = {**sd["state"].get(first, {}), **sections}
+        for g in sd["param_groups"]:  # an entry per parameter, as a stepped torch optimizer has
+            for k in g["params"]:
+                sd["state"].setdefault(k, {})
+    return sd
+
+
+def _first_key(param_groups: list[dict]) -> Any:
+    """The key of the first parameter in a state dict's ``state`` (its index, or a name under
+    ``torch.distributed.checkpoint``), None without parameters."""
+    return next((k for g in param_groups for k in g["params"]), None)
+
+
+def refuse_meta(params: list[torch.Tensor], who: str) -> None:
+    """One ValueError when a parameter is on the ``meta`` device (a shape without values)."""
+    if any(p.device.type == "meta" for p in params):
+        raise ValueError(f"{who}: the parameters are on the meta device (shapes without values), and its steps run "
+                         "the model (a forward-only step: its probes): materialise it first (model.to_empty(device=...), "
+                         "then load its weights)")
 
 
 class ForwardOnlyBase(CodecOptimizer):
@@ -54,6 +140,15 @@ class ForwardOnlyBase(CodecOptimizer):
         self._last_step: StepInfo | None = None
 
     # ------------------------------------------------------------------ protocol
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """``torch.amp.GradScaler.step`` reads this before it unscales any gradient; a forward-only
+        optimizer has none, so the read refuses the scaler in one line (GradScaler checks its own scale
+        first: with nothing scaled yet it stops on its own assertion before it reaches an optimizer)."""
+        raise ValueError(f"{type(self).__name__} is forward-only: GradScaler scales the gradients of a backward pass "
+                         "and this optimizer has none; call opt.step(closure) without GradScaler (mixed precision: "
+                         "szo's precision setting, or torch.autocast(..., cache_enabled=False) inside the closure)")
+
     @property
     def guard(self):
         """The evaluator's probe guard (model, BN rule, resets)."""
@@ -102,6 +197,15 @@ class ForwardOnlyBase(CodecOptimizer):
     @property
     def last_outputs_unperturbed(self) -> bool:
         return self._last_step is not None and self._last_step.unperturbed
+
+    def check_closure(self, closure: Callable[[], torch.Tensor] | None) -> None:
+        """One ValueError for ``step()`` without a closure (as after ``loss.backward()``): the step is
+        forward-only, it evaluates the loss itself at its probes."""
+        if closure is None:
+            what = "per-sample losses" if self.loss_reduction == "none" else "loss"
+            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the "
+                             f"{what}: the step is forward-only and evaluates it at every probe; call "
+                             "opt.step(closure), without loss.backward()")
 
     # ------------------------------------------------------------------ the end of a step
     @torch.no_grad()
@@ -172,9 +276,7 @@ class LayerwiseBase(ForwardOnlyBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the "
-                             + ("per-sample losses" if self.loss_reduction == "none" else "loss"))
+        self.check_closure(closure)
         grads: dict[str, Any] = {}
         with self.evaluator.session(), self._step_scope():
             clean = self._clean_forward(closure)

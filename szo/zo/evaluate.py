@@ -13,8 +13,9 @@
   loss and its directional derivative along a tangent.
 
 An optimizer runs its probes inside ``with evaluator.session():`` (one per step: the BN
-snapshot at the start, the BN commit / restore at the end, a restore on any error), and after
-its update asks ``evaluator.unperturbed(closure)`` for the BN forward of ``bn_update="recompute"``.
+snapshot at the start, the BN commit / restore at the end, a restore on any error; autocast's
+weight cache off, ``szo.precision.fresh_casts``: the probes move the parameters in place), and
+after its update asks ``evaluator.unperturbed(closure)`` for the BN forward of ``bn_update="recompute"``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..functional import zo as F
+from ..precision import fresh_casts
 from .guard import ProbeGuard
 from .plans import Plan, coord_one_point_plan
 from .space import Space, Still
@@ -34,6 +36,9 @@ from .space import Space, Still
 __all__ = ["ProbeEvaluator", "EvaluatorBase", "LoopEvaluator", "JVPEvaluator", "jvp_closure"]
 
 Closure = Callable[[], torch.Tensor]
+
+# torch's message for an autograd.Function that has no forward-mode (jvp) rule
+_NO_JVP = "You must implement the jvp function"
 
 
 @runtime_checkable
@@ -68,13 +73,16 @@ class EvaluatorBase:
 
     @contextlib.contextmanager
     def session(self) -> Iterator["EvaluatorBase"]:
-        """One step's probes: BN snapshot before, commit / restore after, restore on error."""
-        self.guard.bn.snapshot()
-        try:
-            yield self
-        except BaseException:
-            self.guard.bn.restore()
-            raise
+        """One step's probes: BN snapshot (and the random state every probe replays) before, commit /
+        restore after, restore on error; each probe casts the parameters where they are, whatever
+        autocast block encloses the step."""
+        self.guard.begin_step()
+        with fresh_casts():
+            try:
+                yield self
+            except BaseException:
+                self.guard.bn.restore()
+                raise
         self._end_session()
 
     def _end_session(self) -> None:
@@ -160,7 +168,15 @@ def jvp_closure(model: nn.Module, names: list[str], closure: Closure, tangents: 
     with ctx, fwAD.dual_level():
         duals = {f"model.{n}": fwAD.make_dual(p.detach(), t.to(p.dtype))
                  for n, p, t in zip(names, model.parameters(), tangents)}
-        value = functional_call(wrapper, duals, (closure,))
+        try:
+            value = functional_call(wrapper, duals, (closure,))
+        except RuntimeError as e:  # an autograd.Function without a forward-mode rule on the way
+            if _NO_JVP not in str(e):
+                raise
+            raise ValueError(f"forward gradients need forward-mode AD through every operation of the forward, and "
+                             f"{where} ran one without it (torch: {str(e).splitlines()[0]}); szo gives SpikingJelly's "
+                             f"neurons a forward-mode surrogate (szo.models.forward_mode); for another custom "
+                             f"operation use a zeroth-order method (szo-cge, zo-rge, ...)") from None
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{where} must return the loss as a tensor for a forward gradient, "
                              f"got {type(value).__name__}")
@@ -192,11 +208,13 @@ class JVPEvaluator(EvaluatorBase):
         losses = torch.empty(q, dtype=torch.float64)
         jvps = torch.empty(q, dtype=torch.float64)
         guard = self.guard
+        checked = lambda: guard.call(closure)  # noqa: E731  (a closure that runs backward: one line)
         with guard.watch():
             for j in range(q):
                 guard.bn.restore()
+                guard.random.restore()
                 guard.reset()
-                losses[j], jvps[j] = jvp_closure(self.model, self.names, closure, tangents(j),
+                losses[j], jvps[j] = jvp_closure(self.model, self.names, checked, tangents(j),
                                                  f"closure ({label} {j + 1}/{q})", self.dual_context)
                 guard.bn.accumulate()
         return losses, jvps

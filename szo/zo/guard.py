@@ -20,23 +20,51 @@
   running statistics untouched by the probes, then ``ProbeGuard.unperturbed_forward`` runs the
   closure once at theta_{t+1} (train mode), which updates them and gives the logged train
   loss / accuracy; it is skipped (no cost) when no BN layer is in train mode.
+* **The same randomness for every probe.** A probe pair must compare one network at two points:
+  a train-mode Dropout (or a Poisson encoder, or noise drawn in the closure) that drew new random
+  numbers per forward would compare two different networks. ``RandomReplay`` keeps the state of
+  torch's default generators (the CPU one and those of the model's CUDA devices) at the start of
+  a step and puts it back before every probe and before the BN forward, as MeZO replays its seed:
+  every forward of a step draws the same masks, and the step consumes what one forward draws.
+  docs/evidence.md ("Dropout in the probes") measures what this does to the estimate.
+* **Forward-only closures.** The closure is called under ``torch.no_grad`` once per probe and must
+  only compute the loss. One that runs ``backward`` -- the torch.optim closure
+  ``zero_grad(); loss.backward(); return loss``, or Lightning's automatic optimization -- is refused
+  in one line (:data:`FORWARD_ONLY_CLOSURE`) at its first call (with the loop and JVP evaluators,
+  before any parameter moves; the batched engine first calls it for the BN forward).
+* **Compiled models.** ``SZO(torch.compile(model), ...)``: the watch's global hook steps aside
+  while dynamo traces a module call (``torch.compiler.is_compiling``) and checks a compiled
+  module it does not know, with all its submodules, when that module is called.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Iterator
 
 import torch
 from spikingjelly.activation_based import functional
+from spikingjelly.activation_based import layer as sj_layer
 from spikingjelly.activation_based.base import MemoryModule
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..functional import zo as F
+from ..precision import fresh_casts
 from .bn import BNStatsFreezer, check_bn_update
 
-__all__ = ["resolve_model", "ProbeGuard", "check_hparams"]
+__all__ = ["resolve_model", "ProbeGuard", "RandomReplay", "check_hparams", "FORWARD_ONLY_CLOSURE", "train_mode_dropout"]
+
+FORWARD_ONLY_CLOSURE = (
+    "{who}.step is forward-only: it calls the closure under torch.no_grad once per probe, so the closure must only "
+    "compute and return the loss (no zero_grad() / backward()), e.g. opt.step(lambda: loss_fn(model(x), y)); "
+    "in PyTorch Lightning set self.automatic_optimization = False and call opt.step(closure) in training_step")
+"""The one line that refuses a closure which runs ``backward`` (``{who}``: the optimizer's name)."""
+
+# what autograd says when backward() meets a loss computed under no_grad (the optimizer's step)
+_NO_GRAPH = "does not require grad and does not have a grad_fn"
 
 def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[list[torch.Tensor], nn.Module | None]:
     """``(params, model)`` from ``who(model, ...)`` or ``who(params, ..., model=model)``."""
@@ -76,6 +104,65 @@ def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
         raise ValueError(f"q must be an integer >= 1, got {q!r}")
 
 
+def _compiled(mod: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped in ``mod`` (an ``OptimizedModule``), else None."""
+    inner = getattr(mod, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def _grad_marks(model: nn.Module | None) -> list:
+    """Each parameter's ``.grad`` and its version counter (autograd's count of in-place writes): a
+    closure that ran ``backward`` changes one."""
+    if model is None:
+        return []
+    return [None if p.grad is None else (p.grad, p.grad._version) for p in model.parameters()]
+
+
+def _same_marks(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y is None or (x is not None and y is not None and x[0] is y[0]
+                                                       and x[1] == y[1]) for x, y in zip(a, b))
+
+
+class RandomReplay:
+    """The state of torch's default generators at the start of a step, put back before each of its
+    forwards (module docstring): the CPU generator, and the CUDA generators of the model's devices
+    (without a model: of every CUDA device once CUDA is initialised)."""
+
+    def __init__(self, model: nn.Module | None):
+        self.model = model
+        self._cpu: torch.Tensor | None = None
+        self._cuda: dict[int, torch.Tensor] = {}
+
+    def _cuda_devices(self) -> list[int]:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return []
+        if self.model is None:
+            return list(range(torch.cuda.device_count()))
+        return sorted({p.device.index if p.device.index is not None else torch.cuda.current_device()
+                       for p in self.model.parameters() if p.device.type == "cuda"})
+
+    def snapshot(self) -> None:
+        """Keep the generators' state: the step's forwards will all start from it."""
+        self._cpu = torch.get_rng_state()
+        self._cuda = {d: torch.cuda.get_rng_state(d) for d in self._cuda_devices()}
+
+    def restore(self) -> None:
+        """The generators back at the step's state (no-op before the first snapshot)."""
+        if self._cpu is None:
+            return
+        torch.set_rng_state(self._cpu)
+        for d, state in self._cuda.items():
+            torch.cuda.set_rng_state(state, d)
+
+
+def train_mode_dropout(model: nn.Module) -> list[str]:
+    """Names of the dropout layers of ``model`` that draw masks now (train mode, p > 0): torch's
+    ``Dropout*`` and SpikingJelly's ``layer.Dropout`` (one mask per sequence)."""
+    return [name for name, m in model.named_modules()
+            if m.training and float(getattr(m, "p", 0.0) or 0.0) > 0.0
+            and (isinstance(m, _DropoutNd) or isinstance(m, sj_layer.Dropout))]
+
+
 def _stateful(mod: nn.Module) -> str | None:
     """Why ``mod`` needs the optimizer to know the model, or None."""
     if isinstance(mod, _BatchNorm) and mod.training and mod.track_running_stats:
@@ -93,9 +180,15 @@ class ProbeGuard:
         self.who = who
         self.bn_update = check_bn_update(bn_update)
         self.bn = BNStatsFreezer(model if freeze_bn else None)
+        self.random = RandomReplay(model)
         self._watched = False  # the first step's probes were checked
 
     # ------------------------------------------------------------------ state
+    def begin_step(self) -> None:
+        """At the start of a step's probes: the BN statistics and the random state its forwards start from."""
+        self.bn.snapshot()
+        self.random.snapshot()
+
     def reset(self) -> None:
         """Neuron state of the model back to its initial value (SpikingJelly ``reset_net``)."""
         if self.model is not None:
@@ -120,9 +213,12 @@ class ProbeGuard:
         who = self.who
 
         def hook(mod: nn.Module, _args) -> None:
+            if torch.compiler.is_compiling():  # dynamo tracing a compiled module's body: checked at its call
+                return None
             if mod in known:
                 return None
-            why = _stateful(mod)
+            inner = _compiled(mod)  # a compiled module runs its submodules where this hook does not see them
+            why = next(filter(None, map(_stateful, inner.modules())), None) if inner is not None else _stateful(mod)
             if why is not None:
                 if self.model is None:
                     raise ValueError(
@@ -134,10 +230,28 @@ class ProbeGuard:
 
         handle = register_module_forward_pre_hook(hook)
         try:
-            yield
+            with warnings.catch_warnings():  # torch warns, on every call of a compiled module, that this hook exists
+                warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+                yield
         finally:
             handle.remove()
         self._watched = True
+
+    # ------------------------------------------------------------------ the closure
+    def call(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``closure()``, refused in one line (:data:`FORWARD_ONLY_CLOSURE`) if it runs ``backward``:
+        under the step's no_grad autograd raises, and with grad enabled inside the closure (Lightning's
+        automatic optimization) the model's ``.grad`` change."""
+        before = _grad_marks(self.model)
+        try:
+            out = closure()
+        except RuntimeError as e:
+            if _NO_GRAPH in str(e):
+                raise ValueError(FORWARD_ONLY_CLOSURE.format(who=self.who)) from None
+            raise
+        if not _same_marks(before, _grad_marks(self.model)):
+            raise ValueError(FORWARD_ONLY_CLOSURE.format(who=self.who))
+        return out
 
     # ------------------------------------------------------------------ one probe
     @torch.no_grad()
@@ -146,11 +260,12 @@ class ProbeGuard:
         """One forward at the parameters as they are now: the step's BN statistics put back, the
         neurons reset, the closure run, its loss checked (``per_sample``: one loss per sample, the
         float64 ``[N]`` losses); under ``probe-mean`` what it did to the BN statistics is added to
-        the step's mean. The evaluator has called ``bn.snapshot()`` at the start of the step and
-        holds :meth:`watch` around the step's probes."""
+        the step's mean. The evaluator has called :meth:`begin_step` at the start of the step and
+        holds :meth:`watch` around the step's probes; the random state is the step's (module docstring)."""
         self.bn.restore()
+        self.random.restore()
         self.reset()
-        out = (F.check_sample_losses if per_sample else F.check_loss)(closure(), where)
+        out = (F.check_sample_losses if per_sample else F.check_loss)(self.call(closure), where)
         if self.probe_mean:
             self.bn.accumulate()
         return out
@@ -175,11 +290,12 @@ class ProbeGuard:
         shard): the ranks' running statistics are then averaged (one BN update with the mean
         shard statistics), so that every rank keeps the same ones.
         """
+        self.random.restore()  # the step's random state: the same dropout masks as its probes
         self.reset()
         if distributed and sync is None:
             self.bn.snapshot()
-        with sync if sync is not None else contextlib.nullcontext():
-            value = F.check_loss(closure(), "closure (unperturbed BN forward)")
+        with sync if sync is not None else contextlib.nullcontext(), fresh_casts():  # the updated weights, cast now
+            value = F.check_loss(self.call(closure), "closure (unperturbed BN forward)")
         if distributed and sync is None:
             self.bn.accumulate()
             self.bn.commit(True, process_group)

@@ -32,7 +32,7 @@ import torch
 from ..functional import zo as F
 from ..functional.xorshift import XorShift32
 
-__all__ = ["Coordinates", "Plan", "ESTIMATORS", "Estimator", "get_estimator", "cge_plan", "rge_plan", "one_point_plan",
+__all__ = ["Coordinates", "Plan", "ESTIMATORS", "INTEGER_ESTIMATORS", "Estimator", "get_estimator", "cge_plan", "rge_plan", "one_point_plan",
            "coord_one_point_plan", "gaussian_rows", "rademacher_rows"]
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Estimator:
     name: str
     coordinate: bool
     one_sided: bool
+    integer: str | None = None  # the integer on-chip learner's estimator for this one (None: it has none)
 
     def probes(self, n: int, q: int) -> int:
         """Forwards of one estimate: ``n`` coordinates or ``q`` directions, one or two probes each,
@@ -64,6 +65,10 @@ class Estimator:
         if self.one_sided:
             return one_point_plan(z, mu)
         return rge_plan(z, mu, interleaved=interleaved, accumulate=accumulate)
+
+    def describe(self, q: int | None = None) -> str:
+        """How a table names it: ``CGE``; a random-direction estimator with its ``q`` (``RGE q=2``)."""
+        return self.name.upper() if self.coordinate else f"{self.name.upper()} q={q}"
 
     def calibration_steps(self, k: int, q: int) -> int:
         """Steps whose estimates set a normalised scale's gradient unit: one for a coordinate estimate
@@ -85,14 +90,50 @@ class Estimator:
         return float(losses[0]) if self.one_sided else float(losses.double().mean())
 
 
-_ESTIMATORS = {e.name: e for e in (Estimator("cge", True, False), Estimator("rge", False, False),
-                                   Estimator("one-point", False, True), Estimator("coord-one-point", True, True))}
-ESTIMATORS: tuple[str, ...] = tuple(_ESTIMATORS)
+    def estimate(self, plan: "Plan", losses: torch.Tensor, *, centre: float | None = None,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The gradient estimate ``[dim]`` from ``plan``'s probe losses (float64, probe order): two-sided
+        differences ``(L+ - L-) / 2mu`` or one-sided ``(L+ - L0) / mu`` (``centre``: ``L0`` measured apart
+        when the plan has no centre probe), on the basis vectors (coordinate estimators: scattered into a
+        zero ``[dim]`` vector of ``dtype`` for a subset) or combined with the directions' rows."""
+        mu, D = plan.mu, plan.directions
+        if self.coordinate:
+            if self.one_sided:
+                c0, plus = plan.centre_and_plus(losses, centre)
+                return _scatter((plus - c0) / mu, D, dtype)
+            lp, lm = plan.pairs(losses)
+            return _scatter(F.cge_coefficients(lp, lm, mu), D, dtype)
+        if self.one_sided:
+            c0, plus = plan.centre_and_plus(losses, centre)
+            return F.forward_difference_coefficients(plus, c0, D, mu)
+        lp, lm = plan.pairs(losses)
+        if plan.accumulate == "matmul":
+            return ((lp - lm) / (2 * mu)).to(D.device) @ D.to(torch.float64) / D.shape[0]
+        if plan.accumulate == "sequential":
+            g = torch.zeros(D.shape[1], dtype=D.dtype, device=D.device)
+            q = D.shape[0]
+            for j in range(q):
+                g.add_(D[j], alpha=(float(lp[j]) - float(lm[j])) / (2 * mu) / q)
+            return g
+        return F.rge_coefficients(lp, lm, D, mu)
 
 
-def get_estimator(name: str, valid: "tuple[str, ...] | None" = None) -> Estimator:
-    """The :class:`Estimator` record of ``name``; one ValueError listing ``valid`` (default: all) otherwise."""
+_ESTIMATORS = {e.name: e for e in (Estimator("cge", True, False, integer="cge"),
+                                   Estimator("rge", False, False, integer="rademacher"),
+                                   Estimator("one-point", False, True), Estimator("coord-one-point", True, True),
+                                   # the integer learner's: random +-1 directions from XORShift32 (seed 004)
+                                   Estimator("rademacher", False, False, integer="rademacher"))}
+ESTIMATORS: tuple[str, ...] = tuple(n for n in _ESTIMATORS if n != "rademacher")
+"""The float optimizers' estimators (``rademacher``: the integer learner's, ``INTEGER_ESTIMATORS``)."""
+INTEGER_ESTIMATORS: tuple[str, ...] = tuple(dict.fromkeys(e.integer for e in _ESTIMATORS.values() if e.integer))
+
+
+def get_estimator(name: "str | Estimator", valid: "tuple[str, ...] | None" = None) -> Estimator:
+    """The :class:`Estimator` record of ``name`` (an :class:`Estimator` stands for itself); one ValueError
+    listing ``valid`` (default: :data:`ESTIMATORS`) otherwise."""
     valid = ESTIMATORS if valid is None else valid
+    if isinstance(name, Estimator):
+        name = name.name
     if name not in valid:
         raise ValueError(f"unknown estimator {name!r}; valid: {', '.join(valid)}")
     return _ESTIMATORS[name]
@@ -116,7 +157,7 @@ class Plan:
     or ``"matmul"`` (``differences @ D / q`` in float64, the integer learner's).
     """
 
-    estimator: str
+    estimator: Estimator
     directions: torch.Tensor | Coordinates
     index: tuple[int, ...]
     sign: tuple[float, ...]
@@ -124,8 +165,8 @@ class Plan:
     accumulate: str = "mean"
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {self.estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        if not isinstance(self.estimator, Estimator):
+            raise ValueError(f"a plan's estimator is an Estimator record (szo.zo.get_estimator), got {self.estimator!r}")
         if len(self.index) != len(self.sign):
             raise ValueError("a plan needs one sign per probe")
         if not self.mu > 0:
@@ -164,43 +205,22 @@ class Plan:
             (lp if s > 0 else lm)[i] = losses[j]
         return lp, lm
 
-    def _centre(self, losses: torch.Tensor, centre: float | None) -> tuple[float, torch.Tensor]:
+    def centre_and_plus(self, losses: torch.Tensor, centre: float | None) -> tuple[float, torch.Tensor]:
+        """``(L0, L+)`` of a one-sided plan: the centre probe's loss (or ``centre``, measured apart) and
+        the losses of the other probes (float64, plan order)."""
         if centre is None:
             if -1 not in self.index:
-                raise ValueError(f"a {self.estimator} plan without a centre probe needs centre= (the loss at theta)")
+                raise ValueError(f"a {self.estimator.name} plan without a centre probe needs centre= (the loss at "
+                                 "theta)")
             centre = float(losses[self.index.index(-1)])
         plus = torch.tensor([float(losses[j]) for j, i in enumerate(self.index) if i >= 0], dtype=torch.float64)
         return centre, plus
 
     def estimate(self, losses: torch.Tensor, *, centre: float | None = None,
                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The gradient estimate ``[dim]`` from the probe losses (float64, probe order).
-
-        ``centre``: the loss at theta when the plan has no centre probe (one-sided plans whose
-        centre was measured apart, e.g. the layer-wise methods' clean forward). Coordinate plans
-        over a subset write their coefficients into a zero ``[dim]`` vector of ``dtype``.
-        """
-        mu, D = self.mu, self.directions
-        if self.estimator == "cge":
-            lp, lm = self.pairs(losses)
-            coef = F.cge_coefficients(lp, lm, mu)
-            return _scatter(coef, D, dtype)
-        if self.estimator == "coord-one-point":
-            c0, plus = self._centre(losses, centre)
-            return _scatter((plus - c0) / mu, D, dtype)
-        if self.estimator == "rge":
-            lp, lm = self.pairs(losses)
-            if self.accumulate == "matmul":
-                return ((lp - lm) / (2 * mu)).to(D.device) @ D.to(torch.float64) / D.shape[0]
-            if self.accumulate == "sequential":
-                g = torch.zeros(D.shape[1], dtype=D.dtype, device=D.device)
-                q = D.shape[0]
-                for j in range(q):
-                    g.add_(D[j], alpha=(float(lp[j]) - float(lm[j])) / (2 * mu) / q)
-                return g
-            return F.rge_coefficients(lp, lm, D, mu)
-        c0, plus = self._centre(losses, centre)
-        return F.forward_difference_coefficients(plus, c0, D, mu)
+        """The gradient estimate ``[dim]`` from the probe losses (float64, probe order): the plan's
+        estimator's arithmetic (:meth:`Estimator.estimate`)."""
+        return self.estimator.estimate(self, losses, centre=centre, dtype=dtype)
 
 
 def _scatter(coef: torch.Tensor, D: torch.Tensor | Coordinates, dtype: torch.dtype) -> torch.Tensor:
@@ -242,19 +262,19 @@ def cge_plan(coords: Coordinates | int, mu: float, *, interleaved: bool = False)
     if isinstance(coords, int):
         coords = Coordinates(torch.arange(coords), coords)
     index, sign = _signed(len(coords.indices), interleaved)
-    return Plan("cge", coords, index, sign, float(mu))
+    return Plan(_ESTIMATORS["cge"], coords, index, sign, float(mu))
 
 
 def rge_plan(z: torch.Tensor, mu: float, *, interleaved: bool = False, accumulate: str = "mean") -> Plan:
     """Two-sided random-direction probes along the rows of ``z [q, k]``: ``2q`` forwards."""
     index, sign = _signed(z.shape[0], interleaved)
-    return Plan("rge", z, index, sign, float(mu), accumulate)
+    return Plan(_ESTIMATORS["rge"], z, index, sign, float(mu), accumulate)
 
 
 def one_point_plan(z: torch.Tensor, mu: float, *, centre: bool = True) -> Plan:
     """One-sided probes along the rows of ``z [q, k]``, after the centre (``centre``): ``q + 1`` forwards."""
     q = z.shape[0]
-    return Plan("one-point", z, ((-1,) if centre else ()) + tuple(range(q)), (1.0,) * (q + int(centre)), float(mu))
+    return Plan(_ESTIMATORS["one-point"], z, ((-1,) if centre else ()) + tuple(range(q)), (1.0,) * (q + int(centre)), float(mu))
 
 
 def coord_one_point_plan(coords: int | Coordinates, mu: float) -> Plan:
@@ -263,4 +283,4 @@ def coord_one_point_plan(coords: int | Coordinates, mu: float) -> Plan:
     if isinstance(coords, int):
         coords = Coordinates(torch.arange(coords), coords)
     n = len(coords.indices)
-    return Plan("coord-one-point", coords, (-1,) + tuple(range(n)), (1.0,) * (n + 1), float(mu))
+    return Plan(_ESTIMATORS["coord-one-point"], coords, (-1,) + tuple(range(n)), (1.0,) * (n + 1), float(mu))

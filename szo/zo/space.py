@@ -27,10 +27,12 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from ..precision import exact_fp32
 from .plans import Coordinates, Plan
 
 __all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS", "adaptive_perturbation",
-           "move_to_start", "trainable_layers", "LAYER_TYPES"]
+           "move_to_start", "trainable_layers", "LAYER_TYPES", "frozen", "refuse_frozen",
+           "refuse_shared_weights"]
 
 START_POINTS: tuple[str, ...] = ("reference", "current")
 
@@ -196,23 +198,32 @@ class SubspaceSpace(ParamSpace):
             self.basis_views.append(self.basis_t[:, off:off + n])
             off += n
 
+    def exact(self):
+        """The scope of the space's own products with ``P`` (moves, updates, projections): the
+        parameters' dtype in IEEE arithmetic whatever precision scope the step runs in (a user's
+        autocast would compute ``u @ P^T`` in bf16, TF32 would round it on CUDA; ``szo.precision``)."""
+        return exact_fp32(self.basis_t.device.type)
+
     @torch.no_grad()
     def add_coords(self, coeffs: torch.Tensor, scale: float = 1.0) -> None:
         """``theta += scale * P @ coeffs``, parameter by parameter."""
         coeffs = coeffs.to(self.basis_t.dtype).to(self.basis_t.device)
-        for p, pt in zip(self.params, self.basis_views):
-            p.add_((coeffs @ pt).view_as(p), alpha=scale)
+        with self.exact():
+            for p, pt in zip(self.params, self.basis_views):
+                p.add_((coeffs @ pt).view_as(p), alpha=scale)
 
     def direction(self, u: torch.Tensor) -> list[torch.Tensor]:
         """``P u`` as one tensor per parameter (``u`` on the basis' device and dtype)."""
-        return [(u @ pt).view_as(p) for p, pt in zip(self.params, self.basis_views)]
+        with self.exact():
+            return [(u @ pt).view_as(p) for p, pt in zip(self.params, self.basis_views)]
 
     def project(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """``P^T g`` for a gradient given per parameter (None counts as zero), on the basis' device."""
         g = torch.zeros(self.k, dtype=self.basis_t.dtype, device=self.basis_t.device)
-        for t, pt in zip(tensors, self.basis_views):
-            if t is not None:
-                g += pt @ t.reshape(-1)
+        with self.exact():
+            for t, pt in zip(tensors, self.basis_views):
+                if t is not None:
+                    g += pt @ t.reshape(-1).to(pt.dtype)
         return g
 
     def mover(self, plan: Plan) -> "SubspaceMover":  # type: ignore[override]
@@ -236,8 +247,9 @@ class SubspaceMover(_SavingMover):
                 torch.add(s, pt[c].view_as(p), alpha=alpha, out=p.data)
             return
         u = self._rows[i]
-        for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
-            torch.add(s, (u @ pt).view_as(p), alpha=alpha, out=p.data)
+        with sp.exact():
+            for p, s, pt in zip(sp.params, self.saved, sp.basis_views):
+                torch.add(s, (u @ pt).view_as(p), alpha=alpha, out=p.data)
 
 
 class NodeSpace:
@@ -379,10 +391,42 @@ def trainable_layers(model: nn.Module, names: Sequence[str] | None = None) -> di
     return {n: m for n, m in found.items() if n in names}
 
 
+def refuse_shared_weights(layers: dict[str, nn.Module], who: str) -> None:
+    """One ValueError when two of ``layers`` share a weight: a layer-wise learner perturbs and
+    updates each layer on its own, so a tied weight would be estimated and stepped once per layer."""
+    owner: dict[int, str] = {}
+    for n, m in layers.items():
+        for p in m.parameters(recurse=False):
+            if id(p) in owner:
+                raise ValueError(f"{who}: layers {owner[id(p)]!r} and {n!r} share one parameter, which a layer-wise "
+                                 "learner would estimate and step once per layer: untie it, or train one of them "
+                                 "(layers=)")
+            owner[id(p)] = n
+
+
+def frozen(params: Sequence[torch.Tensor], model: nn.Module | None = None) -> list[str]:
+    """The parameters among ``params`` with ``requires_grad=False`` (which no optimizer changes),
+    by their name in ``model`` (``param[i]`` without one)."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    return [names.get(id(p), f"param[{i}]") for i, p in enumerate(params) if not p.requires_grad]
+
+
+def refuse_frozen(params: Sequence[torch.Tensor], model: nn.Module | None, who: str, why: str,
+                  instead: str) -> None:
+    """One ValueError naming the frozen parameters of ``params``, for a learner that moves every
+    parameter it is given (``why``: how it moves them; ``instead``: what to do)."""
+    names = frozen(params, model)
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ValueError(f"{who} {why}; {shown} {'has' if len(names) == 1 else 'have'} requires_grad=False, which "
+                         f"an optimizer never changes: {instead}")
+
+
 @torch.no_grad()
 def move_to_start(params: list[torch.Tensor], subspace, start: str, who: str) -> None:
     """``start="reference"``: copy ``subspace.reference`` (theta_ref, where subspace training
-    starts) into the parameters; ``"current"``: leave them as they are."""
+    starts) into the parameters (``params`` covers the reference: all of them, the frozen ones,
+    ``requires_grad=False``, left as they are); ``"current"``: leave them as they are."""
     if start not in START_POINTS:
         raise ValueError(f"{who}: unknown start {start!r}; valid: reference (move the parameters to the "
                          "subspace's reference point), current (keep them)")
@@ -396,4 +440,5 @@ def move_to_start(params: list[torch.Tensor], subspace, start: str, who: str) ->
     if ref.dim() != 1 or ref.numel() != d:
         raise ValueError(f"{who}: subspace.reference has shape {tuple(ref.shape)}, the parameters d = {d}")
     for p, chunk in zip(params, ref.split([p.numel() for p in params])):
-        p.copy_(chunk.view_as(p))
+        if p.requires_grad:
+            p.copy_(chunk.view_as(p))

@@ -106,8 +106,8 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
     "int": (int, lambda old, v: int(v)),
     "float": (float, lambda old, v: float(v)),
     "plain": (copy.deepcopy, lambda old, v: copy.deepcopy(v)),  # JSON-like values (str, None, lists, dicts)
-    "float64": (lambda t: t.clone(), lambda old, v: v.to(torch.float64)),
-    "int64": (lambda t: t.clone(), lambda old, v: v.to(torch.int64)),
+    "float64": (lambda t: t.clone(), lambda old, v: v.to(torch.float64, copy=True)),
+    "int64": (lambda t: t.clone(), lambda old, v: v.to(torch.int64, copy=True)),
     # a tensor kept in its own dtype (e.g. the point the parameters stand at, in their dtype); the
     # optimizer's setter checks it and puts it in place
     "tensor": (lambda t: t.clone(), lambda old, v: v.clone()),

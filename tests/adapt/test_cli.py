@@ -107,25 +107,52 @@ def test_adaptation_subspace_from_both_trajectories(tta_run):
 
 
 def test_szo_adapt_flags_are_the_schemas_keys(tmp_path):
-    """Each flag is a schema key: one not given takes the schema's default (szo.q is 1 there; the CLI
-    once had its own 10), one given lands in the config, and the help names the key and its default."""
+    """Each flag is a schema key: one not given takes the schema's default -- except --q, whose
+    test-time default is run_tta's and the *-tta recipes' 10 (App. G), not the training default 1 --
+    one given lands in the config, and the help names the key and its default."""
     import argparse
 
     from szo.adapt import cli
-    from szo.config import SZOConfig, TTAConfig
+    from szo.config import TTAConfig
 
-    p = argparse.ArgumentParser().add_subparsers()
-    parser = cli.register(p)
+    parser = argparse.ArgumentParser().add_subparsers().add_parser("adapt")
+    cli.add_arguments(parser)
     args = parser.parse_args(["--source", str(tmp_path), "--out", str(tmp_path / "o"), "--mu", "0.3"])
     cfg = cli.flags_config(args)
-    assert cfg.szo.q == SZOConfig().q and cfg.szo.mu == 0.3 and cfg.tta.lr_reset == TTAConfig().lr_reset
+    assert cfg.szo.q == 10 and cfg.szo.mu == 0.3 and cfg.tta.lr_reset == TTAConfig().lr_reset
     assert cfg.method == "all" and cfg.setting == "both" and cfg.tta.source_run == str(tmp_path)
+    assert cli.flags_config(parser.parse_args(["--source", "x", "--out", "y", "--q", "3"])).szo.q == 3
     text = " ".join(parser.format_help().split())  # argparse wraps the help
-    assert "(szo.q; default 1)" in text and "(tta.lr_continual; default null)" in text
+    assert "(szo.q; default 10)" in text and "(tta.lr_continual; default null)" in text
     args = parser.parse_args(["--source", "x", "--out", "y", "--lr-reset", "0.5", "--scale", "trajectory"])
     assert args.lr_reset == 0.5 and args.scale == "trajectory"  # X | None keys parse as X
     with pytest.raises(SystemExit):
         parser.parse_args(["--source", "x", "--out", "y", "--predict", "never"])  # a Literal's choices
+
+
+def test_every_tta_door_adapts_with_the_same_q_and_units(tmp_path):
+    """szo adapt, run_tta and the *-tta recipes without the setting: SZO-RGE at q = 10 (App. G) in the
+    subspace methods' default units (trajectory: mu 0.3, lr 0.03 reset / 0.003 continual); the recipes
+    that pin the paper's units (cifar*-tta, imagenetc-tta) say so, and run_tta takes them as given."""
+    import argparse
+
+    from szo.adapt import cli
+    from szo.adapt.runner import TTAOptions
+    from szo.config import load_recipe
+
+    parser = argparse.ArgumentParser().add_subparsers().add_parser("adapt")
+    cli.add_arguments(parser)
+    flags = cli.flags_config(parser.parse_args(["--source", "x", "--out", "y"]))
+    o = TTAOptions(out_dir=str(tmp_path)).resolved(["none", "bn", "bp-subspace", "szo-cge", "szo-rge"])
+    recipes = [load_recipe(n) for n in ("digits-c-tta", "fmnist-c-tta", "mnist5k-c-tta")]
+    for c in [flags, *recipes]:
+        assert (c.szo.q, c.szo.scale, c.szo.mu) == (o.q, o.scale, o.mu) == (10, "trajectory", 0.3), c.name
+    assert (o.lr_of("szo-rge", "reset"), o.lr_of("szo-rge", "continual")) == pytest.approx((0.03, 0.003))
+    for n in ("cifar10c-tta", "cifar100c-tta", "imagenetc-tta"):
+        c = load_recipe(n)
+        assert (c.szo.q, c.szo.scale, c.szo.mu) == (10, "absolute", 1.0), n
+    a = TTAOptions(out_dir=str(tmp_path), scale="absolute").resolved(["szo-rge"])
+    assert (a.mu, a.lr_of("szo-rge", "reset")) == (1.0, 1.0)
 
 
 def test_the_library_never_imports_a_command_module():

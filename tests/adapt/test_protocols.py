@@ -89,7 +89,7 @@ def test_finetune_data_errors(tmp_path):
 # --------------------------------------------------------------------------- run_tta with a mapping
 def _run(tmp_path, subspace, settings="reset", corruptions=CORR, methods=("bn", "szo-cge", "szo-rge")):
     return run_tta(tiny_model(), subspace, "digits-c", list(methods), settings, out_dir=tmp_path, batch_size=6,
-                   get_data=fake_data, progress=False, q=2, seed=3, corruptions=corruptions, lr_reset=2.0,
+                   get_data=fake_data, progress=False, q=2, seed=3, corruptions=corruptions, lr_reset=2.0, scale="absolute",
                    plot=False)
 
 

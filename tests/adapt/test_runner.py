@@ -31,6 +31,7 @@ def run(tmp_path, methods, settings, **kw):
     kw.setdefault("batch_size", 6)
     kw.setdefault("tent_lr", 0.05)
     kw.setdefault("corruptions", CORR)
+    kw.setdefault("scale", "absolute")  # App. G's units: the random subspace has no spread to scale by
     return model, run_tta(model, random_subspace(model), "digits-c", methods, settings, out_dir=tmp_path,
                           get_data=fake_data, progress=False, q=2, seed=3, plot=kw.pop("plot", False), **kw)
 

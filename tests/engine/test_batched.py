@@ -11,7 +11,7 @@ import szo.models as M
 from szo.engine import BatchedEvaluator, BatchedProbeEvaluator, batch_closure
 from szo.losses import tet_loss
 from szo.optim import SZO
-from szo.zo import ParamSpace
+from szo.zo import ParamSpace, ProbePath
 
 # (in_channels, spatial size, k): tiny inputs; the two big models get k=1 (m=2 probes)
 SIZES = {"spike_convnet": (1, 8, 2), "spike_resnet20": (3, 8, 2), "spike_resnet18": (3, 8, 2), "spike_resnet8": (1, 12, 2),
@@ -29,7 +29,7 @@ def _setup(name: str, k: int | None = None, estimator: str = "cge", seed: int = 
     basis = torch.linalg.qr(torch.randn(d, k, generator=g))[0]
     # probe-mean: the engines' own BN update (the mean over the probes) is what is compared here
     opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, model=model,
-              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed), bn_update="probe-mean")
+              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed), probes=ProbePath(bn_update="probe-mean"))
     x = torch.randn(2, c, h, h, generator=g)
     y = torch.randint(0, model.num_classes, (2,), generator=g)
     return model, opt, x, y
@@ -181,7 +181,7 @@ def test_bad_inputs_raise():
     model, opt, x, y = _setup("spike_convnet")
     sub = SimpleNamespace(basis=torch.eye(model.num_params(), 2), layout=None)
     with pytest.raises(ValueError, match="engine"):
-        SZO(model, sub, engine="vmap")
+        SZO(model, sub, start="current", probes=ProbePath(engine="vmap"))
     ev = BatchedEvaluator(model, tet_loss)
     with pytest.raises(ValueError, match=r"\[m, d\]"):
         ev.losses(x, y, torch.zeros(3, 7))
@@ -245,7 +245,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
         model = M.create("spike_convnet", T=2).train()
         basis = torch.linalg.qr(torch.randn(model.num_params(), 3, generator=torch.Generator().manual_seed(1)))[0]
         opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, lr=0.5, model=model,
-                  estimator="rge", q=2, generator=torch.Generator().manual_seed(2), engine=engine, chunk=2)
+                  estimator="rge", q=2, generator=torch.Generator().manual_seed(2), probes=ProbePath(engine=engine, chunk=2 if engine == "batched" else None))
         g = torch.Generator().manual_seed(3)
         for _ in range(2):
             x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -262,7 +262,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
         o_bat.step(lambda: tet_loss(m_bat(torch.zeros(2, 1, 8, 8)), torch.zeros(2, dtype=torch.long)))
     with pytest.raises(ValueError, match="unknown engine 'vmap'; valid: loop, batched"):
         SZO(m_loop.parameters(), SimpleNamespace(basis=torch.eye(m_loop.num_params(), 2), layout=None),
-            model=m_loop, engine="vmap")
+            model=m_loop, probes=ProbePath(engine="vmap"))
 
 
 def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
@@ -272,7 +272,7 @@ def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
     assert (cfg["szo"]["engine"], cfg["szo"]["chunk"]) == ("batched", 8)
     with pytest.raises(ValueError, match="invalid szo.engine 'fast'; valid: loop, batched"):
         load_recipe("digits-scratch", ["szo.engine=fast"])
-    with pytest.raises(ValueError, match="valid szo.engine for it: loop"):
+    with pytest.raises(ValueError, match="szo.engine 'batched' .* cannot be combined with backend 'fixed'"):
         load_recipe("digits-fixed", ["szo.engine=batched"])
     from szo.optim import build_optimizer
 

@@ -31,7 +31,11 @@ def test_three_client_processes_two_rounds_over_loopback(tmp_path):
     assert s["rounds_aggregated"] == 2 and s["rounds_refused"] == 0 and s["clients_dropped"] == []
     # four SecAgg+ stages per round: keys, encrypted shares, the masked [K=3 + 16 BN statistics + check], shares
     assert 0 < s["bytes_down_per_round"] < 3 * 7000 and 0 < s["bytes_up_per_client_round"] < 7000
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["rounds"] == 2
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["rounds"] == 2
+    # what it ran in: the only run settings a federation applies (the recipe's precision auto is fp32 here)
+    assert (res["precision"], res["device"], res["compile"], res["cuda_graphs"]) == \
+        ({"requested": "auto", "effective": "fp32"}, "cpu", False, False)
 
 
 def test_killed_federation_resumes_bit_exactly(tmp_path):
@@ -113,11 +117,12 @@ def tiny_fed(tmp_path_factory):
 
 def _server(tiny_fed, tmp_path):
     from szo.data import make_loader
-    from szo.federated.flower import BaffleServer, _dataset, _Task
+    from szo.federated.server import BaffleServer
+    from szo.federated.task import FederatedTask, task_dataset
 
     _, cfg, _ = tiny_fed
-    task = _Task(cfg, "subspace")
-    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    task = FederatedTask(cfg, "subspace")
+    test = make_loader(task_dataset(cfg, "test"), 360, shuffle=False)
     return BaffleServer(cfg, task, 300, tmp_path / "run", test, None, [], []), task
 
 
@@ -255,6 +260,21 @@ def test_a_client_that_dies_at_start_up_is_one_line_in_seconds(tiny_fed, tmp_pat
                       "the federation needs all 3 clients"
 
 
+@pytest.mark.parametrize("setting, shown", [("precision=bf16", "precision 'bf16'"), ("precision=tf32", "precision 'tf32'"),
+                                            ("device=cuda", "device 'cuda'"), ("compile=true", "compile True"),
+                                            ("cuda_graphs=true", "cuda_graphs True")])
+def test_a_run_setting_federated_does_not_apply_is_refused(tmp_path, capsys, setting, shown):
+    """szo federated runs fp32 eager forwards on the CPU: a recipe's precision / device / compile /
+    cuda_graphs that would mean something else is one line, before any directory or process."""
+    from szo.cli import main
+
+    assert main(["federated", "digits-scratch", "--set", setting, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {shown} is not applied by szo federated: its server and 8 "
+                                               "client processes run fp32 eager forwards on the CPU; valid here:"), err
+    assert not (tmp_path / "run").exists()
+
+
 def test_non_finite_federated_settings_are_one_line(capsys):
     from szo.cli import main
 
@@ -266,12 +286,13 @@ def _adam_server(tiny_fed, tmp_path, state=None, **kw):
     import dataclasses
 
     from szo.data import make_loader
-    from szo.federated.flower import BaffleServer, _dataset, _Task
+    from szo.federated.server import BaffleServer
+    from szo.federated.task import FederatedTask, task_dataset
 
     _, cfg, _ = tiny_fed
     cfg = dataclasses.replace(cfg, federated=dataclasses.replace(cfg.federated, **kw))
-    task = _Task(cfg, "subspace")
-    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    task = FederatedTask(cfg, "subspace")
+    test = make_loader(task_dataset(cfg, "test"), 360, shuffle=False)
     return BaffleServer(cfg, task, 300, tmp_path, test, state, [], []), task
 
 
@@ -314,7 +335,7 @@ def test_adam_and_ema_state_survive_the_checkpoint(tiny_fed, tmp_path):
     import numpy as np
     import torch
 
-    from szo.federated.flower import ServerState
+    from szo.federated.server import ServerState
     from szo.train.checkpoint import checkpoint_path
 
     kw = dict(server_optimizer="adam", ema=0.9, lr=0.05)

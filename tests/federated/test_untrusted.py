@@ -277,11 +277,12 @@ def test_a_billion_rounds_allocate_no_seed_table(tiny, tmp_path):
 
     from szo.config import load_recipe
     from szo.data import make_loader
-    from szo.federated.flower import BaffleServer, _dataset, _Task
+    from szo.federated.server import BaffleServer
+    from szo.federated.task import FederatedTask, task_dataset
 
     cfg = load_recipe("digits-scratch", [*tiny, "federated.clients=3", "federated.rounds=1000000000"])
-    task = _Task(cfg, "subspace")
-    test = make_loader(_dataset(cfg, "test"), 360, shuffle=False)
+    task = FederatedTask(cfg, "subspace")
+    test = make_loader(task_dataset(cfg, "test"), 360, shuffle=False)
     tracemalloc.start()
     server = BaffleServer(cfg, task, 300, tmp_path / "run", test, None, [], [])
     seeds = [server.seeds[r] for r in (0, 1, 2, 5000)]

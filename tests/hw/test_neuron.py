@@ -5,7 +5,7 @@ import pytest
 import torch
 from spikingjelly.activation_based import lava_exchange
 
-from szo.hw.fixed import Precision, SaturationCounter, right_shift_to_zero, saturate, shift
+from szo.hw.fixed import BitWidths, SaturationCounter, right_shift_to_zero, saturate, shift
 from szo.hw.neuron import FixedCubaLIF, FloatCubaLIF, paper_lif, voltage_decay_error
 from szo.models.neurons import make_neuron
 
@@ -120,7 +120,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="integer tensor"):
         FixedCubaLIF(1.0, 0.5).run(torch.ones(3, 2))
     with pytest.raises(ValueError, match="weight_bits"):
-        Precision(weight_bits=1)
+        BitWidths(weight_bits=1)
 
 
 def test_decay_to_int_rounds_half_to_even_like_lava():

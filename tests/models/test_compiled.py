@@ -1,4 +1,4 @@
-"""Compiled forward (``model.set_compile``, ``SZO(compile=True)``) == the eager forward, without
+"""Compiled forward (``model.set_compile``) == the eager forward, without
 recompiling per probe, with BN buffers and neuron state as in eager mode.
 
 Two tests compile with inductor (the production backend: the no-grad and the BPTT graph of a
@@ -18,6 +18,7 @@ import szo.models as M
 from szo.losses import tet_loss
 from szo.models.compiled import graph_count
 from szo.optim import SZO
+from szo.zo import ProbePath
 
 T = 2
 
@@ -89,7 +90,7 @@ def test_szo_step_compiled_equals_eager_and_does_not_recompile():
         m = _model()
         models.append(m)
         opts.append(SZO(m.parameters(), _subspace(m), mu=1e-2, lr=0.5, momentum=0.9, estimator="rge", q=2,
-                        model=m, generator=torch.Generator().manual_seed(0), compile=compiled))
+                        model=m, generator=torch.Generator().manual_seed(0)))
     models[1].set_compile(True, backend="aot_eager")
     losses = [[], []]
     counts = []
@@ -168,11 +169,9 @@ def test_set_compile_off_and_bad_input():
         m.set_compile(True, mode="fastest")
     with pytest.raises(ValueError, match="applies to backend 'inductor' only"):
         m.set_compile(True, backend="eager", mode="max-autotune")
-    sub = _subspace(m)
-    with pytest.raises(ValueError, match="needs model="):
-        SZO(m.parameters(), sub, compile=True)
-    with pytest.raises(ValueError, match="engine='loop'"):
-        SZO(m.parameters(), sub, model=m, engine="batched", compile=True)
+    sub = _subspace(m.set_compile(True))  # compiled: the probe path refuses what bypasses its multi-step forward
+    with pytest.raises(ValueError, match=r"engine='batched' .* cannot be combined with model.set_compile\(True\)"):
+        SZO(m.parameters(), sub, model=m, probes=ProbePath(engine="batched"))
 
 
 def test_compiled_forward_refuses_hook_based_sync_bn(tmp_path):
@@ -183,9 +182,9 @@ def test_compiled_forward_refuses_hook_based_sync_bn(tmp_path):
     m = _model().set_compile(True, backend="aot_eager")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="forward hooks, which a compiled forward does not see"):
-            SZO(m.parameters(), _subspace(m), model=m, distributed="data")
-        SZO(m.parameters(), _subspace(m), model=m, distributed="data", sync_bn=False)
-        SZO(m.parameters(), _subspace(m), model=m, distributed="perturbation")
+        with pytest.raises(ValueError, match=r"sync_bn=True with distributed=.data. \(BN synchronised by forward hooks\) cannot be combined with model.set_compile"):
+            SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="data"))
+        SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="data", sync_bn=False))
+        SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="perturbation"))
     finally:
         dist.destroy_process_group()

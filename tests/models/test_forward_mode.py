@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from spikingjelly.activation_based import surrogate
+from spikingjelly.activation_based import functional, layer, neuron, surrogate
 from torch.func import functional_call
 
 import szo.models as M
@@ -71,3 +71,89 @@ def test_non_spiking_surrogate_is_rejected():
     with pytest.raises(ValueError, match="spiking mode"):
         with jvp_neurons(node):
             pass
+
+
+# ---------------------------------------------------------------------- SpikingJelly's other neurons (issue 40)
+def _sj_net(node: str, step_mode: str):
+    """A SpikingJelly network with the tutorial's IFNode or a ParametricLIFNode (its learnable ``w``
+    is a parameter the tangent reaches), float64, multi- or single-step."""
+    torch.manual_seed(3)
+    make = {"if": lambda: neuron.IFNode(surrogate_function=surrogate.ATan()),
+            "plif": lambda: neuron.ParametricLIFNode(init_tau=2.0, surrogate_function=surrogate.Sigmoid()),
+            "lif": lambda: neuron.LIFNode(tau=2.0, surrogate_function=surrogate.ATan())}[node]
+    net = torch.nn.Sequential(layer.Conv2d(1, 4, 3, padding=1), layer.BatchNorm2d(4), make(), layer.Flatten(),
+                              layer.Linear(4 * 6 * 6, 10), make())
+    functional.set_step_mode(net, step_mode)
+    with torch.no_grad():
+        net[4].weight.mul_(6)  # the output neurons fire at this initialisation
+    return net.double().train()
+
+
+def _sj_forward(net, x):
+    functional.reset_net(net)
+    if net[2].step_mode == "m":
+        return net(x)
+    return torch.stack([net(xt) for xt in x])
+
+
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+@pytest.mark.parametrize("node", ["if", "plif", "lif"])
+def test_spikingjelly_neurons_jvp_equals_autograd_and_spikes_equal_its_ops(node, step_mode):
+    """IFNode (the tutorial network's), ParametricLIFNode and a single-step LIFNode: inside
+    jvp_neurons the spikes are SpikingJelly's custom ops' and grad.v is autograd's through them."""
+    net = _sj_net(node, step_mode)
+    g = torch.Generator().manual_seed(4)
+    x = 3 * torch.rand(3, 5, 1, 6, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (5,), generator=g)
+    tang = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in net.named_parameters()}
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    out = _sj_forward(net, x)
+    loss = torch.nn.functional.cross_entropy(out.mean(0) * 5, y)
+    loss.backward()
+    oracle = sum((p.grad * tang[n]).sum() for n, p in net.named_parameters())
+    net.load_state_dict(state)
+    surrogates = [m.surrogate_function for m in net.modules() if hasattr(m, "surrogate_function")]
+    functional.reset_net(net)
+    with torch.no_grad(), jvp_neurons(net), fwAD.dual_level():
+        duals = {n: fwAD.make_dual(p.detach(), tang[n]) for n, p in net.named_parameters()}
+        got = functional_call(net, duals, (x,)) if step_mode == "m" else None
+        if got is None:
+            functional.reset_net(net)
+            got = torch.stack([functional_call(net, duals, (xt,)) for xt in x])
+        spikes, _ = fwAD.unpack_dual(got)
+        val, jvp = fwAD.unpack_dual(torch.nn.functional.cross_entropy(got.mean(0) * 5, y))
+    assert torch.equal(spikes, out.detach()) and out.sum() > 0  # the custom ops' spikes
+    assert abs(float(val) - float(loss.detach())) < 1e-12
+    assert abs(float(oracle)) > 1e-3
+    assert abs(float(jvp) - float(oracle)) < 1e-5 * max(1.0, abs(float(oracle)))
+    # the neurons have their own surrogates back, and the parameter names never changed
+    assert [m.surrogate_function for m in net.modules() if hasattr(m, "surrogate_function")] == surrogates
+    assert [n for n, _ in net.named_parameters()] == list(tang)
+
+
+def test_an_operation_without_a_forward_mode_rule_is_one_line():
+    class Clip(torch.autograd.Function):  # a backward rule only, as SpikingJelly's surrogates have
+        @staticmethod
+        def forward(ctx, x):
+            return x.clamp(0, 1)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return Clip.apply(self.fc(x))
+
+    from szo.optim import ForwardGradient
+
+    net = Net()
+    opt = ForwardGradient(net.parameters(), model=net)
+    x, y = torch.rand(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with pytest.raises(ValueError, match="forward-mode AD through every operation") as e:
+        opt.step(lambda: torch.nn.functional.cross_entropy(net(x), y))
+    assert "\n" not in str(e.value) and "zeroth-order method" in str(e.value)

@@ -17,6 +17,8 @@ from szo.models import create
 from szo.models.graphed import CudaGraphBackend, ForwardGraphs
 from szo.optim import build_optimizer
 
+from .graph_replay import RecordedOps
+
 
 class CallAgain:
     """A graph backend for the CPU: 'capture' runs the warm-up and one forward (whose side effects
@@ -137,7 +139,7 @@ def test_settings_validated_copies_fresh_and_compile_exclusive():
         m(_x())
     c = copy.deepcopy(m)
     assert isinstance(c.cuda_graphs, ForwardGraphs) and len(c.cuda_graphs) == 0 and len(m.cuda_graphs) == 1
-    with pytest.raises(ValueError, match="set_compile\\(True\\) on a model with CUDA graphs"):
+    with pytest.raises(ValueError, match="set_cuda_graphs\\(True\\) .* cannot be combined with model.set_compile"):
         m.set_compile(True)
     with pytest.raises(ValueError, match="set_cuda_graphs\\(enabled\\) must be True or False"):
         m.set_cuda_graphs("yes")
@@ -146,7 +148,7 @@ def test_settings_validated_copies_fresh_and_compile_exclusive():
     m.set_cuda_graphs(False)
     assert m.cuda_graphs is None
     m.set_compile(True)
-    with pytest.raises(ValueError, match="set_cuda_graphs\\(True\\) on a compiled model"):
+    with pytest.raises(ValueError, match="set_cuda_graphs\\(True\\) .* cannot be combined with model.set_compile"):
         m.set_cuda_graphs(True)
 
 
@@ -156,6 +158,91 @@ def test_recipe_setting_validated_against_the_paths_that_bypass_the_forward():
     assert load_recipe("digits-scratch", ["cuda_graphs=true"]).cuda_graphs is True
     for sets, what in ((["compile=true"], "compile"), (["szo.engine=batched"], "szo.engine 'batched'"),
                        (["szo.time_chunk=1"], "szo.time_chunk"), (["backend=fixed", "bn_stats=deployed"], "backend 'fixed'")):
-        with pytest.raises(ValueError, match=f"cuda_graphs=true replays the model's multi-step forward and cannot be "
-                                             f"combined with {what}"):
+        with pytest.raises(ValueError, match=f"(cuda_graphs=true .*cannot be combined with {what}|{what} .*cannot be "
+                                             f"combined with cuda_graphs=true)"):
             load_recipe("digits-scratch", ["cuda_graphs=true", *sets])
+
+
+# ---------------------------------------------------------------------- what a replay does not run
+def test_a_replay_runs_no_python_so_a_hook_driven_probe_would_see_no_perturbation():
+    """With a backend that replays recorded operations (tests/models/graph_replay.py), as a CUDA graph
+    does: in-place parameter changes and BN updates are seen, exactly as eagerly, but a forward hook --
+    how node perturbation moves a layer (szo.zo.NodeSpace) -- does not run in a replay: a hook-driven
+    method's probes would all return the clean loss, a zero estimate. Hence the probe path's rule."""
+    graphed, eager = _model(), _model()
+    graphed.set_cuda_graphs(True, backend=RecordedOps())
+    x = _x()
+    with torch.no_grad():
+        for _ in range(3):  # the first forward captures, the next ones replay
+            torch.testing.assert_close(graphed(x), eager(x), rtol=0, atol=0)
+            for a, b in zip(graphed.parameters(), eager.parameters()):
+                a.add_(0.01)
+                b.add_(0.01)
+        assert graphed.cuda_graphs.backend.replays == 3  # every call a replay (the first right after its capture)
+        clean = graphed(x).clone()
+        for net in (graphed, eager):  # a node perturbation's probe: +5 on the fc layer's outputs, through a hook
+            net.fc.register_forward_hook(lambda mod, args, out: out + 5.0)
+        assert not torch.equal(eager(x), clean)  # eagerly the hook moves the logits
+        torch.testing.assert_close(graphed(x), clean, rtol=0, atol=0)  # the replay did not run it
+
+
+def test_hook_driven_methods_are_refused_with_graphs_and_compile_at_every_door():
+    from szo.config import load_recipe
+    from szo.methods import list_methods
+    from szo.optim import LayerwiseZO
+
+    hooked = list_methods(hooks=True, integer=False)
+    assert set(hooked) == {"np-zo", "wp-zo", "awp-zo"}
+    m = _model().set_cuda_graphs(True, backend=RecordedOps())
+    for method in hooked:
+        with pytest.raises(ValueError, match=f"method '{method}' \\(it drives layers through forward hooks at every "
+                                             "forward\\) cannot be combined with model.set_cuda_graphs\\(True\\)"):
+            build_optimizer(method, m, lr=0.1, mu=0.1)
+        for key in ("cuda_graphs=true", "compile=true"):
+            with pytest.raises(ValueError, match=f"method '{method}' .* cannot be combined with {key.split('=')[0]}"):
+                load_recipe("digits-scratch", [f"method={method}", key])
+    with pytest.raises(ValueError, match="method 'np-zo' .* cannot be combined with model.set_cuda_graphs"):
+        LayerwiseZO(m, perturbation="node")  # built directly: its record says it drives hooks
+    m.set_cuda_graphs(False).set_compile(True)
+    with pytest.raises(ValueError, match="method 'wp-zo' .* cannot be combined with model.set_compile\\(True\\)"):
+        LayerwiseZO(m, perturbation="weight")
+    LayerwiseZO(m.set_compile(False), perturbation="adaptive")  # an eager forward runs its hooks
+
+
+def test_data_parallel_sync_bn_is_refused_on_a_graphed_model(tmp_path):
+    """SyncBatchNorm synchronises through forward hooks, which a replay skips: refused when SZO is built
+    directly on a graphed model, not only on the recipe path."""
+    import torch.distributed as dist
+
+    from szo.optim import SZO
+    from szo.zo import ProbePath
+
+    m = _model().set_cuda_graphs(True, backend=RecordedOps())
+    sub = SimpleNamespace(basis=torch.eye(m.num_params(), 2), layout=None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="sync_bn=True with distributed='data' .* cannot be combined with "
+                                             "model.set_cuda_graphs\\(True\\)"):
+            SZO(m, sub, start="current", probes=ProbePath(distributed="data"))
+        SZO(m, sub, start="current", probes=ProbePath(distributed="data", sync_bn=False))
+        SZO(m, sub, start="current", probes=ProbePath(distributed="perturbation"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_capture_holds_the_weight_casts_not_autocasts_cached_ones():
+    """Under autocast a graph must contain the casts of the parameters (a replay then casts them
+    where the probe moved them); a cast taken from autocast's weight cache would be a tensor the
+    graph reads at the capture's weights. The capture runs with the cache off, inside any block."""
+    seen = []
+
+    class Watch(CallAgain):
+        def capture(self, fn, warmup, between):
+            seen.append(torch.is_autocast_cache_enabled())
+            return super().capture(fn, warmup, between)
+
+    m = _model().set_cuda_graphs(True, backend=Watch())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(_x())
+        assert torch.is_autocast_cache_enabled()  # the caller's switch back
+    assert seen == [False]

@@ -123,7 +123,9 @@ def test_streaming_forward_is_rejected_in_config_and_optimizer():
     with pytest.raises(ValueError, match="method 'fg' takes forward-mode derivatives"):
         load_recipe("digits-scratch", ["method=fg", "szo.time_chunk=1"])
     model = M.create("spike_convnet", num_classes=10, T=2).set_streaming(1)
-    opt = build_optimizer("fg", model, lr=0.1)
+    with pytest.raises(ValueError, match="method 'fg' takes forward-mode derivatives"):  # the same rule
+        build_optimizer("fg", model, lr=0.1)
+    opt = ForwardGradient(model.parameters(), model=model, lr=0.1)  # built directly: its JVP refuses the chunked forward
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
     with pytest.raises(ValueError, match="multi-step forward"):
         opt.step(lambda: tet_loss(model(x), y))

@@ -23,6 +23,7 @@ from szo.engine import batch_closure
 from szo.functional import zo as F
 from szo.optim import SZO
 from szo.trajectory import TrajectoryRecorder
+from szo.zo import ProbePath
 from szo.zo.guard import ProbeGuard
 
 T, N, K, MU, LR = 2, 2, 2, 0.5, 0.5
@@ -115,8 +116,8 @@ def szo_step(arch, state, sub, estimator, engine, x, y):
     model = make(arch)
     model.load_state_dict(state)
     model.train()
-    opt = SZO(model, sub, mu=MU, lr=LR, momentum=0.9, estimator=estimator, q=1, engine=engine,
-              generator=torch.Generator().manual_seed(5))
+    opt = SZO(model, sub, mu=MU, lr=LR, momentum=0.9, estimator=estimator, q=1,
+              generator=torch.Generator().manual_seed(5), probes=ProbePath(engine=engine))
     assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), sub.reference)  # start = reference
     opt.step(batch_closure(model, loss_fn, x, y) if engine == "batched" else (lambda: loss_fn(model(x), y)))
     assert opt.forward_passes == opt.forwards_per_step == (2 * K if estimator == "cge" else 2) + 1
@@ -179,4 +180,4 @@ def test_batched_engine_refuses_a_model_it_cannot_fold():
     d = sum(p.numel() for p in net.parameters())
     sub = SimpleNamespace(basis=torch.eye(d, 1), layout=None)
     with pytest.raises(ValueError, match="batched engine: module 'sn1' \\(ParametricLIFNode\\) has parameters"):
-        SZO(net, sub, engine="batched", start="current")
+        SZO(net, sub, start="current", probes=ProbePath(engine="batched"))

@@ -10,6 +10,7 @@ from torch import nn
 
 import szo.models as M
 from szo.optim import SZO, BPSubspace, FullSpaceZO, HybridZO, LayerwiseZO, build_optimizer
+from szo.zo import ProbePath
 
 
 class Net(nn.Module):
@@ -63,7 +64,7 @@ def test_model_first_starts_at_the_reference_params_form_where_it_is():
 def make_opt(make: str, model: nn.Module, **kw):
     """One forward-only optimizer of each kind on ``model`` (the probes move it noticeably)."""
     if make == "szo":
-        return SZO(model, sub_for(model), mu=0.3, lr=0.2, estimator="rge", q=2, **kw)
+        return SZO(model, sub_for(model), mu=0.3, lr=0.2, estimator="rge", q=2, probes=ProbePath(**kw))
     if make == "zo":
         return FullSpaceZO(model, estimator="rge", q=2, mu=0.1, lr=0.1, **kw)
     if make == "hybrid":  # the signRGE phase (seed 000): centre + sign_q probes
@@ -181,7 +182,7 @@ def test_bad_input_one_clear_error_each():
     with pytest.raises(ValueError, match="unknown start 'best'; valid: reference"):
         SZO(model, sub, start="best")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'; valid: recompute, probe-mean"):
-        SZO(model, sub, bn_update="mean")
+        SZO(model, sub, probes=ProbePath(bn_update="mean"))
     with pytest.raises(ValueError, match="unknown bn_update 'mean'"):
         FullSpaceZO(model, bn_update="mean")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'; valid: recompute, probe-mean"):

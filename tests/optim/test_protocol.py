@@ -137,3 +137,49 @@ def test_the_registrys_forward_count_is_the_optimizers(name):
 
     opt.step(closure)
     assert expected == opt.forwards_per_step == len(calls) == kind.probes(values["k"] or n, opt.q) + 1, name
+
+
+def _backward_closure(model, opt, x, y, *, enable_grad: bool):
+    """torch.optim's closure (``zero_grad(); loss.backward(); return loss``); ``enable_grad``: inside
+    ``torch.enable_grad()``, as Lightning's automatic optimization runs it."""
+    def closure():
+        with torch.enable_grad() if enable_grad else torch.no_grad():
+            opt.zero_grad()
+            loss = tet_loss(model(x), y, reduction=opt.loss_reduction)
+            loss.sum().backward()
+            return loss.detach()
+    return closure
+
+
+@pytest.mark.parametrize("enable_grad", [False, True], ids=["no-grad", "enable-grad"])
+@pytest.mark.parametrize("name", BUILT + ["mcu-zo"] + list(ONCHIP))
+def test_a_closure_that_runs_backward_is_refused_in_one_line(name, enable_grad):
+    """Issue 40 item 6: the standard closure gets one line that says the step is forward-only, what the
+    closure may do and what to do instead (Lightning: manual optimization), at its first call, before
+    any parameter moves."""
+    model, opt = _build(name)
+    x, y = _batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as e:
+        opt.step(_backward_closure(model, opt, x, y, enable_grad=enable_grad))
+    msg = str(e.value)
+    assert "\n" not in msg and "is forward-only" in msg and "no zero_grad() / backward()" in msg
+    assert "self.automatic_optimization = False" in msg
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert opt.forward_passes == 0
+
+
+@pytest.mark.parametrize("name", BUILT + ["mcu-zo"] + list(ONCHIP))
+def test_grad_scaler_is_refused_in_one_line(name):
+    """Issue 40 item 14: ``GradScaler.step(opt, closure)`` after ``scaler.scale(...)`` (an AMP loop)
+    reads the optimizer's ``_step_supports_amp_scaling``, which refuses in one forward-only line;
+    nothing moves. (With nothing scaled yet, GradScaler stops on its own check before any optimizer.)"""
+    model, opt = _build(name)
+    x, y = _batch()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as e:
+        scaler.step(opt, batch_closure(model, tet_loss, x, y, reduction=opt.loss_reduction))
+    assert "\n" not in str(e.value) and "is forward-only: GradScaler" in str(e.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and opt.forward_passes == 0

@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 from subspace_store import random_subspace
+from szo.engine import batch_closure
 from szo.functional.basis import haar_basis
-from szo.optim import SZO, build_optimizer
+from szo.losses import tet_loss
+from szo.models import create
+from szo.optim import SZO, ProbePath, build_optimizer
 
 from .test_szo import Tiny, data, flat
 
@@ -182,3 +185,24 @@ def test_build_optimizer_passes_refresh_and_refuses_it_elsewhere():
     with pytest.raises(ValueError, match="'refresh' .* applies to methods 'szo-cge', 'szo-rge', 'szo-1pt', "
                                          "'szo-cge-1pt'; method 'bp-subspace' does not use it"):
         build_optimizer("bp-subspace", model, subspace=sub, scale="absolute", refresh=5, start="current")
+
+
+@pytest.mark.parametrize("estimator", ["cge", "rge"])
+def test_the_batched_engine_follows_the_redrawn_basis(estimator):
+    """The probe path is the evaluator's business, the basis the space's: after a redraw the batched engine
+    folds its probes along the new basis, step for step what the loop does."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.rand(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def run(engine):
+        torch.manual_seed(0)
+        model = create("spike_convnet", num_classes=10, T=2, width=4).train()
+        opt = _opt(model, _sub(model, 3), refresh=2, estimator=estimator, q=2, probes=ProbePath(engine=engine))
+        for _ in range(5):
+            opt.step(batch_closure(model, tet_loss, x, y))
+        return flat(model), opt
+
+    (a, oa), (b, ob) = run("loop"), run("batched")
+    assert oa.refresh_state["count"] == ob.refresh_state["count"] == 2
+    assert torch.equal(oa.space.basis_t, ob.space.basis_t)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ from szo.optim import SZO, build_optimizer
 from szo.zo import SubspaceSpace
 from szo.zo.scale import SCALES, coordinate_scales, scale_record
 
-from .test_szo import Tiny, data, flat, subspace_for
+from .test_szo import Tiny, data, flat, load, subspace_for
 
 
 def scaled_subspace(model, k, seed=0):
@@ -154,8 +154,10 @@ def test_tta_learning_rates_under_each_scale():
     rel = get_method("szo-cge").relative["train.lr"]
     o = TTAOptions(batch_size=8, out_dir=".", scale="trajectory")
     assert o.lr_of("szo-cge", "reset") == rel and o.lr_of("szo-cge", "continual") == pytest.approx(rel / 10)
-    a = TTAOptions(batch_size=8, out_dir=".")
+    a = TTAOptions(batch_size=8, out_dir=".", scale="absolute")
     assert (a.lr_of("bp-subspace", "reset"), a.lr_of("bp-subspace", "continual")) == (1.0, 0.1)
+    # scale unset: the method's default scale (trajectory for the subspace methods), as a recipe resolves it
+    assert TTAOptions(batch_size=8, out_dir=".").lr_of("bp-subspace", "reset") == rel
     assert TTAOptions(batch_size=8, out_dir=".", scale="trajectory", lr_continual=0.5).lr_of("szo-rge", "continual") == 0.5
 
 
@@ -185,3 +187,51 @@ def test_build_optimizer_with_nothing_set_takes_the_methods_default_scale():
         build_optimizer("bp", model)
     with pytest.raises(ValueError, match="use scale 'absolute'"):  # a subspace without eigenvalues, e.g. a random one
         build_optimizer("szo-cge", model, subspace=SimpleNamespace(**{**vars(sub), "eigenvalues": torch.zeros(3)}))
+
+
+def test_a_run_record_given_alone_is_used_as_it_is():
+    """build_optimizer(run=RunOptions(...)) with no other keyword keeps the record: the parameters stay where
+    they are (start current) and the generator given draws the directions, so an RGE run is reproducible."""
+    from szo.optim import OptimizerOptions, RunOptions
+
+    model = Tiny().double()
+    sub = scaled_subspace(model, 3)
+    sub.reference = flat(model) + 1.0  # start="reference" would move the parameters here
+    before = flat(model).clone()
+    x, y = data()
+    losses = []
+    for _ in range(2):
+        load(model, before)
+        g = torch.Generator().manual_seed(7)
+        opt = build_optimizer("szo-rge", model, subspace=sub, run=RunOptions(start="current", generator=g))
+        assert torch.equal(flat(model), before) and opt.generator is g
+        opt.step(lambda: nn.functional.cross_entropy(model(x.double()), y))
+        losses.append(flat(model).clone())
+    assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], before)
+    # keywords fill the record that is not given; a keyword of a record that is given is refused
+    load(model, before)
+    opt = build_optimizer("szo-rge", model, subspace=sub, run=RunOptions(start="current"), mu=0.5)
+    assert opt.param_groups[0]["mu"] == 0.5 and torch.equal(flat(model), before)
+    with pytest.raises(ValueError, match=r"^build_optimizer got run= and the keyword\(s\) start of that record"):
+        build_optimizer("szo-rge", model, subspace=sub, run=RunOptions(), start="current")
+    with pytest.raises(ValueError, match=r"^build_optimizer got options= and the keyword\(s\) mu of that record"):
+        build_optimizer("szo-rge", model, subspace=sub, options=OptimizerOptions(lr=0.1), mu=0.5, start="current")
+
+
+@pytest.mark.parametrize("method, extra", [("zo-cge", {}), ("fg", {}), ("np-zo", {}),
+                                           ("szo-cge", {"integer": {"basis_bits": 8}})])
+@pytest.mark.parametrize("scale", ["trajectory", "whitened"])
+def test_a_relative_scale_is_refused_where_the_recipe_refuses_it(method, extra, scale):
+    """zo-cge, fg, np-zo (no relative defaults) and the integer learner (its own units) take no relative
+    scale at build_optimizer, as the recipe schema refuses szo.scale there; absolute passes."""
+    from szo.config import load_recipe
+
+    model = Tiny().double()
+    sub = scaled_subspace(model, 3)
+    with pytest.raises(ValueError, match=rf"^scale '{scale}' \(mu / lr in units of the subspace\) does not apply "
+                                         r"here: .*use scale absolute \(or leave it unset"):
+        build_optimizer(method, model, subspace=sub, scale=scale, start="current", **extra)
+    if not extra:
+        with pytest.raises(ValueError, match=rf"^szo.scale '{scale}' .* does not apply here"):
+            load_recipe("digits-scratch", [f"method={method}", f"szo.scale={scale}"])
+        build_optimizer(method, model, subspace=sub, scale="absolute")  # the paper's units: taken

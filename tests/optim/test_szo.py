@@ -7,6 +7,7 @@ from torch import nn
 
 from szo.functional import zo as F
 from szo.optim import SZO, BPSubspace, FullSpaceZO, build_optimizer
+from szo.zo import ProbePath
 
 
 class Tiny(nn.Module):
@@ -112,7 +113,7 @@ def test_bn_running_stats_identical_for_all_probes_and_updated_once(bn_update):
         after_probe.append(bn.running_mean.clone())
         return nn.functional.cross_entropy(out, y)
 
-    opt = SZO(model.parameters(), sub, mu=0.5, lr=0.1, momentum=0.9, model=model, bn_update=bn_update)
+    opt = SZO(model.parameters(), sub, mu=0.5, lr=0.1, momentum=0.9, model=model, probes=ProbePath(bn_update=bn_update))
     opt.step(closure)
     assert len(seen) == opt.forwards_per_step == 8 + (bn_update == "recompute")
     for rm, rv, n in seen:  # every probe (and the BN forward) starts from the step's statistics

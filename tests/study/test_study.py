@@ -263,3 +263,28 @@ def test_study_precision_estimates_training_and_outputs(runs, capsys):
     assert "| bf16 | CGE | 0.1 |" in md and "| fp32 | 0.3 | 2 |" in md  # training: the recipe's default mu (trajectory)
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         study_precision("digits-scratch", precisions=["fp8"], out=out / "bad", train=False)
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["digits-bp"], "szo study precision trains in a subspace: recipe 'digits-bp' is kind 'bp'"),
+    (["digits-scratch", "--precision", "fp8"], "unknown precision 'fp8'"),
+    (["digits-scratch", "--repeats", "1"], "--repeats 1; valid: an int >= 2"),
+    (["digits-scratch", "--mu", "0"], "--mu [0.0]; valid: positive finite numbers"),
+    (["digits-scratch", "--set", "train.epochs=0"], "'train.epochs' must be >= 1"),
+    (["digits-scratch", "--train-mu", "-1"], "'szo.mu' must be > 0"),
+])
+def test_a_refused_study_precision_leaves_no_directory(tmp_path, capsys, args, phrase):
+    """Everything is checked before --out is created: a refused study is one line and leaves nothing behind."""
+    assert main(["study", "precision", *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and phrase in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_study_precision_out_an_existing_file_is_one_line(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("not a directory")
+    assert main(["study", "precision", "digits-scratch", "--no-train", "--out", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"run directory {f} (or a parent of it) exists and is not a directory" in err[0], err
+    assert f.read_text() == "not a directory"

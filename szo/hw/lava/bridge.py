@@ -18,9 +18,12 @@ szo drives through the exchange bundles of :mod:`szo.hw.lava.runner` and a subpr
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +34,15 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import nn
 
 import szo
+from szo.exits import ExternalError
 from szo.hw.convert import FixedPointNetwork, pool_window
 from szo.hw.fixed import A_IN_SHIFT, ACT_SHIFT, STATE_SHIFT
 from szo.hw.lava import runner as lava_runner
-from szo.hw.lava.runner import Bundle, ExchangeError, read_bundle
+from szo.hw.lava.runner import Bundle, ExchangeError, check_result, read_bundle
 from szo.io import atomic_write_json, sha256_file
 
-__all__ = ["CHECK_FILE", "LAVA_PYTHON_ENV", "LAVA_VENV", "MAX_DENSE_WEIGHTS", "ExchangeError", "LavaExportError",
+__all__ = ["CHECK_FILE", "LAVA_PYTHON_ENV", "LAVA_VENV", "MAX_DENSE_WEIGHTS", "RUNNER_TIMEOUT_S", "ExchangeError",
+           "LavaExportError",
            "check_int32_bound", "check_summary", "export_network", "lava_python", "read_check", "require_python",
            "run_lava", "weights_file", "write_check"]
 
@@ -49,6 +54,8 @@ CHECK_FILE = "lava_check.json"
 MAX_DENSE_WEIGHTS = 1 << 24
 """Largest Dense (n_out x n_in) the export writes: a convolution's Toeplitz matrix grows with the
 square of the feature map (digits conv2: 1024 x 1024 = 2**20)."""
+RUNNER_TIMEOUT_S = 600.0
+"""How long :func:`run_lava` lets the Lava runner work by default (``szo hw lava-check --timeout-s``)."""
 LAVA_WEIGHT_EXP = (-8, 7)
 """Loihi's hardware ``wgtExp`` range; Lava's Python model shifts by any exponent (noted, not refused)."""
 
@@ -84,24 +91,59 @@ def require_python(python: str | os.PathLike | None) -> Path:
 
 
 def run_lava(request: str | os.PathLike, out: str | os.PathLike, *, python: str | os.PathLike | None = None,
-             timeout_s: float = 600.0) -> Bundle:
-    """Run a request bundle in the Lava interpreter (``szo/hw/lava/runner.py IN OUT``); returns the result bundle.
-    A failure in Lava raises RuntimeError with the runner's last error line; past ``timeout_s`` the
-    runner and the processes Lava's runtime started are killed (one process group)."""
+             timeout_s: float = RUNNER_TIMEOUT_S) -> Bundle:
+    """Run a request bundle in the Lava interpreter (``szo/hw/lava/runner.py IN OUT``); returns the result
+    bundle, checked against the request (``runner.check_result``: every array it asks for, of the shape it
+    fixes). The runner leads its own process group (Lava's runtime starts worker processes); whatever
+    ends the wait -- ``timeout_s`` passing, Ctrl-C, any error -- kills that group, so nothing is left
+    running. A runner that cannot start, fails, is killed or times out raises
+    :class:`szo.exits.ExternalError` (one line: the ``szo`` CLI's exit status 5)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"the Lava runner's timeout must be a positive number of seconds, got {timeout_s!r}")
     exe = require_python(python)
-    # -I: isolated mode, so the script's own directory (szo/hw) is not on sys.path and PYTHON* variables are ignored
+    # -I: isolated mode, so the script's own directory (szo/hw/lava) is not on sys.path and PYTHON* variables are ignored
     cmd = [str(exe), "-I", str(Path(lava_runner.__file__)), str(request), str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the runner leads its own session: Lava's workers go with it
-        proc.communicate()
-        raise RuntimeError(f"Lava runner ({exe}) did not finish within {timeout_s:g} s; killed") from None
+    # the runner's output goes to files, not pipes: Lava's worker processes inherit them, and a pipe they
+    # hold open would keep a wait for the runner's end going after the runner itself died
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        try:
+            proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+        except OSError as exc:  # not executable, not a program, gone
+            raise ExternalError(f"cannot start the Lava interpreter {exe}: {exc.strerror or exc}; point "
+                                f"{LAVA_PYTHON_ENV} (or --lava-python) at an executable Python 3.10 with lava-nc (make "
+                                f"lava builds {LAVA_VENV}/bin/python)") from None
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise ExternalError(f"Lava runner ({exe}) did not finish within {timeout_s:g} s; killed (raise the limit "
+                                "with --timeout-s)") from None
+        except BaseException:  # Ctrl-C (the runner is in its own session: the terminal's SIGINT never reaches it)
+            _stop(proc)
+            raise
+        _stop(proc)  # whatever the runner's end left of Lava's processes (none after a clean stop)
+        stdout.seek(0)
+        stderr.seek(0)
+        output = stderr.read() or stdout.read()
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name if -proc.returncode in signal.valid_signals() else -proc.returncode
+        raise ExternalError(f"Lava runner ({exe}) was killed by signal {sig} before it wrote a result; run it again")
     if proc.returncode != 0:
-        lines = [ln for ln in (stderr or stdout).splitlines() if ln.strip()]
-        raise RuntimeError(f"Lava runner failed ({exe}, exit {proc.returncode}): {lines[-1] if lines else 'no output'}")
-    return read_bundle(out, "result")
+        lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+        last = lines[-1].removeprefix("error: ") if lines else "no output"
+        raise ExternalError(f"Lava runner failed ({exe}, exit {proc.returncode}): {last}")
+    result = read_bundle(out, "result")
+    check_result(read_bundle(request), result)
+    return result
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the runner's process group (the runner and the processes Lava's runtime started) and reap the runner."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+    proc.wait()
 
 
 # ------------------------------------------------------------------------------- export
@@ -174,8 +216,8 @@ def export_network(net: FixedPointNetwork, in_shape: tuple[int, ...]) -> tuple[d
     """
     if net.arithmetic != "loihi":
         raise ValueError(f"export to Lava needs the 'loihi' arithmetic (bit-exact with Lava), got {net.arithmetic!r}")
-    if net.precision.weight_bits > 8:
-        raise LavaExportError(f"weight_bits = {net.precision.weight_bits}: Lava's Dense holds 8-bit weights")
+    if net.widths.weight_bits > 8:
+        raise LavaExportError(f"weight_bits = {net.widths.weight_bits}: Lava's Dense holds 8-bit weights")
     if not net.scales_known:
         with torch.no_grad():
             net(torch.zeros(1, *in_shape))  # an AdaptiveAvgPool2d fixes its window at the first forward
@@ -236,7 +278,8 @@ def export_network(net: FixedPointNetwork, in_shape: tuple[int, ...]) -> tuple[d
                               "layer): nothing for the host to read")
     arrays["readout_bias"] = (last_bias[0] << last_bias[1]).astype(np.int64)  # state units, added by the host
     meta = {"T": int(net.T), "n_in": int(np.prod(in_shape)), "in_shape": list(map(int, in_shape)), "layers": layers,
-            "source": {"model": net.model_name, "arithmetic": net.arithmetic}}
+            "source": {"model": net.model_name, "arithmetic": net.arithmetic,
+                       "weight_bits": int(net.widths.weight_bits)}}
     for layer in layers:  # one more line of the contract: exponents Loihi's wgtExp register cannot hold
         if layer["kind"] == "dense" and not LAVA_WEIGHT_EXP[0] <= layer["weight_exp"] <= LAVA_WEIGHT_EXP[1]:
             layer["beyond_loihi_wgtexp"] = True
@@ -272,16 +315,51 @@ def weights_file(run_dir: str | os.PathLike) -> Path | None:
 
 def read_check(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The ``lava_check.json`` of a run directory, or None; ``"stale"`` is set (with the reason) when the
-    run's weights file is no longer the one that was checked."""
+    run's weights file is no longer the one that was checked. A side file that cannot be read (not
+    JSON, truncated, not a check report) is one warning line on stderr and None: whoever reads it
+    (``szo hw-report``) keeps the rest of its measurement."""
     p = Path(run_dir) / CHECK_FILE
     if not p.is_file():
         return None
-    check = json.loads(p.read_text(encoding="utf-8"))
+    try:
+        check = json.loads(p.read_text(encoding="utf-8"))
+        why = _not_a_check(check)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if why is not None:
+        sys.stderr.write(f"warning: {p} is not a readable szo hw lava-check report ({why}); left out: run szo hw "
+                         "lava-check again\n")
+        sys.stderr.flush()
+        return None
     w = weights_file(run_dir)
     digest = sha256_file(w) if w is not None else None
     if digest != check.get("weights_sha256"):
         check["stale"] = f"{w.name if w else 'no weights'} sha256 {str(digest)[:12]}, checked {str(check.get('weights_sha256'))[:12]}"
     return check
+
+
+_COMPARED = {"elements": int, "equal": int, "delay_steps": int}
+_REPORT = {"lava_nc": str, "python": str, "samples": int, "data": str, "T": int, "lava_steps": int, "layers": dict,
+           "readout": dict, "labels_agree": int, "bit_exact": bool}
+
+
+def _not_a_check(check: Any) -> str | None:
+    """Why ``check`` is not a lava-check report :func:`check_summary` can show (None: it is one)."""
+    if not isinstance(check, dict):
+        return f"a JSON {type(check).__name__}, not an object"
+    for key, kind in _REPORT.items():
+        if not isinstance(check.get(key), kind) or (kind is int and isinstance(check.get(key), bool)):
+            return f"{key!r} is {check.get(key)!r}, not a {kind.__name__}"
+    for key in ("accuracy_szo", "accuracy_lava"):
+        if check.get(key) is not None and not isinstance(check.get(key), (int, float)):
+            return f"{key!r} is {check.get(key)!r}, not a number"
+    for path, v in {**check["layers"], **check["readout"]}.items():
+        fields = {**_COMPARED, **({} if path in check["readout"] else {"spikes_szo": int, "spikes_lava": int})}
+        if not isinstance(v, dict) or any(not isinstance(v.get(k), t) for k, t in fields.items()):
+            return f"layer {path!r} lacks {', '.join(fields)}"
+        if v.get("first_diff") is not None and not isinstance(v["first_diff"], list):
+            return f"layer {path!r}: first_diff is {v['first_diff']!r}"
+    return None
 
 
 def check_summary(rep: dict[str, Any]) -> list[str]:

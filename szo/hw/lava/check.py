@@ -20,9 +20,16 @@ import numpy as np
 import torch
 
 from szo.hw.convert import to_fixed
-from szo.hw.fixed import A_IN_SHIFT, Precision
+from szo.hw.fixed import A_IN_SHIFT, BitWidths
 from szo.hw.lava import runner as lava_runner
-from szo.hw.lava.bridge import check_int32_bound, export_network, require_python, run_lava, weights_file
+from szo.hw.lava.bridge import (
+    RUNNER_TIMEOUT_S,
+    check_int32_bound,
+    export_network,
+    require_python,
+    run_lava,
+    weights_file,
+)
 from szo.hw.lava.runner import network_delays, write_bundle
 from szo.hw.reports.hw_report import input_batch, load_target
 from szo.io import sha256_file
@@ -31,13 +38,13 @@ from szo.models import SpikingModel
 __all__ = ["export_run", "lava_check"]
 
 
-def _model_and_net(target: str | SpikingModel, reset: str | None):
+def _model_and_net(target: str | SpikingModel, reset: str | None, weight_bits: int | None = None):
     model, label, cfg = load_target(target)
     model.eval()
     hw = (cfg or {}).get("hw") or {}
     reset = reset if reset is not None else hw.get("reset")
-    bits = hw.get("weight_bits") or 8
-    net = to_fixed(model, precision=Precision(weight_bits=int(bits)), arithmetic="loihi", reset=reset, record=True)
+    bits = weight_bits or hw.get("weight_bits") or 8
+    net = to_fixed(model, widths=BitWidths(weight_bits=int(bits)), arithmetic="loihi", reset=reset, record=True)
     return model, label, cfg, net
 
 
@@ -45,10 +52,15 @@ def _static_shape(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.shape[-3:])
 
 
-def export_run(target: str | SpikingModel, out: str | os.PathLike, *, reset: str | None = None, input_size: int | None = None
-               ) -> tuple[Path, dict[str, Any]]:
-    """``szo export --to lava``: the network bundle (no inputs) of a run directory or registered model."""
-    model, label, cfg, net = _model_and_net(target, reset)
+def export_run(target: str | SpikingModel, out: str | os.PathLike, *, reset: str | None = None, input_size: int | None = None,
+               weight_bits: int | None = None) -> tuple[Path, dict[str, Any]]:
+    """``szo export --to lava``: the network bundle (no inputs) of a run directory or registered model;
+    ``weight_bits``: the weight mantissas' width (default the run's ``hw.weight_bits``, else 8; Lava's
+    Dense holds at most 8)."""
+    if weight_bits is not None and (isinstance(weight_bits, bool) or not isinstance(weight_bits, int)
+                                    or not 2 <= weight_bits <= 8):
+        raise ValueError(f"weight_bits {weight_bits!r}: Lava's Dense holds 2- to 8-bit weights; valid: 2 to 8")
+    model, label, cfg, net = _model_and_net(target, reset, weight_bits)
     x, _ = input_batch(model, "random", 1, input_size, 0, cfg)
     meta, arrays, _ = export_network(net, _static_shape(x))
     check_int32_bound(meta, arrays, 1 << 15)
@@ -68,15 +80,21 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> list[int] | None:
 
 @torch.no_grad()
 def lava_check(target: str | SpikingModel, samples: int = 100, *, data: str = "test", reset: str | None = None, seed: int = 0,
-               python: str | os.PathLike | None = None, keep: str | os.PathLike | None = None) -> dict[str, Any]:
+               python: str | os.PathLike | None = None, keep: str | os.PathLike | None = None,
+               timeout_s: float = RUNNER_TIMEOUT_S) -> dict[str, Any]:
     """Run ``samples`` test samples through Lava and through szo's ``loihi`` simulator of the same network;
     compare every spike of every neuron layer, every readout value (Dense ``a_out``) and every
-    predicted label. ``keep``: write the request / result bundles there (else a temporary directory)."""
+    predicted label. ``keep``: write the request / result bundles there (else a temporary directory);
+    ``timeout_s``: how long the Lava runner may take (``run_lava``). More samples than the data set
+    holds is refused before anything runs."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
     exe = require_python(python)
     model, label, cfg, net = _model_and_net(target, reset)
     x, y = input_batch(model, data, samples, None, seed, cfg)
+    have = int(x.shape[1] if x.dim() == 5 else x.shape[0])
+    if have < samples:
+        raise ValueError(f"--samples {samples}: the {data} set of {label} holds {have} samples; valid: 1 to {have}")
     x_seq = x if x.dim() == 5 else x.unsqueeze(0).expand(net.T, *x.shape)
     if x_seq.shape[0] != net.T:
         raise ValueError(f"input has {x_seq.shape[0]} time steps, the network runs T = {net.T}")
@@ -98,7 +116,7 @@ def lava_check(target: str | SpikingModel, samples: int = 100, *, data: str = "t
         root = Path(keep) if keep is not None else Path(tmp)
         write_bundle(root / "request", "network", meta, arrays)
         t0 = time.perf_counter()
-        res = run_lava(root / "request", root / "result", python=exe)
+        res = run_lava(root / "request", root / "result", python=exe, timeout_s=timeout_s)
         lava_s = time.perf_counter() - t0
     delays = network_delays(meta)
     T = int(meta["T"])

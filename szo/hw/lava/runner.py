@@ -45,6 +45,7 @@ import os
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -53,7 +54,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["FORMAT", "KINDS", "MANIFEST", "ARRAYS", "VERSION", "Bundle", "ExchangeError", "network_delays",
-           "read_bundle", "write_bundle"]
+           "read_bundle", "write_bundle", "expected_result", "check_result", "NO_LAVA_EXIT"]
 
 FORMAT = "szo-lava-exchange"
 VERSION = 1
@@ -142,8 +143,13 @@ def read_bundle(path: str | os.PathLike, kind: str | None = None) -> Bundle:
         raise ExchangeError(f"{p}: a {manifest.get('kind')!r} bundle, expected {kind!r}")
     if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
         raise ExchangeError(f"{p / ARRAYS} does not match the sha256 in {MANIFEST}: changed or truncated")
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    try:  # never unpickled: an object array (or a file that is not an npz of plain arrays) is refused
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExchangeError(f"{p / ARRAYS} does not hold plain integer arrays ({why}); the exchange never "
+                            "unpickles") from None
     _validate(manifest, arrays)
     return Bundle(manifest["kind"], manifest["meta"], arrays)
 
@@ -285,7 +291,52 @@ def network_delays(meta: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def expected_result(request: Bundle) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """What the result of ``request`` holds: array name -> (shape, binary); each int32 (the module doc's
+    ``Result:`` of each kind: lif ``s`` / ``u`` / ``v [R, T, n]``; dense ``a_out.R [T + 1, n_out]``; network
+    ``spikes.NAME`` and ``a_out``, ``[N T + L, n]``)."""
+    a, m = request.arrays, request.meta
+    if request.kind == "lif":
+        shape = tuple(a["a_in"].shape)
+        return {"s": (shape, True), "u": (shape, False), "v": (shape, False)}
+    if request.kind == "dense":
+        return {f"a_out.{r}": ((a[f"s_in.{r}"].shape[0] + 1, a[f"weights.{r}"].shape[0]), False)
+                for r in range(len(m["regimes"]))}
+    if request.kind == "network":
+        if "inputs" not in a:
+            raise ExchangeError("network bundle has no 'inputs': nothing to run (export it with samples)")
+        delays = network_delays(m)
+        steps = a["inputs"].shape[0] * int(m["T"]) + delays["a_out"]
+        out = {f"spikes.{ly['name']}": ((steps, a[f"bias_mant.{ly['name']}"].shape[0]), True)
+               for ly in m["layers"] if ly["kind"] == "lif"}
+        out["a_out"] = ((steps, a["readout_bias"].shape[0]), False)
+        return out
+    raise ExchangeError(f"cannot run a {request.kind!r} bundle; valid: lif, dense, network")
+
+
+def check_result(request: Bundle, result: Bundle) -> None:
+    """The result bundle against the request it answers: its kind, every array the request asks for (no
+    more), each int32 of the shape the request fixes (how many steps, how many neurons), spikes 0 or 1.
+    One :class:`ExchangeError` line otherwise (a runner that wrote a valid bundle of something else)."""
+    if result.kind != "result" or result.meta.get("request_kind") != request.kind:
+        raise ExchangeError(f"the Lava result answers a {result.meta.get('request_kind')!r} request, not this "
+                            f"{request.kind!r} one")
+    want = expected_result(request)
+    missing, extra = sorted(set(want) - set(result.arrays)), sorted(set(result.arrays) - set(want))
+    if missing or extra:
+        raise ExchangeError(f"the Lava result holds {sorted(result.arrays)}; the request asks for {sorted(want)}"
+                            + (f" (missing: {', '.join(missing)})" if missing else f" (not asked for: {', '.join(extra)})"))
+    for name, (shape, binary) in want.items():
+        try:
+            _arr(result.arrays, name, shape, *((0, 1) if binary else (None, None)))
+        except ExchangeError as exc:
+            raise ExchangeError(f"the Lava result's {exc}".replace(" (the Lava register it goes to)", "")) from None
+
+
 # ------------------------------------------------------------------ Lava side (Python 3.10)
+NO_LAVA_EXIT = 3
+"""The runner's exit status when its interpreter has no lava-nc (2: a bad bundle; 1: Lava itself failed)."""
+
 def _run_cfg():
     from lava.magma.core.run_configs import Loihi2SimCfg
     from lava.proc.io.extractor import Extractor, PyLoihiExtractorModel
@@ -449,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     except ExchangeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "lava":
+            raise
+        print(f"error: this interpreter ({sys.executable}, Python {sys.version.split()[0]}) has no lava-nc "
+              f"({exc}); `make lava` builds .venv-lava with it", file=sys.stderr)
+        return NO_LAVA_EXIT
     write_bundle(args[1], "result", {"request_kind": kind, "seconds": round(seconds, 3),
                                      "lava_nc": metadata.version("lava-nc"),
                                      "python": ".".join(map(str, sys.version_info[:3]))}, result)

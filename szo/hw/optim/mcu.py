@@ -40,28 +40,30 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
 
+from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
 from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
-from szo.methods import register_builder
+from szo.methods import get_method, register_builder
 from szo.zo import (
     CleanForward,
     Field,
     LayerwiseBase,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
     adaptive_perturbation,
     check_hparams,
     one_point_plan,
     quantized_zo_update,
+    refuse_frozen,
+    refuse_shared_weights,
     trainable_layers,
 )
 
@@ -207,6 +209,7 @@ class MCUZO(LayerwiseBase):
                                  Field("forward_passes", "int", default=0), Field("step_count", "int", default=0),
                                  Field("saturations", "counter", "counter")),
                          check=_check_state),)
+    fixed_space = "the integers of the layers it was built with (layers=)"
 
     def __init__(self, net: FixedPointNetwork, *, layers: Sequence[str] | None = None, perturbation: str = "adaptive",
                  q: int = 10, lr: float = 1e-3, mu_w: int = 1, mu_node: int = 1, seed: int = 1) -> None:
@@ -220,6 +223,13 @@ class MCUZO(LayerwiseBase):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int (LSBs; the paper's is 1), got {v!r}")
         self.layers = trainable_layers(net, layers)  # the synapses (model order), or the named subset
+        refuse_shared_weights(self.layers, "MCUZO")
+        # a layer's integers stand for its weight and bias, or the folded BatchNorm's shift (write_back)
+        moved = [p for n, m in self.layers.items() for p in m.parameters(recurse=False)] + [
+            net.get_submodule(net.fused[n]).bias for n, m in self.layers.items()
+            if m.bias is None and n in net.fused and net.get_submodule(net.fused[n]).bias is not None]
+        refuse_frozen(moved, net, "MCUZO", "trains the integers of every layer it is given (weights, biases, a "
+                      "folded BatchNorm's shift)", "unfreeze them, or name the layers to train in layers=")
         super().__init__([p for m in self.layers.values() for p in m.parameters(recurse=False)], dict(lr=float(lr)))
         self.net = net
         self.perturbation, self.q, self.mu_w, self.mu_node = perturbation, q, mu_w, mu_node
@@ -230,7 +240,7 @@ class MCUZO(LayerwiseBase):
         self._pending: list[torch.Tensor] | None = None  # integers of a loaded checkpoint, set at the freeze
         self._pending_graph: dict[str, dict] | None = None  # a loaded checkpoint's exponents / untrained mantissas
         self._floats_stale = False  # the float twin waits for the pooling factors (known after a forward)
-        self._init_forward_only(LoopEvaluator(ProbeGuard(net, "MCUZO", freeze_bn=False)))
+        self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False, method=get_method("mcu-zo")), net, "MCUZO"))
 
     # ------------------------------------------------------------------ state
     @property
@@ -293,7 +303,7 @@ class MCUZO(LayerwiseBase):
         if not isinstance(value, dict) or set(value) != set(synapses):
             got = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise ValueError(f"optimizer state: the synapses are {got}, this network's are {sorted(synapses)}")
-        P, out = self.net.precision, {}
+        P, out = self.net.widths, {}
         for path, m in synapses.items():
             g = value[path]
             if not isinstance(g, dict) or not all(isinstance(g.get(k), int) for k in ("exp", "bias_exp")):
@@ -342,7 +352,7 @@ class MCUZO(LayerwiseBase):
         per tensor -- each layer's weight mantissas (its weight's shape, ``weight_bits`` signed),
         then its bias mantissas when the synapse has a bias (its own or a folded BatchNorm's;
         ``bias_mant_bits`` signed). Known from the modules before the weights are frozen."""
-        P, out = self.net.precision, []
+        P, out = self.net.widths, []
         for n, m in self.layers.items():
             out.append((n, "weights", tuple(m.weight.shape), P.weight_bits))
             if m.bias is not None or n in self.net.fused:
@@ -458,7 +468,7 @@ class MCUZO(LayerwiseBase):
         if name not in self.plans:
             self.plans[name] = self._layer_plan(name, syn, acc_shape, batch)
         if self.plans[name].mode == "weight":
-            space = IntWeightSpace(syn, net.precision.weight_bits, net.precision.bias_mant_bits, self.counter, name)
+            space = IntWeightSpace(syn, net.widths.weight_bits, net.widths.bias_mant_bits, self.counter, name)
             plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
             losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
             g = plan.estimate(losses, centre=clean.l0).to(syn.w_int.device)  # per LSB, over weights then biases
@@ -487,7 +497,7 @@ class MCUZO(LayerwiseBase):
     def _update_layer(self, name: str, syn: IntSynapse, lp: LayerPlan, gw: torch.Tensor, gb: torch.Tensor | None,
                 batch: int) -> None:
         n, d = (1, lp.d_w) if lp.mode == "weight" else (batch, lp.d_a)
-        P = self.net.precision
+        P = self.net.widths
         syn.w_int = quantized_zo_update(syn.w_int, gw, lr=self.lr, scale=2.0 ** syn.exp, n=n, q=self.q, d=d,
                                         bits=P.weight_bits, counter=self.counter, layer=name, quantity="weight")
         if gb is not None:
@@ -574,18 +584,22 @@ def split_blocks(layers: Sequence[str], n_blocks: int = 4) -> list[list[str]]:
     return out
 
 
-def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batches: Iterable,
+def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batches: Collection,
                  heldout: Callable[[], float], loss_fn: Callable[..., torch.Tensor],
                  make: Callable[[list[str]], MCUZO]) -> dict[str, Any]:
     """Sec. 3.3.1: from the same integers, a BP-free test training of each block on ``batches``
     (``(x, y)`` pairs, e.g. one epoch), its gain of ``heldout()`` accuracy; the integers are put
     back after each. Returns ``{"block": index of the best, "gains": [...], "forwards": total}``.
 
+    Each block iterates ``batches`` once: a list, or an iterable that yields the same batches every
+    time it is iterated and knows its length, so they need not be held in memory
+    (``szo.stages.block_selection_stage`` streams them); a one-shot iterator is read into a list first.
     ``make(layers)`` builds the learner of one block (the same settings for every block);
     ``loss_fn(out, y, reduction="none")`` gives the per-sample losses.
     """
-    batches = list(batches)
-    if not blocks or not batches:
+    if iter(batches) is batches:  # an iterator: a second block would see nothing
+        batches = list(batches)
+    if not blocks or not len(batches):
         raise ValueError("select_block needs at least one block and one batch")
     if net.int_weights is None:
         raise ValueError("freeze the network's weights first (net.freeze_weights()): every block starts from them")

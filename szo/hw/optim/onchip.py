@@ -26,26 +26,28 @@ import torch
 from torch import nn
 
 from szo.config import LEARNER_WIDTHS
+from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.hw.convert import FixedPointNetwork, to_fixed
-from szo.hw.fixed import Precision, SaturationCounter, int_range, quantize_weight, saturate
+from szo.hw.fixed import BitWidths, SaturationCounter, int_range, quantize_weight, saturate
 from szo.methods import register_builder
 from szo.train.trainer import evaluate_sums
 from szo.zo import (
+    INTEGER_ESTIMATORS,
     Field,
     ForwardOnlyBase,
     HostSpace,
-    LoopEvaluator,
     Plan,
-    ProbeGuard,
+    ProbePath,
     StateCodec,
-    cge_plan,
     check_hparams,
+    get_estimator,
     integer_heavy_ball,
     one_point_plan,
     quantized_zo_update,
     rademacher_rows,
-    rge_plan,
+    refuse_frozen,
+    refuse_meta,
 )
 
 __all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "LEARNER_WIDTHS", "OnChipSZO", "quantized_zo_update", "basis_error",
@@ -54,7 +56,7 @@ __all__ = ["MOMENTUM_SHIFT", "ON_CHIP_RULES", "LEARNER_WIDTHS", "OnChipSZO", "qu
 
 MOMENTUM_SHIFT: int = 8
 """The momentum factor is stored as ``round(beta * 2**8)`` (0.9 -> 230/256 = 0.8984)."""
-ON_CHIP_ESTIMATORS: tuple[str, ...] = ("cge", "rademacher")
+ON_CHIP_ESTIMATORS: tuple[str, ...] = INTEGER_ESTIMATORS  # cge, rademacher (szo.zo.plans)
 ON_CHIP_RULES: tuple[str, ...] = ("momentum", "eq8")
 
 
@@ -131,7 +133,7 @@ class _IntegerReadout(nn.Module):
 
 
 @torch.no_grad()
-def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision | None = None,
+def evaluate_fixed(model: nn.Module, loader: Iterable, *, widths: BitWidths | None = None,
                    device: str | torch.device | None = None) -> float:
     """Top-1 accuracy of the fixed-point forward (prediction = argmax of the integer readout summed over T).
 
@@ -139,7 +141,7 @@ def evaluate_fixed(model: nn.Module, loader: Iterable, *, precision: Precision |
     ``loader`` yields ``(x, y)`` batches; they are moved to ``device`` (default: the network's).
     The evaluation loop is the trainer's (``szo.train.evaluate_sums``).
     """
-    net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, precision=precision)
+    net = model if isinstance(model, FixedPointNetwork) else to_fixed(model, widths=widths)
     if device is None:
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
     _, correct, seen = evaluate_sums(_IntegerReadout(net), loader, lambda out, y: 0.0, device)
@@ -183,16 +185,16 @@ class OnChipSZO(ForwardOnlyBase):
                                      Field("origin", "float64", "theta_ref"),
                                      Field("saturations", "counter", "counter")),
                          check=_check_coords),)
+    fixed_space = "every parameter of its network (theta_ref + P c)"
 
     def __init__(self, model: nn.Module, subspace: Any, *, lr: float = 1.0, momentum: float = 0.9,
                  mu_lsb: int = 1 << 12, estimator: str = "cge", q: int = 1, seed: int = 1,
                  basis_bits: int = 8, coord_bits: int = 32, coord_frac: int = 16, ref_bits: int = 16,
                  rule: str = "momentum") -> None:
-        if estimator not in ON_CHIP_ESTIMATORS:
-            raise ValueError(f"unknown estimator {estimator!r}; valid: {list(ON_CHIP_ESTIMATORS)}")
+        kind = get_estimator(estimator, ON_CHIP_ESTIMATORS)
         if rule not in ON_CHIP_RULES:
             raise ValueError(f"unknown update rule {rule!r}; valid: {list(ON_CHIP_RULES)}")
-        if rule == "eq8" and estimator != "rademacher":
+        if rule == "eq8" and kind.coordinate:
             raise ValueError("rule 'eq8' (seed-004 quantized ZO) uses Rademacher forward differences: "
                              "valid estimator for it: 'rademacher'")
         check_hparams(lr=lr, momentum=momentum, q=q)
@@ -203,13 +205,18 @@ class OnChipSZO(ForwardOnlyBase):
             raise ValueError(f"need 0 <= coord_frac < coord_bits = {coord_bits}, got {coord_frac!r}")
         if not hasattr(model, "flat_params") or not hasattr(model, "load_flat_params"):
             raise ValueError("model must provide flat_params()/load_flat_params() (a szo model or FixedPointNetwork)")
+        refuse_meta(list(model.parameters()), "OnChipSZO")
+        refuse_frozen(list(model.parameters()), model, "OnChipSZO",
+                      "moves every parameter of its network (theta_ref + P c)",
+                      "unfreeze them, or train with the float learner (szo-cge), which leaves them out")
         theta = model.flat_params().to("cpu", torch.float64)  # learner state on the host
         if subspace.basis.shape[0] != theta.numel():
             raise ValueError(f"subspace d = {subspace.basis.shape[0]} does not match the model's d = {theta.numel()}")
         super().__init__(model.parameters(), dict(lr=float(lr), momentum=float(momentum)))
         self.model = model
         self.mu_lsb = mu_lsb
-        self.estimator, self.q, self.rule = estimator, q, rule
+        self.kind, self.q, self.rule = kind, q, rule
+        self.estimator = kind.name
         self.coord_bits, self.coord_frac = coord_bits, coord_frac
         self.basis_bits, self.ref_bits = basis_bits, ref_bits
         P_int, self.P_scale = quantize_basis(subspace.basis.detach().cpu(), basis_bits)
@@ -218,15 +225,18 @@ class OnChipSZO(ForwardOnlyBase):
         self.d, self.k = self.P.shape
         self.counter = SaturationCounter()
         self.theta_ref = self._quantize_ref(model, theta)
-        self.momentum_int = int(round(momentum * (1 << MOMENTUM_SHIFT)))
         self.delta = torch.zeros(self.k, dtype=torch.int64)
         self.rng = XorShift32(seed)
         self.step_count = 0
         self.space = HostSpace(model, self.parameters_at, torch.zeros(self.k, dtype=torch.int64), probe="coords",
-                               clip=lambda c: saturate(c, self.coord_bits, self.counter, "coords", "probe"))
+                               clip=self._clip_probe)
         # the fixed-point forward keeps no BN statistics to freeze; its neurons are reset before every probe
-        self._init_forward_only(LoopEvaluator(ProbeGuard(model, "OnChipSZO", freeze_bn=False)))
+        self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False), model, "OnChipSZO"))
         self.space.load(self.c)
+
+    def _clip_probe(self, c: torch.Tensor) -> torch.Tensor:
+        """A probe's coordinates saturated to ``coord_bits`` (clamps counted)."""
+        return saturate(c, self.coord_bits, self.counter, "coords", "probe")
 
     @property
     def c(self) -> torch.Tensor:
@@ -245,6 +255,12 @@ class OnChipSZO(ForwardOnlyBase):
     def momentum(self) -> float:
         return float(self.param_groups[0]["momentum"])
 
+    @property
+    def momentum_int(self) -> int:
+        """The momentum factor as the chip stores it, ``round(momentum * 2**8)``, from ``param_groups``
+        each step (a scheduler's momentum, e.g. OneCycleLR's cycle, applies)."""
+        return int(round(self.momentum * (1 << MOMENTUM_SHIFT)))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The state, then the parameters put at ``origin + P c`` (the point the state stands at)."""
         super().load_state_dict(state_dict)
@@ -255,7 +271,7 @@ class OnChipSZO(ForwardOnlyBase):
 
         Clamped mantissas are counted in ``self.counter`` as ``(parameter name, "theta_ref")``.
         """
-        prec = Precision(weight_bits=self.ref_bits, weight_exp_min=-12, weight_exp_max=16)
+        prec = BitWidths(weight_bits=self.ref_bits, weight_exp_min=-12, weight_exp_max=16)
         out, off = [], 0
         for name, p in model.named_parameters():
             n = p.numel()
@@ -269,7 +285,7 @@ class OnChipSZO(ForwardOnlyBase):
     def forwards_per_step(self) -> int:
         if self.rule == "eq8":
             return 1 + self.q  # clean forward + q forward differences (eq. 6)
-        return 2 * self.k if self.estimator == "cge" else 2 * self.q
+        return self.kind.probes(self.k, self.q)
 
     @property
     def coordinates(self) -> torch.Tensor:
@@ -284,17 +300,19 @@ class OnChipSZO(ForwardOnlyBase):
         """This step's probes in integer coordinate units (``mu_lsb`` LSBs): CGE (``+-e_i``,
         interleaved), Rademacher ``+-z_j`` (one XORShift32 draw seeds the step: regenerated, not
         stored), or for ``rule="eq8"`` the centre and ``+z_j`` (eq. 6)."""
-        if self.estimator == "cge":
-            return cge_plan(self.k, self.mu_lsb, interleaved=True)
+        if self.kind.coordinate:
+            return self.kind.plan(self.k, self.mu_lsb, interleaved=True)
         Z = rademacher_rows(self.rng, self.q, self.k).to(torch.float64)
         if self.rule == "eq8":
             return one_point_plan(Z, self.mu_lsb)
-        return rge_plan(Z, self.mu_lsb, interleaved=True, accumulate="matmul")
+        return self.kind.plan(mu=self.mu_lsb, z=Z, interleaved=True, accumulate="matmul")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        if closure is None:
-            raise ValueError("OnChipSZO.step needs a closure that runs a forward pass and returns the loss")
+        self.check_closure(closure)
+        if self.rule == "eq8" and self.momentum != self.defaults["momentum"]:  # a momentum schedule: nothing to apply to
+            raise ValueError(f"OnChipSZO rule 'eq8' (seed 004's quantized ZO) takes no momentum, but param_groups "
+                             f"changed it to {self.momentum:g}: leave it (a scheduler: OneCycleLR(cycle_momentum=False))")
         plan = self.plan()
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan)
@@ -334,7 +352,12 @@ def build_on_chip(spec, model: nn.Module, subspace: Any, o, run) -> OnChipSZO:
     ``round(mu 2**coord_frac)`` LSBs."""
     h = o.integer
     rule = "eq8" if spec.variant == "eq8" else "momentum"
+    # the integer counterpart of the method's estimator (its record says; eq. 8 is Rademacher's rule)
+    estimator = "rademacher" if rule == "eq8" else get_estimator(spec.variant).integer
+    if estimator is None:
+        raise ValueError(f"method {spec.name!r} (estimator {spec.variant!r}) has no integer on-chip learner; "
+                         f"its estimators: {', '.join(ON_CHIP_ESTIMATORS)}")
     return OnChipSZO(model, subspace, lr=o.lr, momentum=o.momentum, mu_lsb=max(1, round(o.mu * 2 ** h.coord_frac)),
-                     estimator="cge" if spec.variant == "cge" else "rademacher", q=o.q, seed=h.seed,
+                     estimator=estimator, q=o.q, seed=h.seed,
                      basis_bits=h.basis_bits, coord_bits=h.coord_bits, coord_frac=h.coord_frac, ref_bits=h.ref_bits,
                      rule=rule)

@@ -26,7 +26,7 @@ from torch import nn
 from szo.build import load_run_model
 from szo.data import collate_time_major, dataset_info, get_dataset
 from szo.hw.convert import FixedPointNetwork, to_fixed
-from szo.hw.fixed import ARITHMETICS, Precision, check_arithmetic
+from szo.hw.fixed import ARITHMETICS, BitWidths, check_arithmetic
 from szo.hw.lava.bridge import check_summary, read_check
 from szo.hw.optim.onchip import check_learner_widths, learner_state_bits
 from szo.hw.reports.neurobench import NOTES, neurobench_metrics, szo_counterparts
@@ -81,7 +81,7 @@ LOIHI2 = ChipModel()
 
 def load_target(target: str | SpikingModel) -> tuple[SpikingModel, str, dict[str, Any] | None]:
     """``(model, label, run config or None)`` of a model object, a run directory
-    (``szo.pipeline.load_run_model``: config.yaml + model.safetensors or checkpoints/last.pt)
+    (``szo.build.load_run_model``: config.yaml + model.safetensors or checkpoints/last.pt)
     or a registered model name (random init)."""
     if isinstance(target, SpikingModel):
         return target, target.model_name, None
@@ -172,7 +172,7 @@ def loihi2_features(net: FixedPointNetwork) -> list[dict[str, Any]]:
         "an OR: sum-pool synapse into LIF neurons with threshold 0 and hard reset")
     synapses = of_type(nn.Conv2d, nn.Linear)
     add("graded input", synapses[:1], True,
-        f"the input arrives as {net.precision.input_bits}-bit graded spikes (Loihi 2 graded spikes; Lava Dense "
+        f"the input arrives as {net.widths.input_bits}-bit graded spikes (Loihi 2 graded spikes; Lava Dense "
         "num_message_bits > 0) from an input encoder")
     out_node = next(n for n in net.graph.nodes if n.op == "output")
     if out_node.args and getattr(out_node.args[0], "op", None) == "call_module" and out_node.args[0].target in synapses:
@@ -188,7 +188,7 @@ def loihi2_features(net: FixedPointNetwork) -> list[dict[str, Any]]:
 
 @torch.no_grad()
 def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tensor | None = None, *,
-                        precision: Precision | None = None) -> dict[str, Any]:
+                        widths: BitWidths | None = None) -> dict[str, Any]:
     """The batch through the ``"szo"`` and ``"loihi"`` arithmetics (each LIF's own reset), and ``"loihi"``
     with the standard LIF's hard reset: accuracy (with labels), overflow counts, and per layer the
     fraction of synaptic currents (without bias) and of spikes that differ between szo and loihi.
@@ -202,7 +202,7 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
     out: dict[str, Any] = {"runs": {}, "layers": [], "reset_layers": []}
     for name, arithmetic, reset in (*((a, a, None) for a in ARITHMETICS), ("loihi, reset=zero", "loihi", "zero")):
         try:
-            net = to_fixed(model, precision=precision, arithmetic=arithmetic, reset=reset, record=True)
+            net = to_fixed(model, widths=widths, arithmetic=arithmetic, reset=reset, record=True)
         except ValueError as exc:  # e.g. a LIF Lava's registers cannot hold: say so, report the rest
             out["runs"][name] = {"arithmetic": arithmetic, "reset": reset, "error": str(exc)}
             continue
@@ -238,7 +238,7 @@ def compare_arithmetics(model: SpikingModel, x: torch.Tensor, labels: torch.Tens
 @torch.no_grad()
 def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 16, k: int = 40,
               learner: IntegerLearnerOptions = IntegerLearnerOptions(), input_size: int | None = None,
-              precision: Precision | None = None, chip: ChipModel = LOIHI2, seed: int = 0,
+              widths: BitWidths | None = None, chip: ChipModel = LOIHI2, seed: int = 0,
               arithmetic: str = "szo", reset: str | None = None, neurobench: bool = True) -> dict[str, Any]:
     """Measure one batch through the fixed-point network (``arithmetic``, ``reset``: see
     :func:`szo.hw.to_fixed`) and tabulate memory, synops and energy; compare the arithmetics
@@ -263,8 +263,8 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
                              f"reset={model.reset_override!r}; pass the float model to report another arithmetic")
         net = model
     else:
-        net = to_fixed(model, precision=precision, arithmetic=arithmetic, reset=reset)
-    P = net.precision
+        net = to_fixed(model, widths=widths, arithmetic=arithmetic, reset=reset)
+    P = net.widths
     x, labels = input_batch(model, data, batch, input_size, seed, cfg)
     T, N = (x.shape[0], x.shape[1]) if x.dim() == 5 else (model.T, x.shape[0])
     net.reset_counters()
@@ -305,11 +305,11 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
         "largest_layer_bytes": max((r["bytes"] for r in rows), default=0),
         "core_memory_bytes": int(chip.core_memory_kb * 1024),
     }
-    compare = None if isinstance(model, FixedPointNetwork) else compare_arithmetics(model, x, labels, precision=P)
+    compare = None if isinstance(model, FixedPointNetwork) else compare_arithmetics(model, x, labels, widths=P)
     rep = {
         "target": label, "model": model.model_name, "d": d, "k": k, "T": T, "batch": N, "data": data,
         "arithmetic": net.arithmetic, "reset": net.reset_override,
-        "input_shape": list(x.shape[-3:]), "precision": P.as_dict(),
+        "input_shape": list(x.shape[-3:]), "widths": P.as_dict(),
         "learner_precision": {"basis_bits": learner.basis_bits, "coord_bits": learner.coord_bits,
                               "ref_bits": learner.ref_bits},
         "chip": asdict(chip), "layers": rows, "learner": learner_bytes, "totals": totals, "fit": fit,
@@ -323,9 +323,9 @@ def hw_report(target: str | SpikingModel, *, data: str = "random", batch: int = 
     return rep
 
 
-def _layer_rows(stats: dict[str, dict[str, Any]], P: Precision, chip: ChipModel, N: int) -> list[dict[str, Any]]:
+def _layer_rows(stats: dict[str, dict[str, Any]], P: BitWidths, chip: ChipModel, N: int) -> list[dict[str, Any]]:
     """Per layer of a measured forward (``FixedPointNetwork.last_stats``): memory at the
-    network's precision, events / synops per sample, spike rate and the cores it needs."""
+    network's widths, events / synops per sample, spike rate and the cores it needs."""
     rows = []
     for name, s in stats.items():
         w = int(s.get("weights", 0))
@@ -372,8 +372,8 @@ def to_markdown(rep: dict[str, Any]) -> str:
             "events_per_sample", "synops_per_sample", "spikes_per_neuron_per_step", "cores"]
     lines = [f"# hw-report: {rep['target']}", "",
              f"d = {rep['d']}, k = {rep['k']}, T = {rep['T']}, measured on {rep['batch']} samples ({rep['data']}), "
-             f"input {rep['input_shape']}; weights {rep['precision']['weight_bits']}-bit, "
-             f"state {rep['precision']['state_bits']}-bit.", "",
+             f"input {rep['input_shape']}; weights {rep['widths']['weight_bits']}-bit, "
+             f"state {rep['widths']['state_bits']}-bit.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rep["layers"]:
         lines.append("| " + " | ".join(_fmt(r[k]) for k in cols) + " |")

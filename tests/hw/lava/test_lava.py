@@ -421,3 +421,248 @@ def test_a_runner_past_its_time_is_killed(tmp_path):
     write_bundle(tmp_path / "req", "lif", {"regimes": regimes}, arrays)
     with pytest.raises(RuntimeError, match="did not finish within 0.5 s; killed"):
         run_lava(tmp_path / "req", tmp_path / "res", python=LAVA, timeout_s=0.5)
+
+
+# ------------------------------------------------------- failures of the runner and the exchange (issue 41)
+def _script(path, text):
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(0o755)
+    return path
+
+
+def _lava_cli(*extra):
+    return main(["hw", "lava-check", "spike_convnet", "--data", "random", "--samples", "2", "--reset", "zero", *extra])
+
+
+def test_a_bundle_with_an_object_array_is_one_exchange_error(tmp_path, capsys):
+    """arrays.npz holding an object array (its sha256 re-signed in the manifest): refused without unpickling,
+    one ExchangeError line in szo and from the runner (exit 2), not numpy's traceback."""
+    import hashlib
+    import io
+
+    from szo.hw.lava import runner as lava_runner
+
+    p = _lif_bundle(tmp_path)
+    buf = io.BytesIO()
+    arrays = dict(np.load(p / "arrays.npz"))
+    arrays["a_in"] = np.array([object()] * 6, dtype=object).reshape(1, 3, 2)
+    np.savez(buf, **arrays)
+    (p / "arrays.npz").write_bytes(buf.getvalue())
+    manifest = json.loads((p / "exchange.json").read_text())
+    manifest["sha256"] = hashlib.sha256(buf.getvalue()).hexdigest()
+    (p / "exchange.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExchangeError, match=r"arrays.npz does not hold plain integer arrays \(Object arrays cannot be "
+                                            r"loaded when allow_pickle=False\); the exchange never unpickles"):
+        read_bundle(p)
+    (p / "arrays.npz").write_bytes(b"not a zip file at all")
+    manifest["sha256"] = hashlib.sha256(b"not a zip file at all").hexdigest()
+    (p / "exchange.json").write_text(json.dumps(manifest))
+    assert lava_runner.main([str(p), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not hold plain integer arrays" in err[0] and not (tmp_path / "out").exists()
+
+
+def test_a_result_is_checked_against_its_request(tmp_path, capsys):
+    """A runner that writes a valid, signed result bundle of something else (no spike arrays, another
+    number of steps, non-binary spikes, another kind) is one ExchangeError line, never a KeyError."""
+    import sys
+
+    from szo.hw.lava.runner import check_result
+
+    req = read_bundle(_lif_bundle(tmp_path), "lif")
+    s = np.zeros((1, 3, 2), np.int32)
+
+    def result(name, **arrays):
+        write_bundle(tmp_path / name, "result", {"request_kind": "lif"}, arrays)
+        return read_bundle(tmp_path / name, "result")
+
+    check_result(req, result("ok", s=s, u=s, v=s))
+    with pytest.raises(ExchangeError, match=r"the Lava result holds \['u', 'v'\]; the request asks for "
+                                            r"\['s', 'u', 'v'\] \(missing: s\)"):
+        check_result(req, result("no-s", u=s, v=s))
+    with pytest.raises(ExchangeError, match=r"the Lava result's array 'u' has shape \[1, 2, 2\], expected \[1, 3, 2\]"):
+        check_result(req, result("short", s=s, u=s[:, :2], v=s))
+    with pytest.raises(ExchangeError, match=r"the Lava result's array 's' holds values in \[0, 2\], outside \[0, 1\]$"):
+        check_result(req, result("two", s=(s + 2 * (np.arange(6).reshape(1, 3, 2) == 5)).astype(np.int32), u=s, v=s))
+    write_bundle(tmp_path / "dense", "result", {"request_kind": "dense"}, {"s": s, "u": s, "v": s})
+    with pytest.raises(ExchangeError, match="answers a 'dense' request, not this 'lif' one"):
+        check_result(req, read_bundle(tmp_path / "dense"))
+    # end to end: an "interpreter" whose runner answers every request with a result without spikes
+    fake = tmp_path / "fake_runner.py"
+    fake.write_text("import sys, numpy as np\nfrom szo.hw.lava.runner import read_bundle, write_bundle\n"
+                    "req = read_bundle(sys.argv[1])\n"
+                    "write_bundle(sys.argv[2], 'result', {'request_kind': req.kind}, "
+                    "{'a_out': np.zeros((11, 10), np.int32)})\n")
+    exe = _script(tmp_path / "python", f'exec "{sys.executable}" "{fake}" "$3" "$4"\n')
+    assert _lava_cli("--lava-python", str(exe)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the Lava result holds ['a_out']; the request asks for "), err
+    assert "(missing: spikes.sn1, spikes.sn2)" in err[0]
+
+
+@pytest.mark.parametrize("case", ["no lava-nc", "not executable", "killed", "timeout"])
+def test_every_failure_of_the_runner_is_one_line_with_status_5(tmp_path, capsys, case):
+    """The interpreter without lava-nc, a file that is not executable, a runner killed by SIGKILL, one past
+    --timeout-s: one line, exit status 5 (an external process failed), no traceback."""
+    import sys
+
+    exe, extra, phrase = {
+        "no lava-nc": (sys.executable, (), "Lava runner failed"),
+        "not executable": (tmp_path / "python", (), "cannot start the Lava interpreter"),
+        "killed": (tmp_path / "python", (), "was killed by signal SIGKILL"),
+        "timeout": (tmp_path / "python", ("--timeout-s", "0.5"),
+                    "did not finish within 0.5 s; killed (raise the limit with --timeout-s)"),
+    }[case]
+    if case != "no lava-nc":
+        _script(exe, {"not executable": "", "killed": "kill -KILL $$\n", "timeout": "exec sleep 30\n"}[case])
+    if case == "not executable":
+        exe.chmod(0o644)
+    assert _lava_cli("--lava-python", str(exe), *extra) == 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and phrase in err[0], err
+    if case == "no lava-nc":
+        assert "has no lava-nc" in err[0] and "make lava" in err[0]
+
+
+def test_ctrl_c_during_lava_check_leaves_no_runner_behind(tmp_path):
+    """Ctrl-C while the runner works (it leads its own session, so the terminal's SIGINT never reaches it):
+    szo kills the runner's process group and says 'interrupted', without the --resume lava-check lacks."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "runner.pid"
+    exe = _script(tmp_path / "python", f'echo $$ > "{pidfile}"\nsleep 60 &\nexec sleep 60\n')
+    p = subprocess.Popen([sys.executable, "-m", "szo", "hw", "lava-check", "spike_convnet", "--data", "random",
+                          "--samples", "2", "--reset", "zero", "--lava-python", str(exe)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # SIGINT as in a terminal: a test run in a shell's background inherits it ignored
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for _ in range(600):
+        if pidfile.is_file() and pidfile.read_text().strip():
+            break
+        time.sleep(0.1)
+    runner = int(pidfile.read_text())
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert _group_ends(runner)  # the runner and the process it started, its whole group
+
+
+def test_more_samples_than_the_test_set_is_refused_before_lava_runs(tmp_path, capsys):
+    import yaml
+
+    from szo.config import load_recipe
+    from szo.io import atomic_write_text, save_weights
+    from szo.pipeline import build_model
+
+    cfg = load_recipe("digits-bp")
+    run = tmp_path / "run"
+    run.mkdir()
+    atomic_write_text(run / "config.yaml", yaml.safe_dump(cfg.to_dict()))
+    save_weights(run / "model.safetensors", build_model(cfg).state_dict())
+    never = _script(tmp_path / "python", f'touch "{tmp_path / "ran"}"\n')
+    assert main(["hw", "lava-check", str(run), "--samples", "400", "--reset", "zero", "--lava-python", str(never)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --samples 400: the test set of spike_convnet ({run / 'model.safetensors'}) holds 360 "
+                   "samples; valid: 1 to 360"]
+    assert not (tmp_path / "ran").exists() and not (run / CHECK_FILE).exists()
+
+
+def test_export_to_lava_applies_or_refuses_every_flag(tmp_path, capsys):
+    """--weight-bits is applied to the Lava bundle (4-bit mantissas: |2 w_int| <= 14); --dt (a NIR step
+    length), --weight-bits beyond Lava's 8, --reset for NIR and --weight-bits without --fixed are refused."""
+    out = tmp_path / "b4"
+    assert main(["export", "spike_convnet", "--to", "lava", str(out), "--reset", "zero", "--weight-bits", "4"]) == 0
+    assert "4-bit weights" in capsys.readouterr().out
+    b = read_bundle(out, "network")
+    assert b.meta["source"]["weight_bits"] == 4
+    assert max(int(np.abs(v).max()) for k, v in b.arrays.items() if k.startswith("weights.")) <= 14
+    assert main(["export", "spike_convnet", "--to", "lava", str(tmp_path / "b8"), "--reset", "zero", "--fixed"]) == 0
+    assert read_bundle(tmp_path / "b8", "network").meta["source"]["weight_bits"] == 8
+    capsys.readouterr()
+    for args, phrase in ((["--to", "lava", str(tmp_path / "x"), "--reset", "zero", "--dt", "0.001"], "--dt sets NIR's"),
+                         (["--to", "lava", str(tmp_path / "x"), "--reset", "zero", "--weight-bits", "9"],
+                          "weight_bits 9: Lava's Dense holds 2- to 8-bit weights"),
+                         (["--to", "nir", str(tmp_path / "x.nir"), "--reset", "zero"], "--reset deploys the LIFs"),
+                         (["--to", "nir", str(tmp_path / "x.nir"), "--weight-bits", "4"], "add --fixed")):
+        assert main(["export", "spike_convnet", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and phrase in err[0], err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.nir").exists()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"target": "t", "samples": 2, "lay', '{"bit_exact": true}', "\xff\xfe"])
+def test_an_unreadable_lava_check_file_costs_one_warning(tmp_path, capsys, content):
+    """A lava_check.json that is not a check report (a list, truncated, missing fields, not UTF-8) is left
+    out of szo hw-report with one warning line naming the file; the rest of the report stands."""
+    import yaml
+
+    from szo.config import load_recipe
+    from szo.io import atomic_write_text, save_weights
+    from szo.pipeline import build_model
+
+    cfg = load_recipe("digits-bp", ["model.kwargs={width: 4}", "model.T=2"])
+    run = tmp_path / "run"
+    run.mkdir()
+    atomic_write_text(run / "config.yaml", yaml.safe_dump(cfg.to_dict()))
+    save_weights(run / "model.safetensors", build_model(cfg).state_dict())
+    (run / CHECK_FILE).write_bytes(content.encode("latin-1"))
+    assert main(["hw-report", str(run), "--no-neurobench", "--batch", "2", "--k", "2"]) == 0
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {run / CHECK_FILE} is not a readable szo hw lava-check "
+                                                   "report ("), lines
+    assert "Intel Lava agreement" not in out and "| layer |" in out
+
+
+@needs_lava
+def test_lavas_own_runner_killed_mid_run_is_one_line_and_leaves_nothing(tmp_path):
+    """Lava's runtime SIGKILLed while it runs (its runner process; Lava's workers are in its group): one
+    ExternalError line, and no process of that group is left."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from szo.exits import ExternalError
+
+    pidfile = tmp_path / "runner.pid"
+    exe = _script(tmp_path / "python", f'echo $$ > "{pidfile}"\nexec "{LAVA}" "$@"\n')
+    arrays = {"a_in": np.ones((1, 20000, 4), np.int32), "bias_mant": np.zeros((1, 4), np.int16),
+              "bias_exp": np.zeros((1, 4), np.int16)}
+    write_bundle(tmp_path / "req", "lif", {"regimes": [{"du": 0, "dv": 0, "vth": 1}]}, arrays)
+
+    def kill_when_running():
+        for _ in range(600):
+            if pidfile.is_file() and pidfile.read_text().strip():
+                break
+            time.sleep(0.05)
+        time.sleep(3.0)  # Lava has started its runtime
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+    t = threading.Thread(target=kill_when_running)
+    t.start()
+    with pytest.raises(ExternalError, match=r"^Lava runner \(.*\) was killed by signal SIGKILL before it wrote a result"):
+        run_lava(tmp_path / "req", tmp_path / "res", python=exe, timeout_s=120)
+    t.join()
+    assert _group_ends(int(pidfile.read_text()))
+    assert not (tmp_path / "res" / "exchange.json").exists()
+
+
+def _group_ends(pgid, seconds=20.0):
+    """Whether every process of group ``pgid`` is gone within ``seconds`` (SIGKILLed processes leave
+    asynchronously, their orphans once init has reaped them)."""
+    import os
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

@@ -320,3 +320,40 @@ def test_block_selection_stage_records_its_choice_and_a_resume_keeps_it(tmp_path
     with pytest.raises(ValueError, match=r"8 training samples after holding out 32 of 40 \(80%\) are fewer than one "
                                          r"batch of 16"):
         block_selection_stage(net, ds, **{**kw, "heldout": 0.8, "batch_size": 16})
+
+
+def test_block_selection_streams_its_batches():
+    """The selection's batches are drawn as they are used, the same ones on every pass (every block),
+    bit-equal to the list it once built: the first step of hw.select_epochs = 1e6 needs one batch, not
+    a million epochs of them in memory."""
+    from torch.utils.data import TensorDataset
+
+    from szo.data import make_loader
+    from szo.stages import SelectionBatches
+
+    x, y = _data(40)
+    ds = TensorDataset(x, y)
+    g = torch.Generator().manual_seed(3)
+    ref = [b for _ in range(3) for b in make_loader(ds, 8, shuffle=True, generator=g, drop_last=True)]
+    stream = SelectionBatches(ds, 8, 3, 3, "cpu")
+    for _ in range(2):  # one pass per block: the same batches each time
+        got = list(stream)
+        assert len(got) == len(stream) == len(ref) == 15
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, ref))
+    huge = SelectionBatches(ds, 8, 10 ** 6, 3, "cpu")
+    assert len(huge) == 5 * 10 ** 6
+    first = next(iter(huge))
+    assert torch.equal(first[0], ref[0][0]) and torch.equal(first[1], ref[0][1])
+    # select_block on a stream and on its list: the same choice, gains and forwards
+    _, net = _net()
+    net(x[:1])
+    net.freeze_weights()
+    loss = lambda out, yy, reduction="mean": F.cross_entropy(out.mean(0), yy, reduction=reduction)  # noqa: E731
+    scores = lambda: float((net(x[32:]).mean(0).argmax(1) == y[32:]).float().mean())  # noqa: E731
+    make = lambda layers: MCUZO(net, layers=layers, q=2, lr=0.05, seed=4)  # noqa: E731
+    a = select_block(net, [["conv1"], ["fc"]], SelectionBatches(ds, 8, 2, 3, "cpu"), scores, loss, make)
+    g = torch.Generator().manual_seed(3)
+    b = select_block(net, [["conv1"], ["fc"]],
+                     [bb for _ in range(2) for bb in make_loader(ds, 8, shuffle=True, generator=g, drop_last=True)],
+                     scores, loss, make)
+    assert a == b and a["forwards"] == 2 * 10 * (1 + 2)
