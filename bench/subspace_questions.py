@@ -44,6 +44,7 @@ from common import RESULTS, machine_info, set_threads, write_result
 from szo.build import subspace_store_for
 from szo.config import load_recipe
 from szo.pipeline import run_or_reuse
+from szo.report import TARGET_FRACTIONS, first_reaching
 from szo.study.subspaces import subspace_variants
 
 TABLES = ("random", "prefix", "target")
@@ -259,10 +260,6 @@ def table_prefix(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
     return rows, "\n".join(md)
 
 
-def first_reaching(h: list[dict], target: float) -> dict | None:
-    return next((x for x in h if x.get("test_acc") is not None and x["test_acc"] >= target), None)
-
-
 def table_target(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
     rows = []
     md = ["| data | method | seed | BP's acc (%) | #FP (+ #BP) to 90 % of it | to 95 % of it | run's #FP | max acc (%) |",
@@ -279,7 +276,7 @@ def table_target(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
                     runs["szo-cge" if label == "pca" else label] = (d, history(d))
             for method, (d, h) in runs.items():
                 h = [x for x in h if x.get("test_acc") is not None]
-                hits = {f: first_reaching(h, f * bp["best"]) for f in (0.9, 0.95)}
+                hits = {f: first_reaching(h, f * bp["best"]) for f in TARGET_FRACTIONS}
                 row = {"data": name, "method": method, "seed": seed, "bp_acc": bp["best"], "run_fp": h[-1]["fp"],
                        "max_acc": max(x["test_acc"] for x in h)}
                 for f, hit in hits.items():
