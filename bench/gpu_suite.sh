@@ -8,9 +8,18 @@
 #                                                # *-ubyte.gz files in $FMNIST_DIR, default data/fashion-mnist:
 #                                                # 30 MB, e.g. /usr/share/datasets/fashion-mnist of Debian's
 #                                                # dataset-fashion-mnist)
+#   bash bench/gpu_suite.sh szo128               # after anchor (same results folder): SZO-CGE on the same
+#                                                # 128-channel network, from its theta_0 in the k = 20 PCA of the
+#                                                # anchor's 64 BPTT epochs, SZO_EPOCHS epochs (default 4; resumes
+#                                                # a stopped run), then its cost with those BPTT epochs counted
+#                                                # (bench/subspace_questions.py cost). Under the device tool
+#                                                # (10 min a call) run the two in two calls that keep the runs
+#                                                # in an ignored folder: SZO_BENCH_RESULTS=bench/results/gpu
+#                                                # bash bench/gpu_suite.sh anchor, the same with szo128, then
+#                                                # cp bench/results/gpu/*.json bench/results/gpu/*.log $OUT/
 #   bash bench/gpu_suite.sh all                  # every part below (~30-40 min: several device calls)
 #   bash bench/gpu_suite.sh PART [PART ...]      # parts: device devtests tests probe step reference memory
-#                                                # memopt epoch study anchor
+#                                                # memopt epoch study anchor szo128
 #
 # quick = device devtests probe reference memopt. Each part stays under 10 minutes, so a device session
 # can run them one call each. Results (JSON, PNG, the console log of every part) go to
@@ -27,7 +36,7 @@ DIR=${SZO_BENCH_RESULTS:-${OUT:+$OUT/gpu}}
 DIR=${DIR:-bench/results/gpu}
 mkdir -p "$DIR"
 export SZO_BENCH_RESULTS=$DIR OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
-PARTS="device devtests tests probe step reference memory memopt epoch study anchor"
+PARTS="device devtests tests probe step reference memory memopt epoch study anchor szo128"
 [ $# -eq 0 ] && set -- all
 [ "$1" = all ] && set -- $PARTS
 [ "$1" = quick ] && set -- device devtests probe reference memopt
@@ -50,6 +59,12 @@ if ! $PY -c "import torch, szo.cli, sys; sys.exit(0 if torch.cuda.is_available()
     exit 2
 fi
 rc=0
+fmnist_data() {  # the four official files unpacked where torchvision's FashionMNIST reads them; prints the root
+    local R
+    R=$(mktemp -d)/FashionMNIST/raw && mkdir -p "$R"
+    for f in "${FMNIST_DIR:-data/fashion-mnist}"/*-ubyte.gz; do gunzip -c "$f" > "$R/$(basename "$f" .gz)"; done
+    dirname "$(dirname "$R")"
+}
 run() {  # run PART CMD...: console to $DIR/PART.log and to stdout
     local part=$1; shift
     echo "== $part: $*" | tee -a "$DIR/$part.log"
@@ -100,17 +115,24 @@ for part in "$@"; do
             run study $PY -m szo study precision $r --device cuda --precision fp32,tf32,bf16 --seeds 0,1,2 \
                 --out "$DIR/study-$r" --set progress=false --set szo.scale=absolute
         done ;;
-    anchor)  # SpikingJelly's Fashion-MNIST tutorial to its 64th epoch (fmnist-bp; open 0.5-point check)
-        R=$(mktemp -d)/FashionMNIST/raw && mkdir -p "$R"
-        for f in "${FMNIST_DIR:-data/fashion-mnist}"/*-ubyte.gz; do gunzip -c "$f" > "$R/$(basename "$f" .gz)"; done
+    anchor)  # SpikingJelly's Fashion-MNIST tutorial to its 64th epoch (fmnist-bp; open 0.5-point check); its
+             # k = 20 subspace (PCA of the 65 epoch samples) goes to $DIR/store for szo128
         run anchor $PY -m szo recipe fmnist-bp --device cuda --out "$DIR/fmnist-bp" --set progress=false \
-            --set data.data_dir="$(dirname "$(dirname "$R")")" ;;
+            --set data.data_dir="$(fmnist_data)" --set subspace.root="$DIR/store" ;;
+    szo128)  # SZO-CGE on the anchor's network (128 channels) from its theta_0 in its k = 20 subspace, at the
+             # subspace methods' default scale; the cost counts the 64 BPTT epochs' FP + BP (FFGAF-SNN: 92.13 %)
+        S=$DIR/fmnist-szo128
+        RESUME=$([ -f "$S/checkpoints/last.pt" ] && echo --resume)
+        run szo128 $PY -m szo recipe fmnist-scratch --device cuda --out "$S" $RESUME --set progress=false \
+            --set data.data_dir="$(fmnist_data)" --set subspace.root="$DIR/store" --set subspace.name=fmnist-csnn128-k20 \
+            --set "model.kwargs={channels: 128}" --set train.epochs="${SZO_EPOCHS:-4}" --set szo.engine=batched
+        run szo128 $PY bench/subspace_questions.py cost --bp-run "$DIR/fmnist-bp" --run "$S" ;;
     epoch)  # per-epoch training cost (paper Table 3): Spike-ResNet18, batch 128, T = 4, CIFAR's 50,000 samples;
             # BP vs SZO-CGE k = 20 vs SZO-RGE q = 1, loop vs batched vs compiled
         run epoch $PY bench/step.py --configs resnet18 --batch 128 --T 4 --k 20 --q 1 --reps 2 --compile \
             --epoch-samples 50000 --device cuda ;;
     *) echo "gpu_suite: unknown part '$part'; valid: quick anchor all device devtests tests probe step reference" \
-            "memory memopt epoch study" >&2; exit 2 ;;
+            "memory memopt epoch study szo128" >&2; exit 2 ;;
     esac
 done
 if [ -n "${OUT:-}" ] && [ "$DIR" = "$OUT/gpu" ]; then  # the device tool brings back a handful of files:

@@ -20,12 +20,14 @@ solution?).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json
 
 from .format import Subspace
@@ -48,11 +50,16 @@ def _flat(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def random_subspace(reference: torch.Tensor, k: int, seed: int, *, layout: Any = None,
                     fingerprint: str | None = None, model: str | None = None,
-                    dtype: torch.dtype = torch.float32) -> Subspace:
+                    dtype: torch.dtype = torch.float32, variance: float | None = None) -> Subspace:
     """A uniformly random k-dimensional subspace through ``reference``: the Q factor of a seeded
-    ``[d, k]`` Gaussian (float64 QR, columns signed so that diag(R) > 0: Haar-distributed).
+    ``[d, k]`` Gaussian (``szo.functional.basis.haar_basis``: float64 QR, columns signed so that
+    diag(R) > 0: Haar-distributed).
 
-    ``eigenvalues`` are zeros and ``explained_variance_ratio`` is ``1/k`` (no trajectory).
+    ``explained_variance_ratio`` is ``1/k`` (no trajectory). ``eigenvalues`` are zeros, or with
+    ``variance`` (the total variance of the trajectory subspace it is compared with, e.g.
+    ``pca.eigenvalues.sum()``) that total spread evenly, ``variance / k`` per direction: a random basis
+    has no spread of its own, and this gives it the PCA's units under ``szo.scale: trajectory``
+    (``sqrt(sum lambda)``, the same sigma; docs/methods.md, "A refreshed random subspace").
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
@@ -62,14 +69,19 @@ def random_subspace(reference: torch.Tensor, k: int, seed: int, *, layout: Any =
     d = ref.numel()
     if k > d:
         raise ValueError(f"k must be <= d = {d}, got k = {k}")
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))
-    q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(k, dtype=torch.float64))
+    if variance is not None and (isinstance(variance, bool) or not isinstance(variance, (int, float))
+                                 or not math.isfinite(variance) or variance <= 0):
+        raise ValueError(f"variance must be a finite number > 0 (a trajectory subspace's total variance), "
+                         f"got {variance!r}")
+    q = haar_basis(d, k, torch.Generator().manual_seed(seed))
     ev, evr = _flat(k)
+    provenance = {"builder": "random-orthonormal", "seed": seed, "k": k, "N": None, "reference": "tensor"}
+    if variance is not None:  # borrowed units: the compared trajectory's total variance, evenly
+        ev = torch.full((k,), float(variance) / k, dtype=torch.float64)
+        provenance["variance"] = float(variance)
     return Subspace(basis=q.to(dtype), mean=ref.clone(), reference=ref, eigenvalues=ev,
                     explained_variance_ratio=evr, layout=layout, fingerprint=fingerprint, model=model,
-                    provenance={"builder": "random-orthonormal", "seed": seed, "k": k, "N": None,
-                                "reference": "tensor"})
+                    provenance=provenance)
 
 
 def coordinate_subspace(layout: Any, names: Sequence[str], reference: torch.Tensor, *,

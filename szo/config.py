@@ -180,6 +180,9 @@ def _check_tta(full: RecipeConfig) -> None:
     methods = _tta_names("method", full.method, TTA_METHODS, "all")
     settings = _tta_names("setting", full.setting, TTA_SETTINGS, "both")
     t = full.tta
+    if full.szo.refresh is not None:
+        raise ValueError("szo.refresh (a redrawn random basis) applies to the training stage of a kind: subspace "
+                         "recipe; test-time adaptation keeps its subspace: leave szo.refresh null")
     if t.protocol == "loco" and any(get_method(m).subspace for m in methods):
         if t.finetune.trajectory is not None:
             raise ValueError("tta.protocol=loco fine-tunes one subspace per evaluated corruption; it cannot use "
@@ -268,6 +271,9 @@ def _check_hw(full: RecipeConfig) -> None:
     if hw.learner == "integer" and (full.backend != "fixed" or not spec.integer_learner):
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          f"backend 'fixed' and a method in: {', '.join(list_methods(integer_learner=True))}")
+    if hw.learner == "integer" and full.szo.refresh is not None:
+        raise ValueError("szo.refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
+                         "learner keeps its quantised basis: leave szo.refresh null with hw.learner integer")
     if full.bn_stats == "deployed" and full.kind != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
     if hw.blocks is not None:

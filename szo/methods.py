@@ -42,6 +42,7 @@ METHOD_OPTIONS: Mapping[str, tuple[Any, str]] = {
     "layers": (None, "sparse layer-wise training"),
     "stages": (None, "pipeline stages"),
     "node_losses": ("per-sample", "node perturbation's loss differences"),
+    "refresh": (None, "steps between redraws of a random subspace"),
 }
 """The method-specific settings (``szo.*`` keys, ``build_optimizer`` keywords): name -> (the value
 that means "not set", what it is). A method takes those its record lists in ``options``; any
@@ -308,16 +309,16 @@ for _spec in (
                adapter="subspace-gradient", relative={"train.lr": _REL["train.lr"]}),
     MethodSpec("szo-cge", "SZO-CGE", "subspace-zo", "2k + 1", subspace=True, engines=("loop", "batched"),
                parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, adapter="subspace-zo", variant="cge",
-               relative=_REL, **_FO),
+               options=("refresh",), relative=_REL, **_FO),
     MethodSpec("szo-rge", "SZO-RGE", "subspace-zo", "2q + 1", subspace=True, engines=("loop", "batched"),
                parallel=("data", "perturbation"), fixed_backend=True, integer_learner=True, q_labeled=True,
-               adapter="subspace-zo", variant="rge", relative=_REL, **_FO),
+               adapter="subspace-zo", variant="rge", options=("refresh",), relative=_REL, **_FO),
     MethodSpec("szo-1pt", "SZO-1pt", "subspace-zo", "q + 1 + 1", subspace=True, engines=("loop", "batched"),
                parallel=("data", "perturbation"), fixed_backend=True, q_labeled=True, variant="one-point",
-               relative=_REL, **_FO),
+               options=("refresh",), relative=_REL, **_FO),
     MethodSpec("szo-cge-1pt", "SZO-CGE (one-point)", "subspace-zo", "k + 1 + 1", subspace=True,
                engines=("loop", "batched"), parallel=("data", "perturbation"), fixed_backend=True,
-               variant="coord-one-point", relative=_REL, **_FO),
+               variant="coord-one-point", options=("refresh",), relative=_REL, **_FO),
     MethodSpec("zo-cge", "ZO-CGE", "full-space-zo", "2n + 1", options=("coords_per_step",), variant="cge", **_FO),
     MethodSpec("zo-rge", "ZO-RGE", "full-space-zo", "2q + 1", q_labeled=True, variant="rge", **_FO),
     MethodSpec("fg", "FG", "forward-gradient", "q (JVP passes)", jvp=True, q_labeled=True,

@@ -1,5 +1,6 @@
 """``szo report RUN_DIR ...``: paper-style tables (Table 1: accuracy by method; Table 3:
-converged epoch / time / #FP / #BP / max accuracy) as markdown and JSON, plus the test
+converged epoch / time / #FP / #BP / max accuracy; the passes each method needs to reach 90 % and
+95 % of the BPTT run's accuracy) as markdown and JSON, plus the test
 accuracy vs epoch and vs training time of all runs on one figure (Fig. 3/4).
 
 A RUN_DIR is any directory holding results.json (+ metrics.jsonl, config.yaml); a directory
@@ -32,7 +33,8 @@ from szo.io import atomic_write_json, atomic_write_text, read_regular_bytes
 from szo.plots import plot_runs
 from szo.train.callbacks import parse_metrics
 
-__all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "render", "write_report", "IGNORED_KEYS",
+__all__ = ["collect_runs", "like_runs", "settings", "table1", "table3", "table_target", "first_reaching", "render",
+           "write_report", "TARGET_FRACTIONS", "IGNORED_KEYS",
            "MAX_RESULTS_BYTES", "MAX_METRICS_BYTES", "MAX_CONFIG_BYTES"]
 
 MAX_RESULTS_BYTES = 16 << 20
@@ -320,6 +322,49 @@ def table3(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+TARGET_FRACTIONS = (0.9, 0.95)
+"""The targets of :func:`table_target`: these fractions of the BPTT run's maximum test accuracy."""
+
+
+def first_reaching(history: Sequence[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    """The first evaluated record of ``history`` whose test accuracy is at least ``target`` (a fraction),
+    or None when the run never got there. Its ``fp`` / ``bp`` are the passes spent up to it."""
+    return next((h for h in history if _number(h.get("test_acc")) and h["test_acc"] >= target), None)
+
+
+def table_target(runs: Sequence[dict[str, Any]],
+                 fractions: Sequence[float] = TARGET_FRACTIONS) -> tuple[list[str], list[list[str]]]:
+    """Passes to a fraction of BP's accuracy: per dataset / model whose runs include a BPTT run (its
+    maximum test accuracy, the mean over like BPTT runs, is BP's), for every method the forwards
+    (#FP) and backwards (#BP) up to the first evaluation at or above each fraction of it. A cell is
+    the mean over the like runs that got there; ``(r of n)`` when only r of the n did, ``not reached``
+    when none did. Groups without a BPTT run have no target and no rows."""
+    runs = like_runs(runs)[0]
+    header = ["Dataset / Model", "Method", "mode", "BP max acc (%)"]
+    for f in fractions:
+        header += [f"#FP to {100 * f:g} % of BP", f"#BP to {100 * f:g} % of BP"]
+    rows = []
+    for g in dict.fromkeys(_group(r) for r in runs):
+        rs = [r for r in runs if _group(r) == g]
+        ref = [r["results"].get("best_test_acc") for r in rs if r["results"].get("mode") == "bptt"]
+        ref = [v for v in ref if _number(v)]
+        if not ref:
+            continue
+        bp_acc = statistics.mean(ref)
+        for lab, mode in dict.fromkeys((_label(r), r["results"].get("mode")) for r in rs):
+            sel = [r for r in rs if _label(r) == lab and r["results"].get("mode") == mode]
+            row = [g, lab, str(mode or "-"), f"{100 * bp_acc:.2f}"]
+            for f in fractions:
+                hits = [h for h in (first_reaching(r["history"], f * bp_acc) for r in sel) if h is not None]
+                if not hits:
+                    row += ["not reached", "-"]
+                    continue
+                part = "" if len(hits) == len(sel) else f" ({len(hits)} of {len(sel)})"
+                row += [_fmt([h.get("fp") for h in hits], nd=0) + part, _fmt([h.get("bp") for h in hits], nd=0)]
+            rows.append(row)
+    return header, rows
+
+
 def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -331,10 +376,10 @@ Table = tuple[list[str], list[list[str]]]
 
 def render(runs: Sequence[dict[str, Any]]) -> str:
     """Both tables as markdown (with the :func:`like_runs` warnings as notes)."""
-    return _render(table1(runs), table3(runs), like_runs(runs)[1])
+    return _render(table1(runs), table3(runs), like_runs(runs)[1], table_target(runs))
 
 
-def _render(t1: Table, t3: Table, notes: Sequence[str] = ()) -> str:
+def _render(t1: Table, t3: Table, notes: Sequence[str] = (), tt: Table | None = None) -> str:
     (h1, r1), (h3, r3) = t1, t3
     out = ["## Accuracy (%) by method (max test accuracy; layout of paper Table 1)", "",
            "Each cell: mean ± std over n runs with the same settings except the seed.", "",
@@ -342,6 +387,11 @@ def _render(t1: Table, t3: Table, notes: Sequence[str] = ()) -> str:
            "## Training cost to the maximum accuracy (layout of paper Table 3)", "",
            "Converged epoch = epoch of the maximum test accuracy; time = training time to it (evaluation "
            "excluded); #FP / #BP = forward / backward passes to it.", "", _markdown(h3, r3), ""]
+    if tt is not None and tt[1]:
+        out += ["## Passes to a fraction of BP's accuracy", "",
+                "BP = the maximum test accuracy of the BPTT run of the same dataset / model; #FP / #BP = forward / "
+                "backward passes up to the first evaluation at or above the fraction of it.", "",
+                _markdown(*tt), ""]
     if notes:
         out += ["## Notes", "", *(f"* {n}" for n in notes), ""]
     return "\n".join(out)
@@ -351,12 +401,13 @@ def write_report(runs: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> 
     """report.md, report.json and accuracy.png in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t1, t3 = table1(runs), table3(runs)  # computed once for both files
-    (h1, r1), (h3, r3) = t1, t3
+    t1, t3, tt = table1(runs), table3(runs), table_target(runs)  # computed once for both files
+    (h1, r1), (h3, r3), (ht, rt) = t1, t3, tt
     labelled, notes = like_runs(runs)
-    atomic_write_text(out / "report.md", _render(t1, t3, notes))
+    atomic_write_text(out / "report.md", _render(t1, t3, notes, tt))
     atomic_write_json(out / "report.json", {
-        "table1": [dict(zip(h1, r)) for r in r1], "table3": [dict(zip(h3, r)) for r in r3], "notes": notes,
+        "table1": [dict(zip(h1, r)) for r in r1], "table3": [dict(zip(h3, r)) for r in r3],
+        "target": [dict(zip(ht, r)) for r in rt], "notes": notes,
         "runs": [{"dir": r["dir"], "column": _label(r), **r["results"]} for r in labelled],
     })
     groups = list(dict.fromkeys(_group(r) for r in labelled))

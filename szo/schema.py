@@ -236,6 +236,11 @@ class SZOConfig(Section):
     scale: str | None = _opt(None, choices=lambda: SCALES)
     q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
     coords_per_step: int | None = _opt(None, min=1)
+    # refresh (szo-cge / szo-rge / szo-1pt / szo-cge-1pt, float learner): every this many steps the basis is
+    # replaced by a fresh Haar-random orthonormal one drawn from the run's generator, re-based at the current
+    # point (SubZero's lazy subspace refresh, T0; with szo-rge LOZO's fixed-V / fresh-U sampling; szo.optim.SZO,
+    # docs/methods.md "A refreshed random subspace"); null: the stored basis for the whole run
+    refresh: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1, model=True)
     stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES, model=True)
     engine: str = _opt("loop", choices=lambda: ENGINES)

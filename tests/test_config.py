@@ -277,7 +277,7 @@ def test_layerwise_methods_and_sparse_layers():
         load_recipe("digits-scratch", ["method=np_zo"])
 
 
-_SET = {"coords_per_step": "3", "layers": "[fc]", "stages": "2", "node_losses": "batch-mean"}
+_SET = {"coords_per_step": "3", "layers": "[fc]", "stages": "2", "node_losses": "batch-mean", "refresh": "5"}
 
 
 @pytest.mark.parametrize("method", list_methods())
@@ -410,6 +410,18 @@ def test_sections_built_from_python_take_tuples_and_paths():
     assert OptimizerOptions(lr=0.1, layers=("conv1",)).layers == ["conv1"]
     with pytest.raises(ValueError, match="'corruptions' must be list"):
         TTAConfig(corruptions="fog")
+
+
+def test_refresh_is_a_setting_of_the_float_szo_training_stage():
+    c = load_recipe("digits-scratch", ["szo.refresh=10"])
+    assert c["szo"]["refresh"] == 10 and load_recipe("digits-scratch")["szo"]["refresh"] is None
+    with pytest.raises(ValueError, match="szo.refresh"):
+        load_recipe("digits-scratch", ["szo.refresh=0"])
+    with pytest.raises(ValueError, match=r"^szo.refresh \(a redrawn random basis\) is a setting of the float SZO; "
+                                         "the integer on-chip learner"):
+        load_recipe("digits-fixed", ["hw.learner=integer", "szo.refresh=10"])
+    with pytest.raises(ValueError, match=r"^szo.refresh \(a redrawn random basis\) applies to the training stage"):
+        load_recipe("digits-c-tta", ["szo.refresh=10"])
 
 
 @pytest.mark.parametrize("key, value", [("szo.mu", "1e39"), ("szo.mu", "1e308"), ("train.lr", "-1e39"),

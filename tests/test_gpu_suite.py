@@ -22,7 +22,7 @@ def test_an_unknown_part_is_one_line_with_the_valid_ones(tmp_path):
     r = _run("probe", "bogus", results=str(tmp_path))
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == ("gpu_suite: unknown part 'bogus'; valid: quick all device devtests tests probe step "
-                                "reference memory memopt epoch study anchor")
+                                "reference memory memopt epoch study anchor szo128")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -48,3 +48,29 @@ def test_under_the_device_tool_the_results_come_back_as_one_archive(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu.tgz"]
     with tarfile.open(out / "gpu.tgz") as tar:
         assert "gpu/device.log" in tar.getnames()
+
+
+def test_szo128_trains_in_the_anchors_subspace_and_counts_its_bptt_epochs(tmp_path):
+    """The anchor writes its k = 20 subspace to the results folder's store; szo128 trains the same 128-channel
+    network in that entry and then reports the cost with the anchor's BPTT run. An interpreter that logs its
+    arguments stands in for the GPU machine's."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 0\n')
+    fake.chmod(0o755)
+    fm = tmp_path / "fm"
+    fm.mkdir()
+    r = _run("anchor", "szo128", results=str(tmp_path / "res"), PYTHON=str(fake), WHEELS=str(tmp_path / "none"),
+             FMNIST_DIR=str(fm), SZO_EPOCHS="3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [c for c in log.read_text().splitlines() if c.startswith(("-m szo", "bench/"))]
+    res = tmp_path / "res"
+    anchor, szo, cost = calls
+    assert anchor.startswith("-m szo recipe fmnist-bp --device cuda") and f"subspace.root={res}/store" in anchor
+    assert szo.startswith(f"-m szo recipe fmnist-scratch --device cuda --out {res}/fmnist-szo128 --set")
+    for item in (f"subspace.root={res}/store", "subspace.name=fmnist-csnn128-k20", "model.kwargs={channels: 128}",
+                 "train.epochs=3"):
+        assert f"--set {item}" in szo, item
+    from szo.config import load_recipe
+    assert load_recipe("fmnist-bp")["subspace"]["name"] == "fmnist-csnn128-k20"  # the entry the anchor builds
+    assert cost == f"bench/subspace_questions.py cost --bp-run {res}/fmnist-bp --run {res}/fmnist-szo128"

@@ -6,7 +6,7 @@ import pytest
 
 from szo.cli import main
 from szo.config import load_recipe, write_config
-from szo.report import collect_runs, like_runs, render, table1, write_report
+from szo.report import collect_runs, first_reaching, like_runs, render, table1, table_target, write_report
 
 
 def make_run(root, name, acc, *, sets=(), label="SZO-CGE", mode="scratch", config=True, results_extra=None):
@@ -233,3 +233,35 @@ def test_report_on_a_federated_run(tmp_path, capsys):
     assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 1000
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["runs"][0]["method"] == "baffle"
+
+
+def test_passes_to_a_fraction_of_bp_count_each_method_up_to_its_first_evaluation_there(tmp_path):
+    """The forwards (and backwards) up to the first evaluation at 90 / 95 % of the BPTT run's accuracy:
+    a mean over the like runs that got there, which say how many of them did."""
+    bp = make_run(tmp_path, "bp", [0.5, 0.94, 1.0], label="BP", mode="bptt")
+    hist = [json.loads(x) for x in (bp / "metrics.jsonl").read_text().splitlines()]
+    for h in hist:
+        h["bp"] = h["fp"]  # BPTT: one backward per forward
+    (bp / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    make_run(tmp_path, "s0", [0.5, 0.91, 0.96], sets=["seed=0"])      # 90 % at epoch 2, 95 % at epoch 3
+    make_run(tmp_path, "s1", [0.92, 0.93, 0.94], sets=["seed=1"])     # 90 % at epoch 1, never 95 %
+    make_run(tmp_path, "rge", [0.1, 0.2, 0.3], label="SZO-RGE")        # neither
+    runs = collect_runs([tmp_path])
+    header, rows = table_target(runs)
+    assert header == ["Dataset / Model", "Method", "mode", "BP max acc (%)", "#FP to 90 % of BP",
+                      "#BP to 90 % of BP", "#FP to 95 % of BP", "#BP to 95 % of BP"]
+    by = {r[1]: r for r in rows}
+    assert by["BP"][3:] == ["100.00", "1840", "1840", "2760", "2760"]
+    assert by["SZO-CGE"][4:] == [f"{(1840 + 920) / 2:.0f} ± {np.std([1840, 920], ddof=1):.0f}", "0 ± 0",
+                                 "2760 (1 of 2)", "0"]
+    assert by["SZO-RGE"][4:] == ["not reached", "-", "not reached", "-"]
+    assert first_reaching(hist, 0.99)["epoch"] == 3 and first_reaching(hist, 1.01) is None
+    assert "## Passes to a fraction of BP's accuracy" in render(runs)
+    out = write_report(runs, tmp_path / "report")
+    assert json.loads(out["json"].read_text())["target"][0]["Method"] == "BP"
+
+
+def test_without_a_bptt_run_there_is_no_target(tmp_path):
+    make_run(tmp_path, "s0", [0.5, 0.9])
+    assert table_target(collect_runs([tmp_path]))[1] == []
+    assert "Passes to a fraction" not in render(collect_runs([tmp_path]))

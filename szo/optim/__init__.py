@@ -84,6 +84,9 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     if o.integer is not None and not spec.integer_learner:
         raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "
                          f"method {m!r} has none")
+    if o.integer is not None and o.refresh is not None:
+        raise ValueError("refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
+                         "learner keeps its quantised basis: leave refresh None")
 
 
 def _records(options: OptimizerOptions | None, run: RunOptions | None, keywords: dict

@@ -32,6 +32,7 @@ from torch import nn
 
 from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
 from szo.engine import build_evaluator
+from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
 from szo.options import probe_path
@@ -129,6 +130,7 @@ class SubspaceOptimizer(CodecOptimizer):
         self.scale = scale
         self.units = units
         self.space = SubspaceSpace(params, basis, scales=units)
+        self.initial_basis = basis  # P over the trained rows ([d, k]): the basis it was built on
         self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
@@ -182,6 +184,25 @@ class SubspaceOptimizer(CodecOptimizer):
             raise ValueError(f"optimizer state: the point must be a float [d] = [{self.space.d}] tensor (the "
                              f"parameters it stands at), got {got}")
         self.space.load(value.to(device=self.space.device, dtype=self.space.dtype))
+
+    def set_basis(self, basis: torch.Tensor) -> None:
+        """The space on ``basis`` (``[d, k]``) in the same units; coordinates and momentum left as they are."""
+        if tuple(basis.shape) != (self.space.d, self.k):
+            raise ValueError(f"a new basis must be [d, k] = [{self.space.d}, {self.k}], got {tuple(basis.shape)}")
+        self.space = SubspaceSpace(self.space.params, basis, scales=self.units)
+
+    @torch.no_grad()
+    def rebase_(self, basis: torch.Tensor) -> None:
+        """Train on ``basis`` (``[d, k]``, orthonormal columns) from here on: the coordinates are re-based
+        at the current point (``theta_0 := theta_t``, ``c := 0``) in the same units, and the momentum, the
+        parameter-space velocity ``P S delta``, is projected onto the new basis (``delta := S^-1 P'^T P S
+        delta``: LOZO's reprojection of its momentum factor at a subspace change). No parameter moves."""
+        st = self.subspace_state
+        velocity = st["delta"].to(self.space.basis_t) @ self.space.basis_t  # [d]: P S delta
+        self.set_basis(basis)
+        units_sq = 1.0 if self.units is None else self.units.pow(2)
+        st["delta"] = (self.space.basis_t @ velocity).to("cpu", torch.float64) / units_sq  # rows of (P' S)^T
+        st["c"] = torch.zeros(self.k, dtype=torch.float64)
 
     @torch.no_grad()
     def apply_update(self, g_c: torch.Tensor) -> None:
@@ -243,6 +264,14 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore).
 
+    ``refresh=T0`` (a refreshed random subspace, SubZero's lazy refresh; with ``estimator="rge"``
+    LOZO's kept-V / fresh-U sampling: docs/methods.md): before steps T0, 2 T0, ... the basis is
+    replaced by a Haar-random orthonormal ``[d, k]`` one (``szo.functional.basis.haar_basis``) drawn
+    from ``generator``, and the coordinates are re-based there (:meth:`rebase_`: ``c := 0``, the momentum
+    projected, the units kept). The given subspace is the basis of the first T0 steps. ``state_dict()``
+    carries the number of redraws and the generator state before the last one (``refresh`` in the
+    ``subspace`` section), from which :meth:`load_state_dict` redraws the current basis.
+
     ``ProbePath(distributed="data")`` (every rank: all probes on its shard of the batch, the closure
     returning the shard's share of the batch loss) or ``"perturbation"`` (every rank: probes
     ``rank, rank + W, ...`` on the full batch) runs on an initialised torch.distributed group
@@ -254,8 +283,10 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     these payloads; ``forward_passes`` counts forwards of the whole batch over all ranks.
     """
 
-    codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS + (Field("bytes_communicated", "int", default=0),),
-                          check=check_k),)
+    codecs = (StateCodec("subspace", COORDS + GENERATOR_COUNTERS + (
+        Field("bytes_communicated", "int", default=0),
+        # refresh=T0 only: {"count": redraws so far, "draw_state": the generator's state before the last one}
+        Field("refresh", "plain", "refresh_state", optional=True)), check=check_k),)
 
     def __init__(
         self,
@@ -271,8 +302,13 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         generator: torch.Generator | None = None,
         start: str | None = None,
         scale: str = "absolute",
+        refresh: int | None = None,
         probes: ProbePath | None = None,
     ):
+        if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1):
+            raise ValueError(f"refresh must be None (keep the basis) or a number of steps >= 1, got {refresh!r}")
+        if refresh is not None and generator is not None and generator.device.type != "cpu":
+            raise ValueError("refresh draws the new bases from the generator on the CPU: pass a CPU torch.Generator")
         kind = estimator if isinstance(estimator, Estimator) else get_estimator(estimator)
         check_hparams(mu=mu, q=None if kind.coordinate else q)
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
@@ -286,6 +322,10 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         # rank applies the identical update), every combination checked by the record
         self.probes = ProbePath() if probes is None else probes
         self._init_forward_only(build_evaluator(self.probes, self.model, "SZO"), generator)
+
+        self.refresh = refresh
+        self.refresh_state: dict | None = None if refresh is None else {"count": 0, "draw_state": None}
+        self._first_basis = self.initial_basis
 
     @property
     def engine(self) -> str:
@@ -333,9 +373,37 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         with self.evaluator.session():
             return self.evaluator.run(closure, self.space, plan)
 
+    def _draw_basis(self, generator: torch.Generator) -> torch.Tensor:
+        return haar_basis(self.space.d, self.k, generator)
+
+    @torch.no_grad()
+    def refresh_basis(self) -> None:
+        """Redraw the basis now (what ``refresh=T0`` does before every T0-th step): a Haar-random one from
+        ``generator``, the coordinates re-based at the current point (:meth:`rebase_`)."""
+        if self.refresh_state is None:
+            raise ValueError("refresh_basis needs an SZO built with refresh=T0 (steps between redraws)")
+        state = self.generator.get_state()
+        self.rebase_(self._draw_basis(self.generator))
+        self.refresh_state = {"count": self.refresh_state["count"] + 1, "draw_state": state}
+
+    def load_state_dict(self, state_dict):
+        """As ``torch.optim.Optimizer``'s, then (``refresh=T0``) the basis of the saved state: the first one
+        before any redraw, else the last redraw again, from the generator state saved before it."""
+        super().load_state_dict(state_dict)
+        if self.refresh_state is None:
+            return
+        saved = self.refresh_state.get("draw_state")
+        if saved is None:
+            basis = self._first_basis
+        else:
+            basis = self._draw_basis(torch.Generator().set_state(saved))
+        self.set_basis(basis)  # the saved coordinates and momentum are already in its units
+
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
         self.check_closure(closure)
+        if self.refresh is not None and self.subspace_state["step"] // self.refresh > self.refresh_state["count"]:
+            self.refresh_basis()
         plan = self.plan()
         losses = self.evaluate(closure, plan)
         self.apply_update(plan.estimate(losses))
@@ -386,4 +454,5 @@ def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
 def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
-               generator=run.generator, start=run.start, scale=o.scale, probes=probe_path(o, run, spec))
+               generator=run.generator, start=run.start, scale=o.scale, refresh=o.refresh,
+               probes=probe_path(o, run, spec))

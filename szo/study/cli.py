@@ -42,7 +42,7 @@ def _cmd_study_subspaces(args: argparse.Namespace) -> int:
     res = study_subspaces(args.bp_run, args.k, prefix=args.prefix, first_epochs=args.first_epochs,
                           other_runs=args.other_run or [], random_seeds=args.random_seeds,
                           bn_head=not args.no_bn_head, overwrite=args.overwrite, train=args.train,
-                          train_overrides=args.set or [], out=args.out)
+                          train_overrides=args.set or [], out=args.out, refresh=args.refresh)
     for r in res["projection"]:
         print(f"{r['variant']:<16} k={r['k']:<6} |proj - theta_BP| = {r['distance']:.4g} "
               f"({100 * r['relative_distance']:.1f}% of |theta_BP - theta_0|), projected test acc "
@@ -126,6 +126,9 @@ def add_study_arguments(st: argparse.ArgumentParser) -> None:
     s.add_argument("--no-bn-head", action="store_true", help="skip the BN + classifier coordinate subspace")
     s.add_argument("--overwrite", action="store_true", help="replace existing store entries of the same names")
     s.add_argument("--train", metavar="RECIPE", help="train this scratch recipe in every variant")
+    s.add_argument("--refresh", type=int, metavar="T0",
+                   help="with --train: also train every random variant with its basis redrawn every T0 steps "
+                        "(szo.refresh; SubZero / LOZO style)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for --train runs (repeatable)")
     s.add_argument("--out", help="output directory (default BP_RUN/study-subspaces)")
     s.set_defaults(func=_cmd_study_subspaces)

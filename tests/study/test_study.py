@@ -12,7 +12,7 @@ from szo.config import load_recipe
 from szo.pipeline import run_recipe
 from szo.study.diagnose import diagnose_model, surrogate_gradient
 from szo.study.precision import study_precision
-from szo.study.subspaces import subspace_variants
+from szo.study.subspaces import first_epochs_window, study_subspaces, subspace_variants
 
 TINY = ["model.T=2", "model.kwargs={width: 2}", "progress=false", "data.batch_size=32", "data.test_batch_size=360",
         "bptt.epochs=2", "bptt.max_steps_per_epoch=4", "trajectory.every=1", "subspace.k=4", "bptt.lr=0.5"]
@@ -106,9 +106,9 @@ def test_study_subspaces_trains_a_scratch_recipe_in_each_variant(runs):
                         "data.test_batch_size=360", "train.epochs=1", "train.max_steps_per_epoch=2"]
             for a in ("--set", s)]
     assert main(["study", "subspaces", str(runs / "bp"), "--k", "2", "--prefix", "tr", "--random-seeds", "5",
-                 "--train", "digits-scratch", "--out", str(out)] + sets) == 0
+                 "--train", "digits-scratch", "--refresh", "1", "--out", str(out)] + sets) == 0
     res = json.loads((out / "subspaces.json").read_text())
-    assert [t["variant"] for t in res["training"]] == ["whole", "random5", "bn-head"]
+    assert [t["variant"] for t in res["training"]] == ["whole", "random5", "bn-head", "random5-refresh1"]
     for t in res["training"]:
         cfg = json.loads((out / t["variant"] / "results.json").read_text())
         assert 0.0 <= t["best_test_acc"] <= 1.0
@@ -119,8 +119,29 @@ def test_study_subspaces_trains_a_scratch_recipe_in_each_variant(runs):
     assert k_bn > 100 and json.loads((out / "bn-head" / "results.json").read_text())["bp"] == 2
     import yaml
     saved = yaml.safe_load((out / "random5" / "config.yaml").read_text())
-    # every variant trains in the paper's units: a random subspace has no trajectory spread to measure in
-    assert (saved["subspace"]["name"], saved["szo"]["scale"]) == ("tr-random5", "absolute")
+    # every variant trains in the paper's units (the BN + classifier coordinates have no trajectory spread)
+    assert (saved["subspace"]["name"], saved["szo"]["scale"], saved["szo"]["refresh"]) == ("tr-random5", "absolute",
+                                                                                             None)
+    # the refreshed random variant: the same store entry, its basis redrawn every step
+    saved = yaml.safe_load((out / "random5-refresh1" / "config.yaml").read_text())
+    assert (saved["subspace"]["name"], saved["szo"]["refresh"]) == ("tr-random5", 1)
+    assert json.loads((out / "random5-refresh1" / "results.json").read_text())["status"] == "completed"
+    with pytest.raises(ValueError, match="--refresh trains the random variants .* needs --train RECIPE"):
+        study_subspaces(runs / "bp", 2, prefix="x", refresh=3)
+
+
+def test_first_epochs_are_epochs_of_bptt_whatever_the_recording(runs):
+    """first{E}: the initial weights and the samples of the first E epochs. The fixture records every step
+    (4 steps an epoch): a step sample carries the number of epochs completed before it, so epoch 1's
+    steps are labelled 0 and the window is (0, E - 1); an epoch-end sample carries its own epoch."""
+    assert first_epochs_window(1, 1) == (0, 0) and first_epochs_window("epoch", 1) == (0, 1)
+    v = subspace_variants(runs / "bp", 2, first_epochs=[1], random_seeds=[], bn_head=False)
+    assert v["first1"].provenance["steps"] == [0, 1, 2, 3, 4]
+    # the random variant carries the whole trajectory's variance evenly: the same trajectory unit
+    r = subspace_variants(runs / "bp", 2, random_seeds=[0], bn_head=False)
+    torch.testing.assert_close(r["random0"].eigenvalues.sum(), r["whole"].eigenvalues.sum())
+    with pytest.raises(ValueError, match="first epochs must be ints >= 1"):
+        first_epochs_window(1, 0)
 
 
 def test_study_q_forwards_per_step_reuse_and_plot(runs, capsys):
