@@ -1,7 +1,7 @@
 """Random orthonormal bases: the one draw of a Haar-distributed k-dimensional subspace of R^d.
 
 Used by the store's fixed random variant (``subspace_store.random_subspace``) and by the refreshed
-random subspace of ``szo.optim.SZO(refresh=T0)``, so that both draw the same distribution the same way.
+random subspace of ``szo.optim.SZO(model, Refreshed(subspace, every=T0))``, so that both draw the same distribution the same way.
 """
 from __future__ import annotations
 

@@ -30,11 +30,12 @@ from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimize
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .fullspace import FullSpaceZO
 from .layerwise import LayerwiseZO
-from .subspace import SZO, BPSubspace, SubspaceOptimizer, check_layout
+from .subspace import SZO, BPSubspace, Refreshed, SubspaceOptimizer, check_layout
 from .tt import HybridZO
 
 __all__ = [
     "SZO",
+    "Refreshed",
     "BPSubspace",
     "FullSpaceZO",
     "ForwardGradient",

@@ -56,13 +56,33 @@ from szo.zo import (
 )
 from szo.zo.scale import NORMALISED, coordinate_scales, normalise_, scale_record
 
-__all__ = ["SZO", "BPSubspace", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
+__all__ = ["SZO", "BPSubspace", "Refreshed", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
 DISTRIBUTED_MODES = (None,) + DISTRIBUTED_RUN_MODES
 
 
+class Refreshed:
+    """A subspace that is redrawn: ``subspace`` for the first ``every`` steps, then a fresh Haar-random
+    orthonormal basis of the same k before every ``every``-th step (SubZero's lazy refresh, T0;
+    with SZO-RGE LOZO's kept-V / fresh-U sampling). ``SZO(model, Refreshed(sub, every=10))``; the
+    recipes' ``szo.refresh: T0``. The subspace policy of the optimizer, not a stored entry: the
+    redraws come from the optimizer's generator."""
+
+    def __init__(self, subspace, every: int):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"refresh must be None (keep the basis) or a number of steps >= 1, got {every!r}")
+        self.subspace = subspace
+        self.every = every
+
+    def __repr__(self) -> str:
+        return f"Refreshed({self.subspace!r}, every={self.every})"
+
+
 def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None = None) -> None:
     """Raise one clear ValueError if the subspace does not fit these parameters."""
+    if isinstance(subspace, Refreshed):
+        raise ValueError("a Refreshed subspace is redrawn from SZO's generator; only SZO trains in one: pass the "
+                         "subspace itself (Refreshed(...).subspace) to this optimizer")
     d = sum(p.numel() for p in params)
     basis = subspace.basis
     if basis.dim() != 2:
@@ -264,7 +284,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore).
 
-    ``refresh=T0`` (a refreshed random subspace, SubZero's lazy refresh; with ``estimator="rge"``
+    ``SZO(model, Refreshed(subspace, every=T0))`` (a refreshed random subspace, SubZero's lazy refresh; with ``estimator="rge"``
     LOZO's kept-V / fresh-U sampling: docs/methods.md): before steps T0, 2 T0, ... the basis is
     replaced by a Haar-random orthonormal ``[d, k]`` one (``szo.functional.basis.haar_basis``) drawn
     from ``generator``, and the coordinates are re-based there (:meth:`rebase_`: ``c := 0``, the momentum
@@ -302,11 +322,10 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         generator: torch.Generator | None = None,
         start: str | None = None,
         scale: str = "absolute",
-        refresh: int | None = None,
         probes: ProbePath | None = None,
     ):
-        if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1):
-            raise ValueError(f"refresh must be None (keep the basis) or a number of steps >= 1, got {refresh!r}")
+        refresh = subspace.every if isinstance(subspace, Refreshed) else None
+        subspace = subspace.subspace if isinstance(subspace, Refreshed) else subspace
         if refresh is not None and generator is not None and generator.device.type != "cpu":
             raise ValueError("refresh draws the new bases from the generator on the CPU: pass a CPU torch.Generator")
         kind = estimator if isinstance(estimator, Estimator) else get_estimator(estimator)
@@ -378,16 +397,16 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     @torch.no_grad()
     def refresh_basis(self) -> None:
-        """Redraw the basis now (what ``refresh=T0`` does before every T0-th step): a Haar-random one from
+        """Redraw the basis now (what ``Refreshed(subspace, every=T0)`` does before every T0-th step): a Haar-random one from
         ``generator``, the coordinates re-based at the current point (:meth:`rebase_`)."""
         if self.refresh_state is None:
-            raise ValueError("refresh_basis needs an SZO built with refresh=T0 (steps between redraws)")
+            raise ValueError("refresh_basis needs an SZO built on Refreshed(subspace, every=T0) (steps between redraws)")
         state = self.generator.get_state()
         self.rebase_(self._draw_basis(self.generator))
         self.refresh_state = {"count": self.refresh_state["count"] + 1, "draw_state": state}
 
     def load_state_dict(self, state_dict):
-        """As ``torch.optim.Optimizer``'s, then (``refresh=T0``) the basis of the saved state: the first one
+        """As ``torch.optim.Optimizer``'s, then (a :class:`Refreshed` subspace) the basis of the saved state: the first one
         before any redraw, else the last redraw again, from the generator state saved before it."""
         super().load_state_dict(state_dict)
         if self.refresh_state is None:
@@ -453,6 +472,6 @@ def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
 @register_builder("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt")
 def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
+    subspace = subspace if o.refresh is None else Refreshed(subspace, o.refresh)
     return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
-               generator=run.generator, start=run.start, scale=o.scale, refresh=o.refresh,
-               probes=probe_path(o, run, spec))
+               generator=run.generator, start=run.start, scale=o.scale, probes=probe_path(o, run, spec))

@@ -1,4 +1,4 @@
-"""SZO(refresh=T0): a random subspace redrawn every T0 steps (SubZero's lazy refresh; LOZO's kept-V /
+"""SZO(model, Refreshed(sub, every=T0)): a random subspace redrawn every T0 steps (SubZero's lazy refresh; LOZO's kept-V /
 fresh-U sampling with RGE), re-based at the current point, reproducible from the generator and resumable."""
 import io
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ from szo.engine import batch_closure
 from szo.functional.basis import haar_basis
 from szo.losses import tet_loss
 from szo.models import create
-from szo.optim import SZO, ProbePath, build_optimizer
+from szo.optim import SZO, BPSubspace, ProbePath, Refreshed, build_optimizer
 
 from .test_szo import Tiny, data, flat
 
@@ -26,7 +26,8 @@ def _sub(model, k, seed=0, variance=None):
 
 def _opt(model, sub, refresh=3, seed=7, **kw):
     kw = {"mu": 0.05, "lr": 0.2, "momentum": 0.9, "estimator": "cge", **kw}
-    return SZO(model.parameters(), sub, model=model, refresh=refresh, generator=torch.Generator().manual_seed(seed), **kw)
+    sub = sub if refresh is None else Refreshed(sub, every=refresh)
+    return SZO(model.parameters(), sub, model=model, generator=torch.Generator().manual_seed(seed), **kw)
 
 
 def _orthonormal(p):
@@ -166,7 +167,7 @@ def test_without_refresh_the_state_keeps_its_keys():
     opt = SZO(model.parameters(), _sub(model, 3), model=model)
     assert "refresh" not in opt.state_dict()["subspace"]
     assert opt.refresh_state is None
-    with pytest.raises(ValueError, match="refresh_basis needs an SZO built with refresh=T0"):
+    with pytest.raises(ValueError, match=r"refresh_basis needs an SZO built on Refreshed\(subspace, every=T0\)"):
         opt.refresh_basis()
 
 
@@ -174,7 +175,14 @@ def test_without_refresh_the_state_keeps_its_keys():
 def test_bad_refresh_is_one_line(bad):
     model = Tiny()
     with pytest.raises(ValueError, match="refresh must be None .* or a number of steps >= 1"):
-        SZO(model.parameters(), _sub(model, 3), model=model, refresh=bad)
+        Refreshed(_sub(model, 3), every=bad)
+
+
+def test_only_szo_takes_a_refreshed_subspace():
+    model = Tiny()
+    with pytest.raises(ValueError, match="^a Refreshed subspace is redrawn from SZO's generator; only SZO trains"):
+        BPSubspace(model.parameters(), Refreshed(_sub(model, 3), every=2), model=model)
+    assert "every=2" in repr(Refreshed(_sub(model, 3), every=2))
 
 
 def test_build_optimizer_passes_refresh_and_refuses_it_elsewhere():
