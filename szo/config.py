@@ -277,9 +277,10 @@ def _check_hw(full: RecipeConfig) -> None:
     if full.bn_stats == "deployed" and full.kind != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
     if hw.blocks is not None:
-        if full.method != "mcu-zo" or full.kind != "subspace":
-            raise ValueError(f"hw.blocks (seed 004's BP-free block selection) applies to method mcu-zo in a subspace "
-                             f"recipe; method {full.method!r} does not select blocks: leave hw.blocks null")
+        if not spec.block_selection or full.kind != "subspace":
+            raise ValueError(f"hw.blocks (seed 004's BP-free block selection) applies to method "
+                             f"{', '.join(list_methods(block_selection=True))} in a subspace recipe; method "
+                             f"{full.method!r} does not select blocks: leave hw.blocks null")
         if full.szo.layers is not None:
             raise ValueError("hw.blocks selects the trained layers itself (one block); leave szo.layers null, or "
                              "hw.blocks null to train szo.layers")

@@ -61,7 +61,8 @@ class MethodSpec:
       ``integer``: the integer on-chip learner (backend fixed, ``hw.learner: integer``);
     * ``engines`` / ``parallel``: probe evaluators it can use (``szo.engine``) and torchrun modes;
       ``streaming``: ``szo.time_chunk`` allowed; ``fixed_backend``: trains through the
-      fixed-point forward; ``integer_learner``: ``hw.learner: integer`` allowed;
+      fixed-point forward; ``integer_learner``: ``hw.learner: integer`` allowed; ``block_selection``:
+      ``hw.blocks`` (seed 004's BP-free choice of the one trained block) allowed;
     * ``hooks``: drives layers through forward hooks at every forward (the layer-wise methods' clean
       forward and node perturbation, the integer learner's accumulator hooks): a replayed CUDA graph or a
       compiled forward would skip them, so ``szo.zo.ProbePath`` refuses both with it;
@@ -94,6 +95,7 @@ class MethodSpec:
     streaming: bool = False
     fixed_backend: bool = False
     integer_learner: bool = False
+    block_selection: bool = False
     hooks: bool = False
     weight_decay: bool = False
     momentum: bool = True
@@ -342,7 +344,7 @@ for _spec in (
     # seed 004's learner as published: int8 weights of the integer forward, 1-LSB XORShift32 Rademacher
     # probes, layer-wise adaptive weight / node perturbation, eq. 8 (szo.hw.optim.mcu.MCUZO)
     MethodSpec("mcu-zo", "MCU-ZO", "on-chip", "1 + qL", integer=True, fixed_backend=True, integer_learner=True, hooks=True,
-               momentum=False, q_labeled=True, options=("layers",)),
+               block_selection=True, momentum=False, q_labeled=True, options=("layers",)),
 ):
     register_method(_spec)
 

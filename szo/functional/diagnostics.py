@@ -89,17 +89,30 @@ def estimate_statistics(estimates: torch.Tensor, grad: torch.Tensor,
     return out
 
 
+def _cge_draws(loss_fn, theta, directions, mu, q, repeats, generator) -> torch.Tensor:
+    """CGE is deterministic: one draw, whatever ``repeats`` says (``q`` and ``generator`` unused)."""
+    dirs = torch.eye(theta.numel(), dtype=theta.dtype) if directions is None else directions
+    return cge(loss_fn, theta, dirs, mu)[None, :]
+
+
+def _rge_draws(loss_fn, theta, directions, mu, q, repeats, generator) -> torch.Tensor:
+    return torch.stack([rge(loss_fn, theta, directions, mu, q, generator) for _ in range(repeats)])
+
+
+DRAWS = {"cge": _cge_draws, "rge": _rge_draws}
+"""The estimators :func:`draw_estimates` draws: name -> ``(loss_fn, theta, directions, mu, q, repeats,
+generator) -> [n, d]`` estimates."""
+
+
 def draw_estimates(loss_fn: Callable[[torch.Tensor], "float | torch.Tensor"], theta: torch.Tensor,
                    directions: torch.Tensor | None, mu: float, *, estimator: str, q: int = 1, repeats: int = 1,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """``[repeats, d]`` estimates of ``estimator`` (``"cge"``: deterministic, drawn once;
     ``"rge"``: ``repeats`` independent draws with q probes each) along ``directions``
     (``None``: the full space, i.e. the identity, never materialised for RGE)."""
-    if estimator not in ("cge", "rge"):
-        raise ValueError(f"estimator must be 'cge' or 'rge', got {estimator!r}")
+    draw = DRAWS.get(estimator) if isinstance(estimator, str) else None
+    if draw is None:
+        raise ValueError(f"estimator must be one of {', '.join(map(repr, DRAWS))}, got {estimator!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    if estimator == "cge":
-        dirs = torch.eye(theta.numel(), dtype=theta.dtype) if directions is None else directions
-        return cge(loss_fn, theta, dirs, mu)[None, :]
-    return torch.stack([rge(loss_fn, theta, directions, mu, q, generator) for _ in range(repeats)])
+    return draw(loss_fn, theta, directions, mu, q, repeats, generator)

@@ -351,9 +351,10 @@ def build_on_chip(spec, model: nn.Module, subspace: Any, o, run) -> OnChipSZO:
     momentum, ``qzo-subspace`` -> seed 004's eq. 8 (no momentum). ``mu`` in coordinate units becomes
     ``round(mu 2**coord_frac)`` LSBs."""
     h = o.integer
-    rule = "eq8" if spec.variant == "eq8" else "momentum"
-    # the integer counterpart of the method's estimator (its record says; eq. 8 is Rademacher's rule)
-    estimator = "rademacher" if rule == "eq8" else get_estimator(spec.variant).integer
+    # the record says which rule: with momentum the integer counterpart of the method's estimator, without
+    # it seed 004's eq. 8, which is Rademacher's rule (its variant names the rule, not a float estimator)
+    rule = "momentum" if spec.momentum else "eq8"
+    estimator = get_estimator(spec.variant).integer if spec.momentum else "rademacher"
     if estimator is None:
         raise ValueError(f"method {spec.name!r} (estimator {spec.variant!r}) has no integer on-chip learner; "
                          f"its estimators: {', '.join(ON_CHIP_ESTIMATORS)}")
