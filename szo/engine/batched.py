@@ -479,6 +479,11 @@ class BatchedProbeEvaluator(EvaluatorBase):
             if not isinstance(space, SubspaceSpace):
                 raise ValueError(f"the batched engine evaluates subspace plans; got a {type(space).__name__}")
             if [id(p) for p in space.params] != [id(p) for p in ev.params]:
+                frozen = sum(1 for p in ev.params if not p.requires_grad)
+                if frozen and [id(p) for p in space.params] == [id(p) for p in ev.params if p.requires_grad]:
+                    raise ValueError(f"engine='batched' folds every parameter of the model into its probe copies; "
+                                     f"{frozen} of them are frozen (requires_grad=False) and left out of the "
+                                     "subspace: use engine='loop', or unfreeze them")
                 raise ValueError("the optimizer's parameters are not model.parameters() (same order) of the "
                                  "engine's model")
             self._checked = space

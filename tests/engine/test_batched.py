@@ -323,3 +323,18 @@ def test_mixed_eval_and_train_bn_same_statistics_as_loop():
     assert int(bn_loop["bn2.num_batches_tracked"]) == int(bn_batched["bn2.num_batches_tracked"]) == 1
     for k in ("bn2.running_mean", "bn2.running_var"):
         torch.testing.assert_close(bn_batched[k], bn_loop[k], rtol=1e-5, atol=1e-7)
+
+
+def test_a_frozen_parameter_under_the_batched_engine_is_one_line_that_says_so():
+    """SZO leaves a frozen parameter out of its subspace; the batched engine folds every parameter of the
+    model, so it says that, and what to do, instead of a parameter-order mismatch."""
+    torch.manual_seed(0)
+    model = M.create("spike_convnet", num_classes=10, T=2, width=4).train()
+    next(model.parameters()).requires_grad_(False)
+    basis = torch.linalg.qr(torch.randn(model.num_params(), 3, generator=torch.Generator().manual_seed(1)))[0]
+    sub = SimpleNamespace(basis=basis, layout=model.param_layout(), reference=model.flat_params())
+    opt = SZO(model, sub, start="current", probes=ProbePath(engine="batched"))
+    x, y = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    with pytest.raises(ValueError, match=r"^engine='batched' folds every parameter of the model into its probe "
+                                         r"copies; 1 of them are frozen \(requires_grad=False\) .*use engine='loop'"):
+        opt.step(batch_closure(model, tet_loss, x, y))
