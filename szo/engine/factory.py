@@ -30,10 +30,13 @@ def build_evaluator(path: ProbePath, model: nn.Module | None, who: str) -> Probe
     path.check()
     guard = ProbeGuard(model, who, bn_update=path.bn_update, freeze_bn=path.freeze_bn)
     if path.distributed is not None:
-        return DistributedEvaluator(guard, path.distributed, process_group=path.process_group, sync_bn=path.sync_bn)
-    if path.engine == "batched":
+        ev = DistributedEvaluator(guard, path.distributed, process_group=path.process_group, sync_bn=path.sync_bn)
+    elif path.engine == "batched":
         if model is None:
             raise ValueError(f"engine='batched' folds copies of the model: it needs the model ({who}(model, ...)); "
                              "use engine='loop'")
-        return BatchedProbeEvaluator(guard, model, chunk=path.chunk)
-    return LoopEvaluator(guard)
+        ev = BatchedProbeEvaluator(guard, model, chunk=path.chunk)
+    else:
+        ev = LoopEvaluator(guard)
+    ev.path = path  # checked again at every step, against the model's forward as it is then
+    return ev

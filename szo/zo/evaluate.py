@@ -66,6 +66,10 @@ class EvaluatorBase:
 
     distributed: str | None = None
     sees_outputs = True
+    path = None
+    """The probe path it was built from (``szo.engine.build_evaluator`` sets it; None: built directly).
+    Every step checks it again against the model's forward as it is then: a forward switched to CUDA
+    graphs or torch.compile after the optimizer was built is refused before its probes run."""
 
     def __init__(self, guard: ProbeGuard):
         self.guard = guard
@@ -76,6 +80,8 @@ class EvaluatorBase:
         """One step's probes: BN snapshot (and the random state every probe replays) before, commit /
         restore after, restore on error; each probe casts the parameters where they are, whatever
         autocast block encloses the step."""
+        if self.path is not None:
+            self.path.on(self.guard.model).check()
         self.guard.begin_step()
         with fresh_casts():
             try:

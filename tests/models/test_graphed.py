@@ -209,6 +209,28 @@ def test_hook_driven_methods_are_refused_with_graphs_and_compile_at_every_door()
     LayerwiseZO(m.set_compile(False), perturbation="adaptive")  # an eager forward runs its hooks
 
 
+@pytest.mark.parametrize("method", ["np-zo", "wp-zo", "awp-zo"])
+def test_graphs_switched_on_after_the_optimizer_was_built_are_refused_at_the_next_step(method):
+    """The path is checked again at every step against the model's forward as it is then: a hook-driven
+    method built on an eager model, whose forward is then replayed as graphs (or compiled), stops with
+    the same line before its probes run, instead of returning zero estimates from hookless replays."""
+    m = _model()
+    opt = build_optimizer(method, m, lr=0.1, mu=0.1)
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    closure = batch_closure(m, tet_loss, _x(), y, reduction=opt.loss_reduction)
+    opt.step(closure)  # eager: runs
+    m.set_cuda_graphs(True, backend=RecordedOps())
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=f"method '{method}' .* cannot be combined with model.set_cuda_graphs\\(True\\)"):
+        opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # nothing moved
+    m.set_cuda_graphs(False).set_compile(True)
+    with pytest.raises(ValueError, match=f"method '{method}' .* cannot be combined with model.set_compile\\(True\\)"):
+        opt.step(closure)
+    m.set_compile(False)
+    opt.step(closure)  # eager again: runs
+
+
 def test_data_parallel_sync_bn_is_refused_on_a_graphed_model(tmp_path):
     """SyncBatchNorm synchronises through forward hooks, which a replay skips: refused when SZO is built
     directly on a graphed model, not only on the recipe path."""
