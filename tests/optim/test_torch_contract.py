@@ -33,7 +33,9 @@ from szo.optim import build_optimizer
 from szo.options import IntegerLearnerOptions
 
 INTEGER = "/integer"  # a method trained by the integer on-chip learner (szo.hw.optim.onchip.OnChipSZO)
-CASES = list(list_methods()) + [m + INTEGER for m in list_methods(integer_learner=True, integer=False)]
+REFRESH = "/refresh"  # the method in a random subspace redrawn every 2 steps (szo.refresh, Refreshed)
+CASES = (list(list_methods()) + [m + INTEGER for m in list_methods(integer_learner=True, integer=False)]
+         + [m + REFRESH for m in ("szo-cge", "szo-rge")])
 FORWARD_ONLY = [c for c in CASES if get_method(c.split("/")[0]).forward_only]
 
 
@@ -86,6 +88,8 @@ def build(case: str, model: torch.nn.Module, sub=None, **overrides) -> torch.opt
         kw["integer"] = IntegerLearnerOptions()
     else:
         kw["scale"] = "absolute"
+    if case.endswith(REFRESH):
+        kw["refresh"] = 2
     if spec.forward_only:
         kw["generator"] = torch.Generator().manual_seed(2)
     kw.update(overrides)
