@@ -18,7 +18,7 @@ import torch
 from .protocol import StepInfo
 from .update import StateCodec
 
-__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_meta"]
+__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_complex", "refuse_meta"]
 
 
 class CodecOptimizer(torch.optim.Optimizer):
@@ -48,6 +48,7 @@ class CodecOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._built = True
         refuse_meta([p for g in self.param_groups for p in g["params"]], type(self).__name__)
+        refuse_complex([p for g in self.param_groups for p in g["params"]], type(self).__name__)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None and self.codecs:
             self.state[first]  # the entry that holds the sections in state_dict() (defaultdict: created empty)
@@ -125,6 +126,17 @@ def refuse_meta(params: list[torch.Tensor], who: str) -> None:
         raise ValueError(f"{who}: the parameters are on the meta device (shapes without values), and its steps run "
                          "the model (a forward-only step: its probes): materialise it first (model.to_empty(device=...), "
                          "then load its weights)")
+
+
+def refuse_complex(params: list[torch.Tensor], who: str) -> None:
+    """One ValueError when a parameter is complex: szo's probes, subspaces and updates are real, so its
+    imaginary part would never move (torch's own optimizers view a complex parameter as real pairs)."""
+    kinds = sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_complex() and p.requires_grad})
+    if kinds:
+        raise ValueError(f"{who}: parameters of complex dtype ({', '.join(kinds)}) are not supported: its "
+                         "perturbations, subspaces and updates are real, so the imaginary parts would never move; "
+                         "hold them as real pairs (torch.view_as_real / a real [..., 2] parameter) or freeze them "
+                         "(requires_grad=False)")
 
 
 class ForwardOnlyBase(CodecOptimizer):

@@ -627,3 +627,43 @@ def test_subspace_methods_start_where_build_optimizer_says(case):
     before = flat(model)
     build(case, model, sub, start="current")
     assert torch.equal(flat(model), before)
+
+
+class _Phase(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.phase = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+    def forward(self, x):
+        return x * self.phase.abs()
+
+
+class _Complex(torch.nn.Sequential):
+    """A layer, then a module with a complex parameter (torch's optimizers train one as real pairs)."""
+
+    def __init__(self):
+        super().__init__(torch.nn.Linear(4, 3), _Phase())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "/" not in c and not _integer(c) and c not in ("bp", "tt-zo")])
+def test_complex_parameters_are_refused_in_one_line(case):
+    """szo's probes, subspaces and updates are real: a complex parameter's imaginary part would never move.
+    Refused at construction by every method that would train it; the layer-wise methods train the layers'
+    weights only, and leave it as it is."""
+    model = _Complex()
+    spec = _method(case)
+    sub = SimpleNamespace(basis=torch.linalg.qr(torch.randn(18, 2, dtype=torch.float64))[0].float(), layout=None,
+                          reference=None, eigenvalues=torch.ones(2))
+    kw = dict(lr=0.1, mu=0.1, momentum=0.9 if spec.momentum else 0.0)
+    kw.update(scale="absolute", start="current") if spec.subspace else None
+    kw.update(stages=1) if "stages" in spec.options else None
+    if spec.family == "layer-wise-zo":
+        opt = build_optimizer(case, model, **kw)
+        before = model[1].phase.detach().clone()
+        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+        opt.step(lambda: torch.nn.functional.cross_entropy(model(x), y, reduction=opt.loss_reduction))
+        assert torch.equal(model[1].phase, before)
+        return
+    with pytest.raises(ValueError, match=r": parameters of complex dtype \(complex64\) are not supported: its "
+                                         r"perturbations, subspaces and updates are real"):
+        build_optimizer(case, model, subspace=sub if spec.subspace else None, **kw)
