@@ -26,6 +26,7 @@ it to 1e-5 for the LIF, IF and PLIF, and that the spikes equal the custom ops').
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -36,15 +37,72 @@ from torch import nn
 __all__ = ["jvp_neurons", "lif_multi_step_torch", "surrogate_spike", "ForwardModeSurrogate"]
 
 
+def _hyperparameters(fn, surrogate: nn.Module, skip: int) -> tuple | None:
+    """The surrogate's hyperparameters in the order ``fn`` takes them after its first ``skip`` arguments
+    (``alpha``; ``w, c``; ``leak, k``; ``alpha, beta``), read from its public attributes; None when ``fn``
+    does not name them (SpikingJelly's base class: ``primitive_function(x, **kwargs)``, not implemented)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or not all(
+            hasattr(surrogate, p.name) for p in params):
+        return None
+    return tuple(getattr(surrogate, p.name) for p in params)
+
+
+class _RuleSpike(torch.autograd.Function):
+    """Heaviside(x) whose tangent and gradient are a surrogate's own backward rule applied to them
+    (SpikingJelly's static ``backward(grad, x, *hyperparameters)``)."""
+
+    @staticmethod
+    def forward(x, rule, args):
+        return (x >= 0).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.rule, ctx.args = inputs
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+
+    @staticmethod
+    def jvp(ctx, dx, _rule, _args):
+        (x,) = ctx.saved_tensors
+        return ctx.rule(dx, x, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ctx.rule(grad, x, *ctx.args), None, None
+
+
+def _spike_rule(surrogate: nn.Module):
+    """``x -> spike`` with a forward-mode rule for one SpikingJelly surrogate: its own backward rule
+    (:class:`_RuleSpike`: the derivative SpikingJelly's backward uses, exactly) where it has one named by
+    its hyperparameters, else its primitive function g (``H(x) + g(x) - g(x).detach()``, S2NN); one
+    ValueError for a surrogate with neither, or one not in spiking mode."""
+    name = type(surrogate).__name__
+    if not getattr(surrogate, "spiking", True):
+        raise ValueError(f"forward-mode AD needs a SpikingJelly surrogate in spiking mode; {name} has spiking=False "
+                         "(it outputs its primitive function, not spikes)")
+    rule = getattr(type(surrogate), "backward", None)  # SpikingJelly's static backward(grad, x, ...), not Module's
+    args = None if rule is None else _hyperparameters(rule, surrogate, 2)
+    if args is not None:
+        return lambda x: _RuleSpike.apply(x, rule, args)
+    prim = getattr(type(surrogate), "primitive_function", None)
+    args = None if prim is None else _hyperparameters(prim, surrogate, 1)
+    if args is not None:
+        def spike(x: torch.Tensor) -> torch.Tensor:
+            g = prim(x, *args)
+            return (x >= 0).to(x.dtype) + (g - g.detach())
+        return spike
+    raise ValueError(f"forward-mode AD needs a SpikingJelly surrogate with a backward rule or a primitive function "
+                     f"named by its hyperparameters; {name} has neither")
+
+
 def surrogate_spike(x: torch.Tensor, surrogate: nn.Module) -> torch.Tensor:
     """Heaviside(x) in value, surrogate derivative in forward- and reverse-mode AD."""
-    prim = getattr(surrogate, "primitive_function", None)
-    alpha = getattr(surrogate, "alpha", None)
-    if prim is None or alpha is None or not getattr(surrogate, "spiking", True):
-        raise ValueError(f"forward-mode AD needs a SpikingJelly surrogate with primitive_function and alpha "
-                         f"in spiking mode, got {type(surrogate).__name__}")
-    g = prim(x, alpha)
-    return (x >= 0).to(x.dtype) + (g - g.detach())
+    return _spike_rule(surrogate)(x)
 
 
 def lif_multi_step_torch(node: neuron.LIFNode, x_seq: torch.Tensor) -> torch.Tensor:
@@ -53,6 +111,7 @@ def lif_multi_step_torch(node: neuron.LIFNode, x_seq: torch.Tensor) -> torch.Ten
     if not isinstance(v, torch.Tensor):
         v = torch.full_like(x_seq[0], float(v))
     tau, v_th, v_reset = node.tau, node.v_threshold, node.v_reset
+    spike = _spike_rule(node.surrogate_function)
     spikes = []
     for x in x_seq:
         # charge (neuron.LIFNode.neuronal_charge)
@@ -60,7 +119,7 @@ def lif_multi_step_torch(node: neuron.LIFNode, x_seq: torch.Tensor) -> torch.Ten
             h = v + (x - (v if v_reset is None else v - v_reset)) / tau
         else:
             h = v - (v if v_reset is None else v - v_reset) / tau + x
-        s = surrogate_spike(h - v_th, node.surrogate_function)
+        s = spike(h - v_th)
         s_r = s.detach() if node.detach_reset else s
         v = h - s_r * v_th if v_reset is None else h * (1.0 - s_r) + v_reset * s_r
         spikes.append(s)
@@ -70,16 +129,17 @@ def lif_multi_step_torch(node: neuron.LIFNode, x_seq: torch.Tensor) -> torch.Ten
 
 class ForwardModeSurrogate(nn.Module):
     """A SpikingJelly surrogate's stand-in inside :func:`jvp_neurons`: :func:`surrogate_spike` with
-    the original's primitive and alpha. The original is held outside the module tree, so the
-    model's parameter names (what ``functional_call`` swaps) do not change."""
+    the original's primitive function (or backward rule) and hyperparameters, found once. The
+    original is held outside the module tree, so the model's parameter names (what
+    ``functional_call`` swaps) do not change."""
 
     def __init__(self, surrogate: nn.Module):
         super().__init__()
-        surrogate_spike(torch.zeros(1), surrogate)  # one clear error before the forward
+        self.__dict__["spike"] = _spike_rule(surrogate)  # one clear error before the forward
         self.__dict__["surrogate"] = surrogate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return surrogate_spike(x, self.surrogate)
+        return self.spike(x)
 
 
 def _lif_override(m: nn.Module) -> bool:

@@ -157,3 +157,48 @@ def test_an_operation_without_a_forward_mode_rule_is_one_line():
     with pytest.raises(ValueError, match="forward-mode AD through every operation") as e:
         opt.step(lambda: torch.nn.functional.cross_entropy(net(x), y))
     assert "\n" not in str(e.value) and "zeroth-order method" in str(e.value)
+
+
+def _sj_surrogates() -> list[str]:
+    """Every surrogate SpikingJelly ships that builds with its defaults in spiking mode."""
+    base = surrogate.SurrogateFunctionBase
+    out = []
+    for name in sorted(dir(surrogate)):
+        cls = getattr(surrogate, name)
+        if isinstance(cls, type) and issubclass(cls, base) and cls is not base:
+            try:
+                if cls().spiking:
+                    out.append(name)
+            except TypeError:  # needs arguments
+                continue
+    return out
+
+
+PASS_THROUGH = ("DeterministicPass", "PoissonPass")  # straight-through encoders (PoissonPass draws Bernoulli spikes)
+
+
+@pytest.mark.parametrize("name", [n for n in _sj_surrogates() if n not in PASS_THROUGH])
+def test_every_spikingjelly_surrogate_has_a_forward_mode_spike(name):
+    """Each surrogate a SpikingJelly network may use spikes under forward-mode AD (fg, fg-subspace,
+    asyncfgd): the Heaviside step in value, and as tangent the derivative SpikingJelly's own backward
+    gives -- through its backward rule where it has one, else its primitive function (S2NN)."""
+    sg = getattr(surrogate, name)()
+    x = torch.linspace(-2.05, 2.05, 83, dtype=torch.float64, requires_grad=True)  # 0 itself excluded (a kink)
+    sg(x).sum().backward()
+    with fwAD.dual_level():
+        val, tan = fwAD.unpack_dual(surrogate_spike(fwAD.make_dual(x.detach(), torch.ones_like(x)), sg))
+    assert torch.equal(val, (x.detach() >= 0).double())
+    torch.testing.assert_close(tan, x.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_surrogate_with_neither_a_primitive_nor_a_rule_is_one_line():
+    class Own(torch.nn.Module):  # a user's spike function: Heaviside with no forward-mode rule anywhere
+        spiking = True
+
+        def forward(self, x):
+            return (x >= 0).to(x)
+
+    for sg, name in ((Own(), "Own"), *((getattr(surrogate, n)(), n) for n in PASS_THROUGH)):
+        with pytest.raises(ValueError, match="^forward-mode AD needs a SpikingJelly surrogate with a backward rule or "
+                                             f"a primitive function named by its hyperparameters; {name} has neither$"):
+            surrogate_spike(torch.zeros(3), sg)
