@@ -15,7 +15,7 @@ with a bounded timeout. SZO then runs
 * perturbation-parallel (``mode="perturbation"``): every rank evaluates a slice of the probes
   on the full batch; only the probe losses cross the network.
 
-See ``szo.optim.SZO(distributed=...)``. Parameters are broadcast once at start-up and then stay
+See ``szo.optim.SZO(probes=ProbePath(distributed=...))``. Parameters are broadcast once at start-up and then stay
 in sync because every rank applies the identical update (checked once per epoch by
 :func:`parameters_in_sync`). Only rank 0 writes files and logs (:func:`is_main`).
 

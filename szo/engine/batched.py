@@ -20,7 +20,7 @@ leaf modules is swapped for the duration of the call (and restored afterwards).
 BN running statistics follow ``szo.optim.BNStatsFreezer``: after the evaluation the running
 statistics are the mean over the m probes of what each probe would have produced from
 the same starting statistics, and ``num_batches_tracked`` is incremented once (T times for
-per-time-step BN); with ``update_bn=False`` (what ``SZO(bn_update="recompute")`` asks for)
+per-time-step BN); with ``update_bn=False`` (what ``SZO(probes=ProbePath(bn_update="recompute"))`` asks for)
 they are left exactly as they were. Per-time-step BN (``bn_time="per-step"``, ``szo.models``)
 is folded step by step: each copy normalises every time step with its own statistics.
 
@@ -435,7 +435,7 @@ class BatchedEvaluator:
 
 # ---------------------------------------------------------------------- probe evaluator
 class BatchedProbeEvaluator(EvaluatorBase):
-    """``SZO(engine="batched")``'s probe evaluator (a ``szo.zo`` probe evaluator): one folded forward
+    """``SZO(probes=ProbePath(engine="batched"))``'s probe evaluator (a ``szo.zo`` probe evaluator): one folded forward
     per chunk of a plan's probes ``theta + mu P U[j]`` in a :class:`~szo.zo.SubspaceSpace`.
 
     It needs the batch instead of an opaque closure: ``closure.batch = (x, y, loss_fn)``
