@@ -57,8 +57,8 @@ PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 # what ``auto`` means, by what the run trains (docs/evidence.md, "Precision", 3 seeds per cell on an
 # H200 and the CPU): forward-only probes in fp32 (TF32 probes took one SZO-RGE(q=10) digits run to
 # 71.39 % and a continual one to 86.39 %; bf16 probes keep fp32's accuracy on the CPU since issue 40's
-# weight-cache fix -- the 73-74 % measured before it was the cache -- but step 1.5-2.3x slower there and
-# are unmeasured on CUDA since the fix); BPTT in fp32 too: TF32 leaves BP's own accuracy as it is
+# weight-cache fix -- the 73-74 % measured before it was the cache -- on average (a continual seed dipped
+# for an epoch), but step 1.4-2.3x slower there and are unmeasured on CUDA since the fix); BPTT in fp32 too: TF32 leaves BP's own accuracy as it is
 # (98.3-98.6 %) but changes its trajectory, and the continual runs downstream of TF32 BPTT ended at
 # 77.22-97.78 % against 94.72-96.39 % after fp32 BPTT; bf16 BPTT keeps it on the CPU, 1.3-1.5x slower.
 # ``tf32`` is 2.8x faster for Spike-ResNet18's BPTT at batch 128: a setting to choose, not a default.
