@@ -344,7 +344,6 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
         self.refresh = refresh
         self.refresh_state: dict | None = None if refresh is None else {"count": 0, "draw_state": None}
-        self._first_basis = self.initial_basis
 
     @property
     def engine(self) -> str:
@@ -413,7 +412,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
             return
         saved = self.refresh_state.get("draw_state")
         if saved is None:
-            basis = self._first_basis
+            basis = self.initial_basis
         else:
             basis = self._draw_basis(torch.Generator().set_state(saved))
         self.set_basis(basis)  # the saved coordinates and momentum are already in its units

@@ -9,6 +9,8 @@ missing.
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -655,9 +657,6 @@ def test_lavas_own_runner_killed_mid_run_is_one_line_and_leaves_nothing(tmp_path
 def _group_ends(pgid, seconds=20.0):
     """Whether every process of group ``pgid`` is gone within ``seconds`` (SIGKILLed processes leave
     asynchronously, their orphans once init has reaped them)."""
-    import os
-    import time
-
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
