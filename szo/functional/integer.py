@@ -10,7 +10,13 @@ from collections import defaultdict
 import torch
 from spikingjelly.activation_based import lava_exchange
 
-__all__ = ["SaturationCounter", "check_int", "int_range", "right_shift_to_zero", "round_to_int", "saturate"]
+__all__ = ["LOSS_FRAC", "SaturationCounter", "check_int", "fixed_point_losses", "int_range", "right_shift_to_zero",
+           "round_to_int", "saturate"]
+
+# Fractional bits of a loss in fixed point (Q.24: one unit 2**-24 = 6e-8, finer than float32's ulp of a
+# loss >= 1): the integer learner turns every loss into these integers before it differences them,
+# so all of its later arithmetic is exact and no summation order can change an integer it decides
+LOSS_FRAC: int = 24
 
 
 def int_range(bits: int, signed: bool = True) -> tuple[int, int]:
@@ -106,3 +112,19 @@ def right_shift_to_zero(x: torch.Tensor, bits: int) -> torch.Tensor:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
         raise ValueError(f"shift must be a non-negative int, got {bits!r}")
     return lava_exchange.right_shift_to_zero(x, bits)
+
+
+def fixed_point_losses(losses: torch.Tensor, frac: int = LOSS_FRAC) -> torch.Tensor:
+    """``round(l * 2**frac)`` as int64 (to nearest, ties to even): losses as an MCU holds them.
+
+    Scaling by a power of two is exact and rounding is correctly rounded, so the integers depend
+    only on the float losses given (compute those in float64 from exact integer logits to keep
+    them the same on every machine: ``FixedPointNetwork.readout_precision``)."""
+    l64 = losses.detach().to(torch.float64)
+    if not bool(torch.isfinite(l64).all()):
+        raise ValueError("a loss is not finite; the integer learner needs finite losses")
+    scaled = l64 * float(1 << frac)
+    if l64.numel() and float(scaled.abs().max()) >= 2.0 ** 62:
+        raise ValueError(f"a loss of magnitude {float(l64.abs().max()):.3g} does not fit in int64 with {frac} "
+                         "fractional bits")
+    return torch.round(scaled).to(torch.int64)

@@ -34,6 +34,8 @@ __all__ = [
     "forward_gradient",
     "sign_coefficients",
     "per_sample_node_estimate",
+    "integer_weight_sums",
+    "integer_node_sums",
 ]
 
 LossFn = Callable[[torch.Tensor], "float | torch.Tensor"]
@@ -243,3 +245,36 @@ def per_sample_node_estimate(xi: torch.Tensor, losses: torch.Tensor, clean: torc
         g.add_(xi[j].view(lead, n, -1).to(torch.float64) * coef[j].view(1, n, 1))
     g = g.reshape(shape) / (q * n)
     return g.to(xi.dtype) if xi.is_floating_point() else g
+
+
+def integer_weight_sums(xi: torch.Tensor, losses: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    """The integer learner's weight estimate before its scale (Algorithm 1 line 15, in integers):
+    ``sum_q xi_q sum_n (L_{q,n} - L_n)`` with fixed-point losses (``szo.functional.integer.fixed_point_losses``).
+    ``xi [Q, d]`` signs, ``losses [Q, N]``, ``clean [N]`` int64; returns int64 ``[d]``, exact in any
+    summation order: the estimate is this times ``1 / (Q N mu 2**frac)``."""
+    for name, t in (("xi", xi), ("losses", losses), ("clean", clean)):
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    diff = (losses.to(torch.int64) - clean.to(torch.int64)[None, :]).sum(1)  # [Q]
+    return (xi.to(torch.int64).cpu() * diff.cpu()[:, None]).sum(0)
+
+
+def integer_node_sums(xi: torch.Tensor, losses: torch.Tensor, clean: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The integer learner's node estimate before its scale (Algorithm 1 line 29, in integers):
+    ``sum_q xi_{q,n} (L_{q,n} - L_n)`` shaped like the layer output ``shape`` (``[T, N, ...]`` or
+    ``[N, F]``), int64, exact in any summation order; the estimate is this times ``1 / (Q N mu 2**frac)``
+    (:func:`per_sample_node_estimate` in float)."""
+    for name, t in (("xi", xi), ("losses", losses), ("clean", clean)):
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    q = xi.shape[0]
+    n_axis = 1 if len(shape) > 2 else 0
+    n = shape[n_axis]
+    if losses.shape[1] != n:
+        raise ValueError(f"the closure returned {losses.shape[1]} per-sample losses, the layer output has {n} samples")
+    coef = (losses.to(torch.int64) - clean.to(torch.int64)[None, :]).cpu()  # [Q, N]
+    lead = int(torch.Size(shape[:n_axis]).numel())
+    g = torch.zeros(lead, n, int(torch.Size(shape).numel()) // (lead * n), dtype=torch.int64)
+    for j in range(q):
+        g.add_(xi[j].cpu().view(lead, n, -1).to(torch.int64) * coef[j].view(1, n, 1))
+    return g.reshape(shape)

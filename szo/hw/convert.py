@@ -23,9 +23,10 @@ off there (``szo.precision.exact_fp32``), whatever the run's precision.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +216,9 @@ class FixedPointNetwork(SpikingModel):
         self.graph = self._trace(model)
         self.last_stats: dict[str, dict[str, Any]] = {}
         self.last_readout_sum: torch.Tensor | None = None
+        # the dtype of the de-scaled logits: float32 (the float model's), or float64 where a learner
+        # needs the loss of these exact integers without float32's machine-dependent rounding (MCUZO)
+        self.readout_dtype: torch.dtype = torch.float32
 
     # ------------------------------------------------------------------ conversion
     def _trace(self, model: SpikingModel) -> fx.Graph:
@@ -312,6 +316,18 @@ class FixedPointNetwork(SpikingModel):
         ``AdaptiveAvgPool2d``): :meth:`quantized_layers` and :meth:`freeze_weights` can run."""
         return all(m is not None for m in self._synapse_mult.values())
 
+    @contextlib.contextmanager
+    def readout_precision(self, dtype: torch.dtype) -> Iterator["FixedPointNetwork"]:
+        """Logits in ``dtype`` inside the block (float32 or float64; the integers are the same), then the
+        previous dtype again."""
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"readout dtype must be torch.float32 or torch.float64, got {dtype}")
+        old, self.readout_dtype = self.readout_dtype, dtype
+        try:
+            yield self
+        finally:
+            self.readout_dtype = old
+
     def forward_settings(self) -> dict[str, Any]:
         """The probe path's view of this network (``szo.zo.ProbePath.on``): the integer forward."""
         return {**super().forward_settings(), "backend": "fixed"}
@@ -405,9 +421,9 @@ class FixedPointNetwork(SpikingModel):
                 result = _Val(result.data + result.bias, "current")
             acc = saturate(result.data.sum(0), self.widths.readout_bits, self.counter, "readout", "accumulator")
             self.last_readout_sum = acc  # integer readout accumulated over T
-            return result.data.to(torch.float32) / (1 << STATE_SHIFT)  # de-scale to float logits
+            return result.data.to(self.readout_dtype) / (1 << STATE_SHIFT)  # de-scale to float logits
         self.last_readout_sum = None
-        return result.data.to(torch.float32) * (2.0 ** -result.frac) * result.mult
+        return result.data.to(self.readout_dtype) * (2.0 ** -result.frac) * result.mult
 
     def _call(self, path: str, m: nn.Module, x: _Val) -> _Val:
         if isinstance(m, nn.BatchNorm2d):

@@ -28,6 +28,13 @@ pooling folded in, the 13-bit bias mantissas), every probe an integer forward. O
    mantissas), ``d = d_w`` (weight perturbation, ``N = 1``: one direction per probe for the
    batch) or ``d_a`` (node perturbation, ``N`` = batch: independent per-sample node directions).
 
+Exact on every machine: the logits are read in float64 (``FixedPointNetwork.readout_precision``: the
+readout's integers, de-scaled without rounding), every per-sample loss is turned into fixed point
+(``szo.functional.integer.fixed_point_losses``, 24 fractional bits) before it is differenced, and the
+sums of both estimates and of eq. 10 are int64, so no CPU's kernels or summation order can change an
+integer the learner decides; one float product per element then scales the sum (eq. 8's factor and
+``1 / (Q N mu 2**24)``). Only a loss within float64 rounding of a fixed-point tie could still differ.
+
 No momentum, no optimizer state beyond the integers and the 32-bit generator state (Sec. 3:
 vanilla ZO-SGD). ``layers`` restricts training to a subset (the paper's sparse training of one
 block): :func:`split_blocks` cuts the layers into the paper's four blocks, :func:`select_block`
@@ -43,11 +50,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from szo.engine import build_evaluator
 from szo.functional.xorshift import XorShift32
-from szo.functional.zo import per_sample_node_estimate
+from szo.functional.integer import LOSS_FRAC, fixed_point_losses
+from szo.functional.zo import integer_node_sums, integer_weight_sums
 from szo.hw.convert import FixedPointNetwork, IntSynapse
 from szo.hw.fixed import STATE_SHIFT, SaturationCounter, int_range, saturate
 from szo.methods import get_method, register_builder
@@ -432,6 +441,10 @@ class MCUZO(LayerwiseBase):
         return XorShift32(self.rng.next()).rademacher(q * n).view(q, n).to(torch.float64)
 
     # ------------------------------------------------------------------ the step's parts (LayerwiseBase.step)
+    def _step_scope(self):
+        """The logits in float64 for the step's forwards: losses of the exact integers, not float32's."""
+        return self.net.readout_precision(torch.float64)
+
     def _clean_forward(self, closure: Callable[[], torch.Tensor]):
         """The clean forward's per-sample losses, recording each trained layer's integer input (node
         layers: eq. 10 needs it) and accumulator shape; the weights frozen to integers first."""
@@ -456,7 +469,7 @@ class MCUZO(LayerwiseBase):
         # were waiting (then measure again, one more forward)
         if net.int_weights is None and self._freeze():
             clean, extra = self._clean(closure, inputs, record), 1
-        return CleanForward(clean, float(clean.mean()), extra, inputs)
+        return CleanForward(fixed_point_losses(clean), float(clean.mean()), extra, inputs)
 
     def _probe_layer(self, closure: Callable[[], torch.Tensor], name: str, m: nn.Module, clean: CleanForward):
         """One layer's q probes: 1-LSB weight probes of its integers, or Rademacher probes of its
@@ -470,21 +483,28 @@ class MCUZO(LayerwiseBase):
         if self.plans[name].mode == "weight":
             space = IntWeightSpace(syn, net.widths.weight_bits, net.widths.bias_mant_bits, self.counter, name)
             plan = one_point_plan(self._rademacher(self.q, space.d), self.mu_w, centre=False)
-            losses = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True).mean(1)
-            g = plan.estimate(losses, centre=clean.l0).to(syn.w_int.device)  # per LSB, over weights then biases
-            return (g[:space.n_w].view_as(syn.w_int), None if syn.bias_mant is None else g[space.n_w:]), losses
+            per = ev.run(closure, space, plan, label=f"layer {name}, weight probe", per_sample=True)
+            sums = integer_weight_sums(plan.directions.to(torch.int64), fixed_point_losses(per), clean.losses)
+            g = (sums.to(torch.float64) * self._scale(batch, self.mu_w)).to(syn.w_int.device)  # per LSB
+            return (g[:space.n_w].view_as(syn.w_int), None if syn.bias_mant is None else g[space.n_w:]), per.mean(1)
         T = acc_shape[0] // batch
         shape = torch.Size([T, batch, *acc_shape[1:]])
         plan = one_point_plan(self._rademacher(self.q, shape.numel()), self.mu_node, centre=False)
         per = ev.run(closure, AccNodeSpace(net, name), plan, label=f"layer {name}, node probe", per_sample=True)
-        g_acc = per_sample_node_estimate(plan.directions, per, clean.losses, self.mu_node, shape)
-        g_acc = g_acc.reshape(acc_shape).to(x.device)  # the signs and losses live on the CPU
-        gw = _weight_vjp(m, x, g_acc, syn.w_int.shape)  # eq. 10 with the integer input
+        sums = integer_node_sums(plan.directions.to(torch.int64), fixed_point_losses(per), clean.losses, shape)
+        sums = sums.reshape(acc_shape)  # int64 on the CPU
+        scale = self._scale(batch, self.mu_node)
+        gw = (_weight_vjp(m, x, sums, syn.w_int.shape).to(torch.float64) * scale).to(x.device)  # eq. 10, in integers
         gb = None
         if syn.bias_mant is not None:
-            dims = [0] + list(range(2, g_acc.dim()))
-            gb = g_acc.sum(dims) * 2.0 ** (syn.bias_exp - shift)
+            dims = [0] + list(range(2, sums.dim()))
+            gb = (sums.sum(dims).to(torch.float64) * (scale * 2.0 ** (syn.bias_exp - shift))).to(x.device)
         return (gw, gb), per.mean(1)
+
+    def _scale(self, batch: int, mu: int) -> float:
+        """What turns an integer sum of the estimates into the gradient per LSB: ``1 / (Q N mu 2**frac)``
+        (one Python float, the same on every machine)."""
+        return 1.0 / (self.q * batch * mu * float(1 << LOSS_FRAC))
 
     def _update(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor | None]], clean: CleanForward) -> None:
         """The global update (eq. 8) of every layer's integers, then the float twin."""
@@ -557,12 +577,23 @@ class MCUZO(LayerwiseBase):
 
 
 def _weight_vjp(m: nn.Module, x: torch.Tensor, g_acc: torch.Tensor, w_shape: torch.Size) -> torch.Tensor:
-    """Eq. 10 for the integer layer: ``dL/dW_int = sum g_z a^T`` at the recorded integer input ``a``
-    (a convolution's weight gradient; float64, exact for these integers)."""
-    xf = x.to(torch.float64)
+    """Eq. 10 for the integer layer: ``sum g_z a^T`` at the recorded integer input ``a``, both int64 (a
+    convolution's weight gradient through ``unfold``); int64 on the CPU, exact in any summation order."""
+    xi = x.detach().cpu()
+    g = g_acc.detach().cpu().to(torch.int64)
+    if xi.is_floating_point():
+        if not bool((xi == torch.round(xi)).all()):
+            raise ValueError("eq. 10 needs the layer's integer input; got non-integer values")
+        xi = xi.to(torch.int64)
     if isinstance(m, nn.Linear):
-        return g_acc.t() @ xf
-    return torch.nn.grad.conv2d_weight(xf, w_shape, g_acc, m.stride, m.padding, m.dilation, m.groups)
+        return g.t() @ xi
+    if m.groups != 1:
+        raise ValueError(f"the integer learner's node perturbation supports convolutions with groups=1, got {m.groups}")
+    # im2col of small integers in float64 is exact (a copy, no arithmetic); the products and sums in int64
+    cols = F.unfold(xi.to(torch.float64), tuple(w_shape[2:]), dilation=m.dilation, padding=m.padding,
+                    stride=m.stride).to(torch.int64)  # [B, C_in kh kw, L]
+    gz = g.reshape(g.shape[0], g.shape[1], -1)  # [B, C_out, L]
+    return torch.einsum("bol,bkl->ok", gz, cols).reshape(w_shape)
 
 
 # ---------------------------------------------------------------------- sparse training (Sec. 3.3)

@@ -37,7 +37,11 @@ def _net(seed=0):
 
 
 def _losses(net, x, y):
-    return F.cross_entropy(net(x).mean(0), y, reduction="none").to(torch.float64)
+    """Per-sample losses as Python ints in Q.24 fixed point (round half to even, Python's ``round``), of
+    the float64 logits of the network's integers."""
+    with net.readout_precision(torch.float64):
+        loss = F.cross_entropy(net(x).mean(0), y, reduction="none")
+    return [round(v * 2 ** 24) for v in loss.tolist()]
 
 
 def _rad(seed, n):
@@ -59,13 +63,16 @@ def _eq8(theta, g, lr, s, n, q, d, bits):
 
 
 def _reference_step(net, x, y, modes):
-    """One step of Algorithm 1 on ``net`` (already frozen), returns the new integers per layer."""
+    """One step of Algorithm 1 on ``net`` (already frozen), returns the new integers per layer. The loss
+    differences and every sum are Python integers (exact); the scale ``1 / (Q N mu 2**24)`` (mu = 1 LSB)
+    is applied once per element, as the learner does."""
     seeds = XorShift32(SEED)
     inputs = {}
     for name in net.int_weights:  # the clean forward, recording every layer's integer input
         net.acc_hooks[name] = lambda a, acc, sh, name=name: inputs.__setitem__(name, (a, acc.shape, sh)) or acc
     clean = _losses(net, x, y)
     net.acc_hooks.clear()
+    scale = 1.0 / (Q * N * 1 * float(1 << 24))
     new = {}
     for name, syn in net.int_weights.items():
         a, shape, sh = inputs[name]
@@ -76,35 +83,38 @@ def _reference_step(net, x, y, modes):
         if modes[name] == "weight":
             xi = _rad(seed, Q * d_w).view(Q, d_w)
             w0, b0 = syn.w_int.clone(), syn.bias_mant.clone()
-            g = torch.zeros(d_w, dtype=torch.float64)
+            g = [0] * d_w
             for q in range(Q):
                 syn.w_int = (w0.reshape(-1) + xi[q, :w0.numel()]).clamp(-128, 127).view_as(w0)
                 syn.bias_mant = (b0 + xi[q, w0.numel():]).clamp(-4096, 4095)
-                lq = _losses(net, x, y).mean()
-                g += (lq - clean.mean()) / 1 * xi[q].to(torch.float64) / Q  # mu = 1 LSB
+                diff = sum(lq - l0 for lq, l0 in zip(_losses(net, x, y), clean))  # batch sum, line 15
+                g = [gi + int(s) * diff for gi, s in zip(g, xi[q].tolist())]
             syn.w_int, syn.bias_mant = w0, b0
+            g = torch.tensor([float(gi) * scale for gi in g], dtype=torch.float64)
             gw, gb = g[:w0.numel()].view_as(w0), g[w0.numel():]
             n_eff, d = 1, d_w
         else:
             xi = _rad(seed, Q * T * N * d_a // T).view(Q, T, N, -1)
-            g_z = torch.zeros(T, N, d_a // T, dtype=torch.float64)
+            g_z = torch.zeros(T, N, d_a // T, dtype=torch.int64)
             for q in range(Q):
                 net.acc_hooks[name] = lambda a_, acc, sh_, q=q: acc + xi[q].reshape(acc.shape)
                 lq = _losses(net, x, y)
                 for n in range(N):
-                    g_z[:, n] += xi[q, :, n] * (lq[n] - clean[n]) / (Q * N)
+                    g_z[:, n] += xi[q, :, n] * (lq[n] - clean[n])  # line 29, before its 1 / (Q N mu)
             net.acc_hooks.clear()
             g_z = g_z.reshape(shape)
-            af = a.to(torch.float64)
-            if af.dim() == 2:  # eq. 10: g_W = sum over (t, n) of g_z a^T
-                gw = torch.einsum("bo,bi->oi", g_z, af)
-            else:  # a convolution: the same sum through autograd of the float convolution
+            if a.dim() == 2:  # eq. 10: g_W = sum over (t, n) of g_z a^T, in integers
+                gw = torch.einsum("bo,bi->oi", g_z, a.to(torch.int64))
+            else:  # a convolution: the same sum through autograd of the float64 convolution (exact: < 2**53)
                 w = torch.zeros(syn.w_int.shape, dtype=torch.float64, requires_grad=True)
                 m = net.get_submodule(name)
-                z = F.conv2d(af, w, None, m.stride, m.padding, m.dilation, m.groups)
-                (gw,) = torch.autograd.grad(z, w, g_z)
+                z = F.conv2d(a.to(torch.float64), w, None, m.stride, m.padding, m.dilation, m.groups)
+                (gw,) = torch.autograd.grad(z, w, g_z.to(torch.float64))
+                assert float(gw.abs().max()) < 2 ** 53 and torch.equal(gw, torch.round(gw))
+                gw = gw.to(torch.int64)
+            gw = gw.to(torch.float64) * scale
             dims = [0] + list(range(2, g_z.dim()))
-            gb = g_z.sum(dims) * 2.0 ** (syn.bias_exp - sh)  # bias enters the current at 2**bias_exp
+            gb = g_z.sum(dims).to(torch.float64) * (scale * 2.0 ** (syn.bias_exp - sh))  # bias at 2**bias_exp
             n_eff, d = N, d_a
         new[name] = (_eq8(syn.w_int, gw, LR, 2.0 ** syn.exp, n_eff, Q, d, 8),
                      _eq8(syn.bias_mant, gb, LR, 2.0 ** (syn.bias_exp - 12), n_eff, Q, d, 13))
