@@ -88,14 +88,24 @@ def tf32_flags() -> tuple[bool, bool]:
 @contextlib.contextmanager
 def _tf32(enabled: bool) -> Iterator[None]:
     """TF32 on or off for cuDNN and CUDA matmuls inside the block; the previous flags after it,
-    whatever happens (they are process-wide: a scope must not leak)."""
+    whatever happens (they are process-wide: a scope must not leak). A flag that already has the
+    value is not written at all; where PyTorch's flags are frozen (``torch.backends.disable_global_flags()``,
+    as PyTorch's own test suite does) cuDNN's is changed only through its bracketed ``flags()``."""
     old = tf32_flags()
-    torch.backends.cudnn.allow_tf32 = enabled
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
+    with contextlib.ExitStack() as stack:
+        if old[0] != enabled:
+            cudnn = torch.backends.cudnn
+            if torch.backends.flags_frozen():
+                stack.enter_context(cudnn.flags(
+                    enabled=cudnn.enabled, benchmark=cudnn.benchmark, benchmark_limit=cudnn.benchmark_limit,
+                    deterministic=cudnn.deterministic, allow_tf32=enabled, fp32_precision=cudnn.fp32_precision))
+            else:
+                cudnn.allow_tf32 = enabled
+                stack.callback(setattr, cudnn, "allow_tf32", old[0])
+        if old[1] != enabled:
+            torch.backends.cuda.matmul.allow_tf32 = enabled
+            stack.callback(setattr, torch.backends.cuda.matmul, "allow_tf32", old[1])
         yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @contextlib.contextmanager
@@ -117,8 +127,10 @@ def fresh_casts() -> Iterator[None]:
 @contextlib.contextmanager
 def exact_fp32(device_type: str = "cuda") -> Iterator[None]:
     """IEEE float arithmetic for kernels whose floats hold exact integers: TF32 off and autocast
-    off on ``device_type`` (``"cuda"`` | ``"cpu"``), inside any precision scope."""
-    with _tf32(False), torch.autocast(device_type, enabled=False):
+    off on ``device_type`` (``"cuda"`` | ``"cpu"``), inside any precision scope. TF32 exists only on
+    CUDA: on the CPU no process-wide flag is read or written."""
+    tf32 = _tf32(False) if device_type == "cuda" else contextlib.nullcontext()
+    with tf32, torch.autocast(device_type, enabled=False):
         yield
 
 
@@ -145,7 +157,7 @@ class PrecisionPolicy:
     def scope(self) -> Iterator["PrecisionPolicy"]:
         """The arithmetic inside the block, PyTorch's flags put back after it; autocast's weight
         cache off (:func:`fresh_casts`: a scope spans many forwards of moving weights)."""
-        with _tf32(self.name == "tf32"):
+        with _tf32(self.name == "tf32") if self.device_type == "cuda" else contextlib.nullcontext():
             ctx = self.artifacts.autocast_context() if self.artifacts is not None else contextlib.nullcontext()
             with ctx, fresh_casts():
                 yield self

@@ -16,9 +16,11 @@ from szo import config as C
 from szo.hw import to_fixed
 from szo.losses import tet_loss
 from szo.models import create
-from szo.optim import SZO, FullSpaceZO
+from szo.optim import SZO, FullSpaceZO, build_optimizer
+from subspace_store.variants import random_subspace
 from szo.precision import (
                            AUTO,
+                           PrecisionPolicy,
                            PRECISIONS,
                            check_precision,
                            exact_fp32,
@@ -62,28 +64,78 @@ def test_check_and_resolve():
         assert resolve_precision(p, forward_only=True) == resolve_precision(p, forward_only=False) == p
 
 
+def _cuda(name: str) -> PrecisionPolicy:
+    """A CUDA run's policy (its TF32 logic runs on a CPU-only build too: the flags are process-wide)."""
+    return PrecisionPolicy(requested=name, name=name, device_type="cuda")
+
+
 @pytest.mark.parametrize("start", [(True, False), (False, True), (True, True)])
 def test_scopes_set_tf32_and_put_pytorchs_flags_back(flags, start):
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = start
-    with precision_policy("fp32", None, "cpu").scope():
+    with _cuda("fp32").scope():
         assert tf32_flags() == (False, False)
-        with precision_policy("tf32", None, "cpu").scope():
+        with _cuda("tf32").scope():
             assert tf32_flags() == (True, True)
         assert tf32_flags() == (False, False)
     assert tf32_flags() == start
     with pytest.raises(RuntimeError, match="boom"):  # an error inside the scope restores them too
-        with precision_policy("tf32", None, "cpu").scope():
+        with _cuda("tf32").scope():
             raise RuntimeError("boom")
     assert tf32_flags() == start
+    with precision_policy("tf32", None, "cpu").scope(), exact_fp32("cpu"):  # the CPU has no TF32: untouched
+        assert tf32_flags() == start
+
+
+def test_no_flag_is_written_on_the_cpu_or_where_it_already_holds(flags, monkeypatch):
+    """Issue 48: every subspace step wrote the TF32 flags, on the CPU too, which crashes under
+    ``torch.backends.disable_global_flags()`` (PyTorch's own test suite calls it)."""
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+    frozen = {"on": True}
+    monkeypatch.setattr(torch.backends, "flags_frozen", lambda: frozen["on"])
+    writes = []
+    real = torch.backends.cudnn.__class__.__setattr__
+
+    def spy(self, name, value):
+        writes.append(name)
+        if frozen["on"] and name == "allow_tf32":
+            raise RuntimeError("not allowed to set torch.backends.cudnn flags after disable_global_flags")
+        return real(self, name, value)
+    monkeypatch.setattr(torch.backends.cudnn.__class__, "__setattr__", spy)
+    with precision_policy("fp32", None, "cpu").scope(), exact_fp32("cpu"):
+        pass
+    assert writes == []
+    with _cuda("tf32").scope():  # cuDNN's is on already: not written; the matmul flag is not guarded
+        assert tf32_flags() == (True, True)
+    assert writes == [] and tf32_flags() == (True, False)
+    with exact_fp32("cuda"):  # frozen: through cuDNN's bracketed flags() only
+        assert tf32_flags() == (False, False)
+    assert tf32_flags() == (True, False) and "allow_tf32" not in writes
+
+
+@pytest.mark.parametrize("method", ["szo-cge", "szo-rge"])
+def test_a_subspace_step_runs_with_pytorchs_flags_frozen(monkeypatch, method):
+    """PyTorch's test suite freezes its flags (``torch.backends.disable_global_flags()``): a step on the
+    CPU writes none."""
+    monkeypatch.setitem(torch.backends.flags_frozen.__globals__, "__allow_nonbracketed_mutation_flag", True)
+    torch.backends.disable_global_flags()  # undone by monkeypatch after the test
+    assert torch.backends.flags_frozen()
+    m = _model()
+    sub = random_subspace(m.flat_params(), 3, seed=1, layout=m.param_layout(), fingerprint=m.fingerprint())
+    opt = build_optimizer(method, m, subspace=sub, q=2, scale="absolute", mu=0.05, lr=0.5)
+    x, y = torch.rand(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
+    before = m.flat_params()
+    opt.step(lambda: tet_loss(m(x), y))
+    assert not torch.equal(m.flat_params(), before)
 
 
 def test_bf16_autocasts_the_forward_and_exact_fp32_turns_it_off(flags):
     m, x = _model(), torch.rand(4, 1, 8, 8)
+    before = tf32_flags()
     pol = precision_policy("bf16", m, "cpu")
     with pol.scope():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert m(x).dtype == torch.bfloat16
-        assert tf32_flags() == (False, False)  # what autocast leaves in float32 is IEEE
+        assert tf32_flags() == before  # the CPU has no TF32: its flags are left alone
         with exact_fp32("cpu"):
             assert not torch.is_autocast_enabled("cpu") and m(x).dtype == torch.float32
     assert not torch.is_autocast_enabled("cpu") and m(x).dtype == torch.float32
@@ -136,7 +188,8 @@ def test_fit_runs_in_the_precision_and_records_it(tmp_path, flags, precision, fo
               progress=False, plot=False, precision=precision)
     assert tf32_flags() == (True, False)  # put back
     # autocast's weight cache off for the whole run: every batch's forward casts the weights as they are
-    assert seen and all(s == (name == "bf16", (name == "tf32",) * 2, False) for s in seen)
+    # on the CPU no TF32 flag is touched (the CUDA scope's flags: test_scopes_set_tf32_and_put_pytorchs_flags_back)
+    assert seen and all(s == (name == "bf16", (True, False), False) for s in seen)
     saved = json.loads((tmp_path / "results.json").read_text())["precision"]
     assert saved == res["precision"] and saved["requested"] == precision and saved["name"] == name
     with pytest.raises(ValueError, match="unknown precision 'fp64'"):
