@@ -218,6 +218,8 @@ class ProbeGuard:
             if mod in known:
                 return None
             inner = _compiled(mod)  # a compiled module runs its submodules where this hook does not see them
+            if inner is not None and inner in known:  # torch.compile(model) in the closure: the same layers
+                return None
             why = next(filter(None, map(_stateful, inner.modules())), None) if inner is not None else _stateful(mod)
             if why is not None:
                 if self.model is None:

@@ -183,3 +183,17 @@ def test_grad_scaler_is_refused_in_one_line(name):
         scaler.step(opt, batch_closure(model, tet_loss, x, y, reduction=opt.loss_reduction))
     assert "\n" not in str(e.value) and "is forward-only: GradScaler" in str(e.value)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and opt.forward_passes == 0
+
+
+@pytest.mark.parametrize("name", ["szo-cge", "szo-rge", "zo-rge"])
+def test_a_closure_that_compiles_the_model_is_the_model(name):
+    """Issue 48 item 12: ``torch.compile(model)`` called inside the closure (the usual way) wraps the
+    very layers of ``model=``; the guard took the wrapper for a foreign train-mode BatchNorm. The step
+    runs and gives the eager closure's losses."""
+    model, opt = _build(name)
+    x, y = _batch()
+    compiled = torch.compile(model, backend="eager")
+    loss = opt.step(lambda: tet_loss(compiled(x), y))
+    twin, opt2 = _build(name)
+    assert torch.equal(loss, opt2.step(lambda: tet_loss(twin(x), y)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
