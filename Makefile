@@ -18,12 +18,13 @@ LAVA_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null)/versions/3
 	$${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python; do \
 	if "$$p" $(IS_PY310) >/dev/null 2>&1; then command -v "$$p"; break; fi; done)
 
-.PHONY: help install demo lint test quick bench data clean lava lava-python
+.PHONY: help install demo lint test test-kernels quick bench data clean lava lava-python
 
 help:
 	@echo "make demo   - install into $(VENV) and run the digits quickstart (BPTT -> subspace -> SZO)"
 	@echo "make test   - install into $(VENV), lint (ruff) and run the whole test suite"
 	@echo "make quick  - the same without the slow (multi-process) tests"
+	@echo "make test-kernels - the float-sensitive tests under PyTorch's generic kernels (part of make test)"
 	@echo "make bench  - speed / memory / convergence benchmarks (writes bench/results/)"
 	@echo "make data   - Fashion-MNIST for the fmnist recipes (Debian package as root, else torchvision's download)"
 	@echo "make lava   - $(LAVA_VENV): lava-nc $(LAVA_NC) on Python 3.10 (LAVA_PYTHON=...); make test then runs the Lava oracle tests"
@@ -42,7 +43,17 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check szo subspace_store tests bench examples
 
-test: lint
+# The float-sensitive tests (marker `kernels`: golden runs, the integer learner) run first under PyTorch's
+# generic kernels (ATEN_CPU_CAPABILITY=default, what another CPU may pick) and, on an AVX-512 CPU, under
+# AVX2 too: a dependence on this CPU's kernels fails here before it fails on someone else's machine.
+KERNEL_CAPS = $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability().lower(); \
+	print('default avx2' if c.startswith('avx512') else 'default')"
+
+test-kernels: $(STAMP)
+	@for cap in $$($(KERNEL_CAPS)); do echo "make test-kernels: ATEN_CPU_CAPABILITY=$$cap"; \
+	ATEN_CPU_CAPABILITY=$$cap OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests || exit 1; done
+
+test: lint test-kernels
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 quick: lint

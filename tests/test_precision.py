@@ -12,22 +12,22 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from subspace_store import Subspace
+from subspace_store.variants import random_subspace
 from szo import config as C
 from szo.hw import to_fixed
 from szo.losses import tet_loss
 from szo.models import create
 from szo.optim import SZO, FullSpaceZO, build_optimizer
-from subspace_store.variants import random_subspace
 from szo.precision import (
-                           AUTO,
-                           PrecisionPolicy,
-                           PRECISIONS,
-                           check_precision,
-                           exact_fp32,
-                           fresh_casts,
-                           precision_policy,
-                           resolve_precision,
-                           tf32_flags,
+    AUTO,
+    PRECISIONS,
+    PrecisionPolicy,
+    check_precision,
+    exact_fp32,
+    fresh_casts,
+    precision_policy,
+    resolve_precision,
+    tf32_flags,
 )
 from szo.train import fit
 from szo.zo import SubspaceSpace

@@ -17,6 +17,8 @@ from szo.methods import get_method
 from szo.train import fit
 from tests.optim.golden_cases import CASES, GOLDEN, SEED, STEPS, build, loaders, model_and_subspace
 
+pytestmark = pytest.mark.kernels  # run again under the generic kernels by make test
+
 
 def _run(case: str, run_dir, epochs: int, resume: bool = False, device: torch.device = torch.device("cpu")):
     g = torch.Generator().manual_seed(SEED)

@@ -17,6 +17,8 @@ from szo.hw.optim.mcu import MCUZO, select_block, split_blocks
 from szo.hw.xorshift import XorShift32
 from szo.models import create
 
+pytestmark = pytest.mark.kernels  # run again under the generic kernels by make test
+
 Q, LR, SEED, N = 3, 0.05, 12345, 8
 
 
