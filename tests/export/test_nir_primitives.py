@@ -147,6 +147,8 @@ def test_delay_is_nirs_equation_per_element():
         parts = torch.cat([net(x[:4]), net(x[4:6]), net(x[6:])])
     functional.reset_net(net)
     assert torch.equal(parts, want)
+    with torch.no_grad():
+        assert torch.equal(net(x, time_chunk=2), want)
     with pytest.raises(ValueError, match=r"NIR node 'd': Delay field 'delay' must be a whole number of steps of dt = "
                                          r"0.001 s, from 0 to 10000, got 0.5 steps"):
         from_nir(_graph(("d", nir.Delay(delay=np.array([5e-4, 1e-3], dtype=F32))), shape=[2]), dt=dt)
