@@ -39,9 +39,13 @@ def read_nir(path: str | os.PathLike) -> Any:
     if not p.is_file():
         raise FileNotFoundError(f"no NIR file {str(p)!r}")
     depth = _nesting_depth(p)
+    if depth is not None and depth[1]:
+        raise ValueError(f"{p} links one subgraph (NIRGraph node) group in twice, an HDF5 hard link that nir.write "
+                         f"never writes (a link back to an enclosing graph nests it without end); szo reads trees "
+                         f"of subgraphs at most {MAX_NESTING} levels deep")
     if depth is not None and depth[0] > MAX_NESTING:
-        raise ValueError(f"{p} nests subgraphs (NIRGraph nodes) {'at least ' if depth[1] else ''}{depth[0]} levels "
-                         f"deep; szo reads at most {MAX_NESTING} levels (nir.read recurses once per level)")
+        raise ValueError(f"{p} nests subgraphs (NIRGraph nodes) {depth[0]} levels deep; szo reads at most "
+                         f"{MAX_NESTING} levels (nir.read recurses once per level)")
     try:
         return nir.read(p)
     except RecursionError:  # a nesting our count missed (e.g. an unusual layout): still one line
@@ -55,14 +59,14 @@ MAX_NESTING = 32
 """The deepest nesting of subgraphs (``NIRGraph`` nodes) :func:`read_nir` reads: ``nir.read``
 recurses a few Python frames per level and fails with a RecursionError past ~330 levels (real
 graphs nest 1 to 3: snnTorch writes a recurrent layer as one subgraph)."""
-_MAX_GRAPHS = 10_000  # subgraph groups walked when measuring the nesting (a hostile file's links)
 
 
 def _nesting_depth(path: Path) -> tuple[int, bool] | None:
-    """``(depth, truncated)``: how many levels of ``NIRGraph`` nodes the file nests (0: none),
-    walked iteratively (no recursion, HDF5 links followed at most :data:`_MAX_GRAPHS` times;
-    ``truncated`` when that stopped the walk). None when the file is not laid out as
-    ``nir.write`` writes (``nir.read`` then says why)."""
+    """``(depth, linked)``: how many levels of ``NIRGraph`` nodes the file nests (0: none), walked
+    iteratively (no recursion); ``linked`` when an HDF5 hard link brings a subgraph group in a
+    second time (``nir.write`` never does; a link to an enclosing group makes the nesting endless),
+    where the walk stops. None when
+    the file is not laid out as ``nir.write`` writes (``nir.read`` then says why)."""
     import h5py
 
     def kind(g) -> str:
@@ -72,16 +76,21 @@ def _nesting_depth(path: Path) -> tuple[int, bool] | None:
 
     try:
         with h5py.File(path, "r") as f:
-            todo, deepest, walked = [(f["node"], 0)], 0, 0
+            root = f["node"]
+            todo, deepest, seen = [(root, 0)], 0, {root.id}
             while todo:
                 g, depth = todo.pop()
-                walked += 1
                 deepest = max(deepest, depth)
-                if walked > _MAX_GRAPHS:
-                    return deepest, True
                 nodes = g.get("nodes")
-                if isinstance(nodes, h5py.Group):
-                    todo.extend((c, depth + 1) for c in nodes.values() if kind(c) == "NIRGraph")
+                if not isinstance(nodes, h5py.Group):
+                    continue
+                for c in nodes.values():
+                    if kind(c) != "NIRGraph":
+                        continue
+                    if c.id in seen:  # a hard link back to a group already walked
+                        return max(deepest, depth + 1) + 1, True
+                    seen.add(c.id)
+                    todo.append((c, depth + 1))
             return deepest, False
     except Exception:  # not an HDF5 file, no 'node' group, ...: nir.read's error says what is wrong
         return None

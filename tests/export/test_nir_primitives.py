@@ -296,6 +296,13 @@ def test_deep_nesting_is_refused_in_one_line_naming_depth_and_limit(tmp_path, mo
                                          rf"at most {MAX_NESTING} levels"):
         read_nir(tmp_path / "deep.nir")
     assert main(["import", str(tmp_path / "deep.nir")]) == 2
+    import h5py
+
+    with h5py.File(tmp_path / "deep.nir", "r+") as f:  # a hostile file: the graph linked into itself
+        f["node/nodes/loop"] = f["node"]
+    with pytest.raises(ValueError, match=r"deep.nir links one subgraph \(NIRGraph node\) group in twice, an HDF5 hard "
+                                         r"link that nir.write never writes"):
+        read_nir(tmp_path / "deep.nir")
     nir.write(tmp_path / "ok.nir", _nested(MAX_NESTING))
     net = from_nir(tmp_path / "ok.nir", T=2)
     x = torch.rand(2, 3)
