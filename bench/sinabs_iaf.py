@@ -10,7 +10,7 @@ the membrane above ``-v_threshold``; NIR's ``IF`` (what szo runs) emits at most 
 resets to ``v_reset`` and has no lower bound. Prints per IF layer the spike counts of: sinabs'
 original network (no lower bound), sinabs' import of its NIR file, and szo's import; and the most
 spikes one neuron emitted in one step. Needs sinabs (not in szo's extras: sinabs 3.1.3 pins
-nir <= 1.0.4, szo needs nir >= 1.0.8; ``pip install --no-deps sinabs samna`` beside it works).
+nir <= 1.0.4, szo needs nir >= 1.0.8; ``pip install --no-deps sinabs samna pbr`` beside it works).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main() -> None:
                     "sample_nmnist.bin")
     args = ap.parse_args()
     if importlib.util.find_spec("sinabs") is None:
-        sys.exit("bench/sinabs_iaf.py needs sinabs: pip install --no-deps sinabs samna")
+        sys.exit("bench/sinabs_iaf.py needs sinabs: pip install --no-deps sinabs samna pbr")
     import sinabs.layers as sl
     from sinabs.nir import from_nir as sinabs_from_nir
 

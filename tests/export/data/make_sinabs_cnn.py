@@ -5,7 +5,7 @@ that every layer spikes). Kept as sinabs writes it (IF with r = 1, v_reset 0, no
 metadata) except for the Conv2d ``input_shape`` and the Flatten ``input_type`` that sinabs leaves None
 and nir 1.0.8's writer cannot store (the shapes each receives, filled in below).
 
-Run (sinabs pins nir <= 1.0.4: install it aside, e.g. ``pip install --no-deps sinabs samna``):
+Run (sinabs pins nir <= 1.0.4: install it aside, e.g. ``pip install --no-deps sinabs samna pbr``):
 ``python tests/export/data/make_sinabs_cnn.py`` (writes next to this file).
 """
 from pathlib import Path
