@@ -11,7 +11,8 @@ turns into Lava processes; ``szo hw lava-check`` runs it against szo's simulator
 file into a :class:`szo.export.NIRNetwork` (SpikingJelly layers, the zoo's forward
 interface), prints what it holds and, with ``--data``, its test accuracy; ``--compare
 RUN_DIR`` also runs the run's own model on the same batches and prints the largest logit
-difference and the prediction agreement.
+difference and the prediction agreement; ``--dt`` gives a graph without one (a discrete-time
+graph such as sinabs') the step its time constants and rates are read with.
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def add_import_arguments(i: argparse.ArgumentParser) -> None:
     i.add_argument("--data", default=None, help="evaluate on this data set's test split (e.g. digits)")
     i.add_argument("--batch", type=int, default=128)
     i.add_argument("--T", type=int, default=None, help="time steps for static inputs (default: the graph's metadata)")
+    i.add_argument("--dt", type=float, default=None, metavar="SECONDS",
+                   help="seconds per time step the graph's time constants are read with (default: the graph's "
+                        "metadata 'dt', else 1e-4); a discrete-time graph (sinabs: IF with r = 1, no dt) needs --dt 1")
     i.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                    help="with --data: also run this run directory's model and report the logit difference")
     i.add_argument("--spikes", type=Path, default=None, metavar="IN.npy",
@@ -146,7 +150,7 @@ def _stream_metadata(target: Path) -> dict | None:
 
 @torch.no_grad()
 def run_import(args: argparse.Namespace) -> int:
-    net = from_nir(args.source, T=args.T).eval()
+    net = from_nir(args.source, T=args.T, dt=args.dt).eval()
     meta = net.nir_metadata
     kinds: dict[str, int] = {}
     for kind in net.nir_nodes.values():

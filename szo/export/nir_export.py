@@ -63,7 +63,7 @@ from spikingjelly.activation_based import neuron as sj_neuron
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from szo.export.nir_common import DEFAULT_DT, FORMAT, SumPool2d, Threshold, nir_modules, why
+from szo.export.nir_common import DEFAULT_DT, FORMAT, Delay, Scale, SumPool2d, Threshold, nir_modules, why
 from szo.export.nir_import import NIRNetwork
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, decay_to_int, threshold_to_int
@@ -72,6 +72,7 @@ from szo.models.base import SpikingModel
 from szo.models.cuba import CUBA_FIELDS, CubaLIFNode
 from szo.models.foreign import ForeignModel
 from szo.models.neurons import LIFNode, make_neuron
+from szo.models.nir_dynamics import CUBA_LI_FIELDS, LI_FIELDS, CubaLINode, INode, LINode
 
 __all__ = ["to_nir", "write_nir"]
 
@@ -110,7 +111,7 @@ class _ForeignRoot(nn.Module):
 _SPIKING = (sj_neuron.LIFNode, sj_neuron.IFNode)
 """Neurons whose output is 0/1 spikes (a max pool after them is a sum pool + threshold)."""
 
-_LEAVES: tuple[type, ...] = (nn.Conv2d, nn.Linear, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.Flatten,
+_LEAVES: tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Linear, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.Flatten,
                              sj_neuron.BaseNode, nn.modules.batchnorm._BatchNorm, nn.Identity, nn.ReLU, nn.Dropout)
 
 
@@ -282,7 +283,7 @@ class _Mapper:
             m = gm.get_submodule(node.target)
             path = node.target.removeprefix("net.")
             if type(m) not in mapper.map_dict:
-                raise _unsupported(path, m, "no NIR mapping; supported: Conv2d (+ BatchNorm, folded), Linear, "
+                raise _unsupported(path, m, "no NIR mapping; supported: Conv1d, Conv2d (+ BatchNorm, folded), Linear, "
                                             "AvgPool2d, AdaptiveAvgPool2d, MaxPool2d right after spikes, Flatten, "
                                             "SpikingJelly LIFNode / IFNode, residual '+'")
             mapper.path[m] = path
@@ -304,7 +305,9 @@ class _Mapper:
                 nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
                 nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
                 layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, SumPool2d: self.sumpool,
-                sj_neuron.IFNode: self.if_node, Threshold: self.threshold, CubaLIFNode: self.cuba_lif}
+                sj_neuron.IFNode: self.if_node, Threshold: self.threshold, CubaLIFNode: self.cuba_lif,
+                nn.Conv1d: self.conv1d, layer.Conv1d: self.conv1d, Scale: self.scale, Delay: self.delay,
+                LINode: self.li, CubaLINode: self.cuba_li, INode: self.integrator}
 
     def _meta(self, m: nn.Module) -> dict[str, Any]:
         meta: dict[str, Any] = {"szo_layer": self.path.get(m, "")}
@@ -319,6 +322,45 @@ class _Mapper:
         bias = _np(m.bias) if m.bias is not None else np.zeros(m.out_channels, dtype=np.float32)
         return self.nir.Conv2d(input_shape=tuple(self.in_shape[m][-2:]), weight=_np(m.weight), stride=m.stride,
                                padding=m.padding, dilation=m.dilation, groups=1, bias=bias, metadata=self._meta(m))
+
+    def conv1d(self, m: nn.Conv1d) -> Any:
+        if m.padding_mode != "zeros":
+            raise _unsupported(self.path.get(m, "?"), m, "only zero-padded convolutions")
+        padding = m.padding if isinstance(m.padding, str) else int(m.padding[0])
+        bias = _np(m.bias) if m.bias is not None else np.zeros(m.out_channels, dtype=np.float32)
+        return self.nir.Conv1d(input_shape=int(self.in_shape[m][-1]), weight=_np(m.weight), stride=int(m.stride[0]),
+                               padding=padding, dilation=int(m.dilation[0]), groups=int(m.groups), bias=bias,
+                               metadata=self._meta(m))
+
+    def scale(self, m: Scale) -> Any:
+        return self.nir.Scale(scale=_np(m.scale), metadata=self._meta(m))
+
+    def delay(self, m: Delay) -> Any:
+        """``delay = steps * dt``: the delay in steps kept when written for another ``dt``."""
+        return self.nir.Delay(delay=(m.steps.cpu().numpy().astype(np.float64) * self.dt).astype(np.float32),
+                              metadata=self._meta(m))
+
+    def _fields(self, m: nn.Module, names: tuple[str, ...], taus: tuple[str, ...] = (),
+                rates: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        """A neuron module's NIR arrays (what it runs, float32); written for another ``dt`` than its
+        own, time constants scaled by ``dt / m.dt`` and rates (``I``'s ``r``) by ``m.dt / dt``, so
+        that every step computes the same."""
+        f = {k: _np(m.get_buffer(k)) for k in names}
+        if self.dt != m.dt:
+            for k in taus:
+                f[k] = (f[k].astype(np.float64) * (self.dt / m.dt)).astype(np.float32)
+            for k in rates:
+                f[k] = (f[k].astype(np.float64) * (m.dt / self.dt)).astype(np.float32)
+        return f
+
+    def li(self, m: LINode) -> Any:
+        return self.nir.LI(**self._fields(m, LI_FIELDS, taus=("tau",)), metadata=self._meta(m))
+
+    def cuba_li(self, m: CubaLINode) -> Any:
+        return self.nir.CubaLI(**self._fields(m, CUBA_LI_FIELDS, taus=("tau_syn", "tau_mem")), metadata=self._meta(m))
+
+    def integrator(self, m: INode) -> Any:
+        return self.nir.I(**self._fields(m, ("r",), rates=("r",)), metadata=self._meta(m))
 
     def linear(self, m: nn.Linear) -> Any:
         if m.bias is None:
@@ -407,11 +449,7 @@ class _Mapper:
     def cuba_lif(self, m: CubaLIFNode) -> Any:
         """The node's own arrays (what it runs, float32); time constants rescaled by ``dt / m.dt`` when
         written for another step (their length in steps kept)."""
-        f = {k: _np(m.get_buffer(k)) for k in CUBA_FIELDS}
-        if self.dt != m.dt:
-            for k in ("tau_syn", "tau_mem"):
-                f[k] = (f[k].astype(np.float64) * (self.dt / m.dt)).astype(np.float32)
-        return self.nir.CubaLIF(**f, metadata=self._meta(m))
+        return self.nir.CubaLIF(**self._fields(m, CUBA_FIELDS, taus=("tau_syn", "tau_mem")), metadata=self._meta(m))
 
 
 def _flatten_subgraphs(nir, nodes: dict[str, Any], edges: list[tuple[str, str]]) -> tuple[dict, list]:

@@ -18,15 +18,17 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly.activation_based import neuron as sj_neuron
 from torch import nn
 
-from szo.export.nir_common import DEFAULT_DT, RESETS, SumPool2d, Threshold, meta_str, nir_modules, why
+from szo.export.nir_common import DEFAULT_DT, RESETS, Delay, Scale, SumPool2d, Threshold, meta_str, nir_modules, why
 from szo.export.nir_graph import GraphRunner, inline_subgraphs, plan_graph
 from szo.hw.fixed import DECAY_SHIFT, STATE_SHIFT, int_range, threshold_to_int
 from szo.models.base import SpikingModel
 from szo.models.cuba import CUBA_FIELDS, CubaLIFNode
 from szo.models.foreign import OUTPUTS
 from szo.models.neurons import make_neuron
+from szo.models.nir_dynamics import CUBA_LI_FIELDS, LI_FIELDS, CubaLINode, INode, LINode
 
-__all__ = ["MAX_ELEMENTS", "MAX_T", "NIRNetwork", "from_nir", "read_nir"]
+__all__ = ["MAX_ELEMENTS", "MAX_NESTING", "MAX_T", "STABILITY_RULE", "TIME_CONSTANTS", "NIRNetwork",
+           "check_time_constants", "from_nir", "read_nir"]
 
 
 def read_nir(path: str | os.PathLike) -> Any:
@@ -36,10 +38,62 @@ def read_nir(path: str | os.PathLike) -> Any:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no NIR file {str(p)!r}")
+    depth = _nesting_depth(p)
+    if depth is not None and depth[1]:
+        raise ValueError(f"{p} links one subgraph (NIRGraph node) group in twice, an HDF5 hard link that nir.write "
+                         f"never writes (a link back to an enclosing graph nests it without end); szo reads trees "
+                         f"of subgraphs at most {MAX_NESTING} levels deep")
+    if depth is not None and depth[0] > MAX_NESTING:
+        raise ValueError(f"{p} nests subgraphs (NIRGraph nodes) {depth[0]} levels deep; szo reads at most "
+                         f"{MAX_NESTING} levels (nir.read recurses once per level)")
     try:
         return nir.read(p)
+    except RecursionError:  # a nesting our count missed (e.g. an unusual layout): still one line
+        raise ValueError(f"{p}: nir.read ran out of Python recursion depth (subgraphs nested too deep); szo reads at "
+                         f"most {MAX_NESTING} levels") from None
     except Exception as exc:  # h5py / nir raise many types for a bad file: one ValueError naming the culprit
         raise ValueError(f"{p} is not a valid NIR file: {_locate_bad_node(p) or why(exc)}") from None
+
+
+MAX_NESTING = 32
+"""The deepest nesting of subgraphs (``NIRGraph`` nodes) :func:`read_nir` reads: ``nir.read``
+recurses a few Python frames per level and fails with a RecursionError past ~330 levels (real
+graphs nest 1 to 3: snnTorch writes a recurrent layer as one subgraph)."""
+
+
+def _nesting_depth(path: Path) -> tuple[int, bool] | None:
+    """``(depth, linked)``: how many levels of ``NIRGraph`` nodes the file nests (0: none), walked
+    iteratively (no recursion); ``linked`` when an HDF5 hard link brings a subgraph group in a
+    second time (``nir.write`` never does; a link to an enclosing group makes the nesting endless),
+    where the walk stops. None when
+    the file is not laid out as ``nir.write`` writes (``nir.read`` then says why)."""
+    import h5py
+
+    def kind(g) -> str:
+        t = g.get("type") if isinstance(g, h5py.Group) else None
+        v = t[()] if isinstance(t, h5py.Dataset) else b""
+        return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+    try:
+        with h5py.File(path, "r") as f:
+            root = f["node"]
+            todo, deepest, seen = [(root, 0)], 0, {root.id}
+            while todo:
+                g, depth = todo.pop()
+                deepest = max(deepest, depth)
+                nodes = g.get("nodes")
+                if not isinstance(nodes, h5py.Group):
+                    continue
+                for c in nodes.values():
+                    if kind(c) != "NIRGraph":
+                        continue
+                    if c.id in seen:  # a hard link back to a group already walked
+                        return max(deepest, depth + 1) + 1, True
+                    seen.add(c.id)
+                    todo.append((c, depth + 1))
+            return deepest, False
+    except Exception:  # not an HDF5 file, no 'node' group, ...: nir.read's error says what is wrong
+        return None
 
 
 def _locate_bad_node(path: Path) -> str | None:
@@ -64,6 +118,31 @@ def _locate_bad_node(path: Path) -> str | None:
     return None
 
 
+TIME_CONSTANTS: dict[str, tuple[str, ...]] = {"LIF": ("tau",), "CubaLIF": ("tau_syn", "tau_mem"), "LI": ("tau",),
+                                              "CubaLI": ("tau_syn", "tau_mem"), "IF": (), "I": ()}
+"""The time constants (seconds) of each neuron kind szo imports; ``IF`` and ``I`` have none."""
+STABILITY_RULE = ("every time constant must be longer than one step, tau / dt > 1 (forward Euler multiplies the "
+                  "state by 1 - dt / tau each step: at tau <= dt it is forgotten or flips sign, and grows without "
+                  "bound below dt / 2)")
+"""szo's one stability rule for every neuron kind on import (:func:`check_time_constants`)."""
+_DT_HINT = "give the step the graph was made for: szo import --dt SECONDS (from_nir(..., dt=SECONDS))"
+
+
+def check_time_constants(name: str, node: Any, dt: float) -> None:
+    """:data:`STABILITY_RULE` for NIR node ``name``: each of its :data:`TIME_CONSTANTS` against
+    ``dt``, at every neuron; one ValueError naming the node, the field, how many steps the
+    shortest is and how to give another dt."""
+    kind = type(node).__name__
+    for field in TIME_CONSTANTS.get(kind, ()):
+        with np.errstate(all="ignore"):
+            steps = np.asarray(getattr(node, field), dtype=np.float64) / dt
+        bad = ~(steps > 1)  # NaN is bad too
+        if bad.any():
+            shortest = float(np.min(np.where(np.isnan(steps), -np.inf, steps)))
+            raise ValueError(f"NIR node {name!r} ({kind}): {STABILITY_RULE}; field {field!r} is {shortest:g} "
+                             f"step(s) of dt = {dt:g} s at {int(bad.sum())} of {bad.size} neuron(s); {_DT_HINT}")
+
+
 def _uniform(node_name: str, field: str, value: Any) -> float:
     arr = np.asarray(value, dtype=np.float64)
     u = np.unique(arr)
@@ -71,6 +150,13 @@ def _uniform(node_name: str, field: str, value: Any) -> float:
         raise ValueError(f"NIR node {node_name!r}: field {field!r} must be the same for every neuron "
                          f"(szo's LIF has scalar parameters), got {u.size} distinct values")
     return float(u[0])
+
+
+def _one(node_name: str, field: str, v: Any) -> int:
+    a = np.atleast_1d(np.asarray(v)).reshape(-1)
+    if a.size != 1 or a.dtype.kind not in "iuf" or a[0] != int(a[0]):
+        raise ValueError(f"NIR node {node_name!r}: field {field!r} must be one int, got {v!r}")
+    return int(a[0])
 
 
 def _pair(node_name: str, field: str, v: Any) -> tuple[int, int]:
@@ -92,7 +178,9 @@ class _NodeMap:
     def __call__(self, nir):  # the node map
         return {nir.Input: None, nir.Output: None, nir.Conv2d: self.conv2d, nir.Affine: self.affine, nir.Linear: self.linear,
                 nir.AvgPool2d: self.avgpool, nir.SumPool2d: self.sumpool, nir.Threshold: self.threshold,
-                nir.Flatten: self.flatten, nir.LIF: self.lif, nir.IF: self.if_node, nir.CubaLIF: self.cuba_lif}
+                nir.Flatten: self.flatten, nir.LIF: self.lif, nir.IF: self.if_node, nir.CubaLIF: self.cuba_lif,
+                nir.LI: self.li, nir.CubaLI: self.cuba_li, nir.I: self.integrator, nir.Delay: self.delay,
+                nir.Scale: self.scale, nir.Conv1d: self.conv1d}
 
     def _n(self, node: Any) -> str:
         return self.name.get(id(node), type(node).__name__)
@@ -109,6 +197,60 @@ class _NodeMap:
         m.weight.data.copy_(torch.from_numpy(w))
         m.bias.data.copy_(torch.from_numpy(np.asarray(n.bias, dtype=np.float32).reshape(-1)))
         return m
+
+    def conv1d(self, n: Any) -> nn.Module:
+        name = self._n(n)
+        w = np.asarray(n.weight, dtype=np.float32)
+        if w.ndim != 3:
+            raise ValueError(f"NIR node {name!r}: Conv1d field 'weight' must be 3-D (C_out, C_in / groups, K), got "
+                             f"shape {w.shape}")
+        groups = _one(name, "groups", n.groups)
+        if groups < 1 or w.shape[0] % groups:
+            raise ValueError(f"NIR node {name!r}: Conv1d field 'groups' must divide C_out = {w.shape[0]}, got {groups}")
+        padding = n.padding.decode() if isinstance(n.padding, bytes) else n.padding
+        if isinstance(padding, np.ndarray) and padding.dtype.kind in "SUO":
+            padding = str(padding.reshape(-1)[0].decode() if isinstance(padding.reshape(-1)[0], bytes)
+                          else padding.reshape(-1)[0])
+        if not isinstance(padding, str):
+            padding = _one(name, "padding", padding)
+        elif padding not in ("same", "valid"):
+            raise ValueError(f"NIR node {name!r}: Conv1d field 'padding' must be an int, 'same' or 'valid', got "
+                             f"{padding!r}")
+        m = layer.Conv1d(w.shape[1] * groups, w.shape[0], w.shape[2], stride=_one(name, "stride", n.stride),
+                         padding=padding, dilation=_one(name, "dilation", n.dilation), groups=groups, bias=True,
+                         step_mode="m")
+        m.weight.data.copy_(torch.from_numpy(w))
+        m.bias.data.copy_(torch.from_numpy(np.asarray(n.bias, dtype=np.float32).reshape(-1)))
+        return m
+
+    def scale(self, n: Any) -> nn.Module:
+        return Scale(n.scale)
+
+    def delay(self, n: Any) -> nn.Module:
+        name = self._n(n)
+        steps = np.asarray(n.delay, dtype=np.float64) / self.dt
+        whole = np.rint(steps)
+        if not (np.allclose(steps, whole, rtol=1e-6, atol=1e-6) and whole.min(initial=0) >= 0
+                and whole.max(initial=0) <= MAX_T):
+            worst = float(steps.reshape(-1)[np.argmax(np.abs(steps - whole).reshape(-1))]) if steps.size else 0.0
+            raise ValueError(f"NIR node {name!r}: Delay field 'delay' must be a whole number of steps of dt = "
+                             f"{self.dt:g} s, from 0 to {MAX_T}, got {worst:g} steps; {_DT_HINT}")
+        return Delay(whole.astype(np.int64), self.dt)
+
+    def li(self, n: Any) -> nn.Module:
+        return LINode({k: getattr(n, k) for k in LI_FIELDS}, self.dt)
+
+    def cuba_li(self, n: Any) -> nn.Module:
+        return CubaLINode({k: getattr(n, k) for k in CUBA_LI_FIELDS}, self.dt)
+
+    def integrator(self, n: Any) -> nn.Module:
+        gain = np.asarray(n.r, dtype=np.float64) * self.dt
+        with np.errstate(over="ignore"):
+            finite = np.isfinite(gain.astype(np.float32)).all()
+        if not finite:
+            raise ValueError(f"NIR node {self._n(n)!r}: I field 'r' times dt = {self.dt:g} s overflows float32 "
+                             f"(the step v += dt r x); {_DT_HINT}")
+        return INode({"r": n.r}, self.dt)
 
     def affine(self, n: Any) -> nn.Module:
         w = np.asarray(n.weight, dtype=np.float32)
@@ -141,10 +283,7 @@ class _NodeMap:
     def lif(self, n: Any) -> nn.Module:
         name = self._n(n)
         meta = getattr(n, "metadata", None) or {}
-        tau = _uniform(name, "tau", n.tau) / self.dt
-        if not np.isfinite(tau) or tau <= 1.0:
-            raise ValueError(f"NIR node {name!r}: LIF field 'tau' / dt must be > 1 (one step of dt = {self.dt} s), "
-                             f"got {tau:g}")
+        tau = _uniform(name, "tau", n.tau) / self.dt  # > 1: check_time_constants
         r = _uniform(name, "r", n.r)
         if np.isclose(r, tau, rtol=1e-6):
             decay_input = False
@@ -163,7 +302,11 @@ class _NodeMap:
             raise ValueError(f"NIR node {name!r}: LIF field 'v_leak' must equal 'v_reset' ({v_reset:g}) for "
                              f"SpikingJelly's LIF, got {v_leak:g}")
         if "tau_steps" in meta:  # written by szo: the exact float tau (tau/dt can round in the last bit)
-            tau = float(meta["tau_steps"])
+            steps = float(np.asarray(meta["tau_steps"]))
+            if not np.isclose(steps, tau, rtol=1e-6):
+                raise ValueError(f"NIR node {name!r}: metadata tau_steps = {steps:g} is not field 'tau' / dt = {tau:g} "
+                                 f"(dt = {self.dt:g} s); {_DT_HINT}")
+            tau = steps
         return make_neuron("lif", tau=tau, decay_input=decay_input, v_threshold=_uniform(name, "v_threshold",
                                                                                           n.v_threshold),
                            v_reset=None if reset == "subtract" else v_reset)
@@ -177,10 +320,7 @@ class _NodeMap:
         if meta_str(meta, "reset", "value") != "value":
             raise ValueError(f"NIR node {name!r}: CubaLIF resets to v_reset; metadata 'reset' must be 'value', got "
                              f"{meta_str(meta, 'reset', 'value')!r}")
-        fields = {k: np.asarray(getattr(n, k), dtype=np.float64) for k in CUBA_FIELDS}
-        for k in ("tau_syn", "tau_mem"):
-            if not (fields[k] > 0).all():
-                raise ValueError(f"NIR node {name!r}: CubaLIF field {k!r} must be > 0 seconds for every neuron")
+        fields = {k: np.asarray(getattr(n, k), dtype=np.float64) for k in CUBA_FIELDS}  # taus: check_time_constants
         shape = fields["v_threshold"].shape
         bad = [k for k, a in fields.items() if a.shape != shape]
         if bad:
@@ -192,8 +332,10 @@ class _NodeMap:
         meta = getattr(n, "metadata", None) or {}
         r = _uniform(name, "r", n.r)
         if not np.isclose(r * self.dt, 1.0, rtol=1e-6):
+            hint = (f"; a discrete-time graph (sinabs writes r = 1 and no dt) runs with dt = 1 / r = {1.0 / r:g} s: "
+                    f"szo import --dt {1.0 / r:g} (from_nir(..., dt={1.0 / r:g}))" if r > 0 else "")
             raise ValueError(f"NIR node {name!r}: IF field 'r' must be 1/dt = {1.0 / self.dt:g} (v += x per step of "
-                             f"dt = {self.dt} s, SpikingJelly's IFNode), got {r:g}")
+                             f"dt = {self.dt:g} s, SpikingJelly's IFNode), got {r:g}{hint}")
         reset = meta_str(meta, "reset", "value")
         if reset not in RESETS:
             raise ValueError(f"NIR node {name!r}: metadata 'reset' must be one of {list(RESETS)}, got {reset!r}")
@@ -242,6 +384,7 @@ class NIRNetwork(SpikingModel):
                 raise ValueError(f"NIR graph edge ({s!r}, {d!r}) names a node that is not in the graph")
         for name, node in nodes.items():
             _check_node_values(name, node)
+            check_time_constants(name, node, dt)
             _check_fixed_point(name, node, meta, dt)
         inputs = [k for k, v in nodes.items() if isinstance(v, nir.Input)]
         outputs = [k for k, v in nodes.items() if isinstance(v, nir.Output)]

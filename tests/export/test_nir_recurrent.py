@@ -181,7 +181,8 @@ def test_bad_recurrent_graphs_are_one_line():
         from_nir(g)
     g, _ = _recurrent_graph()
     g.nodes["lif2"].tau_syn[0] = 0.0
-    with pytest.raises(ValueError, match=r"^NIR node 'lif2': CubaLIF field 'tau_syn' must be > 0"):
+    with pytest.raises(ValueError, match=r"^NIR node 'lif2' \(CubaLIF\): every time constant must be longer than one "
+                                         r"step, tau / dt > 1 .*field 'tau_syn' is 0 step\(s\) .* at 1 of 2 neuron"):
         from_nir(g)
     net = from_nir(_recurrent_graph()[0])
     with pytest.raises(ValueError, match=r"no 'T' metadata: pass T= .* 1-D frame per sample"):
