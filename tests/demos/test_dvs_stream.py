@@ -96,7 +96,9 @@ def test_resume_finishes_a_source_stopped_after_its_last_checkpoint(run, tmp_pat
     assert torch.equal(a.model.flat_params(), b.model.flat_params()) and torch.equal(a.subspace.basis, b.subspace.basis)
 
 
-def test_cli_file_source_drops_malformed_events(run, tmp_path, capsys):
+def test_cli_file_source_refuses_events_outside_the_sensor_then_drops_malformed_ones(run, tmp_path, capsys):
+    """Events outside the sensor are refused in one line before anything is written, so the same command
+    with a corrected file runs in the same --out; bad t / polarity are dropped and counted, disorder sorted."""
     from szo.data.synthetic_events import stream
 
     events, segments = stream([0, 3], segment_us=100_000, rng=np.random.default_rng(0))
@@ -110,15 +112,22 @@ def test_cli_file_source_drops_malformed_events(run, tmp_path, capsys):
         mixed[f] = np.concatenate([events[f].astype(bad.dtype[f]), bad[f]])  # appended: also unsorted
     np.save(tmp_path / "ev.npy", mixed)
     np.save(tmp_path / "seg.npy", segments)
-    rc = main(["dvs-stream", "--source", str(tmp_path / "ev.npy"), "--labels-file", str(tmp_path / "seg.npy"),
-               "--model", str(run[0] / "source"), "--adapt", "szo-rge", "--q", "1", "--labels",
-               "--window-ms", "50", "--out", str(tmp_path / "out"), "--print-every", "1"])
-    assert rc == 0
+    argv = ["dvs-stream", "--source", str(tmp_path / "ev.npy"), "--labels-file", str(tmp_path / "seg.npy"),
+            "--model", str(run[0] / "source"), "--adapt", "szo-rge", "--q", "1", "--labels",
+            "--window-ms", "50", "--out", str(tmp_path / "out"), "--print-every", "1"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert "2 of %d events lie outside the 32x32 sensor (x up to 40, y up to 31)" % len(mixed) in err
+    assert err.count("\n") == 1 and not (tmp_path / "out" / "config.yaml").exists()
+    mixed["x"][-6:-4] = 3  # corrected: the same command in the same --out now runs
+    np.save(tmp_path / "ev.npy", mixed)
+    assert main(argv) == 0
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert s["validation"]["n_dropped"] == 5 and s["validation"]["n_out"] == len(events) + 1
-    assert s["validation"]["n_unsorted"] >= 1
+    assert s["validation"]["n_dropped"] == 3 and s["validation"]["n_out"] == len(events) + 3
+    assert s["validation"]["n_out_of_sensor"] == 0 and s["validation"]["n_unsorted"] >= 1
     assert s["runs"]["szo-rge+labels"]["n_windows"] == 4
-    assert "dropped 5 malformed" in capsys.readouterr().out
+    assert "dropped 3 malformed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kw, match", [
