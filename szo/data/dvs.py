@@ -641,7 +641,11 @@ class EventFrames(torch.utils.data.Dataset):
             except (ValueError, OSError):
                 frames = None  # unreadable cache entry: recompute and overwrite
         if frames is None:
-            events, _ = self.events_ds[index]
+            try:
+                events, _ = self.events_ds[index]
+            except (IndexError, ValueError, OSError, EOFError, KeyError) as e:  # a bad recording: name it
+                raise ValueError(f"cannot read recording {self.events_ds.data[index]} ({type(e).__name__}: {e}); "
+                                 "replace or remove it") from None
             frames = self.to_frames(events)
             if path is not None:
                 buf = io.BytesIO()

@@ -88,6 +88,17 @@ def test_a_missing_set_is_one_line_saying_where_to_put_it(tmp_path):
         dvs.load_event_file(bad, nmnist.SENSOR_SIZE)
 
 
+def test_a_truncated_recording_in_the_set_is_one_line_naming_it(nmnist_dir):
+    bad = nmnist_dir / "NMNIST" / "Test" / str(LABEL) / "00002.bin"
+    bad.write_bytes(RECORDING.read_bytes()[:-2])  # a copy cut short by two bytes
+    ds = get_dataset("nmnist", "test", data_dir=nmnist_dir, T=4, cache=False)
+    index = [str(p) for p in ds.events_ds.data].index(str(bad))
+    with pytest.raises(ValueError) as info:
+        ds[index]
+    assert "\n" not in str(info.value) and f"cannot read recording {bad}" in str(info.value)
+    assert ds[1 - index][0].shape == (4, 2, 34, 34)  # the good one still loads
+
+
 def test_nmnist_recipes_run_on_the_recording(nmnist_dir, tmp_path, monkeypatch):
     """nmnist-bp -> nmnist-scratch end to end on the one recording (filed as train and test), with a
     small model in place of the recipe's Spike-VGG11."""

@@ -130,6 +130,27 @@ def test_cli_file_source_refuses_events_outside_the_sensor_then_drops_malformed_
     assert "dropped 3 malformed" in capsys.readouterr().out
 
 
+def test_nmnist_recording_on_the_gesture_model_is_refused_then_fitted(run, tmp_path, capsys):
+    """The real 34x34 N-MNIST recording on the 32x32 gesture model: one line naming both sizes and --fit, no
+    config.yaml left behind; then the same --out runs with --fit, every event accounted for."""
+    from pathlib import Path
+    recording = Path(__file__).parents[1] / "data" / "nmnist" / "sample_nmnist.bin"
+    argv = ["dvs-stream", "--source", str(recording), "--model", str(run[0] / "source"), "--adapt", "none",
+            "--window-ms", "50", "--out", str(tmp_path / "out"), "--print-every", "0"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a 34x34 sensor but the model takes 32x32 input; pass --fit crop" in err
+    assert not (tmp_path / "out" / "config.yaml").exists()
+    for mode, kept in (("crop", 4325 - 14), ("downsample", 4325)):
+        out = tmp_path / mode
+        assert main([*argv[:-4], "--out", str(out), "--print-every", "0", "--fit", mode]) == 0
+        s = json.loads((out / "summary.json").read_text())
+        assert s["n_events"] == 4325 and s["validation"]["n_cropped"] == 4325 - kept
+        assert s["validation"]["fit"].startswith("34x34 -> ") and s["runs"]["none"]["n_windows"] == 7
+        assert yaml.safe_load((out / "config.yaml").read_text())["fit"] == mode
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(adapt="tent"), "invalid adapt 'tent'; valid: szo-cge, szo-rge, none"),
     (dict(lr=-1.0), "'lr' must be >= 0.0"),
