@@ -6,6 +6,9 @@ Each frame (``[C, H, W]``, e.g. SHD's ``[1, 1, 700]``) is flattened to ``in_feat
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from spikingjelly.activation_based import base, layer
 from torch import nn
@@ -59,12 +62,15 @@ class SpikeMLP(SpikingModel):
         self.hidden = nn.Sequential(*blocks)
         self.fc = layer.Linear(hidden, num_classes, step_mode="m")
 
-    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
-        x = self.flatten(x_seq)
-        if x.shape[-1] != self.in_features:
+    def forward(self, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """``SpikingModel.forward``, after checking that a frame holds ``in_features`` values."""
+        if isinstance(x, torch.Tensor) and x.dim() in (4, 5) and math.prod(x.shape[-3:]) != self.in_features:
             raise ValueError(f"{self.model_name} takes frames of {self.in_features} values, got input "
-                             f"{tuple(x_seq.shape)} ({x.shape[-1]} per frame); set model.kwargs.in_features")
-        return self.fc(self.hidden(x))
+                             f"{tuple(x.shape)} ({math.prod(x.shape[-3:])} per frame); set model.kwargs.in_features")
+        return super().forward(x, **kw)
+
+    def forward_seq(self, x_seq: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.hidden(self.flatten(x_seq)))
 
 
 def _check_bn(name: str, bn_time: str) -> None:
