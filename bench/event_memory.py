@@ -52,6 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="szo-event-memory-"))
     work.mkdir(parents=True, exist_ok=True)
+    work = work.resolve()
     rec, model = work / f"big_{args.mb:g}mb.bin", work / "m.nir"
     if not rec.is_file():
         write_bin(rec, args.mb)
@@ -61,12 +62,12 @@ def main() -> None:
             "torch.manual_seed(0); m = create('spike_convnet', in_channels=2, num_classes=10, T=5, width=4).eval(); "
             f"write_nir(to_nir(m, (2, 34, 34), metadata={{'bin_us': 10000, 'sensor_size': [34, 34, 2], "
             f"'duration_us': 300000}}), {str(model)!r})")], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    out = work / f"out_{time.time_ns()}"
+    out = work.resolve() / f"out_{time.time_ns()}"
     env = {**os.environ, "PYTHONPATH": args.szo, "OMP_NUM_THREADS": "1"}
     tic = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "szo", "demo", "dvs-stream", "--source", str(rec), "--model",
                            str(model), "--adapt", "none", "--no-compare", "--window-ms", "50", "--print-every", "0",
-                           "--out", str(out)], env=env, capture_output=True, text=True)
+                           "--out", str(out)], env=env, cwd=args.szo, capture_output=True, text=True)
     wall = time.perf_counter() - tic
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     result = {"file_mb": round(rec.stat().st_size / 1e6, 1), "events": rec.stat().st_size // 5, "szo": args.szo,
