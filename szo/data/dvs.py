@@ -210,8 +210,10 @@ class EventsToFrames:
     """validate -> optional ``tonic.transforms.Denoise`` -> optional
     ``tonic.transforms.Downsample`` -> ``tonic.transforms.ToFrame(n_time_bins=T)``.
 
-    ``size`` is the output width = height; it must divide the sensor's W and H
-    (e.g. 128 -> 64 or 32). ``denoise_us=None`` skips denoising. Returns
+    ``size`` is the output width = height; without ``fit`` it must divide the sensor's W and H
+    (e.g. 128 -> 64 or 32); with ``fit`` (``"crop"``, ``"downsample"``, ``"crop+downsample"``:
+    ``SensorFit``, tonic's CenterCrop / Downsample) any size up to the sensor's (34 -> 32 by
+    cropping). ``denoise_us=None`` skips denoising. Returns
     ``float32 [T, P, size, size]`` event counts. An empty stream gives zero frames.
     """
 
@@ -220,12 +222,18 @@ class EventsToFrames:
     size: int | None = None
     denoise_us: float | None = 10000.0
     policy: str = "drop"
+    fit: str | None = None
 
     def __post_init__(self) -> None:
-        w, h, _ = check_sensor_size(self.sensor_size)
+        w, h, p = check_sensor_size(self.sensor_size)
         if not isinstance(self.T, (int, np.integer)) or isinstance(self.T, bool) or self.T < 1:
             raise ValueError(f"T (number of frames) must be a positive int, got {self.T!r}")
-        if self.size is not None:
+        if self.fit is not None:
+            if self.size is None or isinstance(self.size, bool) or not isinstance(self.size, (int, np.integer)) \
+                    or self.size < 1:
+                raise ValueError(f"fit {self.fit!r} needs size (the output width = height), got size={self.size!r}")
+            SensorFit((w, h, p), (int(self.size), int(self.size), p), self.fit, source="the data set's sensor")
+        elif self.size is not None:
             if not isinstance(self.size, (int, np.integer)) or self.size < 1 or w % self.size or h % self.size:
                 raise ValueError(
                     f"size must be a positive int dividing the sensor's W={w} and H={h} "
@@ -250,6 +258,7 @@ class EventsToFrames:
             "size": None if self.size is None else int(self.size),
             "denoise_us": None if self.denoise_us is None else float(self.denoise_us),
             "policy": self.policy,
+            **({"fit": self.fit} if self.fit is not None else {}),  # old cache keys stay valid
         }
 
     def __call__(self, events: np.ndarray) -> np.ndarray:
@@ -261,7 +270,11 @@ class EventsToFrames:
             events = tonic.transforms.Denoise(filter_time=self.denoise_us)(events)
         if len(events) == 0:  # tonic's Denoise/ToFrame do not handle empty streams uniformly
             return empty
-        if self.size is not None and self.size != self.sensor_size[0]:
+        if self.fit is not None:
+            events = SensorFit(check_sensor_size(self.sensor_size), (w, h, p), self.fit)(events)
+            if len(events) == 0:
+                return empty
+        elif self.size is not None and self.size != self.sensor_size[0]:
             factor = float(self.size) / float(self.sensor_size[0])
             events = tonic.transforms.Downsample(spatial_factor=factor)(events)
         frames = tonic.transforms.ToFrame(sensor_size=(w, h, p), n_time_bins=int(self.T))(events)
@@ -669,12 +682,13 @@ class DVSGestureFrames(EventFrames):
         denoise_us: float | None = 10000.0,
         download: bool = False,
         cache: bool = True,
+        fit: str | None = None,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         tonic = require_tonic()
         root = Path(data_dir) if data_dir is not None else default_data_dir()
-        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us)
+        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us, fit=fit)
         events_ds = open_tonic_set(
             _has_extracted(root, split), functools.partial(_extracted_dvsgesture_class(), save_to=str(root)),
             functools.partial(tonic.datasets.DVSGesture, save_to=str(root)), train=split == "train",
@@ -687,10 +701,11 @@ def get_dataset(
 ) -> DVSGestureFrames:
     """Entry point for ``szo.data.get_dataset("dvs-gesture", split, ...)``.
 
-    Keywords: ``T`` (20), ``size`` (None = 128, or 64 / 32), ``denoise_us`` (10000 or None),
+    Keywords: ``T`` (20), ``size`` (None = 128, or 64 / 32; any size with ``fit``), ``fit`` (None, or
+    ``crop`` / ``downsample`` / ``crop+downsample``: ``SensorFit``), ``denoise_us`` (10000 or None),
     ``cache`` (True).
     """
-    valid = {"T", "size", "denoise_us", "cache"}
+    valid = {"T", "size", "fit", "denoise_us", "cache"}
     unknown = sorted(set(kw) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for dvs-gesture; valid: {sorted(valid)}")
