@@ -151,6 +151,28 @@ def test_nmnist_recording_on_the_gesture_model_is_refused_then_fitted(run, tmp_p
         assert yaml.safe_load((out / "config.yaml").read_text())["fit"] == mode
 
 
+def test_file_inputs_the_model_cannot_take_leave_no_config(run, tmp_path):
+    """Labels outside the model's classes, a file with no valid event, an unknown format: each one line
+    before config.yaml, so --out stays reusable."""
+    ev = np.zeros(3, dtype=[("x", np.int16), ("y", np.int16), ("t", np.int64), ("p", np.int8)])
+    ev["t"] = [100, 200, 300]
+    np.save(tmp_path / "ev.npy", ev)
+    seg = np.array([(0, 50_000, 11)], dtype=[("start_us", np.int64), ("end_us", np.int64), ("label", np.int64)])
+    np.save(tmp_path / "seg.npy", seg)
+    out, model = tmp_path / "out", str(run[0] / "source")
+    with pytest.raises(ValueError, match=r"holds label\(s\) \[11\] but the model has 11 classes \(0..10\)"):
+        ds.run_demo(out, StreamConfig(source=str(tmp_path / "ev.npy"), labels_file=str(tmp_path / "seg.npy"),
+                                      model=model, adapt="none"), **QUIET)
+    ev["t"] = -1  # no valid event: no window
+    np.save(tmp_path / "ev.npy", ev)
+    with pytest.raises(ValueError, match="holds no complete window"):
+        ds.run_demo(out, StreamConfig(source=str(tmp_path / "ev.npy"), model=model, adapt="none"), **QUIET)
+    (tmp_path / "rec.mat").write_bytes(b"MATLAB")
+    with pytest.raises(ValueError, match="unsupported event file format '.mat'; supported: .npy"):
+        ds.run_demo(out, StreamConfig(source=str(tmp_path / "rec.mat"), model=model, adapt="none"), **QUIET)
+    assert not (out / "config.yaml").exists()
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(adapt="tent"), "invalid adapt 'tent'; valid: szo-cge, szo-rge, none"),
     (dict(lr=-1.0), "'lr' must be >= 0.0"),
