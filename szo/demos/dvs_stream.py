@@ -178,9 +178,11 @@ def run_demo(out_dir: str | Path, cfg: StreamConfig | None = None, *, resume: bo
         if isinstance(stream, FileEventStream):  # what the fit cropped and what came too late, in the last replay
             report = {**(report or {}), "fit": stream.fit.describe(), "n_cropped": stream.n_cropped,
                       "n_late": stream.n_late}
-            if stream.n_cropped or stream.n_late:
-                log(f"event file: {stream.n_cropped} event(s) outside the --fit crop, {stream.n_late} too late for "
-                    "their window (the file is not in time order across chunks)")
+            if stream.n_cropped:
+                log(f"event file: {stream.n_cropped} event(s) outside the --fit crop (dropped)")
+            if stream.n_late:
+                log(f"event file: {stream.n_late} event(s) too late for their window (the file is not in time order "
+                    "across chunks; dropped)")
         summary = {"settings": cfg.to_dict(), "model_dir": str(src.directory), "source_test_acc": src.test_acc,
                    "shift_at_s": shift_at_s, "n_events": stream.n_events, "validation": report,
                    "runs": {k: v["summary"] for k, v in runs.items()},
