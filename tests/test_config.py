@@ -9,7 +9,7 @@ from szo.methods import list_methods
 SHIPPED = ["digits-bp", "digits-scratch", "digits-continual", "cifar10-bp", "cifar10-scratch", "cifar100-bp",
            "cifar100-scratch", "cifar100-continual", "imagenet-bp", "imagenet-scratch", "imagenet-continual",
            "dvs-gesture-bp", "dvs-gesture-scratch", "mnist5k-bp", "mnist5k-scratch", "mnist5k-continual",
-           "nmnist-bp", "nmnist-scratch"]
+           "nmnist-bp", "nmnist-scratch", "shd-bp", "shd-scratch"]
 
 
 def test_recipes_found_via_importlib_resources():

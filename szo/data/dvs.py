@@ -40,6 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from szo.data.event_files import (
+    CHUNK_EVENTS,
+    EVENT_DTYPE,
+    EventFile,
+    open_event_file,
+    read_events,
+    require_tonic,
+    supported_formats,
+)
 from szo.data.registry import DataNotFoundError, default_data_dir
 from szo.io import atomic_write_bytes, atomic_write_json
 
@@ -54,7 +63,13 @@ __all__ = [
     "validate_events",
     "EventsToFrames",
     "EventStream",
+    "FileEventStream",
+    "FITS",
+    "SensorFit",
     "load_event_file",
+    "load_segments",
+    "open_event_file",
+    "supported_formats",
     "segment_labels_at",
     "window_frames",
     "DVSGestureFrames",
@@ -90,18 +105,6 @@ TONIC_ARCHIVES = {
     "train": ("ibmGestureTrain.tar.gz", "https://figshare.com/ndownloader/files/38022171"),
     "test": ("ibmGestureTest.tar.gz", "https://figshare.com/ndownloader/files/38020584"),
 }
-
-
-def require_tonic() -> Any:
-    """The tonic package, or one ImportError naming the ``dvs`` extra."""
-    try:
-        import tonic
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "DVS event data needs the optional dependency tonic (GPL-3.0); "
-            "install it with `pip install szo[dvs]`"
-        ) from e
-    return tonic
 
 
 # --------------------------------------------------------------------------- validation
@@ -207,8 +210,10 @@ class EventsToFrames:
     """validate -> optional ``tonic.transforms.Denoise`` -> optional
     ``tonic.transforms.Downsample`` -> ``tonic.transforms.ToFrame(n_time_bins=T)``.
 
-    ``size`` is the output width = height; it must divide the sensor's W and H
-    (e.g. 128 -> 64 or 32). ``denoise_us=None`` skips denoising. Returns
+    ``size`` is the output width = height; without ``fit`` it must divide the sensor's W and H
+    (e.g. 128 -> 64 or 32); with ``fit`` (``"crop"``, ``"downsample"``, ``"crop+downsample"``:
+    ``SensorFit``, tonic's CenterCrop / Downsample) any size up to the sensor's (34 -> 32 by
+    cropping). ``denoise_us=None`` skips denoising. Returns
     ``float32 [T, P, size, size]`` event counts. An empty stream gives zero frames.
     """
 
@@ -217,12 +222,18 @@ class EventsToFrames:
     size: int | None = None
     denoise_us: float | None = 10000.0
     policy: str = "drop"
+    fit: str | None = None
 
     def __post_init__(self) -> None:
-        w, h, _ = check_sensor_size(self.sensor_size)
+        w, h, p = check_sensor_size(self.sensor_size)
         if not isinstance(self.T, (int, np.integer)) or isinstance(self.T, bool) or self.T < 1:
             raise ValueError(f"T (number of frames) must be a positive int, got {self.T!r}")
-        if self.size is not None:
+        if self.fit is not None:
+            if self.size is None or isinstance(self.size, bool) or not isinstance(self.size, (int, np.integer)) \
+                    or self.size < 1:
+                raise ValueError(f"fit {self.fit!r} needs size (the output width = height), got size={self.size!r}")
+            SensorFit((w, h, p), (int(self.size), int(self.size), p), self.fit, source="the data set's sensor")
+        elif self.size is not None:
             if not isinstance(self.size, (int, np.integer)) or self.size < 1 or w % self.size or h % self.size:
                 raise ValueError(
                     f"size must be a positive int dividing the sensor's W={w} and H={h} "
@@ -247,6 +258,7 @@ class EventsToFrames:
             "size": None if self.size is None else int(self.size),
             "denoise_us": None if self.denoise_us is None else float(self.denoise_us),
             "policy": self.policy,
+            **({"fit": self.fit} if self.fit is not None else {}),  # old cache keys stay valid
         }
 
     def __call__(self, events: np.ndarray) -> np.ndarray:
@@ -258,7 +270,11 @@ class EventsToFrames:
             events = tonic.transforms.Denoise(filter_time=self.denoise_us)(events)
         if len(events) == 0:  # tonic's Denoise/ToFrame do not handle empty streams uniformly
             return empty
-        if self.size is not None and self.size != self.sensor_size[0]:
+        if self.fit is not None:
+            events = SensorFit(check_sensor_size(self.sensor_size), (w, h, p), self.fit)(events)
+            if len(events) == 0:
+                return empty
+        elif self.size is not None and self.size != self.sensor_size[0]:
             factor = float(self.size) / float(self.sensor_size[0])
             events = tonic.transforms.Downsample(spatial_factor=factor)(events)
         frames = tonic.transforms.ToFrame(sensor_size=(w, h, p), n_time_bins=int(self.T))(events)
@@ -312,6 +328,10 @@ class EventStream:
     sensor_size: tuple[int, int, int]
     shift_at: int | None = None
 
+    @property
+    def n_events(self) -> int:
+        return int(len(self.events))
+
     def window_starts(self, window_us: int) -> np.ndarray:
         """Start times of the ``window_us`` windows covering the segments (else the events)."""
         ev, seg = self.events, self.segments
@@ -343,41 +363,194 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
         raise ValueError(f"cannot read {path} as a .npy array without pickle: {e}") from None
 
 
-NMNIST_DTYPE = np.dtype([("x", np.int64), ("y", np.int64), ("t", np.int64), ("p", np.int64)])
-"""The events of an N-MNIST ``.bin`` recording as ``tonic.datasets.NMNIST`` reads them."""
-
-
-def _load_recording(path: Path) -> np.ndarray:
-    """A ``.npy`` structured event array, or an N-MNIST / N-Caltech101 ``.bin`` recording (5 bytes per
-    event, ``tonic.io.read_mnist_file``)."""
-    if path.suffix != ".bin":
-        return _load_npy(path, "event file")
-    if not path.is_file():
-        raise ValueError(f"event file {path} does not exist")
-    size = path.stat().st_size
-    if size % 5:
-        raise ValueError(f"{path} is not an N-MNIST recording: {size} bytes is not a whole number of 5-byte events")
-    return require_tonic().io.read_mnist_file(str(path), dtype=NMNIST_DTYPE)
-
-
 def load_event_file(path: str | os.PathLike, sensor_size: tuple[int, int, int],
                     labels_path: str | os.PathLike | None = None) -> tuple[EventStream, EventReport]:
-    """An event file as a validated stream: a ``.npy`` structured array (x, y, t, p; t in
-    microseconds) or an N-MNIST ``.bin`` recording (``szo.data.nmnist``'s format).
+    """An event file (any format of ``szo.data.event_files``) read whole, as a validated stream; for
+    recordings of any length see ``FileEventStream`` (bounded memory).
 
     Malformed events (outside the sensor, negative t, bad polarity) are dropped and counted;
     unsorted timestamps are sorted (``validate_events``). ``labels_path``: a ``.npy``
     structured array with fields ``start_us``, ``end_us``, ``label``, one row per labelled
     segment (as ``szo.data.synthetic_events.stream`` returns them)."""
-    events, report = validate_events(_load_recording(Path(path)), sensor_size, policy="drop")
+    events, _ = read_events(path)
+    events, report = validate_events(events, sensor_size, policy="drop")
     segments = None
     if labels_path is not None:
-        segments = _load_npy(Path(labels_path), "labels file")
-        if not {"start_us", "end_us", "label"} <= set(segments.dtype.names or ()):
-            raise ValueError(f"labels file {labels_path} must be a structured array with fields start_us, end_us, "
-                             f"label; got dtype {segments.dtype}")
-        segments = np.sort(segments, order="start_us")
+        segments = load_segments(labels_path)
     return EventStream(events, segments, check_sensor_size(sensor_size)), report
+
+
+FITS: tuple[str, ...] = ("crop", "downsample", "crop+downsample")
+
+
+def load_segments(path: str | os.PathLike) -> np.ndarray:
+    """A labels file: a ``.npy`` structured array with fields ``start_us``, ``end_us``, ``label`` (one row per
+    labelled segment), sorted by start."""
+    segments = _load_npy(Path(path), "labels file")
+    if not {"start_us", "end_us", "label"} <= set(segments.dtype.names or ()):
+        raise ValueError(f"labels file {path} must be a structured array with fields start_us, end_us, label; got "
+                         f"dtype {segments.dtype}")
+    return np.sort(segments, order="start_us")
+
+
+@dataclass(frozen=True)
+class SensorFit:
+    """A recording's sensor ``sensor_size`` (W, H, P) mapped onto a model's input ``target`` (w, h, P) by
+    tonic's transforms, as ``mode`` says: None (the sizes must be equal), ``"crop"``
+    (``tonic.transforms.CenterCrop`` to w x h: events outside the centre are dropped, and counted),
+    ``"downsample"`` (``tonic.transforms.Downsample`` from W x H to w x h, each axis by its own factor) or
+    ``"crop+downsample"`` (the largest centred crop with the model's aspect ratio, then downsampled: no
+    distortion). A size that cannot be mapped is refused in one line naming both sizes and the options."""
+
+    sensor_size: tuple[int, int, int]
+    target: tuple[int, int, int]
+    mode: str | None = None
+    source: str = "the recording"
+
+    def __post_init__(self) -> None:
+        (w, h, p), (mw, mh, mp) = check_sensor_size(self.sensor_size), check_sensor_size(self.target)
+        object.__setattr__(self, "sensor_size", (w, h, p))
+        object.__setattr__(self, "target", (mw, mh, mp))
+        if self.mode is not None and self.mode not in FITS:
+            raise ValueError(f"fit must be one of {', '.join(FITS)} (or none), got {self.mode!r}")
+        if p != mp:
+            raise ValueError(f"{self.source} has {p} polarity channel(s) but the model takes {mp}")
+        if (w, h) == (mw, mh):
+            return
+        if self.mode is None:
+            raise ValueError(f"{self.source} is a {w}x{h} sensor but the model takes {mw}x{mh} input; pass --fit crop "
+                             f"(the centre {mw}x{mh}), --fit downsample (scale {w}x{h} to {mw}x{mh}) or --fit "
+                             "crop+downsample (crop to the model's aspect ratio, then scale)")
+        if w < mw or h < mh:
+            raise ValueError(f"{self.source} is a {w}x{h} sensor, smaller than the model's {mw}x{mh} input: --fit "
+                             f"{self.mode} only reduces a sensor")
+
+    @property
+    def crop_size(self) -> tuple[int, int]:
+        """The centred window kept before downsampling (the whole sensor for ``downsample``)."""
+        (w, h, _), (mw, mh, _) = self.sensor_size, self.target
+        if self.mode == "crop":
+            return mw, mh
+        if self.mode == "crop+downsample":
+            scale = min(w / mw, h / mh)
+            return min(w, int(mw * scale)), min(h, int(mh * scale))
+        return w, h
+
+    def __call__(self, events: np.ndarray) -> np.ndarray:
+        """``events`` (valid for ``sensor_size``) on the model's input; crop drops what lies outside."""
+        (w, h, p), (mw, mh, _) = self.sensor_size, self.target
+        if (w, h) == (mw, mh) or not len(events):
+            return events
+        tonic = require_tonic()
+        cw, ch = self.crop_size
+        if (cw, ch) != (w, h):
+            events = tonic.transforms.CenterCrop(sensor_size=(w, h, p), size=(cw, ch))(events)
+        if (cw, ch) != (mw, mh):
+            events = tonic.transforms.Downsample(sensor_size=(cw, ch, p), target_size=(mw, mh))(events)
+        return events
+
+    def describe(self) -> str:
+        (w, h, _), (mw, mh, _) = self.sensor_size, self.target
+        if (w, h) == (mw, mh):
+            return f"{w}x{h} (the model's input)"
+        cw, ch = self.crop_size
+        steps = ([f"centre crop {cw}x{ch}"] if (cw, ch) != (w, h) else []) + \
+            ([f"downsample to {mw}x{mh}"] if (cw, ch) != (mw, mh) else [])
+        return f"{w}x{h} -> " + ", ".join(steps)
+
+
+class FileEventStream:
+    """An event file streamed in bounded memory: the same interface as ``EventStream`` for
+    ``szo.demos.online.replay`` (``window_starts``, ``labels_at``, ``frames`` in increasing time; going
+    back in time reads the file again), but the events are read chunk by chunk (``EventFile.chunks``),
+    validated against ``sensor_size``, mapped onto the model's input by ``fit`` and dropped once their
+    window is past. A scan when built counts the events; events outside the sensor are refused in one
+    line (never dropped silently); bad timestamps / polarities are dropped and counted (``report``). A
+    chunk is sorted by time; an event earlier than a window already given is counted as late (dropped)."""
+
+    shift_at = None
+
+    def __init__(self, file: EventFile, sensor_size: tuple[int, int, int], fit: SensorFit | None = None,
+                 segments: np.ndarray | None = None, *, chunk_events: int | None = None) -> None:
+        self.file, self.segments = file, segments
+        self.raw_sensor_size = check_sensor_size(sensor_size)
+        self.fit = fit if fit is not None else SensorFit(self.raw_sensor_size, self.raw_sensor_size)
+        self.sensor_size = self.fit.target
+        self.chunk_events = chunk_events or CHUNK_EVENTS
+        counts = dict.fromkeys(("n_in", "n_out", "n_dropped", "n_out_of_sensor", "n_bad_time", "n_bad_polarity",
+                                "n_unsorted"), 0)
+        t_first = t_last = None
+        max_x = max_y = -1
+        last_t = None
+        for chunk in file.chunks(self.chunk_events):
+            max_x, max_y = max(max_x, int(chunk["x"].max())), max(max_y, int(chunk["y"].max()))
+            clean, rep = validate_events(chunk, self.raw_sensor_size, policy="drop")
+            for k, v in rep.as_dict().items():
+                counts[k] += v
+            if len(clean):
+                t = clean["t"]
+                counts["n_unsorted"] += int(last_t is not None and int(t[0]) < last_t)
+                t_first = int(t[0]) if t_first is None else min(t_first, int(t[0]))
+                t_last = int(t[-1]) if t_last is None else max(t_last, int(t[-1]))
+                last_t = int(t[-1])
+        if counts["n_out_of_sensor"]:
+            w, h, _ = self.raw_sensor_size
+            raise ValueError(f"{file.path}: {counts['n_out_of_sensor']} of {counts['n_in']} events lie outside the "
+                             f"{w}x{h} sensor (x up to {max_x}, y up to {max_y}); give the recording's sensor with "
+                             "--sensor-size W H P (then --fit to map it onto the model)")
+        self.report = EventReport(**counts)
+        self.n_events = counts["n_out"]
+        self._t_range = (t_first, t_last)
+        self.n_cropped = self.n_late = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._chunks = iter(self.file.chunks(self.chunk_events))
+        self._buf = np.empty(0, dtype=EVENT_DTYPE)
+        self._given_until: int | None = None
+        self._done = False
+        self.n_cropped = self.n_late = 0
+
+    def window_starts(self, window_us: int) -> np.ndarray:
+        seg, (t_first, t_last) = self.segments, self._t_range
+        labelled = seg is not None and len(seg) > 0
+        t0 = int(seg["start_us"][0]) if labelled else t_first if t_first is not None else 0
+        t1 = max(t_last + 1 if t_last is not None else t0, int(seg["end_us"][-1]) if labelled else t0)
+        starts = np.arange(t0, t1, window_us, dtype=np.int64)
+        if len(starts) == 0:
+            raise ValueError(f"{self.file.path} holds no complete window (no valid events / empty time range)")
+        return starts
+
+    def labels_at(self, t_us: np.ndarray) -> np.ndarray:
+        if self.segments is None:
+            return np.full(np.shape(t_us), -1, dtype=np.int64)
+        return segment_labels_at(self.segments, t_us)
+
+    def frames(self, t0: int, t1: int, bins: int, downsample: int = 1) -> torch.Tensor:
+        """``window_frames`` of ``[t0, t1)`` on the model's input, reading on as far as ``t1``."""
+        if self._given_until is not None and t0 < self._given_until:
+            self._reset()  # a second replay: read the file again
+        while not self._done and (len(self._buf) == 0 or int(self._buf["t"][-1]) < t1):
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                self._done = True
+                break
+            clean, _ = validate_events(chunk, self.raw_sensor_size, policy="drop")
+            mapped = self.fit(clean)
+            self.n_cropped += len(clean) - len(mapped)
+            if self._given_until is not None:
+                late = mapped["t"] < self._given_until
+                self.n_late += int(late.sum())
+                mapped = mapped[~late]
+            buf = np.concatenate([self._buf, mapped.astype(EVENT_DTYPE, copy=False)])
+            t = buf["t"]
+            if len(t) > 1 and np.any(t[1:] < t[:-1]):
+                buf = buf[np.argsort(t, kind="stable")]
+            self._buf = buf
+        out = window_frames(self._buf, t0, t1, bins, self.sensor_size, downsample)
+        self._buf = self._buf[np.searchsorted(self._buf["t"], t1):]
+        self._given_until = t1
+        return torch.from_numpy(out)
 
 
 # --------------------------------------------------------------------------- data set
@@ -481,7 +654,11 @@ class EventFrames(torch.utils.data.Dataset):
             except (ValueError, OSError):
                 frames = None  # unreadable cache entry: recompute and overwrite
         if frames is None:
-            events, _ = self.events_ds[index]
+            try:
+                events, _ = self.events_ds[index]
+            except (IndexError, ValueError, OSError, EOFError, KeyError) as e:  # a bad recording: name it
+                raise ValueError(f"cannot read recording {self.events_ds.data[index]} ({type(e).__name__}: {e}); "
+                                 "replace or remove it") from None
             frames = self.to_frames(events)
             if path is not None:
                 buf = io.BytesIO()
@@ -505,12 +682,13 @@ class DVSGestureFrames(EventFrames):
         denoise_us: float | None = 10000.0,
         download: bool = False,
         cache: bool = True,
+        fit: str | None = None,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         tonic = require_tonic()
         root = Path(data_dir) if data_dir is not None else default_data_dir()
-        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us)
+        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us, fit=fit)
         events_ds = open_tonic_set(
             _has_extracted(root, split), functools.partial(_extracted_dvsgesture_class(), save_to=str(root)),
             functools.partial(tonic.datasets.DVSGesture, save_to=str(root)), train=split == "train",
@@ -523,10 +701,11 @@ def get_dataset(
 ) -> DVSGestureFrames:
     """Entry point for ``szo.data.get_dataset("dvs-gesture", split, ...)``.
 
-    Keywords: ``T`` (20), ``size`` (None = 128, or 64 / 32), ``denoise_us`` (10000 or None),
+    Keywords: ``T`` (20), ``size`` (None = 128, or 64 / 32; any size with ``fit``), ``fit`` (None, or
+    ``crop`` / ``downsample`` / ``crop+downsample``: ``SensorFit``), ``denoise_us`` (10000 or None),
     ``cache`` (True).
     """
-    valid = {"T", "size", "denoise_us", "cache"}
+    valid = {"T", "size", "fit", "denoise_us", "cache"}
     unknown = sorted(set(kw) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for dvs-gesture; valid: {sorted(valid)}")

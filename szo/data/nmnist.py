@@ -74,19 +74,20 @@ class NMNISTFrames(EventFrames):
     """N-MNIST as ``(frames float32 [T, 2, H, W], label int)``, frames cached on disk.
 
     ``T`` frames per recording (``ToFrame(n_time_bins=T)``: T equal slices from its first event
-    to its last); ``size`` (None = 34, or 17 / 2 / 1) downsamples; ``denoise_us`` (None: off)
+    to its last); ``size`` (None = 34, or 17 / 2 / 1) downsamples, any size with ``fit`` (``SensorFit``:
+    tonic's CenterCrop / Downsample); ``denoise_us`` (None: off)
     applies tonic's ``Denoise``."""
 
     classes = CLASSES
 
     def __init__(self, data_dir: str | os.PathLike | None = None, split: str = "train", *, T: int = 10,
                  size: int | None = None, denoise_us: float | None = None, download: bool = False,
-                 cache: bool = True) -> None:
+                 cache: bool = True, fit: str | None = None) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         tonic = require_tonic()
         root = Path(data_dir) if data_dir is not None else default_data_dir()
-        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us)
+        to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us, fit=fit)
         events_ds = open_tonic_set(
             _has_extracted(root, split), functools.partial(_extracted_nmnist_class(), save_to=str(root)),
             functools.partial(tonic.datasets.NMNIST, save_to=str(root)), train=split == "train", download=download,
@@ -98,9 +99,10 @@ def get_dataset(split: str, *, data_dir: str | os.PathLike | None = None, downlo
                 **kw: Any) -> NMNISTFrames:
     """Entry point for ``szo.data.get_dataset("nmnist", split, ...)``.
 
-    Keywords: ``T`` (10), ``size`` (None = 34), ``denoise_us`` (None), ``cache`` (True).
+    Keywords: ``T`` (10), ``size`` (None = 34), ``fit`` (None, or ``crop`` / ``downsample`` /
+    ``crop+downsample`` to ``size``: e.g. ``size: 32, fit: crop``), ``denoise_us`` (None), ``cache`` (True).
     """
-    valid = {"T", "size", "denoise_us", "cache"}
+    valid = {"T", "size", "fit", "denoise_us", "cache"}
     unknown = sorted(set(kw) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for nmnist; valid: {sorted(valid)}")

@@ -84,6 +84,7 @@ _register(DatasetInfo("cifar100-c", 100, 3, (32, 32), False, 4, ("test",)), "szo
 _register(DatasetInfo("imagenet-c", 1000, 3, (224, 224), False, 4, ("test",)), "szo.data.corrupted:get_imagenet_c")
 _register(DatasetInfo("dvs-gesture", 11, 2, (128, 128), True, 20), "szo.data.dvs:get_dataset", "dvs")
 _register(DatasetInfo("nmnist", 10, 2, (34, 34), True, 10), "szo.data.nmnist:get_dataset", "dvs")
+_register(DatasetInfo("shd", 20, 1, (1, 700), True, 100), "szo.data.shd:get_dataset", "dvs")
 _register(DatasetInfo("synthetic-gesture", 11, 2, (32, 32), True, 20), "szo.data.synthetic_events:get_dataset", "synth")
 
 

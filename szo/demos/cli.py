@@ -11,6 +11,7 @@ import argparse
 import json
 from typing import Any, Sequence
 
+from szo.data.dvs import FITS, supported_formats
 from szo.demos.dvs_stream import run_demo
 from szo.demos.settings import ADAPT_METHODS, DEFAULT_SHIFT, StreamConfig, resumed_settings
 
@@ -18,8 +19,7 @@ __all__ = ["add_arguments", "add_dvs_stream_arguments", "main"]
 
 # setting -> (type, help); the rest of the flags are added one by one below
 _FLAGS = {
-    "source": (str, "'synthetic' (random gestures, a domain shift half way), a .npy structured event array "
-                    "with fields x, y, t (microseconds), p, or an N-MNIST .bin recording"),
+    "source": (str, "'synthetic' (random gestures, a domain shift half way) or an event file: " + supported_formats()),
     "labels_file": (str, "for a FILE source: .npy structured array with fields start_us, end_us, label"),
     "gestures": (int, "synthetic stream length in gestures"),
     "window_ms": (float, "window length in ms (a multiple of the model's frame length)"),
@@ -58,8 +58,12 @@ def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
         default = "" if getattr(d, key) is None else f" (default {getattr(d, key)})"
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None, help=text + default)
     p.add_argument("--sensor-size", dest="sensor_size", type=int, nargs=3, metavar=("W", "H", "P"), default=None,
-                   help="sensor of a FILE source (default: the model's input, 32 32 2); W, H must be an integer "
-                        "multiple of the model's input size (events are downsampled)")
+                   help="sensor of a FILE source (default: what the file states, else the model's input, 32 32 2); "
+                        "an event outside it is refused")
+    p.add_argument("--fit", choices=FITS, default=None,
+                   help="map a FILE source's sensor onto the model's input with tonic's transforms: 'crop' (the "
+                        "centre), 'downsample' (scale each axis), 'crop+downsample' (crop to the model's aspect "
+                        "ratio, then scale); without it a sensor of another size is refused")
     p.add_argument("--adapt", choices=ADAPT_METHODS, default=None,
                    help=f"on-line adaptation (default {d.adapt}); an adapting run is compared with 'none'")
     p.add_argument("--loss", choices=("auto", "entropy", "labels"), default=None,
@@ -82,7 +86,7 @@ def add_dvs_stream_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    given = {k: v for k in (*_FLAGS, "sensor_size", "adapt", "loss", "shift", "compare", "overrides")
+    given = {k: v for k in (*_FLAGS, "sensor_size", "fit", "adapt", "loss", "shift", "compare", "overrides")
              if (v := getattr(args, k)) is not None}
     cfg = resumed_settings(args.out, given) if args.resume else StreamConfig(**given)
     summary = run_demo(args.out, cfg, resume=args.resume, print_every=max(0, args.print_every))

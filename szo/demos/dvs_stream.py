@@ -1,6 +1,7 @@
 """``szo demo dvs-stream``: an event stream classified window by window, adapting on-line with SZO.
 
-The stream (``szo.data.dvs.EventStream``: a ``.npy`` event file or an N-MNIST ``.bin`` recording, or
+The stream (``szo.data.dvs.FileEventStream``: an event file of any format of ``szo.data.event_files``,
+read chunk by chunk in bounded memory, its sensor mapped onto the model's input by ``fit``; or
 ``szo.data.synthetic_events.random_stream``: seeded gestures, a domain shift half way) is cut into
 ``window_ms`` windows that tonic bins into frames of the source model's frame length; ``szo.demos.online`` classifies them with carried
 neuron state and adapts (``adapt``: one SZO step per window in the source subspace).
@@ -27,7 +28,7 @@ from typing import Any, Callable
 from szo.build import load_run_model, subspace_store_for
 from szo.config import RecipeConfig, load_recipe, write_config
 from szo.data import get_dataset
-from szo.data.dvs import EventStream, load_event_file
+from szo.data.dvs import EventStream, FileEventStream, SensorFit, load_segments, open_event_file
 from szo.data.synthetic_events import random_stream
 from szo.demos.online import OnlineClassifier, plot_timeline, replay
 from szo.demos.settings import StreamConfig, resumed_settings
@@ -107,23 +108,33 @@ def train_source_model(cfg: RecipeConfig, directory: str | Path, *, resume: bool
 
 
 # ----------------------------------------------------------------------------- the demo
-def _stream(cfg: StreamConfig, src: SourceModel, log: Callable[[str], None]) -> tuple[EventStream, dict | None]:
-    """The event stream the settings name, and a FILE's validation report; the window's geometry checked."""
-    sensor, (mw, mh, mp) = tuple(cfg.sensor_size or src.sensor_size), src.sensor_size
-    if round(cfg.window_ms * 1000) % src.bin_us:
+def _stream(cfg: StreamConfig, src: SourceModel, window_us: int,
+            log: Callable[[str], None]) -> tuple[EventStream | FileEventStream, dict | None]:
+    """The event stream the settings name, checked against the model (sensor size, classes, window geometry)
+    and scanned once (bounded memory) before anything is written; a FILE's validation report."""
+    if window_us % src.bin_us:
         raise ValueError(f"window ({cfg.window_ms:g} ms) must be a multiple of the model's frame length "
                          f"({src.bin_us / 1000:g} ms)")
-    if sensor[0] % mw or sensor[1] % mh or sensor[0] // mw != sensor[1] // mh or sensor[2] != mp:
-        raise ValueError(f"sensor {sensor} cannot be mapped onto the model's input {src.sensor_size} "
-                         "(W and H must be the same integer multiple; same polarity count)")
     if cfg.source == "synthetic":
-        return random_stream(cfg.gestures, seed=cfg.seed, segment_us=src.duration_us, sensor_size=sensor,
+        return random_stream(cfg.gestures, seed=cfg.seed, segment_us=src.duration_us, sensor_size=src.sensor_size,
                              shift=cfg.shift), None
-    stream, rep = load_event_file(cfg.source, sensor, cfg.labels_file)
+    ef = open_event_file(cfg.source)
+    sensor = tuple(cfg.sensor_size or ef.sensor_size or src.sensor_size)
+    fit = SensorFit(sensor, src.sensor_size, cfg.fit, source=cfg.source)  # type: ignore[arg-type]
+    segments = None if cfg.labels_file is None else load_segments(cfg.labels_file)
+    n_classes = len(src.classes) if src.classes else int(src.model.num_classes) if src.model is not None else None
+    if segments is not None and n_classes is not None and len(segments):
+        bad = sorted({int(v) for v in segments["label"] if not 0 <= int(v) < n_classes})
+        if bad:
+            raise ValueError(f"labels file {cfg.labels_file} holds label(s) {bad[:5]} but the model has {n_classes} "
+                             f"classes (0..{n_classes - 1})")
+    stream = FileEventStream(ef, sensor, fit, segments)  # type: ignore[arg-type]
+    stream.window_starts(window_us)
+    rep = stream.report
+    log(f"event file {cfg.source}: {rep.n_in} events, sensor {fit.describe()}")
     if rep.n_dropped or rep.n_unsorted:
-        log(f"event file: dropped {rep.n_dropped} malformed event(s) of {rep.n_in} ({rep.n_out_of_sensor} outside "
-            f"the sensor, {rep.n_bad_time} bad t, {rep.n_bad_polarity} bad polarity); {rep.n_unsorted} out of order "
-            "(sorted)")
+        log(f"event file: dropped {rep.n_dropped} malformed event(s) of {rep.n_in} ({rep.n_bad_time} bad t, "
+            f"{rep.n_bad_polarity} bad polarity); {rep.n_unsorted} out of order")
     return stream, rep.as_dict()
 
 
@@ -149,23 +160,31 @@ def run_demo(out_dir: str | Path, cfg: StreamConfig | None = None, *, resume: bo
         if rc is None and src.subspace is None and cfg.adapt != NO_ADAPTATION:
             raise ValueError(f"{cfg.model} is an exported NIR model: it has no subspace to adapt in; run it with "
                              "--adapt none")
-        stream, report = _stream(cfg, src, log)  # every input checked and read before config.yaml and training
+        window_us, runs = round(cfg.window_ms * 1000), {}
+        stream, report = _stream(cfg, src, window_us, log)  # every input checked before config.yaml and training
         write_config(cfg.as_written(), out / "config.yaml")
         if rc is not None:
             src = train_source_model(rc, out / "source", resume=resume)
-        window_us, runs = round(cfg.window_ms * 1000), {}
         for method in dict.fromkeys([cfg.adapt] + [NO_ADAPTATION] * cfg.compare):  # each from the source weights
             name = method + ("+labels" if cfg.loss == "labels" and method != NO_ADAPTATION else "")
             clf = OnlineClassifier(src.fresh_model(), src.subspace, cfg.replace(adapt=method))
             runs[name] = replay(stream, clf, window_us=window_us, bins=window_us // src.bin_us, threads=threads,
-                                downsample=stream.sensor_size[0] // src.sensor_size[0], classes=src.classes,
+                                classes=src.classes,
                                 print_every=print_every, name=name, log=log)
         shift_at_s = None if stream.shift_at is None else stream.shift_at / 1e6
         plot_timeline(out / "timeline.png", runs, shift_at_s=shift_at_s, n_classes=int(src.model.num_classes),
                       class_names=src.classes)
         atomic_write_json(out / "windows.json", {k: v["windows"] for k, v in runs.items()})
+        if isinstance(stream, FileEventStream):  # what the fit cropped and what came too late, in the last replay
+            report = {**(report or {}), "fit": stream.fit.describe(), "n_cropped": stream.n_cropped,
+                      "n_late": stream.n_late}
+            if stream.n_cropped:
+                log(f"event file: {stream.n_cropped} event(s) outside the --fit crop (dropped)")
+            if stream.n_late:
+                log(f"event file: {stream.n_late} event(s) too late for their window (the file is not in time order "
+                    "across chunks; dropped)")
         summary = {"settings": cfg.to_dict(), "model_dir": str(src.directory), "source_test_acc": src.test_acc,
-                   "shift_at_s": shift_at_s, "n_events": int(len(stream.events)), "validation": report,
+                   "shift_at_s": shift_at_s, "n_events": stream.n_events, "validation": report,
                    "runs": {k: v["summary"] for k, v in runs.items()},
                    "wall_seconds": round(time.perf_counter() - t_wall, 2), "status": "completed"}
         atomic_write_json(out / "summary.json", summary)

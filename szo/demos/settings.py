@@ -33,9 +33,10 @@ class StreamConfig(Section):
     """The demo's settings, each checked when built (one line naming it); ``loss: auto`` (labels for a
     labelled stream), ``lr: null`` and ``shift: null`` are resolved here, so config.yaml says what ran."""
 
-    source: str = "synthetic"              # synthetic | a .npy event file | an N-MNIST .bin recording
+    source: str = "synthetic"              # synthetic | an event file (szo.data.event_files.FORMATS)
     labels_file: str | None = None         # FILE source: .npy segments (start_us, end_us, label)
-    sensor_size: list | tuple | None = None  # FILE source: (W, H, P); null = the model's input
+    sensor_size: list | tuple | None = None  # FILE source: (W, H, P); null = the file's own, else the model's input
+    fit: Literal["crop", "downsample", "crop+downsample"] | None = None  # FILE source onto the model's input
     gestures: int = _f(30, min=1)          # synthetic: stream length
     shift: dict | None = _f(None, free=True)  # synthetic: from half way (SHIFT_KEYS); null = DEFAULT_SHIFT
     model: str | None = None               # a finished run directory or .nir file; null = train the recipe
@@ -57,6 +58,7 @@ class StreamConfig(Section):
         synthetic = self.source == "synthetic"
         for bad, why in ((synthetic and self.labels_file is not None, "labels_file is only for a FILE source"),
                          (synthetic and self.sensor_size is not None, "sensor_size is only for a FILE source"),
+                         (synthetic and self.fit is not None, "fit is only for a FILE source"),
                          (not synthetic and bool(self.shift), "shift is only for the synthetic source"),
                          (self.model is not None and bool(self.overrides),
                           "overrides (--set) are for the recipe trained here, not for a given model")):

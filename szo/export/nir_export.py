@@ -226,7 +226,11 @@ def _deploy_module(model: nn.Module, shape: tuple[int, int, int]) -> fx.GraphMod
     else:
         root = _Root(copy.deepcopy(model).cpu().float().eval())
         functional.reset_net(root)
-        gm = fx.GraphModule(root, _Tracer().trace(root))
+        try:
+            gm = fx.GraphModule(root, _Tracer().trace(root))
+        except Exception as exc:  # a per-step loop (snn_rlif's recurrence), data-dependent control flow
+            raise ValueError(f"cannot export {model.model_name} to NIR: its forward does not trace with torch.fx "
+                             f"({why(exc)})") from None
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue

@@ -13,7 +13,7 @@ from szo.data import digits
 def test_names_and_info():
     assert D.names() == ["digits", "mnist5k", "fmnist", "cifar10", "cifar100", "imagenet", "digits-c", "mnist5k-c",
                          "fmnist-c", "cifar10-c",
-                         "cifar100-c", "imagenet-c", "dvs-gesture", "nmnist", "synthetic-gesture"]
+                         "cifar100-c", "imagenet-c", "dvs-gesture", "nmnist", "shd", "synthetic-gesture"]
     info = D.dataset_info("digits")
     assert (info.num_classes, info.in_channels, info.image_size, info.is_sequence) == (10, 1, (8, 8), False)
     assert D.dataset_info("dvs-gesture").is_sequence and D.dataset_info("dvs-gesture").default_T == 20

@@ -88,6 +88,33 @@ def test_a_missing_set_is_one_line_saying_where_to_put_it(tmp_path):
         dvs.load_event_file(bad, nmnist.SENSOR_SIZE)
 
 
+@pytest.mark.parametrize("fit", ["crop", "downsample"])
+def test_the_recipes_resolution_option_is_tonics_transforms(nmnist_dir, fit):
+    """``data.kwargs={size: 32, fit: crop}``: the 34 x 34 recordings as a 32 x 32 sensor (tonic's CenterCrop
+    or Downsample, then ToFrame), e.g. for a model trained at 32 x 32; a size that fits nothing is one line."""
+    ev = _events()
+    moved = (tonic.transforms.CenterCrop(sensor_size=nmnist.SENSOR_SIZE, size=(32, 32)) if fit == "crop" else
+             tonic.transforms.Downsample(sensor_size=nmnist.SENSOR_SIZE, target_size=(32, 32)))(ev)
+    want = tonic.transforms.ToFrame(sensor_size=(32, 32, 2), n_time_bins=4)(moved)
+    frames, _ = get_dataset("nmnist", "test", data_dir=nmnist_dir, T=4, size=32, fit=fit, cache=False)[0]
+    np.testing.assert_array_equal(frames.numpy(), want)
+    with pytest.raises(ValueError, match="size must be a positive int dividing"):
+        get_dataset("nmnist", "test", data_dir=nmnist_dir, T=4, size=32)
+    with pytest.raises(ValueError, match="smaller than the model's 40x40"):
+        get_dataset("nmnist", "test", data_dir=nmnist_dir, T=4, size=40, fit=fit)
+
+
+def test_a_truncated_recording_in_the_set_is_one_line_naming_it(nmnist_dir):
+    bad = nmnist_dir / "NMNIST" / "Test" / str(LABEL) / "00002.bin"
+    bad.write_bytes(RECORDING.read_bytes()[:-2])  # a copy cut short by two bytes
+    ds = get_dataset("nmnist", "test", data_dir=nmnist_dir, T=4, cache=False)
+    index = [str(p) for p in ds.events_ds.data].index(str(bad))
+    with pytest.raises(ValueError) as info:
+        ds[index]
+    assert "\n" not in str(info.value) and f"cannot read recording {bad}" in str(info.value)
+    assert ds[1 - index][0].shape == (4, 2, 34, 34)  # the good one still loads
+
+
 def test_nmnist_recipes_run_on_the_recording(nmnist_dir, tmp_path, monkeypatch):
     """nmnist-bp -> nmnist-scratch end to end on the one recording (filed as train and test), with a
     small model in place of the recipe's Spike-VGG11."""

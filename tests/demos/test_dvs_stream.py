@@ -96,7 +96,9 @@ def test_resume_finishes_a_source_stopped_after_its_last_checkpoint(run, tmp_pat
     assert torch.equal(a.model.flat_params(), b.model.flat_params()) and torch.equal(a.subspace.basis, b.subspace.basis)
 
 
-def test_cli_file_source_drops_malformed_events(run, tmp_path, capsys):
+def test_cli_file_source_refuses_events_outside_the_sensor_then_drops_malformed_ones(run, tmp_path, capsys):
+    """Events outside the sensor are refused in one line before anything is written, so the same command
+    with a corrected file runs in the same --out; bad t / polarity are dropped and counted, disorder sorted."""
     from szo.data.synthetic_events import stream
 
     events, segments = stream([0, 3], segment_us=100_000, rng=np.random.default_rng(0))
@@ -110,15 +112,65 @@ def test_cli_file_source_drops_malformed_events(run, tmp_path, capsys):
         mixed[f] = np.concatenate([events[f].astype(bad.dtype[f]), bad[f]])  # appended: also unsorted
     np.save(tmp_path / "ev.npy", mixed)
     np.save(tmp_path / "seg.npy", segments)
-    rc = main(["dvs-stream", "--source", str(tmp_path / "ev.npy"), "--labels-file", str(tmp_path / "seg.npy"),
-               "--model", str(run[0] / "source"), "--adapt", "szo-rge", "--q", "1", "--labels",
-               "--window-ms", "50", "--out", str(tmp_path / "out"), "--print-every", "1"])
-    assert rc == 0
+    argv = ["dvs-stream", "--source", str(tmp_path / "ev.npy"), "--labels-file", str(tmp_path / "seg.npy"),
+            "--model", str(run[0] / "source"), "--adapt", "szo-rge", "--q", "1", "--labels",
+            "--window-ms", "50", "--out", str(tmp_path / "out"), "--print-every", "1"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert "2 of %d events lie outside the 32x32 sensor (x up to 40, y up to 31)" % len(mixed) in err
+    assert err.count("\n") == 1 and not (tmp_path / "out" / "config.yaml").exists()
+    mixed["x"][-6:-4] = 3  # corrected: the same command in the same --out now runs
+    np.save(tmp_path / "ev.npy", mixed)
+    assert main(argv) == 0
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert s["validation"]["n_dropped"] == 5 and s["validation"]["n_out"] == len(events) + 1
-    assert s["validation"]["n_unsorted"] >= 1
+    assert s["validation"]["n_dropped"] == 3 and s["validation"]["n_out"] == len(events) + 3
+    assert s["validation"]["n_out_of_sensor"] == 0 and s["validation"]["n_unsorted"] >= 1
     assert s["runs"]["szo-rge+labels"]["n_windows"] == 4
-    assert "dropped 5 malformed" in capsys.readouterr().out
+    assert "dropped 3 malformed" in capsys.readouterr().out
+
+
+def test_nmnist_recording_on_the_gesture_model_is_refused_then_fitted(run, tmp_path, capsys):
+    """The real 34x34 N-MNIST recording on the 32x32 gesture model: one line naming both sizes and --fit, no
+    config.yaml left behind; then the same --out runs with --fit, every event accounted for."""
+    from pathlib import Path
+    recording = Path(__file__).parents[1] / "data" / "nmnist" / "sample_nmnist.bin"
+    argv = ["dvs-stream", "--source", str(recording), "--model", str(run[0] / "source"), "--adapt", "none",
+            "--window-ms", "50", "--out", str(tmp_path / "out"), "--print-every", "0"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a 34x34 sensor but the model takes 32x32 input; pass --fit crop" in err
+    assert not (tmp_path / "out" / "config.yaml").exists()
+    for mode, kept in (("crop", 4325 - 14), ("downsample", 4325)):
+        out = tmp_path / mode
+        assert main([*argv[:-4], "--out", str(out), "--print-every", "0", "--fit", mode]) == 0
+        s = json.loads((out / "summary.json").read_text())
+        assert s["n_events"] == 4325 and s["validation"]["n_cropped"] == 4325 - kept
+        assert s["validation"]["fit"].startswith("34x34 -> ") and s["runs"]["none"]["n_windows"] == 7
+        assert yaml.safe_load((out / "config.yaml").read_text())["fit"] == mode
+
+
+def test_file_inputs_the_model_cannot_take_leave_no_config(run, tmp_path):
+    """Labels outside the model's classes, a file with no valid event, an unknown format: each one line
+    before config.yaml, so --out stays reusable."""
+    ev = np.zeros(3, dtype=[("x", np.int16), ("y", np.int16), ("t", np.int64), ("p", np.int8)])
+    ev["t"] = [100, 200, 300]
+    np.save(tmp_path / "ev.npy", ev)
+    seg = np.array([(0, 50_000, 11)], dtype=[("start_us", np.int64), ("end_us", np.int64), ("label", np.int64)])
+    np.save(tmp_path / "seg.npy", seg)
+    out, model = tmp_path / "out", str(run[0] / "source")
+    with pytest.raises(ValueError, match=r"holds label\(s\) \[11\] but the model has 11 classes \(0..10\)"):
+        ds.run_demo(out, StreamConfig(source=str(tmp_path / "ev.npy"), labels_file=str(tmp_path / "seg.npy"),
+                                      model=model, adapt="none"), **QUIET)
+    ev["t"] = -1  # no valid event: no window
+    np.save(tmp_path / "ev.npy", ev)
+    with pytest.raises(ValueError, match="holds no complete window"):
+        ds.run_demo(out, StreamConfig(source=str(tmp_path / "ev.npy"), model=model, adapt="none"), **QUIET)
+    (tmp_path / "rec.mat").write_bytes(b"MATLAB")
+    with pytest.raises(ValueError, match="unsupported event file format '.mat'; supported: .npy"):
+        ds.run_demo(out, StreamConfig(source=str(tmp_path / "rec.mat"), model=model, adapt="none"), **QUIET)
+    assert not (out / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("kw, match", [
