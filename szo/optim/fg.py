@@ -35,18 +35,18 @@ import torch
 from torch import nn
 from torch.optim.adam import adam
 
+from szo.evaluators import JVPEvaluator, jvp_closure
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
+    Batch,
     Field,
     ForwardOnlyBase,
-    JVPEvaluator,
     ParamSpace,
     StateCodec,
     check_hparams,
     gaussian_rows,
     heavy_ball_,
-    jvp_closure,
     refuse_frozen,
 )
 
@@ -105,8 +105,9 @@ class ForwardGradient(ForwardOnlyBase):
         return self.q
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         sp = self.space
         z = gaussian_rows(self.q, self.d, self.generator, dtype=torch.float32)
         with self.evaluator.session():
@@ -142,8 +143,9 @@ class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
         return self.q
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         sp = self.space
         z = gaussian_rows(self.q, self.k, self.generator, dtype=torch.float64)
         with self.evaluator.session():
@@ -242,8 +244,9 @@ class AsyncFGD(ForwardOnlyBase):
         return self.K - 1 - k
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         i = self.steps
         u = [stage_tangent(st, self.seed, i, k) for k, st in enumerate(self.stages)]
         current: list[list[torch.Tensor] | None] = []

@@ -45,7 +45,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from torch import nn
 
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import per_sample_node_estimate
 from szo.hw.convert import FixedPointNetwork, IntSynapse
