@@ -129,6 +129,11 @@ def check_process_group(path: ProbePath, who: str) -> None:
     if path.distributed is not None or not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size(path.process_group)
+    spec = path.method
+    if world > 1 and spec is not None and "data" not in spec.parallel:
+        raise ValueError(f"torch.distributed runs {world} processes and method {spec.name!r} runs in one: its "
+                         "replicas would drift apart; run it without a process group, or use one of "
+                         f"{', '.join(list_methods(parallel='data'))} with probes=ProbePath(distributed='data')")
     if world > 1:
         raise ValueError(f"torch.distributed runs {world} processes and {who}'s probes would run on this one "
                          "alone, so the replicas drift apart (a forward-only step has no backward for DDP to "
