@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from szo.distributed import shutdown
 from szo.evaluators import Batch
@@ -102,3 +103,66 @@ def _fg_worker(rank, world, init_file, out_dir):
                         fh.write(str(e))
     finally:
         shutdown()
+
+
+# ----------------------------------------------------------------------------- Lightning ddp_spawn
+L = pytest.importorskip("lightning")
+LIGHTNING_SAMPLES, LIGHTNING_BATCH = 48, 8  # per rank: 3 steps of 8 samples, a global batch of 16
+
+
+def _lightning_data():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(LIGHTNING_SAMPLES, 6, generator=g), torch.randint(0, 3, (LIGHTNING_SAMPLES,), generator=g)
+
+
+def _szo(model, mode):
+    return SZO(model, make_subspace(model), mu=0.1, lr=0.5, estimator="rge", q=3, start="current",
+               generator=torch.Generator().manual_seed(3), probes=ProbePath(distributed=mode))
+
+
+class SZOModule(L.LightningModule):
+    """SZO in Lightning's manual optimization, the batch given to the step explicitly."""
+
+    def __init__(self, mode, out_dir):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net, self.mode, self.out_dir = make_model(bn=True), mode, out_dir
+
+    def configure_optimizers(self):
+        return _szo(self.net, self.mode)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        b = Batch(x, y, nn.functional.cross_entropy)
+        self.optimizers().step(b.closure(self.net), batch=b)
+
+    def train_dataloader(self):  # rank r: samples r, r + 2, ... (the global batch 16 consecutive samples)
+        data = TensorDataset(*_lightning_data())
+        return DataLoader(data, batch_size=LIGHTNING_BATCH, sampler=DistributedSampler(data, shuffle=False))
+
+    def on_train_end(self):
+        save_file({k: v.contiguous() for k, v in self.net.state_dict().items()},
+                  os.path.join(self.out_dir, f"rank{self.global_rank}.safetensors"))
+
+
+def _lightning_fit(mode, out_dir):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(SZOModule(mode, str(out_dir)))
+
+
+def test_lightning_ddp_spawn_runs_data_mode_or_is_refused(tmp_path):
+    _lightning_fit("data", tmp_path)
+    r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1))
+    ref = make_model(bn=True)
+    opt = _szo(ref, None)
+    x, y = _lightning_data()
+    for lo in range(0, LIGHTNING_SAMPLES, 2 * LIGHTNING_BATCH):  # one process, the global batches
+        opt.step(batch=Batch(x[lo:lo + 2 * LIGHTNING_BATCH], y[lo:lo + 2 * LIGHTNING_BATCH], nn.functional.cross_entropy))
+    for k, v in ref.state_dict().items():
+        assert torch.equal(r0[k], r1[k]), k
+        torch.testing.assert_close(r0[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    with pytest.raises(Exception, match=r"torch.distributed runs 2 processes and SZO's probes would run on this one "
+                                        r"alone, so the replicas drift apart .*ProbePath\(distributed='data'\)"):
+        _lightning_fit(None, tmp_path / "refused")
