@@ -293,6 +293,9 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     carries the number of redraws and the generator state before the last one (``refresh`` in the
     ``subspace`` section), from which :meth:`load_state_dict` redraws the current basis.
 
+    ``SZO(DistributedDataParallel(model), subspace)`` runs data mode on DDP's process group by itself;
+    a plain model on one rank of several processes (Lightning ``ddp`` / ``ddp_spawn``) is refused in one
+    line, since its replicas would drift apart (``szo.evaluators.distributed``).
     ``ProbePath(distributed="data")`` (every rank: all probes on its shard of the batch, the closure
     returning the shard's MEAN loss; the step averages the ranks' losses, so unequal shards weight
     their mean by ``W * n_shard / n``) or ``"perturbation"`` (every rank: probes
