@@ -86,7 +86,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     out during one more step, replayed from profiler events (``common.cpu_alloc_peak``);
     a second step because the profiler's own records would add to the RSS of the first.
     """
-    from szo.engine import batch_closure
+    from szo.evaluators import Batch
     from szo.losses import tet_loss
     from szo.optim import SZO, FullSpaceZO
 
@@ -126,7 +126,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
                   estimator="cge", model=model, probes=ProbePath(engine="batched" if batched else "loop", chunk=chunk if batched else None))
 
         def step():
-            opt.step(batch_closure(model, tet_loss, batch_data["x"], batch_data["y"]))
+            opt.step(batch=Batch(batch_data["x"], batch_data["y"], tet_loss))
     elif method == "zo-rge":
         opt = FullSpaceZO(model.parameters(), estimator="rge", q=1, mu=1e-3, lr=1e-3, model=model)
 

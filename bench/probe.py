@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RandomSubspace, machine_info, make_batch, make_model, median_time, set_threads, write_result  # noqa: E402
 
-from szo.engine import batch_closure  # noqa: E402
+from szo.evaluators import Batch  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
 from szo.precision import precision_policy  # noqa: E402
@@ -93,13 +93,13 @@ def step_rows(config: str, model, x, y, k: int, steps: int, precision: str, devi
             m.set_cuda_graphs(True)
         opt = SZO(m.parameters(), sub, mu=1e-2, lr=0.1, momentum=0.9, estimator="cge", model=m,
                   generator=torch.Generator().manual_seed(0), probes=ProbePath(engine="batched" if variant == "batched" else "loop"))
-        closure = batch_closure(m, tet_loss, x, y)
+        batch = Batch(x, y, tet_loss)
         with pol.scope():
             t_fwd, _ = median_time(_fwd(copy.deepcopy(model), x), 10, warmup=3)  # the eager probe forward
             t0 = time.perf_counter()
-            opt.step(closure)  # warm-up (graph capture, auto chunk)
+            opt.step(batch=batch)  # warm-up (graph capture, auto chunk)
             first = time.perf_counter() - t0
-            t_step, samples = median_time(lambda: opt.step(closure), steps, warmup=0)
+            t_step, samples = median_time(lambda: opt.step(batch=batch), steps, warmup=0)
         finals[variant] = (m.flat_params().cpu(), {n: b.cpu() for n, b in m.named_buffers()})
         mfp = opt.forwards_per_step
         row = dict(config=config, kind="step", method="szo-cge", variant=variant, precision=precision, k=k,

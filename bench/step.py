@@ -31,7 +31,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from szo.engine import batch_closure  # noqa: E402
+from szo.evaluators import Batch  # noqa: E402
 from szo.losses import tet_loss  # noqa: E402
 from szo.optim import SZO  # noqa: E402
 from szo.zo import ProbePath  # noqa: E402
@@ -107,14 +107,14 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
         sub = RandomSubspace(d, k)
         for est in ("cge", "rge"):
             for engine in (("loop",) if compiled else ("loop", "batched")):
-                # the production path: SZO(engine=...) stepping a closure that carries its batch
+                # the production path: SZO(engine=...) stepping on the batch (the loop calls its closure)
                 opt = SZO(model.parameters(), sub, mu=1e-3, lr=0.0, momentum=0.0, estimator=est, q=q or k, model=model,
                           generator=torch.Generator().manual_seed(0), probes=ProbePath(engine=engine, chunk=chunk if engine == "batched" else None))
                 m = opt.forwards_per_step
-                closure = batch_closure(model, tet_loss, x, y)
+                batch = Batch(x, y, tet_loss)
 
                 def step():
-                    opt.step(closure)
+                    opt.step(batch=batch)
                 first, _ = timed(step)  # warm-up (and auto chunk sizing)
                 n = reps if first * reps < 120 else 1  # keep the full run feasible on 2 shared cores
                 # interleave plain forwards with the steps so both see the same machine load;

@@ -24,7 +24,7 @@ from szo.methods import get_method
 from szo.models.tt import tt_parametrize
 from szo.train import checkpoint_path, load_checkpoint
 
-__all__ = ["build_model", "load_run_model", "loss_for", "loaders_for", "subspace_store_for"]
+__all__ = ["build_model", "load_run_model", "loss_for", "loaders_for", "subspace_store_for", "tt_prepare"]
 
 
 def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
@@ -56,10 +56,21 @@ def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[tor
         state = load_weights(run_dir / "model.safetensors")
     else:
         state = load_checkpoint(checkpoint_path(run_dir), map_location="cpu")["model"]
-    if cfg.get("kind") == "subspace" and get_method(cfg["method"]).family == "tensor-train-zo":  # trained TT cores
-        tt_parametrize(model, cfg["tt"]["rank"], cores=cfg["tt"]["cores"], min_params=cfg["tt"]["min_params"])
+    tt_prepare(model, cfg)  # a tensor-train run's directory holds trained TT cores
     model.load_state_dict(state, strict=True)
     return model.to(device), cfg
+
+
+def tt_prepare(model: torch.nn.Module, cfg: Any) -> dict[str, Any] | None:
+    """A tensor-train run's model (a subspace recipe whose method is of the tensor-train-zo family):
+    its large weights turned into TT cores in place, from the recipe's typed ``tt`` section (rank,
+    cores, min_params), TT-SVD of the weights it holds; ``tt_parametrize``'s record, None for any
+    other run. The one place both the run (``szo.stages.subspace_model``: TT-SVD of the start point)
+    and a reload of its directory (:func:`load_run_model`: the shapes of the trained cores) do it."""
+    if cfg.kind != "subspace" or get_method(cfg.method).family != "tensor-train-zo":
+        return None
+    tt = cfg.tt
+    return tt_parametrize(model, tt.rank, cores=tt.cores, min_params=tt.min_params)
 
 
 def loss_for(cfg: Mapping[str, Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -15,7 +15,8 @@ with a bounded timeout. SZO then runs
 * perturbation-parallel (``mode="perturbation"``): every rank evaluates a slice of the probes
   on the full batch; only the probe losses cross the network.
 
-See ``szo.optim.SZO(probes=ProbePath(distributed=...))``. Parameters are broadcast once at start-up and then stay
+The probes of a step run in ``szo.evaluators.DistributedEvaluator``; see
+``szo.optim.SZO(probes=ProbePath(distributed=...))``. Parameters are broadcast once at start-up and then stay
 in sync because every rank applies the identical update (checked once per epoch by
 :func:`parameters_in_sync`). Only rank 0 writes files and logs (:func:`is_main`).
 
@@ -41,14 +42,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.exits import RankFailure, env_world_size
-from szo.zo.comm import all_reduce_, comm_device, rank_and_world
-from szo.zo.evaluate import LoopEvaluator
-from szo.zo.guard import ProbeGuard
+from szo.zo.comm import all_reduce_, comm_device
 from szo.zo.path import MODES, ProbePath
 
 __all__ = [
     "DistInfo",
-    "DistributedEvaluator",
     "Parallel",
     "RankFailure",
     "SyncBatchNorm",
@@ -363,77 +361,6 @@ class SyncBatchNorm:
             m.running_mean.copy_((1.0 - f) * m.running_mean.double() + f * mean)
             m.running_var.copy_((1.0 - f) * m.running_var.double() + f * var * (n / (n - 1.0)))
         return None
-
-
-# ----------------------------------------------------------------------------- evaluator
-class DistributedEvaluator(LoopEvaluator):
-    """The probe loop on every rank of a torch.distributed group (a ``szo.zo`` probe evaluator).
-
-    ``mode="perturbation"``: rank r runs probes ``r, r + W, ...`` on the whole batch; ``"data"``:
-    every rank runs all probes on its shard of the batch (the closure returns the shard's share
-    of the batch loss) and, with ``sync_bn`` and BN in train mode, BN layers normalise with the
-    global batch statistics (:class:`SyncBatchNorm`, one all-reduce per BN layer and probe).
-    Then the m probe losses (float64) are all-reduced -- never a gradient or a weight tensor --
-    and under ``bn_update="probe-mean"`` the BN statistic sums (once per step). Every rank ends
-    the step with the same losses, hence the same update. ``bytes_communicated`` counts the
-    payloads this rank sent.
-    """
-
-    def __init__(self, guard: ProbeGuard, mode: str, *, process_group=None, sync_bn: bool = True):
-        ProbePath(distributed=mode).check()  # the mode is one of MODES
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"distributed={mode!r} needs an initialised torch.distributed process "
-                             "group (dist.init_process_group, or launch with torchrun)")
-        super().__init__(guard)
-        self.distributed = mode
-        self.group = process_group
-        self.sync_bn = bool(sync_bn)
-        self._sync: SyncBatchNorm | None = None
-
-    def _sync_bn(self) -> "SyncBatchNorm | None":
-        """Data mode with ``sync_bn``, a model and BN in train mode: a synchronised-BN context."""
-        if self.distributed != "data" or not self.sync_bn or self.guard.model is None:
-            return None
-        sbn = SyncBatchNorm(self.guard.model, self.group)
-        return sbn if sbn.active else None
-
-    def _rows(self, m: int):
-        if self.distributed == "perturbation":
-            rank, world = rank_and_world(self.group)
-            return range(rank, m, world)
-        return range(m)
-
-    def _context(self):
-        self._sync = self._sync_bn()
-        return self._sync if self._sync is not None else contextlib.nullcontext()
-
-    def _reduce(self, losses: torch.Tensor, rows) -> torch.Tensor:
-        if self._sync is not None:
-            self.bytes_communicated += self._sync.bytes
-            self._sync = None
-        self.bytes_communicated += all_reduce_(losses, self.group)
-        if self.distributed == "data":
-            losses /= rank_and_world(self.group)[1]
-        return losses
-
-    def _end_session(self) -> None:
-        if self.guard.probe_mean:
-            self.bytes_communicated += self.guard.bn.commit(True, self.group)
-        else:
-            self.guard.bn.restore()
-
-    def unperturbed(self, closure) -> float:
-        """The BN forward of theta_{t+1}; in data mode on every shard, its loss all-reduced (the
-        batch's), BN statistics synchronised (``sync_bn``) or averaged over the ranks."""
-        if self.distributed != "data":
-            return self.guard.unperturbed_forward(closure)
-        sync = self._sync_bn()
-        loss = self.guard.unperturbed_forward(closure, distributed=sync is None, process_group=self.group, sync=sync)
-        if sync is not None:
-            self.bytes_communicated += sync.bytes
-        buf = torch.tensor([loss], dtype=torch.float64)
-        self.bytes_communicated += all_reduce_(buf, self.group)
-        return float(buf[0]) / rank_and_world(self.group)[1]
 
 
 # ----------------------------------------------------------------------------- runs

@@ -16,6 +16,7 @@ import json
 from typing import Any, Iterable, Sequence
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["Layout", "layout_fingerprint", "layout_from_json", "layout_mismatch", "layout_to_json", "param_layout"]
 
@@ -24,8 +25,11 @@ Layout = list[tuple[str, tuple[int, ...]]]
 
 def param_layout(module: nn.Module) -> Layout:
     """``(name, shape)`` of every parameter of ``module`` in ``named_parameters()`` order; a
-    module compiled by ``torch.compile`` has the names of the module it compiled (not ``_orig_mod.``-prefixed)."""
+    module compiled by ``torch.compile`` has the names of the module it compiled (not ``_orig_mod.``-prefixed),
+    a ``DistributedDataParallel`` model those of the model it wraps (not ``module.``-prefixed)."""
     module = getattr(module, "_orig_mod", module)
+    if isinstance(module, DistributedDataParallel):
+        module = module.module
     return [(n, tuple(int(s) for s in p.shape)) for n, p in module.named_parameters()]
 
 

@@ -59,7 +59,7 @@ class MethodSpec:
     * ``subspace``: trains in a stored trajectory subspace (``build_optimizer(subspace=...)``);
       ``backprop``: runs ``backward`` (1 FP + 1 BP per step); ``jvp``: forward-mode AD passes;
       ``integer``: the integer on-chip learner (backend fixed, ``hw.learner: integer``);
-    * ``engines`` / ``parallel``: probe evaluators it can use (``szo.engine``) and torchrun modes;
+    * ``engines`` / ``parallel``: probe evaluators it can use (``szo.evaluators``) and torchrun modes;
       ``streaming``: ``szo.time_chunk`` allowed; ``fixed_backend``: trains through the
       fixed-point forward; ``integer_learner``: ``hw.learner: integer`` allowed; ``block_selection``:
       ``hw.blocks`` (seed 004's BP-free choice of the one trained block) allowed;

@@ -22,7 +22,7 @@ step between two batches, so one autocast block around several forwards gives ev
 first one's weights: probe pairs that differ by nothing, BPTT gradients at stale weights.
 :func:`fresh_casts` is the rule, written once: the cache off inside the block and emptied when
 it ends. The precision scope holds it (a scope spans a whole run), and so does every forward-only step
-(``szo.zo.EvaluatorBase.session`` around the probes, ``szo.zo.ProbeGuard.unperturbed_forward``
+(``szo.evaluators.EvaluatorBase.session`` around the probes, ``szo.zo.ProbeGuard.unperturbed_forward``
 around the BN forward), so a user's own ``with torch.autocast(...): opt.step(closure)`` is safe too,
 and a CUDA-graph capture holds it (``szo.models.graphed``: a replay casts the weights it runs at).
 

@@ -18,13 +18,13 @@ from typing import Any, Literal
 
 from szo import data as szo_data
 from szo import models as szo_models
-from szo.engine import ENGINES
 from szo.losses import LOSSES
 from szo.models.base import MEMORY_FORMATS
 from szo.models.neurons import ACTIVATIONS
 from szo.models.streaming import BN_TIMES, STREAM_BN_MODES
 from szo.recipes import deep_merge
 from szo.zo.bn import BN_UPDATES
+from szo.zo.path import ENGINES
 from szo.zo.scale import SCALES
 
 Kind = Literal["bp", "subspace", "tta"]
@@ -222,7 +222,7 @@ class SZOConfig(Section):
     # memory flat in T; null = all T at once); stream_bn: what train-mode BN does in a chunked
     # forward (exact | running | chunk, see szo.models.streaming)
     # engine: how the 2k (2q) probes of an SZO step are evaluated: loop (one forward each) or
-    # batched (perturbed copies folded into one forward per chunk of probes, szo.engine)
+    # batched (perturbed copies folded into one forward per chunk of probes, szo.evaluators.batched)
     # bn_update: BN running statistics after a forward-only step: recompute (one unperturbed
     # forward of the updated model, +1 forward per step) | probe-mean (mean over the probes,
     # free, biased); szo.zo.bn and docs/bn.md

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, Subset
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
-from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
+from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for, tt_prepare
 from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
 from szo.data import make_loader
 from szo.hw import to_fixed
@@ -41,7 +41,6 @@ from szo.hw.optim.onchip import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import atomic_write_json, load_weights, save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
-from szo.models.tt import tt_parametrize
 from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, build_optimizer
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
@@ -348,9 +347,9 @@ def subspace_model(cfg: RecipeConfig, test_loader: Any = None, model: SpikingMod
                 extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
             else:  # the integer learner quantises the basis itself
                 extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
-    if get_method(cfg.method).family == "tensor-train-zo":  # TT-SVD of the start point
-        tt = cfg.tt
-        extra["tt"] = tt_parametrize(net, tt["rank"], cores=tt["cores"], min_params=tt["min_params"])
+    record = tt_prepare(net, cfg)  # TT-SVD of the start point (tensor-train methods)
+    if record is not None:
+        extra["tt"] = record
     return SubspaceModel(model, net, sub, extra)
 
 

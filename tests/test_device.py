@@ -18,7 +18,7 @@ import torch
 
 from szo.build import subspace_store_for
 from szo.config import load_recipe
-from szo.engine import batch_closure
+from szo.evaluators import Batch, batch_closure
 from szo.export import from_nir, to_nir, write_nir
 from szo.hw import to_fixed
 from szo.losses import tet_loss
@@ -82,7 +82,7 @@ def test_bn_is_frozen_across_probes_and_committed_once(device):
     before = _buffers(m)
     opt = build_optimizer("szo-cge", m, subspace=_subspace(m), lr=0.5, mu=0.05, bn_update="recompute", scale="absolute")
     x, y = _batch(device)
-    opt.step(batch_closure(m, tet_loss, x, y))
+    opt.step(batch=Batch(x, y, tet_loss))
     ref = _model(device)
     ref.load_state_dict(before, strict=False)
     ref.load_flat_params(m.flat_params())
@@ -141,7 +141,7 @@ def test_a_relative_scale_steps_as_on_the_cpu(method, scale, engine, device):
         x, y = _batch(dev)
         with precision_policy("fp32", m, dev).scope():
             for _ in range(3):
-                opt.step(batch_closure(m, tet_loss, x, y, reduction=opt.loss_reduction))
+                opt.step(batch=Batch(x, y, tet_loss))
         assert opt.scale_info["rule"] == scale and opt.forward_passes == 3 * opt.forwards_per_step
         ends.append(m.flat_params().detach().cpu())
     torch.testing.assert_close(ends[1], ends[0], rtol=1e-4, atol=1e-6)

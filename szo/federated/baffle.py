@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.functional.zo import rge_coefficients, sample_gaussian
 from szo.zo import HostSpace, ProbePath, rge_plan
 

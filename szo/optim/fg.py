@@ -35,18 +35,19 @@ import torch
 from torch import nn
 from torch.optim.adam import adam
 
-from szo.methods import register_builder
+from szo.evaluators import JVPEvaluator, check_process_group, ddp_path, jvp_closure
+from szo.methods import get_method, register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
+    Batch,
     Field,
     ForwardOnlyBase,
-    JVPEvaluator,
     ParamSpace,
+    ProbePath,
     StateCodec,
     check_hparams,
     gaussian_rows,
     heavy_ball_,
-    jvp_closure,
     refuse_frozen,
 )
 
@@ -70,8 +71,12 @@ def _check_model(model: nn.Module | None, params: list[torch.Tensor], who: str) 
     return [n for n, _ in named]
 
 
-def _jvp_evaluator(model: nn.Module, names: list[str], who: str) -> JVPEvaluator:
-    """The JVP evaluator with the LIF's forward-mode surrogate (``szo.models.forward_mode``)."""
+def _jvp_evaluator(model: nn.Module, names: list[str], who: str, method: str | None = "fg") -> JVPEvaluator:
+    """The JVP evaluator with the LIF's forward-mode surrogate (``szo.models.forward_mode``); ``method``
+    (a one-process method; None: AsyncFGD, whose stages may run on ranks of their own) is refused on a
+    DistributedDataParallel model or a multi-process group, where its replicas would drift apart."""
+    if method is not None:
+        check_process_group(ddp_path(ProbePath(method=get_method(method)), model, who), who)
     return JVPEvaluator(model, names, who, dual_context=jvp_neurons)
 
 
@@ -105,8 +110,9 @@ class ForwardGradient(ForwardOnlyBase):
         return self.q
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         sp = self.space
         z = gaussian_rows(self.q, self.d, self.generator, dtype=torch.float32)
         with self.evaluator.session():
@@ -135,15 +141,16 @@ class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
         names = _check_model(model, params, "SubspaceForwardGradient")
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start)
         self.q = q
-        self._init_forward_only(_jvp_evaluator(model, names, "SubspaceForwardGradient"), generator)
+        self._init_forward_only(_jvp_evaluator(model, names, "SubspaceForwardGradient", "fg-subspace"), generator)
 
     @property
     def forwards_per_step(self) -> int:
         return self.q
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         sp = self.space
         z = gaussian_rows(self.q, self.k, self.generator, dtype=torch.float64)
         with self.evaluator.session():
@@ -214,7 +221,7 @@ class AsyncFGD(ForwardOnlyBase):
         self._where = [where[id(p)] for p in params]
         super().__init__(params, dict(lr=lr))
         self.model = model
-        self._init_forward_only(_jvp_evaluator(model, names, "AsyncFGD"), generator)
+        self._init_forward_only(_jvp_evaluator(model, names, "AsyncFGD", None), generator)
         self.seed = int(seed) if seed is not None else int(self.generator.initial_seed())
         self.steps = 0
         self.last_jvp: float | None = None
@@ -242,8 +249,9 @@ class AsyncFGD(ForwardOnlyBase):
         return self.K - 1 - k
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         i = self.steps
         u = [stage_tangent(st, self.seed, i, k) for k, st in enumerate(self.stages)]
         current: list[list[torch.Tensor] | None] = []

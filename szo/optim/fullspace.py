@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
+    Batch,
     Coordinates,
     ForwardOnlyBase,
     ParamSpace,
@@ -118,11 +119,12 @@ class FullSpaceZO(ForwardOnlyBase):
         return self.kind.plan(mu=mu, z=z.to(self.space.device), interleaved=True, accumulate="sequential")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         plan = self.plan()
         with self.evaluator.session():
-            losses = self.evaluator.run(closure, self.space, plan)
+            losses = self.evaluator.run(closure, self.space, plan, batch=batch)
         grad = plan.estimate(losses, dtype=self.space.dtype).to(self.space.device)
         vel, off = self.state[self.space.params[0]]["velocity"], 0
         for group in self.param_groups:  # each group's slice of the flat vector with its lr / momentum

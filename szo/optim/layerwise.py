@@ -44,7 +44,7 @@ import torch.nn.functional as TF
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.functional.zo import per_sample_node_estimate
 from szo.methods import get_method, list_methods, register_builder
 from szo.zo import (

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import register_builder
@@ -39,6 +39,7 @@ from szo.options import probe_path
 from szo.zo import (
     ESTIMATORS,
     GENERATOR_COUNTERS,
+    Batch,
     CodecOptimizer,
     Estimator,
     Field,
@@ -273,10 +274,10 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     ``probes`` (``szo.zo.ProbePath``) says how the probes run and checks the combination once:
     the engine (``ProbePath(engine="batched", chunk=...)`` evaluates a step's probes as perturbed
-    copies folded into one forward per ``chunk`` of probes, ``szo.engine``; equal to the loop to
-    1e-5; it needs the batch, so the closure must carry it: ``closure.batch = (x, y, loss_fn)``,
-    ``szo.engine.batch_closure(model, loss_fn, x, y)`` builds such a closure, ``szo.train.fit`` sets
-    it; the default ``"loop"`` calls the closure once per probe), the BN statistics (``freeze_bn``,
+    copies folded into one forward per ``chunk`` of probes, ``szo.evaluators``; equal to the loop to
+    1e-5; it never calls the closure and needs the batch: ``opt.step(batch=Batch(x, y, loss_fn))``,
+    or ``opt.step(closure, batch=...)``, ``szo.train.fit`` passes it; the default ``"loop"`` calls
+    the closure once per probe), the BN statistics (``freeze_bn``,
     ``bn_update``) and the torchrun mode. The model's own forward settings (``model.set_compile``,
     ``model.set_cuda_graphs``, ``model.set_streaming``, see ``szo.models``) are read from the model
     and checked with it.
@@ -292,8 +293,12 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     carries the number of redraws and the generator state before the last one (``refresh`` in the
     ``subspace`` section), from which :meth:`load_state_dict` redraws the current basis.
 
+    ``SZO(DistributedDataParallel(model), subspace)`` runs data mode on DDP's process group by itself;
+    a plain model on one rank of several processes (Lightning ``ddp`` / ``ddp_spawn``) is refused in one
+    line, since its replicas would drift apart (``szo.evaluators.distributed``).
     ``ProbePath(distributed="data")`` (every rank: all probes on its shard of the batch, the closure
-    returning the shard's share of the batch loss) or ``"perturbation"`` (every rank: probes
+    returning the shard's MEAN loss; the step averages the ranks' losses, so unequal shards weight
+    their mean by ``W * n_shard / n``) or ``"perturbation"`` (every rank: probes
     ``rank, rank + W, ...`` on the full batch) runs on an initialised torch.distributed group
     (``process_group`` or the default one). Per step the m probe losses (float64) and, with BN,
     the running-statistic sums (once) are all-reduced; in data mode with ``sync_bn`` and BN in
@@ -385,11 +390,12 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         return plan.dense(), None if self.kind.coordinate else plan.directions
 
     @torch.no_grad()
-    def evaluate(self, closure: Callable[[], torch.Tensor], plan: Plan) -> torch.Tensor:
+    def evaluate(self, closure: Callable[[], torch.Tensor], plan: Plan, batch: Batch | None = None) -> torch.Tensor:
         """The losses of ``plan``'s probes with this optimizer's evaluator (a step's probe phase:
-        BN statistics handled as ``bn_update`` says), the parameters restored exactly afterwards."""
+        BN statistics handled as ``bn_update`` says; ``batch``: the step's, which the batched engine
+        folds the probes over), the parameters restored exactly afterwards."""
         with self.evaluator.session():
-            return self.evaluator.run(closure, self.space, plan)
+            return self.evaluator.run(closure, self.space, plan, batch=batch)
 
     def _draw_basis(self, generator: torch.Generator) -> torch.Tensor:
         return haar_basis(self.space.d, self.k, generator)
@@ -418,12 +424,13 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         self.set_basis(basis)  # the saved coordinates and momentum are already in its units
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         if self.refresh is not None and self.subspace_state["step"] // self.refresh > self.refresh_state["count"]:
             self.refresh_basis()
         plan = self.plan()
-        losses = self.evaluate(closure, plan)
+        losses = self.evaluate(closure, plan, batch)
         self.apply_update(plan.estimate(losses))
         fallback = self.kind.step_loss(losses)
         return self.finish_step(closure, losses, fallback, plan.m)

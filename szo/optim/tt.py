@@ -33,7 +33,7 @@ from torch import nn
 
 from szo.methods import register_builder
 from szo.models.tt import tt_layers
-from szo.zo import GENERATOR_COUNTERS, Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
+from szo.zo import GENERATOR_COUNTERS, Batch, Field, StateCodec, gaussian_rows, one_point_plan, sign_descent_
 
 from .fullspace import FullSpaceZO
 
@@ -148,8 +148,9 @@ class HybridZO(FullSpaceZO):
         return self.finish_step(closure, losses, center, plan.m), center
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         st = self.hybrid_state
         if self.phase == "sign-rge":
             loss, center = self._sign_step(closure)

@@ -61,7 +61,7 @@ from szo.plots import plot_training_curve
 from szo.precision import check_precision, precision_policy
 from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
-from szo.zo import HasSubspace, bn_layers, is_forward_only
+from szo.zo import Batch, HasSubspace, bn_layers, is_forward_only
 
 __all__ = ["fit", "FitOptions", "Trainer", "RunState", "StepStrategy", "evaluate", "evaluate_sums", "TrainingDiverged",
            "DIVERGE_FACTOR"]
@@ -248,8 +248,15 @@ class StepStrategy:
             outs.append(out.detach().mean(0))
             return loss
 
-        closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]  # the batched engine folds the probes over x
         return closure
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> Any:
+        """One optimizer step on ``(x, y)``: a forward-only optimizer gets the closure and, explicitly,
+        the batch (``szo.zo.Batch``: what the batched engine folds its probes over)."""
+        closure = self.closure(x, y, scale)
+        if self.forward_only:
+            return self.optimizer.step(closure, batch=Batch(x, y, self.loss_fn))
+        return self.optimizer.step(closure)
 
     def counts(self) -> tuple[int, int]:
         """(forwards, backwards) of the step just taken."""
@@ -436,7 +443,7 @@ class Trainer:
         x, y = x.to(o.device, non_blocking=True), y.to(o.device, non_blocking=True)
         scale = self.par.world_size * int(y.shape[0]) / n if self.shard else 1.0
         try:
-            loss_t = self.optimizer.step(steps.closure(x, y, scale))
+            loss_t = steps.step(x, y, scale)
         except NonFiniteLossError as e:  # a forward-only optimizer's probe
             self._diverged(str(e).split(";")[0].replace("returned a non-finite loss", "gave a non-finite loss"))
         fwd, bwd = steps.counts()

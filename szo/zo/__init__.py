@@ -6,12 +6,12 @@
   the one place flat <-> tensors happens;
 * **plan** (``szo.zo.plans``) -- which probes a step makes and how their losses combine: CGE,
   RGE, one-point, coordinate one-point; Gaussian and XORShift32 Rademacher directions;
-* **evaluator** (``szo.zo.evaluate``) -- how the probes run: :class:`LoopEvaluator` (THE loop:
-  BN frozen or recomputed, neurons reset, first-step watch, loss check), the batched engine
-  (``szo.engine``), torch.distributed (``szo.distributed``), :class:`JVPEvaluator`; which of them
-  runs a step's probes, and every rule on combining engine, torchrun mode, synchronised BN,
-  compile, CUDA graphs, streaming and backend, is one record: :class:`ProbePath` (``szo.zo.path``;
-  ``szo.engine.build_evaluator`` builds the evaluator from it);
+* **guard** (``szo.zo.guard``) -- what every probe needs around the closure (BN frozen or
+  recomputed, neurons reset, first-step watch, loss check); the evaluators that run a step's probes
+  (the loop, the batched engine, data- and perturbation-parallel, forward gradients) build on it in
+  ``szo.evaluators``; which of them runs a step's probes, and every rule on combining engine,
+  torchrun mode, synchronised BN, compile, CUDA graphs, streaming and backend, is one record:
+  :class:`ProbePath` (``szo.zo.path``; ``szo.evaluators.build_evaluator`` builds the evaluator from it);
 * **update** (``szo.zo.update``) -- :func:`heavy_ball_`, :func:`sign_descent_`, the integer rules,
   and :class:`StateCodec` for the state a checkpoint carries;
 * **protocol** (``szo.zo.protocol``) -- :class:`ForwardOnlyOptimizer` and the per-step
@@ -23,7 +23,6 @@ how the optimizers of ``szo.optim`` compose it and how to add a method.
 """
 from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase, refuse_meta
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
-from .evaluate import EvaluatorBase, JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
 from .guard import ProbeGuard, check_hparams, resolve_model
 from .path import ForwardSettings, ProbePath
 from .plans import (
@@ -40,7 +39,15 @@ from .plans import (
                     rademacher_rows,
                     rge_plan,
 )
-from .protocol import PROTOCOL_MEMBERS, ForwardOnlyOptimizer, HasSubspace, ReportsResults, StepInfo, is_forward_only
+from .protocol import (
+                    PROTOCOL_MEMBERS,
+                    Batch,
+                    ForwardOnlyOptimizer,
+                    HasSubspace,
+                    ReportsResults,
+                    StepInfo,
+                    is_forward_only,
+)
 from .space import (
                     LAYER_TYPES,
                     START_POINTS,
@@ -68,11 +75,11 @@ from .update import (
 )
 
 __all__ = [
-    "BN_UPDATES", "BNStatsFreezer", "CodecOptimizer", "Coordinates", "ESTIMATORS", "INTEGER_ESTIMATORS", "Estimator", "get_estimator", "EvaluatorBase", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
-    "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "JVPEvaluator", "LoopEvaluator", "NodeSpace", "ParamSpace", "Plan", "ProbeEvaluator",
+    "BN_UPDATES", "BNStatsFreezer", "Batch", "CodecOptimizer", "Coordinates", "ESTIMATORS", "INTEGER_ESTIMATORS", "Estimator", "get_estimator", "Field", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "GENERATOR_COUNTERS", "ForwardOnlyOptimizer",
+    "HasSubspace", "ReportsResults", "HostSpace", "PROTOCOL_MEMBERS", "is_forward_only", "NodeSpace", "ParamSpace", "Plan",
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
-    "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
+    "integer_heavy_ball", "move_to_start", "one_point_plan", "quantized_zo_update",
     "rademacher_rows", "resolve_model", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
     "ProbePath", "ForwardSettings",
 ]

@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .protocol import StepInfo
+from .protocol import Batch, StepInfo
 from .update import StateCodec
 
 __all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_complex", "refuse_meta"]
@@ -210,14 +210,30 @@ class ForwardOnlyBase(CodecOptimizer):
     def last_outputs_unperturbed(self) -> bool:
         return self._last_step is not None and self._last_step.unperturbed
 
-    def check_closure(self, closure: Callable[[], torch.Tensor] | None) -> None:
-        """One ValueError for ``step()`` without a closure (as after ``loss.backward()``): the step is
-        forward-only, it evaluates the loss itself at its probes."""
-        if closure is None:
-            what = "per-sample losses" if self.loss_reduction == "none" else "loss"
+    def check_closure(self, closure: Callable[[], torch.Tensor] | None, batch: Batch | None = None
+                      ) -> Callable[[], torch.Tensor]:
+        """The closure a step calls: ``closure``, else one built from ``batch`` and the model
+        (:meth:`Batch.closure`, with this optimizer's ``loss_reduction``). One ValueError for
+        ``step()`` with neither (as after ``loss.backward()``): the step is forward-only, it evaluates
+        the loss itself at its probes."""
+        if batch is not None:
+            if not isinstance(batch, Batch):
+                raise ValueError(f"{type(self).__name__}.step(batch=...) takes a szo.evaluators.Batch(x, y, loss_fn), "
+                                 f"got {type(batch).__name__}")
+            batch.check()
+        if closure is not None:
+            return closure
+        what = "per-sample losses" if self.loss_reduction == "none" else "loss"
+        if batch is None:
             raise ValueError(f"{type(self).__name__}.step needs a closure that runs a forward pass and returns the "
                              f"{what}: the step is forward-only and evaluates it at every probe; call "
-                             "opt.step(closure), without loss.backward()")
+                             "opt.step(closure) or opt.step(batch=Batch(x, y, loss_fn)), without loss.backward()")
+        model = self.evaluator.guard.model
+        if model is None:
+            raise ValueError(f"{type(self).__name__}.step(batch=...) without a closure builds it from the model, and "
+                             "this optimizer was given parameters only: pass the closure too, "
+                             "opt.step(closure, batch=batch), or build the optimizer on the model")
+        return batch.closure(model, self.loss_reduction)
 
     # ------------------------------------------------------------------ the end of a step
     @torch.no_grad()
@@ -287,8 +303,9 @@ class LayerwiseBase(ForwardOnlyBase):
         raise NotImplementedError
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         grads: dict[str, Any] = {}
         with self.evaluator.session(), self._step_scope():
             clean = self._clean_forward(closure)

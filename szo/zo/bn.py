@@ -107,7 +107,7 @@ class BNStatsFreezer:
 
     @torch.no_grad()
     def add_probe_sums(self, sums: dict, count: int, advance: int = 1) -> None:
-        """``accumulate()`` for ``count`` probes evaluated elsewhere (``szo.engine``, which keeps
+        """``accumulate()`` for ``count`` probes evaluated elsewhere (``szo.evaluators.batched``, which keeps
         one copy of the statistics per folded probe): ``sums[layer] = (sum over the probes of the
         running_mean, of the running_var)`` that layer produced from the snapshot. A layer not in
         ``sums`` (eval mode) adds ``count`` times its current statistics, as ``accumulate`` would.

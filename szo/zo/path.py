@@ -1,7 +1,7 @@
 """How a probe forward runs, as one record: :class:`ProbePath`.
 
 Seven settings decide how the forwards of a step's probes run: the engine (``loop``: one closure
-call per probe; ``batched``: the probes folded into copies of the model, ``szo.engine``), the
+call per probe; ``batched``: the probes folded into copies of the model, ``szo.evaluators``), the
 torchrun mode (``szo.distributed``), synchronised BN, ``compile`` (``szo.models.compiled``),
 ``cuda_graphs`` (``szo.models.graphed``), the streaming forward (``time_chunk``,
 ``szo.models.streaming``) and the backend (``float`` or the integer forward of ``szo.hw``). Some
@@ -9,7 +9,7 @@ combinations cannot work; :meth:`ProbePath.check` holds every rule about them, o
 spelled as a recipe spells the keys (``recipe=True``: ``szo.engine``, ``distributed.mode``) or as
 the library's keywords do (``engine=``, ``model.set_cuda_graphs``), the way
 ``MethodSpec.check_capabilities`` spells the method's own rules. Config validation, the
-distributed stage check, ``build_optimizer``, the optimizers (through ``szo.engine.build_evaluator``,
+distributed stage check, ``build_optimizer``, the optimizers (through ``szo.evaluators.build_evaluator``,
 the one factory that turns the record into an evaluator) and the model's own forward setters all
 ask this record.
 
@@ -30,7 +30,7 @@ from szo.methods import MethodSpec, get_method, list_methods, which_methods
 __all__ = ["ProbePath", "ForwardSettings", "ENGINES", "MODES", "BACKENDS"]
 
 ENGINES: tuple[str, ...] = ("loop", "batched")
-"""``loop``: ``szo.zo.LoopEvaluator``, one closure call per probe; ``batched``: ``szo.engine``'s folded forwards."""
+"""``loop``: ``szo.evaluators.LoopEvaluator``, one closure call per probe; ``batched``: ``szo.evaluators.BatchedProbeEvaluator``, folded forwards."""
 MODES: tuple[str, ...] = ("data", "perturbation")
 """torchrun modes (``szo.distributed``): a shard of the batch per rank, or a slice of the probes per rank."""
 BACKENDS: tuple[str, ...] = ("float", "fixed")

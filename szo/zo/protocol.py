@@ -8,11 +8,51 @@ hands it a no-grad closure and reads everything it logs from :attr:`last_step`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
+from spikingjelly.activation_based.functional import reset_net
+from torch import nn
 
-__all__ = ["StepInfo", "ForwardOnlyOptimizer", "HasSubspace", "ReportsResults", "is_forward_only", "PROTOCOL_MEMBERS"]
+__all__ = ["Batch", "StepInfo", "ForwardOnlyOptimizer", "HasSubspace", "ReportsResults", "is_forward_only", "PROTOCOL_MEMBERS"]
+
+
+class Batch(NamedTuple):
+    """One step's batch, given to a forward-only step next to (or instead of) its closure:
+    ``opt.step(closure, batch=Batch(x, y, loss_fn))``, or ``opt.step(batch=Batch(x, y, loss_fn))``
+    for an optimizer that knows its model (the closure is then :meth:`closure`).
+
+    An evaluator that folds the probes over the batch (``ProbePath(engine="batched")``,
+    ``szo.evaluators.BatchedProbeEvaluator``) needs it, since it never calls the closure; the
+    probe loop calls the closure and does not read it. ``loss_fn(out, y)`` is the batch's mean
+    loss (``loss_fn(out, y, reduction="none")`` one loss per sample)."""
+
+    x: Any
+    y: Any
+    loss_fn: Callable[..., torch.Tensor]
+
+    def check(self) -> "Batch":
+        """This batch, or one ValueError naming what is wrong."""
+        if not callable(self.loss_fn):
+            raise ValueError(f"Batch(x, y, loss_fn): loss_fn must be callable as loss_fn(out, y), "
+                             f"got {type(self.loss_fn).__name__}")
+        return self
+
+    def closure(self, model: nn.Module, reduction: str = "mean") -> Callable[[], torch.Tensor]:
+        """``closure() = loss_fn(model(x), y)``, the model's neuron state reset (SpikingJelly
+        ``reset_net``) before each call, so it is right for a model whose ``forward`` does not reset;
+        ``reduction="none"``: one loss per sample (``loss_fn(out, y, reduction="none")``)."""
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+        self.check()
+        kw = {} if reduction == "mean" else {"reduction": "none"}
+        x, y, loss_fn = self
+
+        def closure() -> torch.Tensor:
+            reset_net(model)
+            return loss_fn(model(x), y, **kw)
+
+        return closure
 
 
 @dataclass(frozen=True)
@@ -45,7 +85,10 @@ class StepInfo:
 class ForwardOnlyOptimizer(Protocol):
     """A ``torch.optim.Optimizer`` trained by forward passes only.
 
-    * ``step(closure)``: calls the no-grad ``closure`` (forward, loss) once per probe; returns the loss;
+    * ``step(closure, *, batch=None)``: calls the no-grad ``closure`` (forward, loss) once per probe;
+      returns the loss. ``batch`` (a :class:`Batch`) is the step's batch, which an evaluator that
+      folds the probes over it needs (the batched engine); without a closure the step builds it from
+      the batch and its model (``Batch.closure``);
     * ``forward_passes``: forwards so far (checkpointed); ``forwards_per_step``: per step;
     * ``generator``: the ``torch.Generator`` its random directions come from (checkpointed, so a
       resumed run draws the same ones; a test-time adapter's reset leaves it running);
@@ -75,7 +118,8 @@ class ForwardOnlyOptimizer(Protocol):
     @property
     def train_outputs(self) -> bool: ...
 
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor: ...
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *, batch: Batch | None = None
+             ) -> torch.Tensor: ...
 
     def state_dict(self) -> dict: ...
 

@@ -286,7 +286,7 @@ class NodeMover:
 
 class Still:
     """The space in which nothing moves: every probe of a plan is the current point (the clean
-    forward of a step, :meth:`szo.zo.LoopEvaluator.centre`). Its own mover."""
+    forward of a step, :meth:`szo.evaluators.LoopEvaluator.centre`). Its own mover."""
 
     def mover(self, plan: Plan) -> "Still":
         return self

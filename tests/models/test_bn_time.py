@@ -9,7 +9,7 @@ import torch
 from spikingjelly.activation_based import functional
 
 import szo.models as M
-from szo.engine import batch_closure
+from szo.evaluators import Batch
 from szo.losses import tet_loss
 from szo.optim import SZO
 from szo.zo import ProbePath
@@ -70,7 +70,7 @@ def test_per_step_batched_engine_equals_loop(bn_update):
         g = torch.Generator().manual_seed(3)
         for _ in range(2):
             x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
-            opt.step(batch_closure(model, tet_loss, x, y))
+            opt.step(batch=Batch(x, y, tet_loss))
         return model
 
     loop, bat = run("loop"), run("batched")

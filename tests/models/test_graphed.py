@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from szo.engine import batch_closure
+from szo.evaluators import Batch, batch_closure
 from szo.losses import tet_loss
 from szo.models import create
 from szo.models.graphed import CudaGraphBackend, ForwardGraphs
@@ -125,7 +125,7 @@ def test_szo_steps_through_graphs_equal_eager_steps():
         opt = build_optimizer("szo-cge", m, subspace=sub, lr=0.5, mu=0.05, scale="absolute")
         for i in range(2):
             x, y = _x(seed=10 + i), torch.arange(8) % 10
-            opt.step(batch_closure(m, tet_loss, x, y))
+            opt.step(batch=Batch(x, y, tet_loss))
         outs.append((m.flat_params(), _bn_state(m)))
         if graphs:
             assert m.cuda_graphs.stats.captures == 1 and m.cuda_graphs.stats.replays == 2 * 7

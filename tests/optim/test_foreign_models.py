@@ -19,7 +19,7 @@ from spikingjelly.activation_based.model import sew_resnet, spiking_resnet
 from torch import nn
 
 from subspace_store import SubspaceStore, build_subspace
-from szo.engine import batch_closure
+from szo.evaluators import Batch
 from szo.functional import zo as F
 from szo.optim import SZO
 from szo.trajectory import TrajectoryRecorder
@@ -119,7 +119,10 @@ def szo_step(arch, state, sub, estimator, engine, x, y):
     opt = SZO(model, sub, mu=MU, lr=LR, momentum=0.9, estimator=estimator, q=1,
               generator=torch.Generator().manual_seed(5), probes=ProbePath(engine=engine))
     assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), sub.reference)  # start = reference
-    opt.step(batch_closure(model, loss_fn, x, y) if engine == "batched" else (lambda: loss_fn(model(x), y)))
+    if engine == "batched":  # the engine folds the probes over the batch: the step gets it, not a closure
+        opt.step(batch=Batch(x, y, loss_fn))
+    else:
+        opt.step(lambda: loss_fn(model(x), y))
     assert opt.forward_passes == opt.forwards_per_step == (2 * K if estimator == "cge" else 2) + 1
     return model, opt
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from subspace_store import random_subspace
-from szo.engine import batch_closure
+from szo.evaluators import Batch
 from szo.functional.basis import haar_basis
 from szo.losses import tet_loss
 from szo.models import create
@@ -207,7 +207,7 @@ def test_the_batched_engine_follows_the_redrawn_basis(estimator):
         model = create("spike_convnet", num_classes=10, T=2, width=4).train()
         opt = _opt(model, _sub(model, 3), refresh=2, estimator=estimator, q=2, probes=ProbePath(engine=engine))
         for _ in range(5):
-            opt.step(batch_closure(model, tet_loss, x, y))
+            opt.step(batch=Batch(x, y, tet_loss))
         return flat(model), opt
 
     (a, oa), (b, ob) = run("loop"), run("batched")

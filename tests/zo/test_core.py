@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from szo.evaluators import LoopEvaluator
 from szo.functional.zo import NonFiniteLossError
 from szo.zo import (
     Coordinates,
     Field,
-    LoopEvaluator,
     NodeSpace,
     ParamSpace,
     ProbeGuard,

@@ -11,7 +11,7 @@ from spikingjelly.activation_based import layer, neuron
 from torch import nn
 
 import szo.zo.guard as guard_module
-from szo.engine import batch_closure
+from szo.evaluators import Batch
 from szo.layout import param_layout
 from szo.optim import SZO, build_optimizer
 from szo.zo import ProbePath
@@ -185,9 +185,9 @@ def test_the_batched_engine_refuses_train_mode_dropout_in_one_line():
     opt = SZO(model, _subspace(model), probes=ProbePath(engine="batched"))
     with pytest.raises(ValueError, match=r"engine='batched' folds .* train-mode dropout \(0.2, 2\) .* "
                                          r"use engine='loop'") as e:
-        opt.step(batch_closure(model, _loss, x, y))
+        opt.step(batch=Batch(x, y, _loss))
     assert "\n" not in str(e.value)
     for m in model.modules():
         if isinstance(m, (nn.Dropout, layer.Dropout)):
             m.eval()
-    opt.step(batch_closure(model, _loss, x, y))  # dropout off: folds as before
+    opt.step(batch=Batch(x, y, _loss))  # dropout off: folds as before

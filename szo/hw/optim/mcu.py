@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.functional.integer import LOSS_FRAC, fixed_point_losses
 from szo.functional.xorshift import XorShift32
 from szo.functional.zo import integer_node_sums, integer_weight_sums

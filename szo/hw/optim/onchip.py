@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from szo.config import LEARNER_WIDTHS
-from szo.engine import build_evaluator
+from szo.evaluators import build_evaluator
 from szo.functional.xorshift import XorShift32
 from szo.hw.convert import FixedPointNetwork, to_fixed
 from szo.hw.fixed import BitWidths, SaturationCounter, int_range, quantize_weight, saturate
@@ -34,6 +34,7 @@ from szo.methods import register_builder
 from szo.train.trainer import evaluate_sums
 from szo.zo import (
     INTEGER_ESTIMATORS,
+    Batch,
     Field,
     ForwardOnlyBase,
     HostSpace,
@@ -308,8 +309,9 @@ class OnChipSZO(ForwardOnlyBase):
         return self.kind.plan(mu=self.mu_lsb, z=Z, interleaved=True, accumulate="matmul")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # type: ignore[override]
-        self.check_closure(closure)
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
+             batch: Batch | None = None) -> torch.Tensor:
+        closure = self.check_closure(closure, batch)
         if self.rule == "eq8" and self.momentum != self.defaults["momentum"]:  # a momentum schedule: nothing to apply to
             raise ValueError(f"OnChipSZO rule 'eq8' (seed 004's quantized ZO) takes no momentum, but param_groups "
                              f"changed it to {self.momentum:g}: leave it (a scheduler: OneCycleLR(cycle_momentum=False))")

@@ -1,8 +1,8 @@
 """Batched perturbation forward: the losses of m perturbed parameter sets in one pass.
 
 One SZO step evaluates the loss of the same batch at m = 2k (CGE) or 2q (RGE) parameter
-vectors. The sequential loop (``szo.zo.LoopEvaluator.run``) perturbs in place and calls the model
-m times. This engine instead runs the model *once* on a "channel-folded" tensor that
+vectors. The sequential loop (``szo.evaluators.LoopEvaluator.run``) perturbs in place and calls the model
+m times. This engine instead, given the step's batch (``szo.zo.Batch``), runs the model *once* on a "channel-folded" tensor that
 carries all m copies side by side in the channel (feature) dimension:
 
 * ``Conv2d``: stacked weights ``[m*C_out, C_in/g, kh, kw]`` as a grouped convolution with
@@ -54,11 +54,12 @@ from ..functional import zo as F
 from ..models.streaming import bn_momentum
 from ..precision import exact_fp32
 from ..zo.bn import BNStatsFreezer
-from ..zo.evaluate import EvaluatorBase
 from ..zo.guard import ProbeGuard, train_mode_dropout
-from ..zo.path import ENGINES  # "loop" is szo.zo.LoopEvaluator, "batched" this module
+from ..zo.path import ENGINES, ProbePath  # "loop" is szo.evaluators.LoopEvaluator, "batched" this module
 from ..zo.plans import Plan
+from ..zo.protocol import Batch
 from ..zo.space import SubspaceSpace
+from .base import Closure, EvaluatorBase
 
 __all__ = ["BatchedEvaluator", "ENGINES", "batch_closure", "BatchedProbeEvaluator", "available_memory_bytes"]
 
@@ -438,19 +439,20 @@ class BatchedProbeEvaluator(EvaluatorBase):
     """``SZO(probes=ProbePath(engine="batched"))``'s probe evaluator (a ``szo.zo`` probe evaluator): one folded forward
     per chunk of a plan's probes ``theta + mu P U[j]`` in a :class:`~szo.zo.SubspaceSpace`.
 
-    It needs the batch instead of an opaque closure: ``closure.batch = (x, y, loss_fn)``
-    (:func:`batch_closure`; ``szo.train.fit`` sets it). BN statistics follow the step's
+    It needs the batch, not an opaque closure: ``run(..., batch=Batch(x, y, loss_fn))``, which the
+    optimizer passes on from ``opt.step(closure, batch=Batch(x, y, loss_fn))`` (``szo.train.fit``
+    does this). BN statistics follow the step's
     ``bn_update`` through the guard's ``BNStatsFreezer``, as the loop does. The probes do not call
     the closure, so a trainer sees no train outputs from them (``sees_outputs`` False).
     """
 
     sees_outputs = False
 
-    def __init__(self, guard: ProbeGuard, model: nn.Module, *, chunk: int | None = None):
+    def __init__(self, guard: ProbeGuard, model: nn.Module, path: ProbePath | None = None):
         if model is None:
             raise ValueError("the batched engine needs the model")
-        super().__init__(guard)
-        self.evaluator = BatchedEvaluator(model, None, chunk=chunk)
+        super().__init__(guard, path)
+        self.evaluator = BatchedEvaluator(model, None, chunk=None if path is None else path.chunk)
         self._checked: SubspaceSpace | None = None  # the space whose parameters were checked
 
     @property
@@ -459,16 +461,16 @@ class BatchedProbeEvaluator(EvaluatorBase):
         return self.evaluator.last_chunk
 
     @torch.no_grad()
-    def run(self, closure: Callable[[], torch.Tensor], space: SubspaceSpace, plan: Plan, *,
+    def run(self, closure: Closure, space: SubspaceSpace, plan: Plan, *, batch: Batch | None = None,
             label: str = "probe") -> torch.Tensor:
-        batch = getattr(closure, "batch", None)
+        """The losses of ``plan``'s probes on ``batch`` (the closure is not called)."""
         if batch is None:
-            raise ValueError("engine='batched' needs the batch: pass szo.engine.batch_closure(model, loss_fn, x, y) "
-                             "or set closure.batch = (x, y, loss_fn)")
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 3):
-            raise ValueError(f"closure.batch must be (x, y, loss_fn), got {type(batch).__name__}")
-        x, y, loss_fn = batch
-        _check_loss_fn(loss_fn)
+            raise ValueError("engine='batched' folds the probes over the batch and never calls the closure: give "
+                             "the step its batch, opt.step(closure, batch=szo.evaluators.Batch(x, y, loss_fn)) "
+                             "(or opt.step(batch=Batch(x, y, loss_fn)))")
+        if not isinstance(batch, Batch):
+            raise ValueError(f"batch must be a szo.evaluators.Batch(x, y, loss_fn), got {type(batch).__name__}")
+        x, y, loss_fn = batch.check()
         ev = self.evaluator
         dropout = train_mode_dropout(ev.model)
         if dropout:
@@ -493,20 +495,9 @@ class BatchedProbeEvaluator(EvaluatorBase):
 
 
 def batch_closure(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                  reduction: str = "mean") -> Callable[[], torch.Tensor]:
-    """``closure() = loss_fn(model(x), y)`` carrying ``closure.batch = (x, y, loss_fn)``, so that
-    ``SZO.step`` can evaluate it with either engine (the loop calls it; the batched engine folds
-    the probes over ``x``). The model's neuron state is reset (SpikingJelly ``reset_net``)
-    before each call, so the closure is right for a model whose ``forward`` does not reset.
-    ``reduction="none"``: one loss per sample (``loss_fn(out, y, reduction="none")``), what an
-    optimizer with ``loss_reduction == "none"`` (per-sample node perturbation) needs."""
-    if reduction not in ("mean", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    kw = {} if reduction == "mean" else {"reduction": "none"}
-
-    def closure() -> torch.Tensor:
-        reset_net(model)
-        return loss_fn(model(x), y, **kw)
-
-    closure.batch = (x, y, loss_fn)  # type: ignore[attr-defined]
-    return closure
+                  reduction: str = "mean") -> Closure:
+    """``closure() = loss_fn(model(x), y)``, the model's neuron state reset (SpikingJelly
+    ``reset_net``) before each call: ``Batch(x, y, loss_fn).closure(model, reduction)``
+    (``reduction="none"``: one loss per sample, what an optimizer with ``loss_reduction == "none"``
+    needs). The batched engine needs the batch itself: ``opt.step(batch=Batch(x, y, loss_fn))``."""
+    return Batch(x, y, loss_fn).closure(model, reduction)

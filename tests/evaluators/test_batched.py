@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import szo.models as M
-from szo.engine import BatchedEvaluator, BatchedProbeEvaluator, batch_closure
+from szo.evaluators import Batch, BatchedEvaluator, BatchedProbeEvaluator, batch_closure
 from szo.losses import tet_loss
 from szo.optim import SZO
 from szo.zo import ParamSpace, ProbePath
@@ -42,9 +42,9 @@ def _bn_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _batched(opt, model, plan, x, y, chunk=None):
     """The plan's losses from the batched engine, as SZO(engine="batched") runs it (one step's probes)."""
-    ev = BatchedProbeEvaluator(opt.guard, model, chunk=chunk)
+    ev = BatchedProbeEvaluator(opt.guard, model, ProbePath(engine="batched", chunk=chunk))
     with ev.session():
-        return ev.run(batch_closure(model, tet_loss, x, y), opt.space, plan)
+        return ev.run(batch_closure(model, tet_loss, x, y), opt.space, plan, batch=Batch(x, y, tet_loss))
 
 
 def _loop_vs_batched(model, opt, x, y, plan, chunk=None):
@@ -125,7 +125,7 @@ def test_auto_chunk_is_positive_and_bounded():
 
 
 def test_auto_chunk_is_chosen_once_per_input_shape(monkeypatch):
-    import szo.engine.batched as B
+    import szo.evaluators.batched as B
 
     model, opt, x, y = _setup("spike_convnet")
     ev = BatchedEvaluator(model, tet_loss)
@@ -163,9 +163,10 @@ def test_loss_fn_per_call_is_not_kept():
     model.load_state_dict(start)
     torch.testing.assert_close(_batched(opt, model, step_plan, x, y), ref, rtol=0.0, atol=0.0)
     closure = batch_closure(model, tet_loss, x, y)
-    closure.batch = (x, y)
-    with pytest.raises(ValueError, match=r"closure.batch must be \(x, y, loss_fn\)"):  # no loss_fn kept anywhere
-        BatchedProbeEvaluator(opt.guard, model).run(closure, opt.space, step_plan)
+    with pytest.raises(ValueError, match=r"^batch must be a szo.evaluators.Batch\(x, y, loss_fn\), got tuple"):
+        BatchedProbeEvaluator(opt.guard, model).run(closure, opt.space, step_plan, batch=(x, y))
+    with pytest.raises(ValueError, match=r"^Batch\(x, y, loss_fn\): loss_fn must be callable"):
+        BatchedProbeEvaluator(opt.guard, model).run(closure, opt.space, step_plan, batch=Batch(x, y, "tet"))
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
@@ -175,7 +176,7 @@ def test_bad_chunk_raises(bad):
         BatchedEvaluator(model, tet_loss, chunk=bad)
     with pytest.raises(ValueError, match="chunk"):
         BatchedProbeEvaluator(SZO(model, SimpleNamespace(basis=torch.eye(model.num_params(), 2), layout=None),
-                                  start="current").guard, model, chunk=bad)
+                                  start="current").guard, model, ProbePath(engine="batched", chunk=bad))
 
 
 def test_bad_inputs_raise():
@@ -187,13 +188,15 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match=r"\[m, d\]"):
         ev.losses(x, y, torch.zeros(3, 7))
     bev = BatchedProbeEvaluator(opt.guard, model)
-    with pytest.raises(ValueError, match="batch"):
+    with pytest.raises(ValueError, match=r"^engine='batched' folds the probes over the batch and never calls the "
+                                         r"closure: give the step its batch, opt.step\(closure, batch="):
         bev.run(lambda: tet_loss(model(x), y), opt.space, opt.plan())
+    b = Batch(x, y, tet_loss)
     with pytest.raises(ValueError, match="evaluates subspace plans; got a ParamSpace"):
-        bev.run(batch_closure(model, tet_loss, x, y), ParamSpace(list(model.parameters())), opt.plan())
+        bev.run(b.closure(model), ParamSpace(list(model.parameters())), opt.plan(), batch=b)
     other, other_opt, _, _ = _setup("spike_convnet", seed=1)
     with pytest.raises(ValueError, match="not model.parameters"):
-        bev.run(batch_closure(model, tet_loss, x, y), other_opt.space, other_opt.plan())
+        bev.run(b.closure(model), other_opt.space, other_opt.plan(), batch=b)
 
     class Scale(nn.Module):
         def __init__(self):
@@ -250,7 +253,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
         g = torch.Generator().manual_seed(3)
         for _ in range(2):
             x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
-            opt.step(batch_closure(model, tet_loss, x, y))
+            opt.step(batch=Batch(x, y, tet_loss))  # the loop calls the closure built from it; the engine folds it
         return model, opt
 
     (m_loop, o_loop), (m_bat, o_bat) = run("loop"), run("batched")
@@ -259,7 +262,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
     for (k, a), b in zip(m_loop.state_dict().items(), m_bat.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
     assert o_bat.forward_passes == o_loop.forward_passes == 10  # 2 steps x (2q = 4 probes + 1 BN forward)
-    with pytest.raises(ValueError, match="needs the batch"):
+    with pytest.raises(ValueError, match="never calls the closure: give the step its batch"):
         o_bat.step(lambda: tet_loss(m_bat(torch.zeros(2, 1, 8, 8)), torch.zeros(2, dtype=torch.long)))
     with pytest.raises(ValueError, match="unknown engine 'vmap'; valid: loop, batched"):
         SZO(m_loop.parameters(), SimpleNamespace(basis=torch.eye(m_loop.num_params(), 2), layout=None),
@@ -338,4 +341,4 @@ def test_a_frozen_parameter_under_the_batched_engine_is_one_line_that_says_so():
     x, y = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
     with pytest.raises(ValueError, match=r"^engine='batched' folds every parameter of the model into its probe "
                                          r"copies; 1 of them are frozen \(requires_grad=False\) .*use engine='loop'"):
-        opt.step(batch_closure(model, tet_loss, x, y))
+        opt.step(batch=Batch(x, y, tet_loss))
