@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..functional import zo as F
-from ..precision import fresh_casts
+from ..precision import fresh_casts, refuse_cached_parametrizations
 from .guard import ProbeGuard
 from .plans import Plan, coord_one_point_plan
 from .space import Space, Still
@@ -82,6 +82,7 @@ class EvaluatorBase:
         autocast block encloses the step."""
         if self.path is not None:
             self.path.on(self.guard.model).check()
+        refuse_cached_parametrizations(self.guard.model, self.guard.who)
         self.guard.begin_step()
         with fresh_casts():
             try:
