@@ -128,6 +128,15 @@ class HybridZO(FullSpaceZO):
         group.setdefault("sign_lr_at", float(group.get("lr", self.defaults["lr"])))
         super().add_param_group(group)
 
+    def load_state_dict(self, state_dict):
+        """As ``FullSpaceZO``'s; a state saved before groups kept their sign step (no ``sign_lr`` /
+        ``sign_lr_at``) continues as it ran then: the optimizer's ``sign_lr`` at the scheduler's
+        ``initial_lr``, else the lr the optimizer was built with."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.setdefault("sign_lr", self.sign_lr)
+            group.setdefault("sign_lr_at", float(group.get("initial_lr", self.defaults["lr"])))
+
     def sign_step(self, group: dict) -> float:
         """The signRGE step of ``group``: its ``sign_lr`` times its lr over ``sign_lr_at`` (a group
         added at lr 0 steps by ``sign_lr`` once its lr is above 0)."""

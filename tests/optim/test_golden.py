@@ -109,7 +109,7 @@ def _assert_same(got, want, path: str, rtol: float = 1e-12, sections: frozenset 
         if "/" not in path:  # the top level: its sections are repeated in the first parameter's state
             sections = frozenset(k for k in want if k not in ("state", "param_groups"))
         extra = {k for k in set(got) - set(want)
-                 if not (k in ADDED or k in sections or (isinstance(got[k], dict) and set(got[k]) <= sections))}
+                 if not (k in ADDED or k in sections or (isinstance(got[k], dict) and set(got[k]) <= sections | ADDED))}
         assert set(want) <= set(got) and not extra, \
             f"{path}: keys {sorted(map(str, got))} != {sorted(map(str, want))} (+ any of {sorted(ADDED)})"
         for k in want:
