@@ -263,7 +263,7 @@ class AsyncFGD(ForwardOnlyBase):
                     sp.restore(now)
         loss, d = float(losses[0]), float(jvps[0])
         self.last_jvp = d
-        lr = self.param_groups[0]["lr"]
+        lr = float(self.param_groups[0]["lr"])  # a number, or the one-element tensor torch allows
         for k, (st, sp) in enumerate(zip(self.stages, self._stage_spaces)):
             if self._lag(k) > 0:
                 self.history[k].append(current[k] if current[k] is not None else sp.save())
