@@ -49,9 +49,11 @@ from typing import Any, Iterator
 
 import torch
 from spikingjelly.activation_based.precision import prepare_model_for_precision
+from torch.nn.utils import parametrize
 
 __all__ = ["PRECISIONS", "AUTO", "PrecisionPolicy", "precision_policy", "resolve_precision", "check_precision",
-           "exact_fp32", "fresh_casts", "tf32_flags"]
+           "exact_fp32", "fresh_casts", "tf32_flags",
+           "refuse_cached_parametrizations"]
 
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 # what ``auto`` means, by what the run trains (docs/evidence.md, "Precision", 3 seeds per cell on an
@@ -122,6 +124,21 @@ def fresh_casts() -> Iterator[None]:
     finally:
         torch.set_autocast_cache_enabled(cached)
         torch.clear_autocast_cache()
+
+
+def refuse_cached_parametrizations(model, who: str) -> None:
+    """One ValueError for a forward-only step inside ``torch.nn.utils.parametrize.cached()`` with a
+    parametrized model (or no model to look at): the cache keeps each parametrized weight as first
+    computed, so every probe would run the weight of before the probe moved it -- the same stale-weight
+    defect as autocast's cache (:func:`fresh_casts`), but the parametrize cache has no switch a library
+    can turn off for a block. The closure may hold ``cached()`` itself: each call then computes afresh."""
+    if not getattr(parametrize, "_cache_enabled", 0):
+        return
+    if model is not None and not any(parametrize.is_parametrized(m) for m in model.modules()):
+        return
+    raise ValueError(f"{who}.step was called inside torch.nn.utils.parametrize.cached(): the cache would give every "
+                     "probe the parametrized weights of before the probe moved them; call opt.step(closure) outside "
+                     "cached() (use `with parametrize.cached():` inside the closure instead)")
 
 
 @contextlib.contextmanager

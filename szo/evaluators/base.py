@@ -15,7 +15,7 @@ from typing import Callable, ContextManager, Iterator, Protocol, runtime_checkab
 
 import torch
 
-from ..precision import fresh_casts
+from ..precision import fresh_casts, refuse_cached_parametrizations
 from ..zo.guard import ProbeGuard
 from ..zo.path import ProbePath
 from ..zo.plans import Plan
@@ -70,6 +70,7 @@ class EvaluatorBase:
         autocast block encloses the step."""
         if self.path is not None:
             self.path.on(self.guard.model).check()
+        refuse_cached_parametrizations(self.guard.model, self.guard.who)
         self.guard.begin_step()
         with fresh_casts():
             try:

@@ -49,6 +49,7 @@ from szo.zo import (
     gaussian_rows,
     heavy_ball_,
     refuse_frozen,
+    unname,
 )
 
 from ..asyncfgd import split_stages, stage_tangent
@@ -92,12 +93,12 @@ class ForwardGradient(ForwardOnlyBase):
 
     def __init__(self, params: Iterable[torch.Tensor], *, model: nn.Module, lr: float = 1e-3,
                  momentum: float = 0.9, q: int = 1, generator: torch.Generator | None = None):
-        params = list(params)
+        params, given = unname(list(params))  # named_parameters() pairs: torch keeps them as param_names
         if not params:
             raise ValueError("optimizer got an empty parameter list")
         check_hparams(lr=lr, momentum=momentum, q=q)
         names = _check_model(model, params, "ForwardGradient")
-        super().__init__(params, dict(lr=lr, momentum=momentum))
+        super().__init__(params if given is None else list(zip(given, params)), dict(lr=lr, momentum=momentum))
         self.model = model
         self.q = q
         self.space = ParamSpace(params)
@@ -138,7 +139,7 @@ class SubspaceForwardGradient(ForwardOnlyBase, SubspaceOptimizer):
                  start: str = "current"):
         params = list(params)
         check_hparams(q=q)
-        names = _check_model(model, params, "SubspaceForwardGradient")
+        names = _check_model(model, unname(params)[0], "SubspaceForwardGradient")
         SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start)
         self.q = q
         self._init_forward_only(_jvp_evaluator(model, names, "SubspaceForwardGradient", "fg-subspace"), generator)
@@ -270,7 +271,7 @@ class AsyncFGD(ForwardOnlyBase):
                     sp.restore(now)
         loss, d = float(losses[0]), float(jvps[0])
         self.last_jvp = d
-        lr = self.param_groups[0]["lr"]
+        lr = float(self.param_groups[0]["lr"])  # a number, or the one-element tensor torch allows
         for k, (st, sp) in enumerate(zip(self.stages, self._stage_spaces)):
             if self._lag(k) > 0:
                 self.history[k].append(current[k] if current[k] is not None else sp.save())

@@ -68,12 +68,11 @@ class FullSpaceZO(ForwardOnlyBase):
     ):
         kind = get_estimator(estimator, ("cge", "coord-one-point", "rge"))
         check_hparams(lr=lr, momentum=momentum, mu=mu, q=None if kind.coordinate else q)
-        params, model = resolve_model(params, model, "FullSpaceZO")
+        params, model, names = resolve_model(params, model, "FullSpaceZO")
         self.coords_per_step = coords_per_step
-        super().__init__(params, dict(lr=lr, momentum=momentum, mu=mu))  # each group through add_param_group
-        if not self.space.d:
-            raise ValueError("FullSpaceZO: every parameter has requires_grad=False: nothing to train")
-        if coords_per_step is not None and not 1 <= coords_per_step <= self.d:
+        # each group through add_param_group; every parameter frozen: steps that move nothing (torch's rule)
+        super().__init__(params if names is None else list(zip(names, params)), dict(lr=lr, momentum=momentum, mu=mu))
+        if coords_per_step is not None and self.d and not 1 <= coords_per_step <= self.d:
             raise ValueError(f"coords_per_step must be in [1, d={self.d}], got {coords_per_step}")
         self.estimator = kind.name
         self.kind = kind
@@ -87,7 +86,9 @@ class FullSpaceZO(ForwardOnlyBase):
         probed nor moved."""
         group = dict(param_group)
         ps = group.get("params")
-        group["params"] = [p for p in ([ps] if isinstance(ps, torch.Tensor) else list(ps or [])) if p.requires_grad]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
+        # named parameters ((name, tensor) pairs, torch >= 2.6): torch keeps the names as "param_names"
+        group["params"] = [p for p in ps if (p[1] if isinstance(p, tuple) else p).requires_grad]
         if group.get("mu", self.defaults["mu"]) != self.defaults["mu"]:
             raise ValueError(f"FullSpaceZO probes every coordinate with one mu (the optimizer's, "
                              f"{self.defaults['mu']}); a param group may set its own lr and momentum, not mu")
@@ -122,6 +123,8 @@ class FullSpaceZO(ForwardOnlyBase):
     def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
              batch: Batch | None = None) -> torch.Tensor:
         closure = self.check_closure(closure, batch)
+        if not self.d:
+            return self.idle_step(closure)
         plan = self.plan()
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan, batch=batch)
@@ -141,6 +144,8 @@ def build_full_space_zo(spec, model: nn.Module, subspace, o, run) -> FullSpaceZO
     subspace's k when one is given (the same 2k forwards per step as SZO-CGE), else all d."""
     coords = o.coords_per_step
     if get_estimator(spec.variant).coordinate and coords is None and subspace is not None:
-        coords = int(subspace.basis.shape[1])
+        # the subspace's k, at most the trained coordinates (frozen parameters are left out of d)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        coords = min(int(subspace.basis.shape[1]), trained) or None
     return FullSpaceZO(model, estimator=spec.variant, mu=o.mu, lr=o.lr, momentum=o.momentum, q=o.q,
                        coords_per_step=coords, generator=run.generator, bn_update=o.bn_update)

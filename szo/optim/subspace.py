@@ -131,7 +131,7 @@ class SubspaceOptimizer(CodecOptimizer):
     def __init__(self, params, subspace, defaults: dict, model: nn.Module | None = None,
                  start: str | None = None, scale: str = "absolute"):
         model_first = isinstance(params, nn.Module)
-        params, model = resolve_model(params, model, type(self).__name__)
+        params, model, names = resolve_model(params, model, type(self).__name__)
         if isinstance(params[0], dict):
             raise ValueError("subspace optimizers take one flat list of parameters (no param groups)")
         check_hparams(lr=defaults["lr"], momentum=defaults["momentum"])
@@ -142,11 +142,17 @@ class SubspaceOptimizer(CodecOptimizer):
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
         # a frozen parameter (requires_grad=False) is never moved: its rows of P are left out
         rows = torch.cat([torch.full((p.numel(),), p.requires_grad) for p in params])
-        if not bool(rows.any()):
-            raise ValueError(f"{type(self).__name__}: every parameter has requires_grad=False: nothing to train")
-        basis = subspace.basis if bool(rows.all()) else subspace.basis[rows.to(subspace.basis.device)]
-        params = [p for p in params if p.requires_grad]
-        super().__init__(params, defaults)
+        # every parameter frozen: torch's rule, a step that moves nothing (the closure still runs once); the
+        # space keeps them all with a zero basis, so its state and state_dict are those of any subspace optimizer
+        self.trains = bool(rows.any())
+        if not self.trains:
+            basis = torch.zeros_like(subspace.basis)
+        else:
+            basis = subspace.basis if bool(rows.all()) else subspace.basis[rows.to(subspace.basis.device)]
+            keep = [p.requires_grad for p in params]
+            params = [p for p, k in zip(params, keep) if k]
+            names = None if names is None else [n for n, k in zip(names, keep) if k]
+        super().__init__(params if names is None else list(zip(names, params)), defaults)
         self.model = model
         self.scale = scale
         self.units = units
@@ -427,6 +433,8 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
              batch: Batch | None = None) -> torch.Tensor:
         closure = self.check_closure(closure, batch)
+        if not self.trains:
+            return self.idle_step(closure)
         if self.refresh is not None and self.subspace_state["step"] // self.refresh > self.refresh_state["count"]:
             self.refresh_basis()
         plan = self.plan()
@@ -464,8 +472,11 @@ class BPSubspace(SubspaceOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.trains:  # every parameter frozen: nothing moves (torch's rule)
+            return loss
         g_c = self.space.project([p.grad for p in self.space.params])
         self.apply_update(g_c.to(torch.float64).cpu())
+        self.count_step()
         return loss
 
 

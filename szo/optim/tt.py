@@ -21,8 +21,14 @@ the mean over the probes. The plateau rule reads the centre losses ``L(theta_t)`
 The switch happens "when the coarse training fails to learn": every ``window`` signRGE steps
 the mean of ``L(theta)`` over the window is compared with the previous window's, and when it
 improved by less than ``tol`` (relative) the optimizer switches to CGE for good
-(``switch_step`` forces the switch at that step instead). A learning-rate scheduler scales
-both phases' step sizes by the same factor (``lr / initial_lr``).
+(``switch_step`` forces the switch at that step instead).
+
+Each param group steps by its own lr in both phases. The signRGE phase's step of a group is
+``sign_lr * lr / sign_lr_at``: ``sign_lr`` and ``sign_lr_at`` (the lr at which the sign step is
+``sign_lr``: the group's lr when it was added) are keys of the group, so a scheduler, or an lr
+of 0 set in ``param_groups``, scales that group's sign step as it scales its CGE step, and no
+group's step depends on another group's lr or on a scheduler's ``initial_lr`` (OneCycleLR's is
+``max_lr / 25``).
 """
 from __future__ import annotations
 
@@ -92,10 +98,11 @@ class HybridZO(FullSpaceZO):
         if switch_step is not None and (isinstance(switch_step, bool) or not isinstance(switch_step, int)
                                         or switch_step < 0):
             raise ValueError(f"switch_step must be null or an integer >= 0, got {switch_step!r}")
+        self.sign_lr = float(sign_lr)  # each group's default sign_lr (add_param_group)
         super().__init__(params, estimator="coord-one-point" if cge == "one-sided" else "cge", mu=mu, lr=lr,
                          momentum=momentum,
                          coords_per_step=coords_per_step, model=model, generator=generator, bn_update=bn_update)
-        self.sign_lr, self.sign_q, self.sign_mu = float(sign_lr), sign_q, float(sign_mu)
+        self.sign_q, self.sign_mu = sign_q, float(sign_mu)
         self.window, self.tol, self.switch_step = window, float(tol), switch_step
         self.phase = "sign-rge" if switch_step != 0 else "cge"
         self.hybrid_state = {"steps": 0, "window_losses": [], "previous_mean": None, "switched_at": None}
@@ -113,13 +120,28 @@ class HybridZO(FullSpaceZO):
             return self.sign_q + 1 + int(self.guard.recomputes)
         return super().forwards_per_step
 
-    def sign_scale(self, group: dict) -> float:
-        """The factor on ``sign_lr``: ``lr`` of ``group`` over the lr it started from (a scheduler's
-        ``initial_lr``, else the lr the optimizer was built with), so that a scheduler -- or an lr of 0
-        set in ``param_groups`` -- scales the signRGE phase as it scales the CGE phase; an optimizer
-        built with lr 0 steps by ``sign_lr`` once its lr is raised above 0."""
-        base = group.get("initial_lr", self.defaults["lr"])
-        return group["lr"] / base if base > 0 else float(group["lr"] > 0)
+    def add_param_group(self, param_group: dict) -> None:
+        """``FullSpaceZO``'s, and the group's signRGE step: ``sign_lr`` (the optimizer's unless the group
+        sets its own) at ``sign_lr_at``, the group's lr now."""
+        group = dict(param_group)
+        group.setdefault("sign_lr", getattr(self, "sign_lr", None))
+        group.setdefault("sign_lr_at", float(group.get("lr", self.defaults["lr"])))
+        super().add_param_group(group)
+
+    def load_state_dict(self, state_dict):
+        """As ``FullSpaceZO``'s; a state saved before groups kept their sign step (no ``sign_lr`` /
+        ``sign_lr_at``) continues as it ran then: the optimizer's ``sign_lr`` at the scheduler's
+        ``initial_lr``, else the lr the optimizer was built with."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.setdefault("sign_lr", self.sign_lr)
+            group.setdefault("sign_lr_at", float(group.get("initial_lr", self.defaults["lr"])))
+
+    def sign_step(self, group: dict) -> float:
+        """The signRGE step of ``group``: its ``sign_lr`` times its lr over ``sign_lr_at`` (a group
+        added at lr 0 steps by ``sign_lr`` once its lr is above 0)."""
+        lr, at = float(group["lr"]), float(group["sign_lr_at"])
+        return float(group["sign_lr"]) * (lr / at if at > 0 else float(lr > 0))
 
     def _switch(self) -> None:
         self.phase = "cge"
@@ -138,19 +160,26 @@ class HybridZO(FullSpaceZO):
     @torch.no_grad()
     def _sign_step(self, closure: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
         """One signRGE step: (what ``step`` returns, the centre loss ``L(theta_t)``)."""
-        group = self.param_groups[0]
         xi = gaussian_rows(self.sign_q, self.d, self.generator, dtype=self.space.dtype).to(self.space.device)
         plan = one_point_plan(xi, self.sign_mu)
         with self.evaluator.session():
             losses = self.evaluator.run(closure, self.space, plan)
         center = float(losses[0])
-        self.space.load(sign_descent_(self.space.flat(), plan.estimate(losses), self.sign_lr * self.sign_scale(group)))
+        grad = plan.estimate(losses).to(device=self.space.device, dtype=self.space.dtype)
+        theta, off = self.space.flat(), 0
+        for group in self.param_groups:  # each group's slice of the flat vector, by its own sign step
+            n = sum(p.numel() for p in group["params"])
+            theta[off:off + n] = sign_descent_(theta[off:off + n], grad[off:off + n], self.sign_step(group))
+            off += n
+        self.space.load(theta)
         return self.finish_step(closure, losses, center, plan.m), center
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
              batch: Batch | None = None) -> torch.Tensor:
         closure = self.check_closure(closure, batch)
+        if not self.d:
+            return self.idle_step(closure)
         st = self.hybrid_state
         if self.phase == "sign-rge":
             loss, center = self._sign_step(closure)

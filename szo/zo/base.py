@@ -18,7 +18,7 @@ import torch
 from .protocol import Batch, StepInfo
 from .update import StateCodec
 
-__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_complex", "refuse_meta"]
+__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_complex", "refuse_meta", "refuse_sparse"]
 
 
 class CodecOptimizer(torch.optim.Optimizer):
@@ -49,6 +49,7 @@ class CodecOptimizer(torch.optim.Optimizer):
         self._built = True
         refuse_meta([p for g in self.param_groups for p in g["params"]], type(self).__name__)
         refuse_complex([p for g in self.param_groups for p in g["params"]], type(self).__name__)
+        refuse_sparse([p for g in self.param_groups for p in g["params"]], type(self).__name__)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None and self.codecs:
             self.state[first]  # the entry that holds the sections in state_dict() (defaultdict: created empty)
@@ -60,6 +61,17 @@ class CodecOptimizer(torch.optim.Optimizer):
         if self.codecs and not self.__dict__.get("_sections_hooked"):
             self.register_state_dict_post_hook(_with_sections, prepend=True)
             self._sections_hooked = True
+
+    def count_step(self) -> None:
+        """After a step that moved the parameters: ``state[p]["step"]`` (a float32 tensor, as torch's own
+        optimizers keep it) counts the steps for every parameter the optimizer trains, so that a torch user
+        finds an entry per trained parameter in ``optimizer.state`` and none of them empty. The optimizer's
+        own state stays in its sections (``codecs``); this count is what torch's per-parameter state holds."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    st = self.state[p]
+                    st["step"] = st["step"] + 1 if "step" in st else torch.tensor(1.0)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, while the constructor adds its groups; afterwards one ValueError unless the
@@ -126,6 +138,16 @@ def refuse_meta(params: list[torch.Tensor], who: str) -> None:
         raise ValueError(f"{who}: the parameters are on the meta device (shapes without values), and its steps run "
                          "the model (a forward-only step: its probes): materialise it first (model.to_empty(device=...), "
                          "then load its weights)")
+
+
+def refuse_sparse(params: list[torch.Tensor], who: str) -> None:
+    """One ValueError when a parameter has a sparse layout: a probe or an update adds a dense vector to
+    it in place, which a sparse tensor does not take (sparse *gradients* of dense parameters are fine)."""
+    kinds = sorted({str(p.layout).replace("torch.", "") for p in params if p.layout != torch.strided})
+    if kinds:
+        raise ValueError(f"{who}: parameters of {', '.join(kinds)} layout are not supported: its probes and updates "
+                         "add dense vectors to the parameters in place; keep the parameters dense (p.to_dense()) -- "
+                         "a sparse gradient, as nn.Embedding(sparse=True) gives, is fine")
 
 
 def refuse_complex(params: list[torch.Tensor], who: str) -> None:
@@ -210,6 +232,17 @@ class ForwardOnlyBase(CodecOptimizer):
     def last_outputs_unperturbed(self) -> bool:
         return self._last_step is not None and self._last_step.unperturbed
 
+    @torch.no_grad()
+    def idle_step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The step of an optimizer whose parameters are all frozen (``requires_grad=False``): torch's
+        rule, nothing moves; the closure runs once and its loss is returned (one forward, counted)."""
+        loss = closure()
+        self.forward_passes += 1
+        value = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._last_step = StepInfo(loss=value, losses=torch.tensor([value], dtype=torch.float64), forwards=1,
+                                   unperturbed=True, bn_loss=None)
+        return loss if isinstance(loss, torch.Tensor) else torch.tensor(value)
+
     def check_closure(self, closure: Callable[[], torch.Tensor] | None, batch: Batch | None = None
                       ) -> Callable[[], torch.Tensor]:
         """The closure a step calls: ``closure``, else one built from ``batch`` and the model
@@ -257,6 +290,7 @@ class ForwardOnlyBase(CodecOptimizer):
         self.forward_passes += forwards
         self._last_step = StepInfo(loss=loss, losses=losses, forwards=forwards, unperturbed=unperturbed,
                                    bn_loss=bn_loss)
+        self.count_step()
         return torch.tensor(loss)
 
 

@@ -55,7 +55,7 @@ from ..functional import zo as F
 from ..precision import fresh_casts
 from .bn import BNStatsFreezer, check_bn_update
 
-__all__ = ["resolve_model", "ProbeGuard", "RandomReplay", "check_hparams", "FORWARD_ONLY_CLOSURE", "train_mode_dropout"]
+__all__ = ["resolve_model", "unname", "ProbeGuard", "RandomReplay", "check_hparams", "FORWARD_ONLY_CLOSURE", "train_mode_dropout"]
 
 FORWARD_ONLY_CLOSURE = (
     "{who}.step is forward-only: it calls the closure under torch.no_grad once per probe, so the closure must only "
@@ -66,8 +66,24 @@ FORWARD_ONLY_CLOSURE = (
 # what autograd says when backward() meets a loss computed under no_grad (the optimizer's step)
 _NO_GRAPH = "does not require grad and does not have a grad_fn"
 
-def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[list[torch.Tensor], nn.Module | None]:
-    """``(params, model)`` from ``who(model, ...)`` or ``who(params, ..., model=model)``."""
+def unname(params: list) -> tuple[list, list[str] | None]:
+    """``(tensors, names)`` from a parameter list that may be ``named_parameters()`` pairs (torch accepts
+    those since 2.6 and keeps the names in ``param_groups[i]["param_names"]``); ``names`` None for plain
+    tensors. A list mixing both is refused in one line, as torch refuses it."""
+    named = [isinstance(p, tuple) for p in params]
+    if not any(named):
+        return params, None
+    if not all(named) or any(len(p) != 2 or not isinstance(p[0], str) for p in params):
+        raise ValueError("optimizer params must be all tensors or all (name, tensor) pairs (model.named_parameters()), "
+                         "not a mix")
+    return [p for _, p in params], [n for n, _ in params]
+
+
+def resolve_model(params_or_model, model: nn.Module | None, who: str
+                  ) -> tuple[list[torch.Tensor], nn.Module | None, list[str] | None]:
+    """``(params, model, names)`` from ``who(model, ...)`` or ``who(params, ..., model=model)``;
+    ``names``: the parameters' names where ``params`` was ``model.named_parameters()`` (torch keeps
+    them as the group's ``param_names``), else None."""
     if isinstance(params_or_model, nn.Module):
         if model is not None and model is not params_or_model:
             raise ValueError(f"{who}(model, ..., model=other): give the model once (first argument), "
@@ -76,7 +92,7 @@ def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[l
         params = list(model.parameters())
         if not params:
             raise ValueError(f"{who}: the model ({type(model).__name__}) has no parameters to train")
-        return params, model
+        return params, model, None
     if model is not None and not isinstance(model, nn.Module):
         raise ValueError(f"{who}: model= must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(params_or_model, torch.Tensor):
@@ -85,15 +101,24 @@ def resolve_model(params_or_model, model: nn.Module | None, who: str) -> tuple[l
     params = list(params_or_model)
     if not params:
         raise ValueError(f"{who}: optimizer got an empty parameter list")
+    names = None
+    if not isinstance(params[0], dict):
+        params, names = unname(params)
     if model is not None and not isinstance(params[0], dict):
         own = {id(p) for p in model.parameters()}
         if any(id(p) not in own for p in params):
             raise ValueError(f"{who}: the parameters are not all parameters of model= ({type(model).__name__})")
-    return params, model
+    return params, model, names
 
 
 def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
-    """One clear error for a bad optimizer hyperparameter; the ones left at None are not checked."""
+    """One clear error for a bad optimizer hyperparameter; the ones left at None are not checked. ``lr``
+    may be a one-element tensor, as torch's optimizers take it."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"lr as a tensor must be one floating-point element (torch's rule), got shape "
+                             f"{tuple(lr.shape)} {lr.dtype}")
+        lr = float(lr)
     if lr is not None and not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if momentum is not None and not 0.0 <= momentum < 1.0:

@@ -222,8 +222,8 @@ class SubspaceSpace(ParamSpace):
         g = torch.zeros(self.k, dtype=self.basis_t.dtype, device=self.basis_t.device)
         with self.exact():
             for t, pt in zip(tensors, self.basis_views):
-                if t is not None:
-                    g += pt @ t.reshape(-1).to(pt.dtype)
+                if t is not None:  # a sparse gradient (nn.Embedding(sparse=True)) as its dense values
+                    g += pt @ (t.to_dense() if t.layout != torch.strided else t).reshape(-1).to(pt.dtype)
         return g
 
     def mover(self, plan: Plan) -> "SubspaceMover":  # type: ignore[override]

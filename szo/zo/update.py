@@ -29,7 +29,8 @@ def heavy_ball_(velocity: torch.Tensor, grad: torch.Tensor, *, lr: float, moment
 
     ``theta_{t+1} = theta_t + v_{t+1}`` is eq. (6): ``theta_t - lr g + beta (theta_t - theta_{t-1})``.
     """
-    return velocity.mul_(momentum).add_(grad.to(velocity.dtype), alpha=-lr)
+    # lr / momentum as param_groups hold them: a number, or a one-element tensor (torch accepts lr=torch.tensor(...))
+    return velocity.mul_(float(momentum)).add_(grad.to(velocity.dtype), alpha=-float(lr))
 
 
 def sign_descent_(theta: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:

@@ -105,8 +105,10 @@ def test_golden_checkpoint_continues_bit_exactly(case, tmp_path, device):
 
 # state written since the golden files (issue 40): where the parameters stand (a subspace method's
 # point, the integer learners' origin and integer graph), the integer learners' chosen plans and clamp
-# counts; and in "state", an entry per parameter, the first holding the codec's sections again
-ADDED = {"point", "origin", "synapses", "plans", "saturations"}
+# counts; and in "state", an entry per parameter, the first holding the codec's sections again; since
+# issue 48 each trained parameter's "step" count (torch's per-parameter state) and tt-zo's per-group sign
+# step (sign_lr, sign_lr_at)
+ADDED = {"point", "origin", "synapses", "plans", "saturations", "step", "sign_lr", "sign_lr_at"}
 
 
 def _assert_same(got, want, path: str, rtol: float = 1e-12, sections: frozenset = frozenset(),
@@ -119,7 +121,7 @@ def _assert_same(got, want, path: str, rtol: float = 1e-12, sections: frozenset 
         if "/" not in path:  # the top level: its sections are repeated in the first parameter's state
             sections = frozenset(k for k in want if k not in ("state", "param_groups"))
         extra = {k for k in set(got) - set(want)
-                 if not (k in ADDED or k in sections or (isinstance(got[k], dict) and set(got[k]) <= sections))}
+                 if not (k in ADDED or k in sections or (isinstance(got[k], dict) and set(got[k]) <= sections | ADDED))}
         assert set(want) <= set(got) and not extra, \
             f"{path}: keys {sorted(map(str, got))} != {sorted(map(str, want))} (+ any of {sorted(ADDED)})"
         for k in want:
