@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from szo.config import AdaptationConfig, AdapterConfig
 from szo.data import CORRUPTIONS, get_dataset, make_loader
-from szo.methods import get_method, shared_mu, shared_scale
+from szo.methods import check_scale, get_method, shared_mu, shared_scale
 from szo.precision import check_precision, precision_policy
 from szo.zo.scale import coordinate_scales, scale_record
 
@@ -130,8 +130,7 @@ class TTAOptions(AdaptationConfig):
         (``shared_scale`` / ``shared_mu``), the rule a ``kind: tta`` recipe resolves by."""
         subspace = [m for m in methods if get_method(m).subspace]
         scale = self.scale if self.scale is not None else shared_scale(subspace)
-        for m in subspace:
-            get_method(m).check_scale(scale)
+        check_scale(subspace, self.scale)  # the recipe's rule (szo.config) and build_optimizer's
         return self.replace(scale=scale, mu=self.mu if self.mu is not None else shared_mu(subspace, scale))
 
     def lr_of(self, method: str, setting: str) -> float | None:

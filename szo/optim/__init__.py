@@ -15,7 +15,7 @@ from torch import nn
 
 from szo.hw.optim.mcu import MCUZO
 from szo.hw.optim.onchip import OnChipSZO
-from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
+from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, register_builder
 from szo.options import (
     RUN_KEYWORDS,
     IntegerLearnerOptions,
@@ -82,12 +82,7 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     if spec.subspace and subspace is None:
         raise ValueError(f"method {m!r} needs a subspace (build one with `szo subspace build`)")
     spec.check_options({key: getattr(o, key) for key in METHOD_OPTIONS})
-    if o.integer is not None and not spec.integer_learner:
-        raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "
-                         f"method {m!r} has none")
-    if o.integer is not None and o.refresh is not None:
-        raise ValueError("refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
-                         "learner keeps its quantised basis: leave refresh None")
+    spec.check_learner(integer=o.integer is not None, refresh=o.refresh)  # the rules a recipe's hw.learner meets
 
 
 def _records(options: OptimizerOptions | None, run: RunOptions | None, keywords: dict
