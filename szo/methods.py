@@ -290,7 +290,8 @@ def check_scale(names: Any, scale: str | None, *, integer: bool = False, recipe:
         why = (f"{'method' if len(bare) == 1 else 'methods'} {', '.join(map(repr, bare))} "
                f"{'has' if len(bare) == 1 else 'have'} no relative defaults; relative scales apply to ")
     elif integer and specs:
-        why = "the integer on-chip learner (hw.learner integer) keeps its own units; relative scales apply to "
+        why = (f"the integer on-chip learner ({'hw.learner integer' if recipe else 'integer='}) keeps its own "
+               "units; relative scales apply to ")
     else:
         why = "relative scales apply to "
     why += which_methods(trainable=None, relative=lambda r: r is not None)

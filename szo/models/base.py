@@ -31,7 +31,6 @@ from szo.vocab import MEMORY_FORMATS
 from szo.zo.path import ProbePath
 
 
-
 def check_memory_format(fmt: object) -> str:
     """One clear ValueError for an unknown activation memory format; returns it."""
     if fmt not in MEMORY_FORMATS:
