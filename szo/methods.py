@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping
 
 __all__ = [
     "MethodSpec", "Family", "register_method", "register_builder", "get_method", "list_methods", "method_label",
-    "which_methods", "shared_scale", "shared_mu", "check_scale",
+    "which_methods", "shared_scale", "shared_mu", "check_scale", "step_defaults",
     "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
     "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
     "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
@@ -304,6 +304,27 @@ def shared_mu(names: Any, scale: str) -> float:
     :meth:`MethodSpec.default_mu`, App. G's 1.0 where they disagree or none probes."""
     mus = {s.default_mu(scale) for s in (get_method(n, trainable=None) for n in names) if s.forward_only}
     return mus.pop() if len(mus) == 1 else 1.0
+
+
+def step_defaults(names: Any, scale: str | None = None, mu: float | None = None, lr: float | None = None, *,
+                  integer: bool = False) -> tuple[str, float, float | None]:
+    """``(scale, mu, lr)`` with those left None filled by the defaults of methods ``names`` (one method:
+    its record's; an optimizer that several records build, such as ``SZO`` for a custom estimator, their
+    common ones): ``scale`` the methods' shared default (:func:`shared_scale`: ``trajectory`` for the
+    subspace methods with relative defaults on the float learner), ``mu`` / ``lr`` the scale's
+    (:meth:`MethodSpec.default_mu` / :meth:`~MethodSpec.default_lr`: the scale-free 0.3 / 0.03 of the
+    subspace's spread under a relative scale, the paper's 1.0 / 1.0 under ``absolute``, App. G). The one
+    place a default step is chosen: ``SZO(...)``, ``BPSubspace(...)``, ``build_optimizer`` and a
+    recipe's ``resolve`` all call it; ``lr`` None is left None where the methods' steps differ or they
+    have none (full-space backprop: ``bptt.lr``)."""
+    if scale is None:
+        scale = shared_scale(names, integer=integer)
+    if mu is None:
+        mu = shared_mu(names, scale)
+    if lr is None:
+        lrs = {get_method(n, trainable=None).default_lr(scale) for n in names}
+        lr = lrs.pop() if len(lrs) == 1 else None
+    return scale, mu, lr
 
 
 def get_method(name: str, *, trainable: bool | None = None) -> MethodSpec:

@@ -79,3 +79,87 @@ def test_the_schema_checks_a_registry_name_when_it_is_given():
     with pytest.raises(ValueError, match="invalid model.name: unknown model 'resnet'"):
         load_recipe("digits-scratch", ["model.name=resnet"])
     assert isinstance(nn.Linear(1, 1).weight, torch.Tensor)
+
+
+# ----------------------------------------------------------------------------- one default per setting
+def _subspace(model):
+    """A subspace with eigenvalues (the default scale's units) and a reference point (the default start)."""
+    sub = scaled_subspace(model, 3)
+    sub.reference = torch.nn.utils.parameters_to_vector(model.parameters()).detach() + 0.01
+    return sub
+
+
+def _first_step(make, seed=3):
+    torch.manual_seed(0)
+    model = Tiny().double()
+    sub = _subspace(model)
+    opt = make(model, sub, torch.Generator().manual_seed(seed))
+    start = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(2))
+    opt.step(lambda: nn.functional.cross_entropy(model(x), y))
+    after = torch.nn.utils.parameters_to_vector(model.parameters())
+    assert not torch.equal(after, start)  # a step was taken
+    return opt, after
+
+
+@pytest.mark.parametrize("method, estimator", [("szo-cge", "cge"), ("szo-rge", "rge"), ("szo-1pt", "one-point")])
+def test_szo_and_build_optimizer_take_the_same_default_step(method, estimator):
+    """``SZO(model, sub)`` and ``build_optimizer(method, model, subspace=sub)`` default to the same scale, mu
+    and lr (the scale-free ones a recipe resolves to) and take the identical first step from one seed."""
+    from szo.methods import get_method, step_defaults
+    from szo.optim import SZO
+
+    a, pa = _first_step(lambda m, s, g: SZO(m, s, estimator=estimator, generator=g))
+    b, pb = _first_step(lambda m, s, g: build_optimizer(method, m, subspace=s, generator=g))
+    assert torch.equal(pa, pb)
+    group = lambda o: (o.scale, o.param_groups[0]["mu"], o.param_groups[0]["lr"])  # noqa: E731
+    spec = get_method(method)
+    # one place: the method's record (szo.methods), read by step_defaults for every door
+    assert group(a) == group(b) == step_defaults([method]) == ("trajectory", spec.relative["szo.mu"],
+                                                                 spec.relative["train.lr"])
+    recipe = load_recipe("digits-scratch", [f"method={method}"])
+    assert (recipe.szo.scale, recipe.szo.mu, recipe.train.lr) == group(a)
+
+
+def test_the_papers_absolute_units_are_one_setting_away():
+    from szo.optim import SZO, BPSubspace
+
+    a, pa = _first_step(lambda m, s, g: SZO(m, s, generator=g, scale="absolute"))
+    b, pb = _first_step(lambda m, s, g: build_optimizer("szo-cge", m, subspace=s, generator=g, scale="absolute"))
+    assert (a.scale, a.param_groups[0]["mu"], a.param_groups[0]["lr"]) == ("absolute", 1.0, 1.0)  # App. G
+    assert torch.equal(pa, pb)
+    model = Tiny().double()
+    sub = _subspace(model)
+    bp, built = BPSubspace(model, sub), build_optimizer("bp-subspace", model, subspace=sub)
+    assert (bp.scale, bp.param_groups[0]["lr"]) == (built.scale, built.param_groups[0]["lr"]) == ("trajectory", 0.03)
+
+
+def test_a_subspace_without_eigenvalues_is_told_to_use_absolute_units():
+    from types import SimpleNamespace
+
+    from szo.optim import SZO
+
+    model = Tiny().double()
+    sub = scaled_subspace(model, 3)
+    bare = SimpleNamespace(basis=sub.basis, layout=sub.layout)
+    with pytest.raises(ValueError, match=r"^scale 'trajectory' \(the default.*needs the subspace's eigenvalues.*"
+                                         r"pass scale='absolute'"):
+        SZO(model, bare, start="current")
+    assert SZO(model, bare, scale="absolute", start="current").param_groups[0]["mu"] == 1.0
+
+
+# ----------------------------------------------------------------------------- refresh: a policy SZO holds
+def test_szo_holds_its_subspace_policy():
+    from szo.optim import SZO, Kept, Refreshed
+
+    model = Tiny().double()
+    sub = _subspace(model)
+    kept = SZO(model, sub)
+    assert isinstance(kept.policy, Kept) and kept.policy.subspace is sub and kept.refresh is None
+    policy = Refreshed(sub, every=2)
+    redrawn = SZO(model, policy)
+    assert redrawn.policy is policy and redrawn.refresh == 2
+    built = build_optimizer("szo-cge", model, subspace=sub, refresh=2)
+    assert isinstance(built.policy, Refreshed) and built.policy.subspace is sub and built.policy.every == 2
+    assert [policy.due(step, 0) for step in range(4)] == [False, False, True, True]
