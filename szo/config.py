@@ -43,6 +43,7 @@ from szo.methods import (
 from szo.models.compiled import check_compile
 from szo.recipes import deep_merge, read_recipe, recipe_names, recipe_path
 from szo.schema import (  # the sections and their value checks: szo.schema; read them from here
+    DEFAULT_Q,
     DEVICES,
     DIST_MODES,
     FEDERATED_OPTIMIZERS,
@@ -84,7 +85,7 @@ __all__ = [
     "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS", "SOURCE_SECTIONS", "source_config",
     "StepConfig", "StageConfig", "SZOConfig", "TTConfig", "IntegerStateConfig", "HWConfig", "LEARNER_WIDTHS",
     "AdapterConfig", "AdaptationConfig", "TTAConfig", "FederatedConfig", "FinetuneConfig", "HW_ARITHMETICS", "HW_RESETS",
-    "Precision",
+    "Precision", "DEFAULT_Q",
 ]
 
 
@@ -287,6 +288,8 @@ def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
     (``MethodSpec.default_lr``: its relative ``train.lr`` under a relative scale, else its record's,
     else 1.0, paper App. G), or ``bptt.lr`` for a backprop method without a subspace (full-space BP)."""
     full = _resolve_scale(validate(cfg))
+    if full.szo.q is None:  # the run's default directions per step: training's 1, test-time adaptation's 10
+        full = dataclasses.replace(full, szo=full.szo.replace(q=DEFAULT_Q["tta" if full.kind == "tta" else "train"]))
     if full.kind == "tta" or full.train.lr is not None:
         return full
     lr = get_method(full.method).default_lr(full.szo.scale)

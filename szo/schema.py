@@ -228,6 +228,12 @@ class SubspaceConfig(Section):
     root: str | None = None
 
 
+DEFAULT_Q: dict[str, int] = {"train": 1, "tta": 10}
+"""``szo.q`` (SZO-RGE's directions per step) where none is set, the one home of both defaults: ``train``
+for a training stage and every optimizer (``SZO(...)``, ``build_optimizer``: the paper's SZO-RGE(q=1)),
+``tta`` for test-time adaptation (App. G's q = 10: a ``kind: tta`` recipe, ``szo adapt``, ``run_tta``)."""
+
+
 @dataclass(frozen=True, eq=False)
 class SZOConfig(Section):
     # time_chunk: forward-only stages run the T steps in chunks of this many (1 = streaming,
@@ -246,7 +252,9 @@ class SZOConfig(Section):
     # mu null: the scale's default (absolute 1.0, App. G; else the method's relative mu, 0.3)
     mu: float | None = _opt(None, gt=0.0)
     scale: str | None = _opt(None, choices=lambda: SCALES)
-    q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
+    # q: directions per step (2q forwards; beyond 1e5 a step never ends); null: the run's default, DEFAULT_Q
+    # (1 for a training stage, the paper's SZO-RGE(q=1); 10 for test-time adaptation, App. G)
+    q: int | None = _opt(None, min=1, max=100_000)
     coords_per_step: int | None = _opt(None, min=1)
     # refresh (szo-cge / szo-rge / szo-1pt / szo-cge-1pt, float learner): every this many steps the basis is
     # replaced by a fresh Haar-random orthonormal one drawn from the run's generator, re-based at the current

@@ -163,3 +163,22 @@ def test_szo_holds_its_subspace_policy():
     built = build_optimizer("szo-cge", model, subspace=sub, refresh=2)
     assert isinstance(built.policy, Refreshed) and built.policy.subspace is sub and built.policy.every == 2
     assert [policy.due(step, 0) for step in range(4)] == [False, False, True, True]
+
+
+def test_q_has_one_default_per_kind_of_run_in_the_schema():
+    """``szo.q`` left null: training's 1 (SZO(...), build_optimizer, a training recipe), test-time
+    adaptation's 10 (a kind: tta recipe, run_tta, szo adapt's adapters): both from ``DEFAULT_Q``."""
+    import inspect
+
+    from szo.adapt.methods import AdaptOptions, SZOAdapt
+    from szo.adapt.runner import TTAOptions
+    from szo.optim import SZO
+    from szo.schema import DEFAULT_Q, SZOConfig
+
+    assert SZOConfig().q is None and DEFAULT_Q == {"train": 1, "tta": 10}
+    assert load_recipe("digits-scratch", ["method=szo-rge"]).szo.q == DEFAULT_Q["train"]
+    assert load_recipe("digits-c-tta", ["szo.q=null"]).szo.q == DEFAULT_Q["tta"]
+    assert TTAOptions.q == AdaptOptions.q == inspect.signature(SZOAdapt).parameters["q"].default == DEFAULT_Q["tta"]
+    assert inspect.signature(SZO).parameters["q"].default == DEFAULT_Q["train"]
+    model = Tiny().double()
+    assert build_optimizer("szo-rge", model, subspace=_subspace(model)).q == DEFAULT_Q["train"]

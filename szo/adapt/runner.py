@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from szo.config import AdaptationConfig, AdapterConfig
+from szo.config import DEFAULT_Q, AdaptationConfig, AdapterConfig
 from szo.data import CORRUPTIONS, get_dataset, make_loader
 from szo.methods import check_scale, get_method, shared_mu, shared_scale
 from szo.precision import check_precision, precision_policy
@@ -109,7 +109,7 @@ class TTAOptions(AdaptationConfig):
     out_dir: str | os.PathLike | None = None  # required (run_tta says so)
     seed: int = 0
     mu: float | None = None
-    q: int = 10
+    q: int = DEFAULT_Q["tta"]
     scale: str | None = None
     device: str | torch.device = "cpu"
     dataset_kwargs: Mapping | None = None

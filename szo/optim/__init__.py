@@ -26,6 +26,7 @@ from szo.options import (
     probe_path,
     split_keywords,
 )
+from szo.schema import DEFAULT_Q
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, ProbePath, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
@@ -146,6 +147,6 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
                                   integer=options.integer is not None)
     if lr is None:
         raise ValueError(f"build_optimizer needs lr= for method {method!r} (full-space backprop has no default step)")
-    options = options.replace(scale=scale, mu=mu, lr=lr)
+    options = options.replace(scale=scale, mu=mu, lr=lr, q=DEFAULT_Q["train"] if options.q is None else options.q)
     _check(spec, model, subspace, options, run)
     return spec.builder(integer=options.integer is not None)(spec, model, subspace, options, run)

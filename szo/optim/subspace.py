@@ -36,6 +36,7 @@ from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json, layout_mismatch, param_layout
 from szo.methods import check_scale, list_methods, register_builder, step_defaults
 from szo.options import probe_path
+from szo.schema import DEFAULT_Q
 from szo.zo import (
     ESTIMATORS,
     GENERATOR_COUNTERS,
@@ -375,7 +376,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         lr: float | None = None,
         momentum: float = 0.9,
         estimator: str | Estimator = "cge",
-        q: int = 1,
+        q: int = DEFAULT_Q["train"],
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
         start: str | None = None,
