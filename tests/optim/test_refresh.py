@@ -180,7 +180,7 @@ def test_bad_refresh_is_one_line(bad):
 
 def test_only_szo_takes_a_refreshed_subspace():
     model = Tiny()
-    with pytest.raises(ValueError, match="^a Refreshed subspace is redrawn from SZO's generator; only SZO trains"):
+    with pytest.raises(ValueError, match=r"^a subspace policy \(Refreshed\) is SZO's: only SZO trains under one"):
         BPSubspace(model.parameters(), Refreshed(_sub(model, 3), every=2), model=model, scale="absolute")
     assert "every=2" in repr(Refreshed(_sub(model, 3), every=2))
 
