@@ -182,3 +182,12 @@ def test_q_has_one_default_per_kind_of_run_in_the_schema():
     assert inspect.signature(SZO).parameters["q"].default == DEFAULT_Q["train"]
     model = Tiny().double()
     assert build_optimizer("szo-rge", model, subspace=_subspace(model)).q == DEFAULT_Q["train"]
+
+
+def test_szo_takes_at_most_twelve_settings():
+    """The refresh is a policy passed as the subspace, not another keyword: SZO's constructor stays small."""
+    import inspect
+
+    from szo.optim import SZO
+
+    assert len(inspect.signature(SZO.__init__).parameters) - 1 <= 12  # without self
