@@ -105,7 +105,7 @@ def step_bias(root: Path, batches: int, at: Path | None = None) -> list[dict]:
                 fresh.load_state_dict(state)
             pm = copy.deepcopy(fresh)
             opt = SZO(pm, sub, mu=mu, lr=0.0, momentum=0.0, estimator=est, q=q,
-                      generator=torch.Generator().manual_seed(i), start="reference" if state is None else "current", probes=ProbePath(bn_update="probe-mean"))
+                      generator=torch.Generator().manual_seed(i), start="reference" if state is None else "current", probes=ProbePath(bn_update="probe-mean"), scale="absolute")
             v0 = _running_var(pm)
             opt.step(lambda: loss_fn(pm(x), y))  # lr 0: theta_{t+1} = theta_t
             ref = copy.deepcopy(pm)

@@ -97,7 +97,7 @@ def dropout_layers(net: nn.Module) -> list[nn.Module]:
 
 def estimate(net: nn.Module, sub, mu: float, x, y, *, mode: str) -> torch.Tensor:
     """SZO-CGE's g_c at the subspace reference: ``mode`` free / fresh / replayed."""
-    opt = SZO(net, sub, mu=mu, estimator="cge")  # moves the network to sub.reference
+    opt = SZO(net, sub, mu=mu, estimator="cge", scale="absolute")  # moves the network to sub.reference
     for m in dropout_layers(net):
         m.train(mode != "free")
     if mode == "fresh":

@@ -123,7 +123,7 @@ def worker(method: str, batch: int, T: int, chunk: int, device: torch.device, *,
     elif method in SZO_METHODS:
         batched = "batched" in method
         opt = SZO(model.parameters(), RandomSubspace(model.num_params(), k), mu=1e-3, lr=1e-3, momentum=0.9,
-                  estimator="cge", model=model, probes=ProbePath(engine="batched" if batched else "loop", chunk=chunk if batched else None))
+                  estimator="cge", model=model, probes=ProbePath(engine="batched" if batched else "loop", chunk=chunk if batched else None), scale="absolute")
 
         def step():
             opt.step(batch=Batch(batch_data["x"], batch_data["y"], tet_loss))

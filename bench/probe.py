@@ -92,7 +92,7 @@ def step_rows(config: str, model, x, y, k: int, steps: int, precision: str, devi
         if variant == "graphs":
             m.set_cuda_graphs(True)
         opt = SZO(m.parameters(), sub, mu=1e-2, lr=0.1, momentum=0.9, estimator="cge", model=m,
-                  generator=torch.Generator().manual_seed(0), probes=ProbePath(engine="batched" if variant == "batched" else "loop"))
+                  generator=torch.Generator().manual_seed(0), probes=ProbePath(engine="batched" if variant == "batched" else "loop"), scale="absolute")
         batch = Batch(x, y, tet_loss)
         with pol.scope():
             t_fwd, _ = median_time(_fwd(copy.deepcopy(model), x), 10, warmup=3)  # the eager probe forward

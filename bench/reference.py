@@ -100,7 +100,7 @@ def check_same_update(config: str, T: int, x, y, sub, q: int, device) -> float:
                        generator=torch.Generator().manual_seed(0)).step(x, y)
         else:
             opt = SZO(model.parameters(), sub, mu=1e-2, lr=1.0, momentum=0.9, estimator="rge", q=q, model=model,
-                      generator=torch.Generator().manual_seed(0))
+                      generator=torch.Generator().manual_seed(0), scale="absolute")
             opt.step(lambda: tet_loss(model(x), y))
         ups.append(parameters_to_vector(model.parameters()).detach() - theta0)
     err = float((ups[0] - ups[1]).abs().max() / ups[1].abs().max())
@@ -120,7 +120,7 @@ def measure(config: str, T: int, batch: int, q: int, reps: int, compiled: bool, 
     g0 = graph_count()
     t0 = time.perf_counter()
     opt = SZO(model.parameters(), sub, mu=1e-3, lr=1e-3, momentum=0.9, estimator="rge", q=q, model=model,
-              generator=torch.Generator().manual_seed(0))
+              generator=torch.Generator().manual_seed(0), scale="absolute")
     ref_model = copy.deepcopy(model)  # its own trajectory, same starting point
     ref = AuthorsRGE(ref_model, sub.basis.to(device), q=q, mu=1e-3, lr=1e-3, momentum=0.9,
                      generator=torch.Generator().manual_seed(0))

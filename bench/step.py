@@ -109,7 +109,7 @@ def bench_config(config: str, batch: int, T: int, ks: list[int], reps: int, chun
             for engine in (("loop",) if compiled else ("loop", "batched")):
                 # the production path: SZO(engine=...) stepping on the batch (the loop calls its closure)
                 opt = SZO(model.parameters(), sub, mu=1e-3, lr=0.0, momentum=0.0, estimator=est, q=q or k, model=model,
-                          generator=torch.Generator().manual_seed(0), probes=ProbePath(engine=engine, chunk=chunk if engine == "batched" else None))
+                          generator=torch.Generator().manual_seed(0), probes=ProbePath(engine=engine, chunk=chunk if engine == "batched" else None), scale="absolute")
                 m = opt.forwards_per_step
                 batch = Batch(x, y, tet_loss)
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     model, shape = make_model("resnet20", 4, torch.device("cpu"))
     x, y = make_batch(shape, 32, torch.device("cpu"))
     opt = SZO(model.parameters(), RandomSubspace(model.num_params(), 20), mu=1e-3, lr=1e-3, momentum=0.9,
-              estimator="rge", q=10, model=model, generator=torch.Generator().manual_seed(0))
+              estimator="rge", q=10, model=model, generator=torch.Generator().manual_seed(0), scale="absolute")
 
     def step():
         opt.step(lambda: tet_loss(model(x), y))

@@ -85,7 +85,7 @@ def bptt_subspace(train: TensorDataset, out: Path, *, epochs: int = 3, k: int = 
 class SZOModule(L.LightningModule):
     """A SpikingJelly network trained by SZO inside a trajectory subspace (manual optimization)."""
 
-    def __init__(self, subspace, *, mu: float = 1.0, lr: float = 1.0, estimator: str = "cge", q: int = 1,
+    def __init__(self, subspace, *, mu: float | None = None, lr: float | None = None, estimator: str = "cge", q: int = 1,
                  seed: int = 0, init_seed: int = 1, automatic: bool = False):
         super().__init__()
         torch.manual_seed(init_seed)  # a fresh network: SZO moves it to the subspace's reference

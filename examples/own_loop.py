@@ -47,10 +47,11 @@ store.save("own-k3", build_subspace("runs/own/trajectory", k=3, progress=False),
 # 3. forward-only training of a fresh (differently initialised) model inside the subspace. SZO(model, ...) moves the
 # parameters to subspace.reference (the trajectory's first sample; start="current" keeps them),
 # freezes BN across the probes, resets the neurons before every probe, and after each update
-# runs one unperturbed forward that updates the BN statistics (bn_update="recompute").
+# runs one unperturbed forward that updates the BN statistics (bn_update="recompute"). Its default step is
+# scale-free: mu 0.3 and lr 0.03 in units of the subspace's spread (scale="absolute": the paper's mu 1, lr 1).
 model = make_model()
 subspace = store.load("own-k3", model=model)  # checks the parameter layout
-opt = SZO(model, subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge")
+opt = SZO(model, subspace, momentum=0.9, estimator="cge")
 for epoch in range(2):
     for x, y in train:
         loss = opt.step(lambda: loss_fn(model(x), y))  # forward only: no autograd graph is built

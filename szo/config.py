@@ -33,16 +33,17 @@ from szo.io import atomic_write_text
 from szo.methods import (
     METHODS,
     TTA_METHODS,
+    check_scale,
     get_method,
     list_methods,
     method_label,
     shared_mu,
     shared_scale,
-    which_methods,
 )
 from szo.models.compiled import check_compile
 from szo.recipes import deep_merge, read_recipe, recipe_names, recipe_path
 from szo.schema import (  # the sections and their value checks: szo.schema; read them from here
+    DEFAULT_Q,
     DEVICES,
     DIST_MODES,
     FEDERATED_OPTIMIZERS,
@@ -84,7 +85,7 @@ __all__ = [
     "TTA_PROTOCOLS", "FEDERATED_SPACES", "FEDERATED_OPTIMIZERS", "SOURCE_SECTIONS", "source_config",
     "StepConfig", "StageConfig", "SZOConfig", "TTConfig", "IntegerStateConfig", "HWConfig", "LEARNER_WIDTHS",
     "AdapterConfig", "AdaptationConfig", "TTAConfig", "FederatedConfig", "FinetuneConfig", "HW_ARITHMETICS", "HW_RESETS",
-    "Precision",
+    "Precision", "DEFAULT_Q",
 ]
 
 
@@ -264,16 +265,11 @@ def _check_hw(full: RecipeConfig) -> None:
         if full.bn_stats != "deployed":
             raise ValueError("backend 'fixed' folds BatchNorm into the weights with fixed running statistics, "
                              "so it needs bn_stats 'deployed' (valid for fixed: deployed)")
-    if spec.integer and hw.learner != "integer":
-        raise ValueError(f"method {full.method!r} (seed-004 quantized ZO) is an integer learner on the "
-                         "fixed-point forward: set backend=fixed, bn_stats=deployed and hw.learner=integer "
-                         "(recipe digits-fixed does)")
-    if hw.learner == "integer" and (full.backend != "fixed" or not spec.integer_learner):
+    if hw.learner == "integer" and full.backend != "fixed":
         raise ValueError("hw.learner 'integer' (on-chip integer state, seed-004 Rademacher for szo-rge) needs "
                          f"backend 'fixed' and a method in: {', '.join(list_methods(integer_learner=True))}")
-    if hw.learner == "integer" and full.szo.refresh is not None:
-        raise ValueError("szo.refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
-                         "learner keeps its quantised basis: leave szo.refresh null with hw.learner integer")
+    # the learner's own rules (which methods it trains, no refresh): their one home, the method's record
+    spec.check_learner(integer=hw.learner == "integer", refresh=full.szo.refresh, recipe=True)
     if full.bn_stats == "deployed" and full.kind != "subspace":
         raise ValueError("bn_stats 'deployed' applies to the subspace stage (kind: subspace); valid here: batch")
     if hw.blocks is not None:
@@ -292,6 +288,8 @@ def resolve(cfg: Mapping[str, Any]) -> RecipeConfig:
     (``MethodSpec.default_lr``: its relative ``train.lr`` under a relative scale, else its record's,
     else 1.0, paper App. G), or ``bptt.lr`` for a backprop method without a subspace (full-space BP)."""
     full = _resolve_scale(validate(cfg))
+    if full.szo.q is None:  # the run's default directions per step: training's 1, test-time adaptation's 10
+        full = dataclasses.replace(full, szo=full.szo.replace(q=DEFAULT_Q["tta" if full.kind == "tta" else "train"]))
     if full.kind == "tta" or full.train.lr is not None:
         return full
     lr = get_method(full.method).default_lr(full.szo.scale)
@@ -310,16 +308,8 @@ def _resolve_scale(full: RecipeConfig) -> RecipeConfig:
     else:
         methods = [full.method]
     integer = full.hw.learner == "integer"
-    default = shared_scale(methods, integer=integer)  # the one rule run_tta resolves by too
-    relative = default == "trajectory"
-    scale = sz.scale
-    if scale is None:
-        scale = default
-    elif scale != "absolute" and not relative:
-        why = ("the integer on-chip learner (hw.learner integer) keeps its own units" if integer
-               else "it applies to " + which_methods(trainable=None, relative=lambda r: r is not None))
-        raise ValueError(f"szo.scale {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; "
-                         "use szo.scale absolute (or leave it null: the method's default)")
+    check_scale(methods, sz.scale, integer=integer, recipe=True)  # the rule build_optimizer and run_tta call too
+    scale = sz.scale if sz.scale is not None else shared_scale(methods, integer=integer)
     mu = sz.mu if sz.mu is not None else shared_mu(methods, scale)  # App. G's 1.0 where the methods disagree
     return dataclasses.replace(full, szo=sz.replace(mu=mu, scale=scale))
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping
 
 __all__ = [
     "MethodSpec", "Family", "register_method", "register_builder", "get_method", "list_methods", "method_label",
-    "which_methods", "shared_scale", "shared_mu",
+    "which_methods", "shared_scale", "shared_mu", "check_scale", "step_defaults",
     "METHODS", "SUBSPACE_METHODS", "SZO_METHODS", "BACKPROP_METHODS", "FORWARD_ONLY_METHODS", "FG_METHODS",
     "DISTRIBUTED_METHODS", "ENGINE_METHODS", "STREAMING_METHODS", "FIXED_BACKEND_METHODS",
     "INTEGER_LEARNER_METHODS", "LAYERWISE_METHODS", "QZO_METHODS", "TTA_METHODS", "TTA_SUBSPACE_METHODS",
@@ -124,18 +124,29 @@ class MethodSpec:
         return "trajectory" if self.relative is not None and not integer else "absolute"
 
     def check_scale(self, scale: str | None, *, integer: bool = False, recipe: bool = False) -> None:
-        """A relative ``scale`` (mu / lr in units of the subspace's spread) only where the method has
-        relative defaults and the float learner trains it (:meth:`default_scale`); one ValueError
-        otherwise, for config validation (``recipe``: spelled ``szo.scale``) and ``build_optimizer`` alike.
-        ``None`` and ``"absolute"`` always pass."""
-        if scale is None or scale == "absolute" or self.default_scale(integer=integer) != "absolute":
-            return
-        key = "szo.scale" if recipe else "scale"
-        why = ("the integer on-chip learner keeps its own units" if integer and self.relative is not None else
-               f"method {self.name!r} has no relative defaults; relative scales apply to "
-               + which_methods(trainable=None, relative=lambda r: r is not None))
-        raise ValueError(f"{key} {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; use {key} "
-                         f"absolute (or leave it {'null' if recipe else 'unset'}: the method's default)")
+        """This method's rule on a relative ``scale`` (:func:`check_scale` for one method): the
+        recipe's ``szo.scale`` and ``build_optimizer(scale=...)`` both call it."""
+        check_scale([self.name], scale, integer=integer, recipe=recipe)
+
+    def check_learner(self, *, integer: bool, refresh: int | None = None, recipe: bool = False) -> None:
+        """The integer on-chip learner's rules, one home for every door (the recipe's ``hw.learner``
+        checked by ``szo.config``, ``build_optimizer(integer=...)``): an integer method (seed 004's
+        quantized ZO) trains only with it; it trains only the methods whose record says
+        ``integer_learner``; it keeps its quantised basis, so no ``refresh``. ``recipe``: the keys as a
+        recipe spells them (``hw.learner integer``, ``szo.refresh``, ``null``); otherwise as
+        ``build_optimizer``'s keywords (``integer=``, ``refresh``, ``None``)."""
+        learner = "hw.learner integer" if recipe else "integer="
+        if self.integer and not integer:  # build_optimizer gives such a method its learner itself
+            raise ValueError(f"method {self.name!r} (seed-004 quantized ZO) is an integer learner on the fixed-point "
+                             "forward: set backend=fixed, bn_stats=deployed and hw.learner=integer (recipe "
+                             "digits-fixed does)")
+        if integer and not self.integer_learner:
+            raise ValueError(f"the integer on-chip learner ({learner}) trains "
+                             f"{', '.join(list_methods(integer_learner=True))}; method {self.name!r} has none")
+        if integer and refresh is not None:
+            key = "szo.refresh" if recipe else "refresh"
+            raise ValueError(f"{key} (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
+                             f"learner keeps its quantised basis: leave {key} {'null' if recipe else 'None'}")
 
     def default_mu(self, scale: str) -> float:
         """``mu`` where none is set: under a relative ``scale`` the record's relative ``szo.mu``, else
@@ -263,11 +274,57 @@ def shared_scale(names: Any, *, integer: bool = False) -> str:
     return "trajectory" if specs and {s.default_scale(integer=integer) for s in specs} == {"trajectory"} else "absolute"
 
 
+def check_scale(names: Any, scale: str | None, *, integer: bool = False, recipe: bool = False) -> None:
+    """The one rule on a relative ``scale`` (``szo.zo.scale``) for methods that run under one setting
+    (one trained method, or a test-time adaptation run's subspace methods): it applies only where it
+    is every one's default (:func:`shared_scale`: each has relative defaults in its record and the
+    learner is the float one). One ValueError naming why and what to set; ``recipe``: the key as a
+    recipe spells it (``szo.scale``, ``null``). ``None`` and ``"absolute"`` always pass. The recipe
+    (``szo.config``), ``build_optimizer`` and ``run_tta`` call it."""
+    if scale is None or scale == "absolute" or shared_scale(names, integer=integer) == "trajectory":
+        return
+    specs = [get_method(n, trainable=None) for n in names]
+    key = "szo.scale" if recipe else "scale"
+    bare = [s.name for s in specs if s.relative is None]
+    if bare:
+        why = (f"{'method' if len(bare) == 1 else 'methods'} {', '.join(map(repr, bare))} "
+               f"{'has' if len(bare) == 1 else 'have'} no relative defaults; relative scales apply to ")
+    elif integer and specs:
+        why = (f"the integer on-chip learner ({'hw.learner integer' if recipe else 'integer='}) keeps its own "
+               "units; relative scales apply to ")
+    else:
+        why = "relative scales apply to "
+    why += which_methods(trainable=None, relative=lambda r: r is not None)
+    raise ValueError(f"{key} {scale!r} (mu / lr in units of the subspace) does not apply here: {why}; use {key} "
+                     f"absolute (or leave it {'null' if recipe else 'unset'}: the method's default)")
+
+
 def shared_mu(names: Any, scale: str) -> float:
     """The default ``mu`` of those methods under ``scale``: the forward-only ones' common
     :meth:`MethodSpec.default_mu`, App. G's 1.0 where they disagree or none probes."""
     mus = {s.default_mu(scale) for s in (get_method(n, trainable=None) for n in names) if s.forward_only}
     return mus.pop() if len(mus) == 1 else 1.0
+
+
+def step_defaults(names: Any, scale: str | None = None, mu: float | None = None, lr: float | None = None, *,
+                  integer: bool = False) -> tuple[str, float, float | None]:
+    """``(scale, mu, lr)`` with those left None filled by the defaults of methods ``names`` (one method:
+    its record's; an optimizer that several records build, such as ``SZO`` for a custom estimator, their
+    common ones): ``scale`` the methods' shared default (:func:`shared_scale`: ``trajectory`` for the
+    subspace methods with relative defaults on the float learner), ``mu`` / ``lr`` the scale's
+    (:meth:`MethodSpec.default_mu` / :meth:`~MethodSpec.default_lr`: the scale-free 0.3 / 0.03 of the
+    subspace's spread under a relative scale, the paper's 1.0 / 1.0 under ``absolute``, App. G). The one
+    place a default step is chosen: ``SZO(...)``, ``BPSubspace(...)``, ``build_optimizer`` and a
+    recipe's ``resolve`` all call it; ``lr`` None is left None where the methods' steps differ or they
+    have none (full-space backprop: ``bptt.lr``)."""
+    if scale is None:
+        scale = shared_scale(names, integer=integer)
+    if mu is None:
+        mu = shared_mu(names, scale)
+    if lr is None:
+        lrs = {get_method(n, trainable=None).default_lr(scale) for n in names}
+        lr = lrs.pop() if len(lrs) == 1 else None
+    return scale, mu, lr
 
 
 def get_method(name: str, *, trainable: bool | None = None) -> MethodSpec:

@@ -1,6 +1,10 @@
 """The recipe schema: one frozen dataclass per section of a recipe config, each field's type and
 metadata saying what is valid, and the checks a section runs on every value it is built with.
 
+Torch-free: ``import szo.schema`` loads no torch (tests/test_rules.py). The fixed choices come from
+``szo.vocab``; a choice a registry holds (model, data set and loss names) names its registry as
+``"module:attribute"`` (:data:`REGISTRIES`), imported when a value of that field is checked.
+
 :mod:`szo.config` reads recipes (YAML, ``extends``, ``--set`` overrides) into these sections and
 checks the combinations of settings; import the sections from there (``szo.config.RecipeConfig``).
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import inspect
 import os
 import types
@@ -16,16 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from szo import data as szo_data
-from szo import models as szo_models
-from szo.losses import LOSSES
-from szo.models.base import MEMORY_FORMATS
-from szo.models.neurons import ACTIVATIONS
-from szo.models.streaming import BN_TIMES, STREAM_BN_MODES
 from szo.recipes import deep_merge
-from szo.zo.bn import BN_UPDATES
-from szo.zo.path import ENGINES
-from szo.zo.scale import SCALES
+from szo.vocab import ACTIVATIONS, BN_TIMES, BN_UPDATES, ENGINES, MEMORY_FORMATS, SCALES, STREAM_BN_MODES
 
 Kind = Literal["bp", "subspace", "tta"]
 Mode = Literal["scratch", "continual"]
@@ -140,8 +137,23 @@ class Section(Mapping):
 
 
 
+REGISTRIES: dict[str, str] = {
+    "models": "szo.models:check_name",   # a validator: the registered models, or a SpikingJelly network
+    "datasets": "szo.data:names",        # the data set registry's names
+    "losses": "szo.losses:LOSSES",       # the loss functions by name
+}
+"""The registries a field's ``choices`` / ``check`` name: what each is, as ``"module:attribute"``.
+They hold torch code, so the schema imports one only when it checks a value of that field."""
+
+
+def _registry(name: str) -> Any:
+    """The registry :data:`REGISTRIES` names (its module imported on first use)."""
+    module, _, attr = REGISTRIES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _datasets() -> list[str]:
-    return szo_data.names()
+    return list(_registry("datasets")())
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +163,7 @@ class ModelConfig(Section):
     # time step normalised with its own statistics, T updates per forward); see docs/bn.md.
     # memory_format: activations' layout, auto (channels-last on CPU for the models measured faster
     # so) | channels_last | contiguous; see SpikingModel.set_memory_format, docs/performance.md
-    name: str | None = _opt(None, check=lambda: szo_models.check_name)  # required: see _check_required
+    name: str | None = _opt(None, check=lambda: _registry("models"))  # required: see _check_required
     T: int | None = _opt(None, min=1)
     activation: str = _opt("lif", choices=lambda: ACTIVATIONS)
     bn_time: str = _opt("shared", choices=lambda: BN_TIMES)
@@ -173,7 +185,7 @@ class DataConfig(Section):
 
 @dataclass(frozen=True, eq=False)
 class LossConfig(Section):
-    name: str = _opt("tet", choices=lambda: list(LOSSES))
+    name: str = _opt("tet", choices=lambda: list(_registry("losses")))
     lamb: float = _opt(0.05, min=0.0, max=1.0)
     phi: float = 1.0
 
@@ -216,6 +228,12 @@ class SubspaceConfig(Section):
     root: str | None = None
 
 
+DEFAULT_Q: dict[str, int] = {"train": 1, "tta": 10}
+"""``szo.q`` (SZO-RGE's directions per step) where none is set, the one home of both defaults: ``train``
+for a training stage and every optimizer (``SZO(...)``, ``build_optimizer``: the paper's SZO-RGE(q=1)),
+``tta`` for test-time adaptation (App. G's q = 10: a ``kind: tta`` recipe, ``szo adapt``, ``run_tta``)."""
+
+
 @dataclass(frozen=True, eq=False)
 class SZOConfig(Section):
     # time_chunk: forward-only stages run the T steps in chunks of this many (1 = streaming,
@@ -234,7 +252,9 @@ class SZOConfig(Section):
     # mu null: the scale's default (absolute 1.0, App. G; else the method's relative mu, 0.3)
     mu: float | None = _opt(None, gt=0.0)
     scale: str | None = _opt(None, choices=lambda: SCALES)
-    q: int = _opt(1, min=1, max=100_000)  # directions per step (2q forwards): beyond 1e5 a step never ends
+    # q: directions per step (2q forwards; beyond 1e5 a step never ends); null: the run's default, DEFAULT_Q
+    # (1 for a training stage, the paper's SZO-RGE(q=1); 10 for test-time adaptation, App. G)
+    q: int | None = _opt(None, min=1, max=100_000)
     coords_per_step: int | None = _opt(None, min=1)
     # refresh (szo-cge / szo-rge / szo-1pt / szo-cge-1pt, float learner): every this many steps the basis is
     # replaced by a fresh Haar-random orthonormal one drawn from the run's generator, re-based at the current

@@ -39,7 +39,7 @@ def batches():
 def train(mode, bn, rank=0, world=1, estimator="rge", bn_update="recompute"):
     model = make_model(bn)
     opt = SZO(model.parameters(), make_subspace(model), mu=0.1, lr=0.5, estimator=estimator, q=3, model=model,
-              generator=torch.Generator().manual_seed(3), probes=ProbePath(distributed=mode, bn_update=bn_update))
+              generator=torch.Generator().manual_seed(3), probes=ProbePath(distributed=mode, bn_update=bn_update), scale="absolute")
     for x, y in batches():
         if mode == "data":
             shard = GLOBAL_BATCH // world
@@ -94,7 +94,7 @@ def test_two_process_szo_equals_single_process(tmp_path, mode, bn, bn_update):
 def test_unknown_distributed_mode():
     model = make_model(False)
     with pytest.raises(ValueError, match="unknown distributed mode"):
-        SZO(model.parameters(), make_subspace(model), probes=ProbePath(distributed="pipeline"))
+        SZO(model.parameters(), make_subspace(model), probes=ProbePath(distributed="pipeline"), scale="absolute")
 
 
 def test_sync_bn_restores_layers_when_a_forward_raises(tmp_path):
@@ -134,7 +134,7 @@ def _snn_train(sync_bn: bool, rank: int = 0, world: int = 1) -> nn.Module:
 
     torch.manual_seed(0)
     model = create("spike_convnet", T=2, width=4).double().train()
-    opt = SZO(model.parameters(), make_subspace(model), mu=0.5, lr=1.0, estimator="cge", model=model, probes=ProbePath(distributed="data" if world > 1 else None, sync_bn=sync_bn))
+    opt = SZO(model.parameters(), make_subspace(model), mu=0.5, lr=1.0, estimator="cge", model=model, probes=ProbePath(distributed="data" if world > 1 else None, sync_bn=sync_bn), scale="absolute")
     g = torch.Generator().manual_seed(4)
     for _ in range(SNN_STEPS):
         x = torch.randn(SNN_BATCH, 1, 8, 8, generator=g, dtype=torch.float64)

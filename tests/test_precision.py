@@ -240,7 +240,7 @@ def _optimizer(method, model):
         sub = Subspace(basis=P.float(), mean=theta.clone(), reference=theta.clone(), eigenvalues=torch.ones(k),
                        explained_variance_ratio=torch.full((k,), 1.0 / k), layout=None, fingerprint=None, model=None,
                        provenance={})
-        return SZO(model, sub, mu=0.5, lr=0.5, estimator="cge")
+        return SZO(model, sub, mu=0.5, lr=0.5, estimator="cge", scale="absolute")
     return FullSpaceZO(model, estimator="rge", q=3, mu=0.05, lr=0.05, generator=torch.Generator().manual_seed(0))
 
 

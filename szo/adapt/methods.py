@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from szo.config import TENT_OPTIMIZERS, TTA_PREDICT, TTA_SETTINGS, AdapterConfig
+from szo.config import DEFAULT_Q, TENT_OPTIMIZERS, TTA_PREDICT, TTA_SETTINGS, AdapterConfig
 from szo.losses import entropy_loss
 from szo.methods import NO_ADAPTATION, TTA_METHODS, TTA_SUBSPACE_METHODS, get_method
 from szo.optim import build_optimizer
@@ -326,7 +326,7 @@ class BPSubspaceAdapt(_GradientAdapter):
     kind = "subspace-gradient"
     lr_option = "lr"
 
-    def __init__(self, model: nn.Module, subspace, *, lr: float, momentum: float = 0.9, scale: str = "absolute",
+    def __init__(self, model: nn.Module, subspace, *, lr: float, momentum: float = 0.9, scale: str | None = None,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         configure_bn(model)
         model.requires_grad_(True)
@@ -346,8 +346,9 @@ class SZOAdapt(Adapter):
         probes = get_estimator(get_method(method).variant).probes(k or 0, q)  # the estimator's own count
         return probes + 1, 0  # + one clean prediction forward (before or after the step)
 
-    def __init__(self, model: nn.Module, subspace, *, method: str = "szo-cge", lr: float, mu: float = 1.0,
-                 momentum: float = 0.9, q: int = 10, generator: torch.Generator | None = None, scale: str = "absolute",
+    def __init__(self, model: nn.Module, subspace, *, method: str = "szo-cge", lr: float, mu: float | None = None,
+                 momentum: float = 0.9, q: int = DEFAULT_Q["tta"], generator: torch.Generator | None = None,
+                 scale: str | None = None,
                  predict: str = "before", loss_fn: LossFn = entropy_loss) -> None:
         check_choice("SZO method", method, [m for m in METHODS if get_method(m).adapter == self.kind])
         configure_bn(model)
@@ -380,9 +381,9 @@ class AdaptOptions(AdapterConfig):
 
     subspace: object | None = None
     lr: float | None = None
-    mu: float = 1.0
-    q: int = 10
-    scale: str = "absolute"
+    mu: float | None = None
+    q: int = DEFAULT_Q["tta"]
+    scale: str | None = None
     generator: torch.Generator | None = None
     loss_fn: Callable = entropy_loss
 

@@ -28,9 +28,9 @@ from torch import nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from szo.config import AdaptationConfig, AdapterConfig
+from szo.config import DEFAULT_Q, AdaptationConfig, AdapterConfig
 from szo.data import CORRUPTIONS, get_dataset, make_loader
-from szo.methods import get_method, shared_mu, shared_scale
+from szo.methods import check_scale, get_method, shared_mu, shared_scale
 from szo.precision import check_precision, precision_policy
 from szo.zo.scale import coordinate_scales, scale_record
 
@@ -109,7 +109,7 @@ class TTAOptions(AdaptationConfig):
     out_dir: str | os.PathLike | None = None  # required (run_tta says so)
     seed: int = 0
     mu: float | None = None
-    q: int = 10
+    q: int = DEFAULT_Q["tta"]
     scale: str | None = None
     device: str | torch.device = "cpu"
     dataset_kwargs: Mapping | None = None
@@ -130,8 +130,7 @@ class TTAOptions(AdaptationConfig):
         (``shared_scale`` / ``shared_mu``), the rule a ``kind: tta`` recipe resolves by."""
         subspace = [m for m in methods if get_method(m).subspace]
         scale = self.scale if self.scale is not None else shared_scale(subspace)
-        for m in subspace:
-            get_method(m).check_scale(scale)
+        check_scale(subspace, self.scale)  # the recipe's rule (szo.config) and build_optimizer's
         return self.replace(scale=scale, mu=self.mu if self.mu is not None else shared_mu(subspace, scale))
 
     def lr_of(self, method: str, setting: str) -> float | None:

@@ -33,21 +33,17 @@ import torch.nn.functional as F
 from spikingjelly.activation_based import neuron as sj_neuron
 from torch import fx, nn
 
+from szo.hw.arithmetic import arithmetic_model
 from szo.hw.fixed import (
-    A_IN_SHIFT,
     ACT_SHIFT,
     STATE_SHIFT,
     BitWidths,
     SaturationCounter,
-    check_arithmetic,
-    floor_shift,
-    int_range,
     quantize_bias,
     quantize_weight,
     saturate,
-    shift,
 )
-from szo.hw.neuron import RESETS, FixedCubaLIF, LoihiCubaLIF
+from szo.hw.neuron import RESETS, FixedCubaLIF
 from szo.models.base import SpikingModel
 from szo.precision import exact_fp32
 
@@ -189,7 +185,7 @@ class FixedPointNetwork(SpikingModel):
                  reset: str | None = None, record: bool = False) -> None:
         if not isinstance(model, SpikingModel):
             raise ValueError(f"to_fixed needs a szo SpikingModel, got {type(model).__name__}")
-        arithmetic = check_arithmetic(arithmetic)
+        model_of = arithmetic_model(arithmetic)  # the implementation, chosen once by its tag (szo.hw.arithmetic)
         if reset is not None and reset not in RESETS:
             raise ValueError(f"unknown reset {reset!r}; valid: None (each LIF's own: v_reset None -> 'subtract', "
                              f"0 -> 'zero') or one of {list(RESETS)}")
@@ -199,7 +195,8 @@ class FixedPointNetwork(SpikingModel):
         self.widths = widths or BitWidths()
         self.verify_exact = bool(verify_exact)
         self.collect_stats = bool(collect_stats)  # per-layer events / synops / spikes in last_stats (costs syncs)
-        self.arithmetic = arithmetic  # 'szo' | 'loihi' (szo.hw.fixed.ARITHMETICS)
+        self.arithmetic = model_of.tag  # 'szo' | 'loihi' (szo.hw.fixed.ARITHMETICS): what reports show
+        self.arithmetic_model = model_of  # how the integers are computed: no method compares the tag
         self.reset_override = reset
         self.record = bool(record)  # keep every synaptic current / spike tensor of the last forward in last_record
         self.last_record: dict[str, torch.Tensor] = {}
@@ -273,9 +270,8 @@ class FixedPointNetwork(SpikingModel):
                     if m.v_reset not in (None, 0.0):
                         raise _unsupported(path, tname, f"v_reset={m.v_reset}; valid: None (soft) or 0.0 (hard)")
                     reset = self.reset_override or ("subtract" if m.v_reset is None else "zero")
-                    neuron_cls = LoihiCubaLIF if self.arithmetic == "loihi" else FixedCubaLIF
                     try:
-                        self.neurons[path] = neuron_cls(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
+                        self.neurons[path] = self.arithmetic_model.neuron(1.0, 1.0 / float(m.tau), float(m.v_threshold), reset,
                                                          self.widths, self.counter, path)
                     except ValueError as exc:
                         raise _unsupported(path, tname, f"{self.arithmetic} arithmetic: {exc}") from None
@@ -520,21 +516,12 @@ class FixedPointNetwork(SpikingModel):
         if hook is not None:
             acc = hook(xin, acc, to_state)
         bias = None if bias_int is None else bias_int.view(1, -1, *([1] * (acc.dim() - 2)))
-        if self.arithmetic == "szo":
-            cur = shift(acc, to_state)  # into state units: exact left shift, or toward-zero right shift
-            syn = cur
-            if bias is not None:
-                cur = cur + bias
-            cur = saturate(cur, P.state_bits, self.counter, path, "current")  # 24-bit synaptic current
-            bias = None
-            if self.record:  # what Lava's Dense makes of the same sum (floor shift to a_out, << 6)
-                lava = floor_shift(acc, to_state - A_IN_SHIFT) << A_IN_SHIFT
-                self.last_record_lava_rounding[path] = lava.view(T, N, *lava.shape[1:])
-        else:  # Lava PyDenseModelBitAcc: a_out = acc shifted by the weight exponent, floor for negative ones
-            a_out = floor_shift(acc, to_state - A_IN_SHIFT)
-            lo, hi = int_range(16)  # Lava declares a_out / a_in 16-bit but does not clip: count, do not change
-            self.counter.add(path, "a_out_beyond_16bit", ((a_out < lo) | (a_out > hi)).sum())
-            cur = syn = a_out << A_IN_SHIFT  # PyLifModelBitAcc: activation_in << act_shift (exact)
+        # into state units as the arithmetic does it ("szo": exact shift, bias added, saturated; "loihi": Lava's
+        # Dense floor shift, the bias left for the neuron's voltage)
+        cur, syn, bias, lava = self.arithmetic_model.synaptic_current(acc, to_state, bias, P, self.counter, path,
+                                                                      self.record)
+        if lava is not None:
+            self.last_record_lava_rounding[path] = lava.view(T, N, *lava.shape[1:])
         if self.record:
             self.last_record[path] = syn.view(T, N, *syn.shape[1:])  # synaptic current without bias, state units
         if self.collect_stats:
@@ -580,10 +567,8 @@ class FixedPointNetwork(SpikingModel):
                 self.last_stats[f"{name}.{which}"] = {"type": "identity", "events": n_ev, "synops": n_ev, "weights": 0}
             return v.data << STATE_SHIFT  # spike (1.0) -> current 1.0 = 2**12 state units
         s = as_current(a, "a") + as_current(b, "b")
-        if self.arithmetic == "loihi":  # Lava sums the projections into one in-port without clipping; the LIF wraps
-            bias = a.bias if b.bias is None else (b.bias if a.bias is None else a.bias + b.bias)
-            return _Val(s, "current", bias=bias)
-        return _Val(saturate(s, self.widths.state_bits, self.counter, name, "current"), "current")
+        data, bias = self.arithmetic_model.add_currents(s, a.bias, b.bias, self.widths, self.counter, name)
+        return _Val(data, "current", bias=bias)
 
 
 def to_fixed(model: SpikingModel, *, weight_bits: int | None = None, widths: BitWidths | None = None,

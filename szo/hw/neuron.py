@@ -1,4 +1,11 @@
-"""CUBA-LIF neuron: one dynamics, a float and a bit-exact fixed-point (Loihi) implementation.
+"""Lava's CUBA-LIF neuron: one dynamics, a float and a bit-exact fixed-point (Loihi) implementation.
+
+One step (:meth:`CubaLIFBase.step`) for every arithmetic: the float reference and the two integer
+arithmetics supply only leak, add and fire (the fixed-point backend picks its integer one by tag,
+``szo.hw.arithmetic``). Not NIR's ``CubaLIF``: ``szo.models.cuba.NIRCubaLIFNode`` discretises NIR's
+continuous-time neuron as norse does (``dt / tau`` steps, per-neuron ``r`` / ``v_leak`` / ``w_in``, the
+membrane starting at ``v_leak``, a spike strictly above threshold, a reset *to* ``v_reset``); the maths
+differ, so the two are named apart (docs/architecture.md, "Neurons").
 
 Dynamics shared in :class:`CubaLIFBase` (lava ``proc/lif`` / lava-dl ``cuba.Neuron``)::
 
@@ -129,7 +136,8 @@ class CubaLIFBase(ABC):
 
 
 class FloatCubaLIF(CubaLIFBase):
-    """Float32 reference (SpikingJelly semantics: fire on ``V >= th``)."""
+    """Float32 reference (SpikingJelly semantics: fire on ``V >= th``, where the integer arithmetics and
+    NIR's ``szo.models.cuba.NIRCubaLIFNode`` fire strictly above)."""
 
     def _leak_current(self, i: torch.Tensor) -> torch.Tensor:
         return i - i * self.current_decay

@@ -27,9 +27,8 @@ from szo.models.streaming import (
     check_time_chunk,
     chunked_forward,
 )
+from szo.vocab import MEMORY_FORMATS
 from szo.zo.path import ProbePath
-
-MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
 
 
 def check_memory_format(fmt: object) -> str:

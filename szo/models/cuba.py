@@ -1,4 +1,14 @@
-"""NIR's current-based LIF (``CubaLIF``) as a multi-step SpikingJelly memory module.
+"""NIR's current-based LIF (``CubaLIF``) as a multi-step SpikingJelly memory module: :class:`NIRCubaLIFNode`.
+
+Not the fixed-point backend's neuron: ``szo.hw.neuron`` (``CubaLIFBase``: ``FloatCubaLIF`` /
+``FixedCubaLIF`` / ``LoihiCubaLIF``) is Lava's CUBA-LIF, a different discretisation with one step
+shared by its float and integer arithmetics: per-step *decay fractions* ``dI`` / ``dV`` (no ``dt``,
+``r``, ``v_leak`` or ``w_in``), state starting at 0, a spike where ``V >= th`` (float, SpikingJelly's
+comparison) or ``V > th`` (integer, Loihi's), and a reset by subtraction or to 0. The neuron here is
+NIR's graph primitive as norse steps it: forward Euler with ``dt / tau``, per-neuron arrays, the
+membrane starting at ``v_leak``, a spike only where ``h > v_threshold`` (strictly above) and a reset
+*to* ``v_reset``. The two agree only in special cases, so they are named apart
+(docs/architecture.md, "Neurons").
 
 NIR (``nir.CubaLIF``) defines the neuron in continuous time::
 
@@ -6,7 +16,7 @@ NIR (``nir.CubaLIF``) defines the neuron in continuous time::
     tau_mem dv/dt = (v_leak - v) + r I
     z = [v > v_threshold];  v <- v_reset where z
 
-and leaves the discretisation to each simulator. :class:`CubaLIFNode` takes norse's (norse 1.1.0,
+and leaves the discretisation to each simulator. :class:`NIRCubaLIFNode` takes norse's (norse 1.1.0,
 ``norse.torch.utils.import_nir.CubaLIF``: ``LIBoxCell`` then ``LIFBoxCell``; forward Euler with
 step ``dt``, the membrane integrating the current *of this step*), written with the same float
 operations in the same order, so that a graph norse runs gives the same spikes here::
@@ -39,15 +49,16 @@ import numpy as np
 import torch
 from spikingjelly.activation_based import base
 
-__all__ = ["CUBA_FIELDS", "CubaLIFNode"]
+__all__ = ["CUBA_FIELDS", "NIRCubaLIFNode", "CubaLIFNode"]
 
 CUBA_FIELDS: tuple[str, ...] = ("tau_syn", "tau_mem", "r", "v_leak", "v_threshold", "v_reset", "w_in")
 """The per-neuron arrays of ``nir.CubaLIF``, in seconds (time constants) and NIR's units."""
 
 
-class CubaLIFNode(base.MemoryModule):
+class NIRCubaLIFNode(base.MemoryModule):
     """Multi-step ``[T, N, *shape] -> [T, N, *shape]`` spikes of NIR ``CubaLIF`` neurons (module
-    docstring). ``fields``: the seven arrays of :data:`CUBA_FIELDS`, each of the neurons' shape;
+    docstring: norse's discretisation, fires strictly above ``v_threshold``, resets to ``v_reset``;
+    not ``szo.hw.neuron``'s Lava CUBA-LIF). ``fields``: the seven arrays of :data:`CUBA_FIELDS`, each of the neurons' shape;
     ``dt``: seconds per step. Memories ``i`` (synaptic current) and ``v`` (membrane) carry over
     between calls until ``reset()`` (``functional.reset_net``)."""
 
@@ -55,7 +66,7 @@ class CubaLIFNode(base.MemoryModule):
         super().__init__()
         missing = [k for k in CUBA_FIELDS if k not in fields]
         if missing:
-            raise ValueError(f"CubaLIFNode needs the fields {list(CUBA_FIELDS)}; missing {missing}")
+            raise ValueError(f"NIRCubaLIFNode needs the fields {list(CUBA_FIELDS)}; missing {missing}")
         arrays = {k: torch.from_numpy(np.asarray(fields[k], dtype=np.float64)).float() for k in CUBA_FIELDS}
         shapes = {tuple(a.shape) for a in arrays.values()}
         if len(shapes) != 1:
@@ -91,3 +102,7 @@ class CubaLIFNode(base.MemoryModule):
             out.append(z)
         self.i, self.v = i, v
         return torch.stack(out)
+
+
+CubaLIFNode = NIRCubaLIFNode
+"""The earlier name of :class:`NIRCubaLIFNode` (kept for code and NIR imports written against it)."""

@@ -28,12 +28,13 @@ from spikingjelly.activation_based import neuron, surrogate
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from szo.vocab import ACTIVATIONS
+
 TAU: float = 1.1
 """LIF membrane time constant (paper Sec. 6 / App. G)."""
 V_TH: float = 1.0
 """LIF firing threshold (paper Sec. 6 / App. G)."""
 
-ACTIVATIONS: tuple[str, ...] = ("lif", "relu")
 
 _LIF_KEYS = frozenset(inspect.signature(neuron.LIFNode.__init__).parameters) - {"self"}
 

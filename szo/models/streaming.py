@@ -76,20 +76,16 @@ from spikingjelly.activation_based import functional, layer
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.vocab import BN_TIMES, STREAM_BN_MODES
+
 if TYPE_CHECKING:  # pragma: no cover
     from szo.models.base import SpikingModel
 
 __all__ = ["STREAM_BN_MODES", "BN_TIMES", "bn_time_of", "check_bn_time", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
            "chunked_forward", "batch_stat_bn_layers", "bn_momentum"]
 
-STREAM_BN_MODES: tuple[str, ...] = ("exact", "running", "chunk")
-"""Policies for train-mode BatchNorm in a chunked forward (see the module docstring)."""
 
 
-BN_TIMES: tuple[str, ...] = ("shared", "per-step")
-"""BatchNorm over time (``BatchNorm2d.bn_time``): one normalisation over the T*N samples of a
-multi-step forward (``"shared"``, SpikingJelly's multi-step BN) or one per time step
-(``"per-step"``, the single-step BN of a loop over T, as the SZO authors ran it)."""
 
 
 def bn_time_of(model: nn.Module) -> str:

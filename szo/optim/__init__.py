@@ -1,7 +1,8 @@
 """Optimizers: SZO (forward-only, in a trajectory subspace) and the paper's baselines.
 
 >>> from szo.optim import SZO
->>> opt = SZO(model, subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge")  # starts at subspace.reference
+>>> opt = SZO(model, subspace, momentum=0.9, estimator="cge")  # starts at subspace.reference; mu 0.3 / lr 0.03
+>>> paper = SZO(model, subspace, scale="absolute")  # the paper's units: mu 1.0, lr 1.0 (App. G)
 >>> loss = opt.step(lambda: loss_fn(model(x), y))
 
 ``build_optimizer(method, model, ...)`` builds any registered method (``szo.methods``) with the
@@ -15,7 +16,7 @@ from torch import nn
 
 from szo.hw.optim.mcu import MCUZO
 from szo.hw.optim.onchip import OnChipSZO
-from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, list_methods, register_builder
+from szo.methods import METHOD_OPTIONS, METHODS, SUBSPACE_METHODS, get_method, register_builder, step_defaults
 from szo.options import (
     RUN_KEYWORDS,
     IntegerLearnerOptions,
@@ -25,17 +26,20 @@ from szo.options import (
     probe_path,
     split_keywords,
 )
+from szo.schema import DEFAULT_Q
 from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimizer, ProbePath, StepInfo, bn_layers
 
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .fullspace import FullSpaceZO
 from .layerwise import LayerwiseZO
-from .subspace import SZO, BPSubspace, Refreshed, SubspaceOptimizer, check_layout
+from .subspace import SZO, BPSubspace, Kept, Refreshed, SubspaceOptimizer, SubspacePolicy, check_layout
 from .tt import HybridZO
 
 __all__ = [
     "SZO",
     "Refreshed",
+    "Kept",
+    "SubspacePolicy",
     "BPSubspace",
     "FullSpaceZO",
     "ForwardGradient",
@@ -82,12 +86,7 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     if spec.subspace and subspace is None:
         raise ValueError(f"method {m!r} needs a subspace (build one with `szo subspace build`)")
     spec.check_options({key: getattr(o, key) for key in METHOD_OPTIONS})
-    if o.integer is not None and not spec.integer_learner:
-        raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "
-                         f"method {m!r} has none")
-    if o.integer is not None and o.refresh is not None:
-        raise ValueError("refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
-                         "learner keeps its quantised basis: leave refresh None")
+    spec.check_learner(integer=o.integer is not None, refresh=o.refresh)  # the rules a recipe's hw.learner meets
 
 
 def _records(options: OptimizerOptions | None, run: RunOptions | None, keywords: dict
@@ -143,14 +142,11 @@ def build_optimizer(method: str, model: nn.Module, *, subspace=None, options: Op
     if spec.integer and options.integer is None:
         options = options.replace(integer=IntegerLearnerOptions())
     spec.check_scale(options.scale, integer=options.integer is not None)
-    if options.scale is None:  # the method's default: trajectory for the relative methods' float learner
-        options = options.replace(scale=spec.default_scale(integer=options.integer is not None))
-    if options.mu is None:  # the scale's default: the method's relative mu, or App. G's 1.0
-        options = options.replace(mu=spec.default_mu(options.scale))
-    if options.lr is None:  # the scale's default (MethodSpec.default_lr); full-space BP has none
-        lr = spec.default_lr(options.scale)
-        if lr is None:
-            raise ValueError(f"build_optimizer needs lr= for method {method!r} (full-space backprop has no default step)")
-        options = options.replace(lr=lr)
+    # the defaults SZO(...) takes too (szo.methods.step_defaults): trajectory, then the scale's mu / lr
+    scale, mu, lr = step_defaults([spec.name], options.scale, options.mu, options.lr,
+                                  integer=options.integer is not None)
+    if lr is None:
+        raise ValueError(f"build_optimizer needs lr= for method {method!r} (full-space backprop has no default step)")
+    options = options.replace(scale=scale, mu=mu, lr=lr, q=DEFAULT_Q["train"] if options.q is None else options.q)
     _check(spec, model, subspace, options, run)
     return spec.builder(integer=options.integer is not None)(spec, model, subspace, options, run)

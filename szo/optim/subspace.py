@@ -34,8 +34,9 @@ from szo.distributed import MODES as DISTRIBUTED_RUN_MODES
 from szo.evaluators import build_evaluator
 from szo.functional.basis import haar_basis
 from szo.layout import layout_from_json, layout_mismatch, param_layout
-from szo.methods import register_builder
+from szo.methods import check_scale, list_methods, register_builder, step_defaults
 from szo.options import probe_path
+from szo.schema import DEFAULT_Q
 from szo.zo import (
     ESTIMATORS,
     GENERATOR_COUNTERS,
@@ -57,33 +58,72 @@ from szo.zo import (
 )
 from szo.zo.scale import NORMALISED, coordinate_scales, normalise_, scale_record
 
-__all__ = ["SZO", "BPSubspace", "Refreshed", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
+__all__ = ["SZO", "BPSubspace", "SubspacePolicy", "Kept", "Refreshed", "subspace_policy", "SubspaceOptimizer", "check_layout", "ESTIMATORS", "DISTRIBUTED_MODES"]
 
 DISTRIBUTED_MODES = (None,) + DISTRIBUTED_RUN_MODES
 
 
-class Refreshed:
+class SubspacePolicy:
+    """Which basis a subspace optimizer trains on at each step: a policy ``SZO`` holds for the whole run
+    (``opt.policy``) and asks before every step. ``subspace``: the entry of the first steps (its basis,
+    reference, layout and eigenvalues); ``every``: steps between redraws (None: never);
+    :meth:`due` says whether a redraw is due before a step and :meth:`draw` makes one. The policies:
+    :class:`Kept` (a plain subspace: its basis for every step) and :class:`Refreshed`."""
+
+    every: int | None = None
+
+    def __init__(self, subspace):
+        self.subspace = subspace
+
+    def due(self, step: int, redraws: int) -> bool:
+        """Whether a new basis is due before step ``step`` (0-based) after ``redraws`` redraws."""
+        return self.every is not None and step // self.every > redraws
+
+    def draw(self, d: int, k: int, generator: torch.Generator) -> torch.Tensor:
+        """A new ``[d, k]`` basis from ``generator``."""
+        raise ValueError(f"{type(self).__name__} keeps its basis: it draws none")
+
+    def __repr__(self) -> str:
+        every = "" if self.every is None else f", every={self.every}"
+        return f"{type(self).__name__}({self.subspace!r}{every})"
+
+
+class Kept(SubspacePolicy):
+    """The stored subspace's basis for every step: what ``SZO(model, subspace)`` holds for a plain subspace."""
+
+
+class Refreshed(SubspacePolicy):
     """A subspace that is redrawn: ``subspace`` for the first ``every`` steps, then a fresh Haar-random
     orthonormal basis of the same k before every ``every``-th step (SubZero's lazy refresh, T0;
     with SZO-RGE LOZO's kept-V / fresh-U sampling). ``SZO(model, Refreshed(sub, every=10))``; the
-    recipes' ``szo.refresh: T0``. The subspace policy of the optimizer, not a stored entry: the
-    redraws come from the optimizer's generator."""
+    recipes' ``szo.refresh: T0``. A policy the optimizer holds (``opt.policy``), not a stored entry:
+    the redraws come from the optimizer's generator."""
 
     def __init__(self, subspace, every: int):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"refresh must be None (keep the basis) or a number of steps >= 1, got {every!r}")
-        self.subspace = subspace
+        super().__init__(subspace)
         self.every = every
 
-    def __repr__(self) -> str:
-        return f"Refreshed({self.subspace!r}, every={self.every})"
+    def draw(self, d: int, k: int, generator: torch.Generator) -> torch.Tensor:
+        return haar_basis(d, k, generator)
+
+
+def subspace_policy(subspace, refresh: int | None = None) -> SubspacePolicy:
+    """The policy of ``subspace`` (a policy given is taken as it is; a stored subspace is :class:`Kept`,
+    or :class:`Refreshed` every ``refresh`` steps: a recipe's ``szo.refresh``)."""
+    if isinstance(subspace, SubspacePolicy):
+        if refresh is not None:
+            raise ValueError(f"refresh={refresh} given with a subspace policy ({subspace!r}): give one of them")
+        return subspace
+    return Kept(subspace) if refresh is None else Refreshed(subspace, refresh)
 
 
 def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None = None) -> None:
     """Raise one clear ValueError if the subspace does not fit these parameters."""
-    if isinstance(subspace, Refreshed):
-        raise ValueError("a Refreshed subspace is redrawn from SZO's generator; only SZO trains in one: pass the "
-                         "subspace itself (Refreshed(...).subspace) to this optimizer")
+    if isinstance(subspace, SubspacePolicy):
+        raise ValueError(f"a subspace policy ({type(subspace).__name__}) is SZO's: only SZO trains under one; pass "
+                         f"the subspace itself ({type(subspace).__name__}(...).subspace) to this optimizer")
     d = sum(p.numel() for p in params)
     basis = subspace.basis
     if basis.dim() != 2:
@@ -102,6 +142,16 @@ def check_layout(subspace, params: list[torch.Tensor], model: nn.Module | None =
             raise ValueError(f"the subspace does not fit these parameters: {msg}")
     if basis.shape[0] != d:
         raise ValueError(f"subspace dimension d = {basis.shape[0]} does not match the parameters' d = {d}")
+
+
+def _eigenvalues(subspace, scale: str) -> torch.Tensor:
+    """The subspace's covariance eigenvalues, which a relative ``scale`` (the default) takes its units from."""
+    try:
+        return subspace.eigenvalues
+    except AttributeError:
+        raise ValueError(f"scale {scale!r} (the default: mu / lr in units of the subspace's spread) needs the "
+                         "subspace's eigenvalues, which a subspace store entry carries; this subspace has none: "
+                         "pass scale='absolute' (the paper's units, mu / lr 1.0 by default)") from None
 
 
 def check_k(opt, section: dict) -> None:
@@ -137,7 +187,7 @@ class SubspaceOptimizer(CodecOptimizer):
         check_hparams(lr=defaults["lr"], momentum=defaults["momentum"])
         check_layout(subspace, params, model)
         # the coordinates' units (None: absolute, the paper's arithmetic); coordinate_scales refuses an unknown scale
-        units = None if scale == "absolute" else coordinate_scales(subspace.eigenvalues, scale)
+        units = None if scale == "absolute" else coordinate_scales(_eigenvalues(subspace, scale), scale)
         # where training starts: theta_ref for the model-first form unless told otherwise
         move_to_start(params, subspace, start or ("reference" if model_first else "current"), type(self).__name__)
         # a frozen parameter (requires_grad=False) is never moved: its rows of P are left out
@@ -250,10 +300,17 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
 
     Use it like ``torch.optim.LBFGS``::
 
-        opt = SZO(model, subspace, mu=1.0, lr=1.0, momentum=0.9, estimator="cge")
+        opt = SZO(model, subspace, estimator="cge")   # scale-free defaults: mu 0.3, lr 0.03 of the spread
         def closure():
             return loss_fn(model(x), y)          # forward only; called under no_grad
         loss = opt.step(closure)
+
+    Defaults: one per setting, the ones ``build_optimizer`` and the recipes take
+    (``szo.methods.step_defaults``): ``scale="trajectory"`` with ``mu=0.3`` (the probe's length) and
+    ``lr=0.03`` (the first step's length), both in units of the subspace's spread, which the
+    subspace's eigenvalues give (``szo.zo.scale``; docs/evidence.md, "Scale-free mu and lr"). The
+    paper's absolute units are one setting away: ``scale="absolute"`` takes App. G's ``mu=1.0``,
+    ``lr=1.0`` (and a subspace without eigenvalues needs it).
 
     ``SZO(model, subspace)`` moves the parameters to ``subspace.reference`` (``start="current"``
     keeps them), freezes the model's BN statistics across the probes and resets its neurons
@@ -291,6 +348,8 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
     Each probe perturbs the parameters in place, calls ``closure()`` and restores them by
     copying back the saved values (bit-exact restore).
 
+    The second argument is a subspace or a subspace policy (:class:`SubspacePolicy`), which the
+    optimizer holds as ``opt.policy`` and asks before every step: a plain subspace is :class:`Kept`.
     ``SZO(model, Refreshed(subspace, every=T0))`` (a refreshed random subspace, SubZero's lazy refresh; with ``estimator="rge"``
     LOZO's kept-V / fresh-U sampling: docs/methods.md): before steps T0, 2 T0, ... the basis is
     replaced by a Haar-random orthonormal ``[d, k]`` one (``szo.functional.basis.haar_basis``) drawn
@@ -324,25 +383,30 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         params,
         subspace,
         *,
-        mu: float = 1.0,
-        lr: float = 1.0,
+        mu: float | None = None,
+        lr: float | None = None,
         momentum: float = 0.9,
         estimator: str | Estimator = "cge",
-        q: int = 1,
+        q: int = DEFAULT_Q["train"],
         model: nn.Module | None = None,
         generator: torch.Generator | None = None,
         start: str | None = None,
-        scale: str = "absolute",
+        scale: str | None = None,
         probes: ProbePath | None = None,
     ):
-        refresh = subspace.every if isinstance(subspace, Refreshed) else None
-        subspace = subspace.subspace if isinstance(subspace, Refreshed) else subspace
-        if refresh is not None and generator is not None and generator.device.type != "cpu":
+        # which basis each step trains on: a policy held for the run (Kept: the stored one; Refreshed: redrawn)
+        self.policy = subspace_policy(subspace)
+        if self.policy.every is not None and generator is not None and generator.device.type != "cpu":
             raise ValueError("refresh draws the new bases from the generator on the CPU: pass a CPU torch.Generator")
         kind = estimator if isinstance(estimator, Estimator) else get_estimator(estimator)
+        # scale / mu / lr left None: the defaults build_optimizer and the recipes take (szo.methods.step_defaults)
+        # of the method with this estimator (the SZO methods' shared ones for an estimator of one's own)
+        methods = list_methods(family="subspace-zo", variant=kind.name) or list_methods(family="subspace-zo")
+        check_scale(methods, scale)
+        scale, mu, lr = step_defaults(methods, scale, mu, lr)
         check_hparams(mu=mu, q=None if kind.coordinate else q)
-        SubspaceOptimizer.__init__(self, params, subspace, dict(lr=lr, momentum=momentum, mu=mu), model=model,
-                                   start=start, scale=scale)
+        SubspaceOptimizer.__init__(self, params, self.policy.subspace, dict(lr=lr, momentum=momentum, mu=mu),
+                                   model=model, start=start, scale=scale)
         self.estimator = kind.name
         self.kind = kind
         self.q = q
@@ -353,8 +417,12 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         self.probes = ProbePath() if probes is None else probes
         self._init_forward_only(build_evaluator(self.probes, self.model, "SZO"), generator)
 
-        self.refresh = refresh
-        self.refresh_state: dict | None = None if refresh is None else {"count": 0, "draw_state": None}
+        self.refresh_state: dict | None = None if self.policy.every is None else {"count": 0, "draw_state": None}
+
+    @property
+    def refresh(self) -> int | None:
+        """Steps between redraws of the basis (its policy's ``every``; None: the basis is kept)."""
+        return self.policy.every
 
     @property
     def engine(self) -> str:
@@ -404,7 +472,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
             return self.evaluator.run(closure, self.space, plan, batch=batch)
 
     def _draw_basis(self, generator: torch.Generator) -> torch.Tensor:
-        return haar_basis(self.space.d, self.k, generator)
+        return self.policy.draw(self.space.d, self.k, generator)
 
     @torch.no_grad()
     def refresh_basis(self) -> None:
@@ -435,7 +503,7 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         closure = self.check_closure(closure, batch)
         if not self.trains:
             return self.idle_step(closure)
-        if self.refresh is not None and self.subspace_state["step"] // self.refresh > self.refresh_state["count"]:
+        if self.refresh_state is not None and self.policy.due(self.subspace_state["step"], self.refresh_state["count"]):
             self.refresh_basis()
         plan = self.plan()
         losses = self.evaluate(closure, plan, batch)
@@ -458,12 +526,15 @@ class BPSubspace(SubspaceOptimizer):
         params,
         subspace,
         *,
-        lr: float = 1.0,
+        lr: float | None = None,
         momentum: float = 0.9,
         model: nn.Module | None = None,
         start: str | None = None,
-        scale: str = "absolute",
+        scale: str | None = None,
     ):
+        methods = list_methods(subspace=True, backprop=True)  # its record: the defaults build_optimizer takes
+        check_scale(methods, scale)
+        scale, _, lr = step_defaults(methods, scale, None, lr)
         super().__init__(params, subspace, dict(lr=lr, momentum=momentum), model=model, start=start, scale=scale)
 
     @torch.no_grad()
@@ -489,6 +560,5 @@ def build_bp_subspace(spec, model: nn.Module, subspace, o, run) -> BPSubspace:
 @register_builder("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt")
 def build_szo(spec, model: nn.Module, subspace, o, run) -> SZO:
     """SZO with the method's estimator (``spec.variant``: cge, rge, one-point, coord-one-point)."""
-    subspace = subspace if o.refresh is None else Refreshed(subspace, o.refresh)
-    return SZO(model, subspace, mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
+    return SZO(model, subspace_policy(subspace, o.refresh), mu=o.mu, lr=o.lr, momentum=o.momentum, estimator=spec.variant, q=o.q,
                generator=run.generator, start=run.start, scale=o.scale, probes=probe_path(o, run, spec))

@@ -45,12 +45,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from szo.vocab import BN_UPDATES  # what a forward-only step does to the BN statistics (the module docstring)
+
 from .comm import all_reduce_
 
 __all__ = ["BNStatsFreezer", "bn_layers", "BN_UPDATES", "check_bn_update"]
 
-BN_UPDATES: tuple[str, ...] = ("recompute", "probe-mean")
-"""What a forward-only step does to the BN running statistics (see the module docstring)."""
 
 
 def check_bn_update(value: object) -> str:

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 from szo.methods import MethodSpec, get_method, list_methods, which_methods
+from szo.vocab import ENGINES
 
 __all__ = ["ProbePath", "ForwardSettings", "ENGINES", "MODES", "BACKENDS"]
 
-ENGINES: tuple[str, ...] = ("loop", "batched")
-"""``loop``: ``szo.evaluators.LoopEvaluator``, one closure call per probe; ``batched``: ``szo.evaluators.BatchedProbeEvaluator``, folded forwards."""
 MODES: tuple[str, ...] = ("data", "perturbation")
 """torchrun modes (``szo.distributed``): a shard of the batch per rank, or a slice of the probes per rank."""
 BACKENDS: tuple[str, ...] = ("float", "fixed")

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from szo.vocab import SCALES
+
 __all__ = ["SCALES", "NORMALISED", "coordinate_scales", "scale_record", "normalise_"]
 
-SCALES: tuple[str, ...] = ("absolute", "trajectory", "whitened")
 #: the rules whose lr is a step length: the estimate (in the scaled coordinates) is divided by its RMS
 #: length over the first steps, so lr is the length of the first step in units of the coordinates
 NORMALISED: tuple[str, ...] = ("trajectory", "whitened")

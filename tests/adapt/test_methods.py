@@ -49,6 +49,7 @@ def adapter_for(method, model, **kw):
     kw.setdefault("lr", 1.0)
     kw.setdefault("tent_lr", 0.05)
     kw.setdefault("q", 2)
+    kw.setdefault("scale", "absolute")  # the subspace here has no eigenvalues (the default scale's units)
     return build_adapter(method, model, subspace=random_subspace(model), generator=torch.Generator().manual_seed(0),
                          **kw)
 

@@ -30,7 +30,7 @@ def _setup(name: str, k: int | None = None, estimator: str = "cge", seed: int = 
     basis = torch.linalg.qr(torch.randn(d, k, generator=g))[0]
     # probe-mean: the engines' own BN update (the mean over the probes) is what is compared here
     opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, model=model,
-              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed), probes=ProbePath(bn_update="probe-mean"))
+              estimator=estimator, q=2, generator=torch.Generator().manual_seed(seed), probes=ProbePath(bn_update="probe-mean"), scale="absolute")
     x = torch.randn(2, c, h, h, generator=g)
     y = torch.randint(0, model.num_classes, (2,), generator=g)
     return model, opt, x, y
@@ -176,14 +176,14 @@ def test_bad_chunk_raises(bad):
         BatchedEvaluator(model, tet_loss, chunk=bad)
     with pytest.raises(ValueError, match="chunk"):
         BatchedProbeEvaluator(SZO(model, SimpleNamespace(basis=torch.eye(model.num_params(), 2), layout=None),
-                                  start="current").guard, model, ProbePath(engine="batched", chunk=bad))
+                                  start="current", scale="absolute").guard, model, ProbePath(engine="batched", chunk=bad))
 
 
 def test_bad_inputs_raise():
     model, opt, x, y = _setup("spike_convnet")
     sub = SimpleNamespace(basis=torch.eye(model.num_params(), 2), layout=None)
     with pytest.raises(ValueError, match="engine"):
-        SZO(model, sub, start="current", probes=ProbePath(engine="vmap"))
+        SZO(model, sub, start="current", probes=ProbePath(engine="vmap"), scale="absolute")
     ev = BatchedEvaluator(model, tet_loss)
     with pytest.raises(ValueError, match=r"\[m, d\]"):
         ev.losses(x, y, torch.zeros(3, 7))
@@ -249,7 +249,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
         model = M.create("spike_convnet", T=2).train()
         basis = torch.linalg.qr(torch.randn(model.num_params(), 3, generator=torch.Generator().manual_seed(1)))[0]
         opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, lr=0.5, model=model,
-                  estimator="rge", q=2, generator=torch.Generator().manual_seed(2), probes=ProbePath(engine=engine, chunk=2 if engine == "batched" else None))
+                  estimator="rge", q=2, generator=torch.Generator().manual_seed(2), probes=ProbePath(engine=engine, chunk=2 if engine == "batched" else None), scale="absolute")
         g = torch.Generator().manual_seed(3)
         for _ in range(2):
             x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -266,7 +266,7 @@ def test_szo_engine_switch_equal_steps_and_clear_errors():
         o_bat.step(lambda: tet_loss(m_bat(torch.zeros(2, 1, 8, 8)), torch.zeros(2, dtype=torch.long)))
     with pytest.raises(ValueError, match="unknown engine 'vmap'; valid: loop, batched"):
         SZO(m_loop.parameters(), SimpleNamespace(basis=torch.eye(m_loop.num_params(), 2), layout=None),
-            model=m_loop, probes=ProbePath(engine="vmap"))
+            model=m_loop, probes=ProbePath(engine="vmap"), scale="absolute")
 
 
 def test_recipe_engine_option_reaches_the_optimizer(tmp_path):
@@ -337,7 +337,7 @@ def test_a_frozen_parameter_under_the_batched_engine_is_one_line_that_says_so():
     next(model.parameters()).requires_grad_(False)
     basis = torch.linalg.qr(torch.randn(model.num_params(), 3, generator=torch.Generator().manual_seed(1)))[0]
     sub = SimpleNamespace(basis=basis, layout=model.param_layout(), reference=model.flat_params())
-    opt = SZO(model, sub, start="current", probes=ProbePath(engine="batched"))
+    opt = SZO(model, sub, start="current", probes=ProbePath(engine="batched"), scale="absolute")
     x, y = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
     with pytest.raises(ValueError, match=r"^engine='batched' folds every parameter of the model into its probe "
                                          r"copies; 1 of them are frozen \(requires_grad=False\) .*use engine='loop'"):

@@ -170,7 +170,7 @@ def test_szo_optimizer_runs_on_fixed_backend():
     P, _ = torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(0)))
     sub = Subspace(P, torch.zeros(d), f.flat_params(), torch.ones(k), torch.ones(k) / k, layout=f.param_layout())
     x, y = _digits_like(16), torch.arange(16) % 10
-    opt = SZO(f.parameters(), sub, mu=0.5, lr=0.5, model=f)
+    opt = SZO(f.parameters(), sub, mu=0.5, lr=0.5, model=f, scale="absolute")
     theta0 = f.flat_params()
     opt.step(lambda: nn.functional.cross_entropy(f(x).mean(0), y))
     assert opt.forward_passes == 2 * k

@@ -66,7 +66,7 @@ def test_per_step_batched_engine_equals_loop(bn_update):
         model = M.create("spike_convnet", T=2, bn_time="per-step").train()
         basis = torch.linalg.qr(torch.randn(model.num_params(), 2, generator=torch.Generator().manual_seed(1)))[0]
         opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, lr=0.5, model=model,
-                  estimator="cge", probes=ProbePath(engine=engine, bn_update=bn_update))
+                  estimator="cge", probes=ProbePath(engine=engine, bn_update=bn_update), scale="absolute")
         g = torch.Generator().manual_seed(3)
         for _ in range(2):
             x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -97,7 +97,7 @@ def test_data_parallel_sync_bn_refuses_per_step_bn(tmp_path):
         model = M.create("spike_convnet", T=2, bn_time="per-step")
         sub = SimpleNamespace(basis=torch.eye(model.num_params(), 1), layout=None)
         with pytest.raises(ValueError, match="sync_bn=True with distributed='data' .* cannot be combined with bn_time='per-step'"):
-            SZO(model, sub, start="current", probes=ProbePath(distributed="data"))
-        SZO(model, sub, start="current", probes=ProbePath(distributed="perturbation"))  # every rank sees the whole batch: fine
+            SZO(model, sub, start="current", probes=ProbePath(distributed="data"), scale="absolute")
+        SZO(model, sub, start="current", probes=ProbePath(distributed="perturbation"), scale="absolute")  # every rank sees the whole batch: fine
     finally:
         dist.destroy_process_group()

@@ -90,7 +90,7 @@ def test_szo_step_compiled_equals_eager_and_does_not_recompile():
         m = _model()
         models.append(m)
         opts.append(SZO(m.parameters(), _subspace(m), mu=1e-2, lr=0.5, momentum=0.9, estimator="rge", q=2,
-                        model=m, generator=torch.Generator().manual_seed(0)))
+                        model=m, generator=torch.Generator().manual_seed(0), scale="absolute"))
     models[1].set_compile(True, backend="aot_eager")
     losses = [[], []]
     counts = []
@@ -171,7 +171,7 @@ def test_set_compile_off_and_bad_input():
         m.set_compile(True, backend="eager", mode="max-autotune")
     sub = _subspace(m.set_compile(True))  # compiled: the probe path refuses what bypasses its multi-step forward
     with pytest.raises(ValueError, match=r"engine='batched' .* cannot be combined with model.set_compile\(True\)"):
-        SZO(m.parameters(), sub, model=m, probes=ProbePath(engine="batched"))
+        SZO(m.parameters(), sub, model=m, probes=ProbePath(engine="batched"), scale="absolute")
 
 
 def test_compiled_forward_refuses_hook_based_sync_bn(tmp_path):
@@ -183,8 +183,8 @@ def test_compiled_forward_refuses_hook_based_sync_bn(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match=r"sync_bn=True with distributed=.data. \(BN synchronised by forward hooks\) cannot be combined with model.set_compile"):
-            SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="data"))
-        SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="data", sync_bn=False))
-        SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="perturbation"))
+            SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="data"), scale="absolute")
+        SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="data", sync_bn=False), scale="absolute")
+        SZO(m.parameters(), _subspace(m), model=m, probes=ProbePath(distributed="perturbation"), scale="absolute")
     finally:
         dist.destroy_process_group()

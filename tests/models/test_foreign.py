@@ -68,7 +68,7 @@ def test_public_api_recorder_store_szo_trainer(tmp_path):
     SubspaceStore(tmp_path / "store").save("csnn", sub)
     sub = SubspaceStore(tmp_path / "store").load("csnn", model=m)  # the fingerprint matches the foreign model
     m.train()
-    opt = SZO(m, sub, lr=0.5, mu=0.5)
+    opt = SZO(m, sub, lr=0.5, mu=0.5, scale="absolute")
     bn = [b for b in m.modules() if isinstance(b, torch.nn.modules.batchnorm._BatchNorm)]
     before = [b.running_mean.clone() for b in bn]
     xb, yb = x[:16], y[:16]

@@ -245,9 +245,9 @@ def test_data_parallel_sync_bn_is_refused_on_a_graphed_model(tmp_path):
     try:
         with pytest.raises(ValueError, match="sync_bn=True with distributed='data' .* cannot be combined with "
                                              "model.set_cuda_graphs\\(True\\)"):
-            SZO(m, sub, start="current", probes=ProbePath(distributed="data"))
-        SZO(m, sub, start="current", probes=ProbePath(distributed="data", sync_bn=False))
-        SZO(m, sub, start="current", probes=ProbePath(distributed="perturbation"))
+            SZO(m, sub, start="current", probes=ProbePath(distributed="data"), scale="absolute")
+        SZO(m, sub, start="current", probes=ProbePath(distributed="data", sync_bn=False), scale="absolute")
+        SZO(m, sub, start="current", probes=ProbePath(distributed="perturbation"), scale="absolute")
     finally:
         dist.destroy_process_group()
 

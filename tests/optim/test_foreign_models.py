@@ -117,7 +117,7 @@ def szo_step(arch, state, sub, estimator, engine, x, y):
     model.load_state_dict(state)
     model.train()
     opt = SZO(model, sub, mu=MU, lr=LR, momentum=0.9, estimator=estimator, q=1,
-              generator=torch.Generator().manual_seed(5), probes=ProbePath(engine=engine))
+              generator=torch.Generator().manual_seed(5), probes=ProbePath(engine=engine), scale="absolute")
     assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), sub.reference)  # start = reference
     if engine == "batched":  # the engine folds the probes over the batch: the step gets it, not a closure
         opt.step(batch=Batch(x, y, loss_fn))
@@ -163,7 +163,7 @@ def test_params_form_without_model_refuses_bn_and_stateful_neurons(setup):
     model.load_state_dict(state)
     model.train()
     x, y = batch(arch)
-    opt = SZO(model.parameters(), sub, mu=MU, lr=LR)  # no model: cannot freeze BN or reset neurons
+    opt = SZO(model.parameters(), sub, mu=MU, lr=LR, scale="absolute")  # no model: cannot freeze BN or reset neurons
     before = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
     with pytest.raises(ValueError, match="given no model; construct it as SZO\\(model, ...\\)"):
         opt.step(lambda: loss_fn(model(x), y))
@@ -183,4 +183,4 @@ def test_batched_engine_refuses_a_model_it_cannot_fold():
     d = sum(p.numel() for p in net.parameters())
     sub = SimpleNamespace(basis=torch.eye(d, 1), layout=None)
     with pytest.raises(ValueError, match="batched engine: module 'sn1' \\(ParametricLIFNode\\) has parameters"):
-        SZO(net, sub, start="current", probes=ProbePath(engine="batched"))
+        SZO(net, sub, start="current", probes=ProbePath(engine="batched"), scale="absolute")

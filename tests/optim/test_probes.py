@@ -47,14 +47,14 @@ def test_model_first_starts_at_the_reference_params_form_where_it_is():
     model = Net()
     sub = sub_for(model)
     here = flat(model)
-    SZO(model.parameters(), sub, model=model)
+    SZO(model.parameters(), sub, model=model, scale="absolute")
     assert torch.equal(flat(model), here)  # params form: start="current"
-    SZO(model, sub, start="current")
+    SZO(model, sub, start="current", scale="absolute")
     assert torch.equal(flat(model), here)
-    SZO(model, sub)
+    SZO(model, sub, scale="absolute")
     assert torch.equal(flat(model), sub.reference)
     model2 = Net()
-    BPSubspace(model2, sub)
+    BPSubspace(model2, sub, scale="absolute")
     assert torch.equal(flat(model2), sub.reference)
     model3 = Net()
     build_optimizer("szo-rge", model3, subspace=sub, lr=1.0, scale="absolute")
@@ -64,7 +64,7 @@ def test_model_first_starts_at_the_reference_params_form_where_it_is():
 def make_opt(make: str, model: nn.Module, **kw):
     """One forward-only optimizer of each kind on ``model`` (the probes move it noticeably)."""
     if make == "szo":
-        return SZO(model, sub_for(model), mu=0.3, lr=0.2, estimator="rge", q=2, probes=ProbePath(**kw))
+        return SZO(model, sub_for(model), mu=0.3, lr=0.2, estimator="rge", q=2, probes=ProbePath(**kw), scale="absolute")
     if make == "zo":
         return FullSpaceZO(model, estimator="rge", q=2, mu=0.1, lr=0.1, **kw)
     if make == "hybrid":  # the signRGE phase (seed 000): centre + sign_q probes
@@ -147,7 +147,7 @@ def test_every_probe_starts_from_the_steps_bn_stats_and_the_step_updates_them_on
 def test_recompute_costs_nothing_without_train_mode_bn(make):
     x, y = batch()
     for model in (Net(bn=False), Net().eval()):
-        opt = SZO(model, sub_for(model), estimator="cge") if make == "szo-cge" else make_opt(make, model)
+        opt = SZO(model, sub_for(model), estimator="cge", scale="absolute") if make == "szo-cge" else make_opt(make, model)
         calls = []
         opt.step(lambda: calls.append(1) or nn.functional.cross_entropy(model(x), y, reduction=opt.loss_reduction))
         assert len(calls) == opt.forward_passes == opt.forwards_per_step == PROBES.get(make, 6)
@@ -157,12 +157,12 @@ def test_recompute_costs_nothing_without_train_mode_bn(make):
 def test_params_form_without_model_is_fine_for_a_stateless_bn_free_closure_and_refuses_bn():
     x, y = batch()
     plain = Net(bn=False)
-    SZO(plain.parameters(), sub_for(plain)).step(lambda: nn.functional.cross_entropy(plain(x), y))
+    SZO(plain.parameters(), sub_for(plain), scale="absolute").step(lambda: nn.functional.cross_entropy(plain(x), y))
     model = Net().train()
     with pytest.raises(ValueError, match="runs BatchNorm1d, a train-mode BatchNorm layer .* given no model"):
         FullSpaceZO(model.parameters()).step(lambda: nn.functional.cross_entropy(model(x), y))
     other = Net().train()
-    opt = SZO(model, sub_for(model))
+    opt = SZO(model, sub_for(model), scale="absolute")
     with pytest.raises(ValueError, match="not part of model= \\(Net\\)"):
         opt.step(lambda: nn.functional.cross_entropy(other(x), y))
 
@@ -171,18 +171,18 @@ def test_bad_input_one_clear_error_each():
     model = Net()
     sub = sub_for(model)
     with pytest.raises(ValueError, match="the model \\(Identity\\) has no parameters to train"):
-        SZO(nn.Identity(), sub)
+        SZO(nn.Identity(), sub, scale="absolute")
     with pytest.raises(ValueError, match="has no parameters to train"):
         build_optimizer("szo-cge", nn.Identity(), subspace=sub, lr=1.0)
     convnet = M.create("spike_convnet", T=2)
     with pytest.raises(ValueError, match="the subspace does not fit these parameters"):
-        SZO(convnet, sub)
+        SZO(convnet, sub, scale="absolute")
     with pytest.raises(ValueError, match="needs subspace.reference"):
-        SZO(model, sub_for(model, reference=False))
+        SZO(model, sub_for(model, reference=False), scale="absolute")
     with pytest.raises(ValueError, match="unknown start 'best'; valid: reference"):
-        SZO(model, sub, start="best")
+        SZO(model, sub, start="best", scale="absolute")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'; valid: recompute, probe-mean"):
-        SZO(model, sub, probes=ProbePath(bn_update="mean"))
+        SZO(model, sub, probes=ProbePath(bn_update="mean"), scale="absolute")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'"):
         FullSpaceZO(model, bn_update="mean")
     with pytest.raises(ValueError, match="unknown bn_update 'mean'; valid: recompute, probe-mean"):
@@ -196,10 +196,10 @@ def test_bad_input_one_clear_error_each():
         with pytest.raises(ValueError, match="lr must be >= 0, got -1"):
             cls(model, lr=-1)
     with pytest.raises(ValueError, match="q must be an integer >= 1, got True"):
-        SZO(model, sub, estimator="rge", q=True)
+        SZO(model, sub, estimator="rge", q=True, scale="absolute")
     with pytest.raises(ValueError, match="momentum must be in \\[0, 1\\), got 1.0"):
         FullSpaceZO(model, momentum=1.0)
     with pytest.raises(ValueError, match="give the model once"):
-        SZO(model, sub, model=Net())
+        SZO(model, sub, model=Net(), scale="absolute")
     with pytest.raises(ValueError, match="not all parameters of model="):
-        SZO(Net().parameters(), sub, model=model)
+        SZO(Net().parameters(), sub, model=model, scale="absolute")

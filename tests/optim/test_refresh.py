@@ -25,7 +25,7 @@ def _sub(model, k, seed=0, variance=None):
 
 
 def _opt(model, sub, refresh=3, seed=7, **kw):
-    kw = {"mu": 0.05, "lr": 0.2, "momentum": 0.9, "estimator": "cge", **kw}
+    kw = {"mu": 0.05, "lr": 0.2, "momentum": 0.9, "estimator": "cge", "scale": "absolute", **kw}
     sub = sub if refresh is None else Refreshed(sub, every=refresh)
     return SZO(model.parameters(), sub, model=model, generator=torch.Generator().manual_seed(seed), **kw)
 
@@ -164,7 +164,7 @@ def test_loading_a_state_from_before_any_redraw_restores_the_given_basis():
 
 def test_without_refresh_the_state_keeps_its_keys():
     model = Tiny()
-    opt = SZO(model.parameters(), _sub(model, 3), model=model)
+    opt = SZO(model.parameters(), _sub(model, 3), model=model, scale="absolute")
     assert "refresh" not in opt.state_dict()["subspace"]
     assert opt.refresh_state is None
     with pytest.raises(ValueError, match=r"refresh_basis needs an SZO built on Refreshed\(subspace, every=T0\)"):
@@ -180,8 +180,8 @@ def test_bad_refresh_is_one_line(bad):
 
 def test_only_szo_takes_a_refreshed_subspace():
     model = Tiny()
-    with pytest.raises(ValueError, match="^a Refreshed subspace is redrawn from SZO's generator; only SZO trains"):
-        BPSubspace(model.parameters(), Refreshed(_sub(model, 3), every=2), model=model)
+    with pytest.raises(ValueError, match=r"^a subspace policy \(Refreshed\) is SZO's: only SZO trains under one"):
+        BPSubspace(model.parameters(), Refreshed(_sub(model, 3), every=2), model=model, scale="absolute")
     assert "every=2" in repr(Refreshed(_sub(model, 3), every=2))
 
 

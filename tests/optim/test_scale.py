@@ -123,7 +123,7 @@ def test_calibration_survives_a_checkpoint_and_absolute_state_keeps_its_keys():
     again.load_state_dict(sd)
     step_all([(opt, model), (again, twin)], x, y, 2)
     assert torch.equal(flat(model), flat(twin))
-    plain = SZO(Tiny().double(), sub, mu=1.0, lr=1.0, start="current")
+    plain = SZO(Tiny().double(), sub, mu=1.0, lr=1.0, start="current", scale="absolute")
     assert "calibration" not in plain.state_dict()["subspace"]  # the paper's checkpoint format as it was
 
 

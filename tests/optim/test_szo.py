@@ -53,7 +53,7 @@ def test_update_equals_eq6_in_parameter_space():
     x, y = data()
     x = x.double()
     lr, beta, mu = 0.3, 0.9, 0.05
-    opt = SZO(model.parameters(), sub, mu=mu, lr=lr, momentum=beta, estimator="cge", model=model)
+    opt = SZO(model.parameters(), sub, mu=mu, lr=lr, momentum=beta, estimator="cge", model=model, scale="absolute")
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
 
     ref = Tiny().double()
@@ -81,7 +81,7 @@ def test_probes_restore_parameters_bit_exactly_and_count_forwards():
     x, y = data()
     before = flat(model)
     seen = []
-    opt = SZO(model.parameters(), sub, mu=1.0, lr=0.0, momentum=0.0, estimator="cge", model=model)
+    opt = SZO(model.parameters(), sub, mu=1.0, lr=0.0, momentum=0.0, estimator="cge", model=model, scale="absolute")
 
     def closure():
         seen.append(flat(model))
@@ -113,7 +113,7 @@ def test_bn_running_stats_identical_for_all_probes_and_updated_once(bn_update):
         after_probe.append(bn.running_mean.clone())
         return nn.functional.cross_entropy(out, y)
 
-    opt = SZO(model.parameters(), sub, mu=0.5, lr=0.1, momentum=0.9, model=model, probes=ProbePath(bn_update=bn_update))
+    opt = SZO(model.parameters(), sub, mu=0.5, lr=0.1, momentum=0.9, model=model, probes=ProbePath(bn_update=bn_update), scale="absolute")
     opt.step(closure)
     assert len(seen) == opt.forwards_per_step == 8 + (bn_update == "recompute")
     for rm, rv, n in seen:  # every probe (and the BN forward) starts from the step's statistics
@@ -135,7 +135,7 @@ def test_rge_reproducible_and_state_dict_resume():
         model = Tiny()
         sub = subspace_for(model, 6, dtype=torch.float32)
         opt = SZO(model.parameters(), sub, estimator="rge", q=2, lr=0.1, model=model,
-                  generator=torch.Generator().manual_seed(42))
+                  generator=torch.Generator().manual_seed(42), scale="absolute")
         closure = lambda: nn.functional.cross_entropy(model(x), y)  # noqa: E731
         for t in range(steps):
             if resume_at is not None and t == resume_at:
@@ -143,7 +143,7 @@ def test_rge_reproducible_and_state_dict_resume():
                 model = Tiny()
                 model.load_state_dict(sd_model)
                 opt = SZO(model.parameters(), sub, estimator="rge", q=2, lr=0.1, model=model,
-                          generator=torch.Generator().manual_seed(999))
+                          generator=torch.Generator().manual_seed(999), scale="absolute")
                 opt.load_state_dict(sd_opt)
                 closure = lambda: nn.functional.cross_entropy(model(x), y)  # noqa: E731
             opt.step(closure)
@@ -164,7 +164,7 @@ def test_szo_cge_decreases_loss():
     sub = subspace_for(model, d, dtype=torch.float32)  # k = d: a rotated full space
     x, _ = data(n=64)
     y = (x[:, 0] > 0).long()  # learnable labels
-    opt = SZO(model.parameters(), sub, mu=0.01, lr=0.5, momentum=0.9, model=model)
+    opt = SZO(model.parameters(), sub, mu=0.01, lr=0.5, momentum=0.9, model=model, scale="absolute")
     closure = lambda: nn.functional.cross_entropy(model(x), y)  # noqa: E731
     with torch.no_grad():
         start = float(closure())
@@ -180,7 +180,7 @@ def test_bp_subspace_projects_the_gradient():
     x, y = data()
     x = x.double()
     theta0 = flat(model)
-    opt = BPSubspace(model.parameters(), sub, lr=0.2, momentum=0.9, model=model)
+    opt = BPSubspace(model.parameters(), sub, lr=0.2, momentum=0.9, model=model, scale="absolute")
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -215,14 +215,14 @@ def test_nan_closure_raises_and_leaves_parameters_untouched():
         model(torch.randn(8, 4))
         return torch.tensor(float("nan")) if len(calls) == 3 else torch.tensor(1.0)
 
-    opt = SZO(model.parameters(), sub, model=model)
+    opt = SZO(model.parameters(), sub, model=model, scale="absolute")
     with pytest.raises(ValueError, match="non-finite"):
         opt.step(closure)
     assert torch.equal(flat(model), before)
     assert torch.equal(model.bn.running_mean, rm)
     assert opt.subspace_state["step"] == 0
 
-    opt2 = SZO(model.parameters(), sub, model=model)
+    opt2 = SZO(model.parameters(), sub, model=model, scale="absolute")
     with pytest.raises(ValueError, match="scalar"):
         opt2.step(lambda: torch.ones(2))
     assert torch.equal(flat(model), before)
@@ -232,19 +232,19 @@ def test_bad_arguments():
     model = Tiny()
     sub = subspace_for(model, 3, dtype=torch.float32)
     with pytest.raises(ValueError, match="mu must be > 0"):
-        SZO(model.parameters(), sub, mu=0.0)
+        SZO(model.parameters(), sub, mu=0.0, scale="absolute")
     with pytest.raises(ValueError, match="k = 0"):
-        SZO(model.parameters(), SimpleNamespace(basis=torch.zeros(sub.basis.shape[0], 0), layout=sub.layout))
+        SZO(model.parameters(), SimpleNamespace(basis=torch.zeros(sub.basis.shape[0], 0), layout=sub.layout), scale="absolute")
     with pytest.raises(ValueError, match="unknown estimator"):
-        SZO(model.parameters(), sub, estimator="spsa")
+        SZO(model.parameters(), sub, estimator="spsa", scale="absolute")
     with pytest.raises(ValueError, match="needs a closure"):
-        SZO(model.parameters(), sub).step()
+        SZO(model.parameters(), sub, scale="absolute").step()
     other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"parameter #0 is fc1.weight \[3, 4\] in the subspace but 0.weight"):
-        SZO(other.parameters(), sub, model=other)
+        SZO(other.parameters(), sub, model=other, scale="absolute")
     wrong = SimpleNamespace(basis=torch.zeros(7, 2), layout=None)
     with pytest.raises(ValueError, match="d = 7 does not match"):
-        SZO(model.parameters(), wrong)
+        SZO(model.parameters(), wrong, scale="absolute")
     with pytest.raises(ValueError, match="unknown method 'adam'"):
         build_optimizer("adam", model, lr=1.0)
     with pytest.raises(ValueError, match="needs a subspace"):

@@ -63,8 +63,8 @@ def test_szo_on_a_compiled_model_steps_as_on_the_model(layout):
     plain, compiled_net = _plif(), _plif()
     sub = _subspace(plain, layout=layout)
     compiled = torch.compile(compiled_net, backend="eager")
-    a = SZO(plain, sub, mu=0.5, lr=0.5, estimator="rge", q=2, generator=torch.Generator().manual_seed(3))
-    b = SZO(compiled, sub, mu=0.5, lr=0.5, estimator="rge", q=2, generator=torch.Generator().manual_seed(3))
+    a = SZO(plain, sub, mu=0.5, lr=0.5, estimator="rge", q=2, generator=torch.Generator().manual_seed(3), scale="absolute")
+    b = SZO(compiled, sub, mu=0.5, lr=0.5, estimator="rge", q=2, generator=torch.Generator().manual_seed(3), scale="absolute")
     for _ in range(2):
         la = a.step(lambda: _loss(plain(x), y))
         lb = b.step(lambda: _loss(compiled(x), y))
@@ -80,7 +80,7 @@ def test_the_watch_sees_inside_a_compiled_module_it_does_not_know():
     net = _plif()
     compiled = torch.compile(net, backend="eager")
     x, y = _batch()
-    opt = SZO(net.parameters(), _subspace(net))
+    opt = SZO(net.parameters(), _subspace(net), scale="absolute")
     before = _flat(net)
     with pytest.raises(ValueError, match="given no model; construct it as SZO\\(model, ...\\)"):
         opt.step(lambda: _loss(compiled(x), y))
@@ -147,7 +147,7 @@ def test_a_dropout_step_is_the_step_of_the_network_with_that_steps_masks():
     x, y = _batch()
 
     def szo_step(model):
-        opt = SZO(model, _subspace(model), mu=1e-3, lr=0.5, estimator="cge")
+        opt = SZO(model, _subspace(model), mu=1e-3, lr=0.5, estimator="cge", scale="absolute")
         torch.manual_seed(7)
         opt.step(lambda: _loss(model(x), y))
         return _flat(model)
@@ -182,7 +182,7 @@ def test_a_dropout_step_is_the_step_of_the_network_with_that_steps_masks():
 def test_the_batched_engine_refuses_train_mode_dropout_in_one_line():
     model = _plif(dropout=True, node=neuron.IFNode)  # the batched engine folds parameter-free neurons
     x, y = _batch()
-    opt = SZO(model, _subspace(model), probes=ProbePath(engine="batched"))
+    opt = SZO(model, _subspace(model), probes=ProbePath(engine="batched"), scale="absolute")
     with pytest.raises(ValueError, match=r"engine='batched' folds .* train-mode dropout \(0.2, 2\) .* "
                                          r"use engine='loop'") as e:
         opt.step(batch=Batch(x, y, _loss))
