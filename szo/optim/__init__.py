@@ -85,6 +85,11 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
     if o.integer is not None and not spec.integer_learner:
         raise ValueError(f"the integer on-chip learner trains {', '.join(list_methods(integer_learner=True))}; "
                          f"method {m!r} has none")
+    if isinstance(subspace, Refreshed) and ("refresh" not in spec.options or o.integer is not None):
+        takes = ", ".join(n for n in METHODS if "refresh" in get_method(n).options)
+        raise ValueError(f"a Refreshed subspace (a basis redrawn every few steps) is trained by the float learner of "
+                         f"{takes}; method {m!r}{' with the integer learner' if o.integer is not None else ''} "
+                         f"does not redraw a basis: pass Refreshed(...).subspace{'' if spec.subspace else ', or none'}")
     if o.integer is not None and o.refresh is not None:
         raise ValueError("refresh (a redrawn random basis) is a setting of the float SZO; the integer on-chip "
                          "learner keeps its quantised basis: leave refresh None")
