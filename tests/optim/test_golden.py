@@ -97,8 +97,9 @@ def test_golden_checkpoint_continues_bit_exactly(case, tmp_path, device):
 
 # state written since the golden files (issue 40): where the parameters stand (a subspace method's
 # point, the integer learners' origin and integer graph), the integer learners' chosen plans and clamp
-# counts; and in "state", an entry per parameter, the first holding the codec's sections again
-ADDED = {"point", "origin", "synapses", "plans", "saturations"}
+# counts; and in "state", an entry per parameter, the first holding the codec's sections again; the basis
+# fingerprint a subspace state is bound to (issue 49)
+ADDED = {"point", "origin", "synapses", "plans", "saturations", "fingerprint"}
 
 
 def _assert_same(got, want, path: str, rtol: float = 1e-12, sections: frozenset = frozenset()) -> None:
