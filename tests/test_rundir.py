@@ -539,10 +539,12 @@ def test_the_same_command_with_a_corrected_input_runs(tmp_path, capsys):
 
     out = tmp_path / "run"
     for bad in ("model.T=1000000000", "szo.mu=", "bptt.lr=1e-50"):
-        assert main(["recipe", "digits-bp", "--set", bad, "--out", str(out)]) == 2
+        assert main(["recipe", "digits-bp", "--set", bad, "--set", f"subspace.root={tmp_path / 'store'}",
+                     "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: "), err
         assert not out.exists()
     assert main(["recipe", "digits-bp", "--set", "bptt.epochs=1", "--set", "bptt.max_steps_per_epoch=1",
-                 "--set", "trajectory.every=1", "--set", "subspace.k=1", "--out", str(out)]) == 0
+                 "--set", "trajectory.every=1", "--set", "subspace.k=1", "--set", f"subspace.root={tmp_path / 'store'}",
+                 "--out", str(out)]) == 0
     assert (out / "results.json").is_file()
