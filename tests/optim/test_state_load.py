@@ -244,3 +244,15 @@ def test_load_post_hooks_see_the_loaded_state(case):
     same(seen["state"], opt2.state_dict(), case)
     same(seen["state"], opt.state_dict(), case)
     assert torch.equal(seen["params"], flat(model2))
+
+
+@pytest.mark.parametrize("method", ["zo-cge", "zo-rge", "fg", "bp-subspace", "fg-subspace"])
+def test_a_refreshed_subspace_for_a_method_that_does_not_redraw_is_one_line(method):
+    """Issue 49.7: ``build_optimizer("zo-cge", model, subspace=Refreshed(...))`` raised an AttributeError."""
+    from szo.optim import Refreshed, build_optimizer
+
+    model = make_model("szo-cge")
+    with pytest.raises(ValueError, match=r"^a Refreshed subspace \(a basis redrawn every few steps\) is trained by the "
+                                         rf"float learner of szo-cge, .*; method '{method}' does not redraw a basis: "
+                                         r"pass Refreshed\(...\).subspace"):
+        build_optimizer(method, model, subspace=Refreshed(make_subspace(model), 3), lr=0.1, mu=0.1, scale="absolute")
