@@ -18,6 +18,8 @@ run (zo-rge at a huge learning rate); ``subspace.k`` larger than the trajectory 
 dvs-stream`` (its source model's BPTT stage, then the on-line replays) SIGKILLed at a random moment and
 resumed with ``--resume``, rerun on its --out without ``--resume``, and resumed with a changed setting.
 Then bench/chaos_edges.py's cases: a setting a door does not apply (federated precision, mu beyond float32),
+settings that are 0 or subnormal in float32, an empty ``--set`` value, ``model.T=1e9`` (refused before allocation,
+no run directory left, the same --out then runs), ``szo report`` naming a run without results.json,
 a run directory written before the newer schema keys, run names and sizes (a name leaving runs/, 1e9 BPTT
 epochs, study precision --out, hw.select_epochs=1e6) and the Lava runner's failures (no lava-nc, not
 executable, SIGKILL, timeout, Ctrl-C, a result without its arrays, too many samples, an object array,

@@ -107,6 +107,29 @@ def edge_cases(tmp: Path, row: Callable[[str, str, bool, str], None], base: list
     ok, line = one_line(r, 2, "'szo.mu' must be finite in float32")
     row("szo.mu=1e39 (finite in float64 only)", "exit 2, one line, before a probe", ok, f"exit={r.returncode} '{line}'")
 
+    # --- issue 49: settings that round to nothing, an empty value, sizes before allocation; a retry that works
+    for bad, phrase in (("szo.mu=1e-50", "'szo.mu' is 0 or subnormal in float32"),
+                        ("train.lr=1e-50", "'train.lr' is 0 or subnormal in float32"),
+                        ("szo.mu=", "--set szo.mu= has no value"),
+                        ("model.T=1000000000", "model.T = 1000000000 x data.batch_size = 32 x")):
+        out = tmp / "refused49"
+        r = run(szo_cmd("digits-scratch", out, sets + ["szo.scale=absolute", bad]))
+        ok, line = one_line(r, 2, phrase)
+        row(f"--set {bad}", "exit 2, one line, no run directory left", ok and not out.exists(),
+            f"exit={r.returncode} '{line}'")
+    r = run(szo_cmd("digits-scratch", tmp / "refused49", sets))
+    row("the same --out again with a corrected input", "runs to the end", r.returncode == 0
+        and (tmp / "refused49" / "results.json").is_file(), f"exit={r.returncode}")
+    rep = tmp / "rep"
+    shutil.copytree(tmp / "refused49", rep / "done")
+    shutil.copytree(tmp / "refused49", rep / "stopped")
+    (rep / "stopped" / "results.json").unlink()
+    r = run(szo + ["report", str(rep), "--out", str(tmp / "rep-out")])
+    warned = [ln for ln in r.stderr.splitlines() if "without results.json" in ln]
+    row("szo report on a directory with an unfinished run", "exit 0, names the run it leaves out and why",
+        r.returncode == 0 and len(warned) == 1 and str(rep / "stopped") in warned[0],
+        f"exit={r.returncode} '{(warned or [''])[0][:150]}'")
+
     # --- a run directory written before precision / cuda_graphs / szo.scale existed resumes as it was trained
     old = sets + ["szo.scale=absolute", "tt.cge=central"]
     run(szo_cmd("digits-scratch", tmp / "old-ref", old))

@@ -8,6 +8,7 @@ for it. No training happens here.
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -24,7 +25,8 @@ from szo.methods import get_method
 from szo.models.tt import tt_parametrize
 from szo.train import checkpoint_path, load_checkpoint
 
-__all__ = ["build_model", "load_run_model", "loss_for", "loaders_for", "subspace_store_for", "tt_prepare"]
+__all__ = ["build_model", "check_sizes", "memory_budget", "load_run_model", "loss_for", "loaders_for",
+           "subspace_store_for", "tt_prepare"]
 
 
 def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
@@ -38,6 +40,75 @@ def build_model(cfg: Mapping[str, Any]) -> torch.nn.Module:
         model = models.create(m["name"], num_classes=info.num_classes, T=m["T"] or info.default_T,
                               activation=m["activation"], bn_time=m["bn_time"], **kw)
     return model.set_memory_format(m.get("memory_format", "auto"))
+
+
+def memory_budget(device: str = "cpu") -> int:
+    """The bytes a run on ``device`` can hold at most: the GPU's memory on CUDA, else the machine's
+    physical memory (or the process's address-space limit, when lower)."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return int(total if limit in (resource.RLIM_INFINITY, -1) else min(total, limit))
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:.3g} TiB"
+
+
+@torch.no_grad()
+def check_sizes(cfg: Mapping[str, Any], device: str | None = None) -> None:
+    """Before anything is allocated: what the settings that multiply into tensor sizes (model.T,
+    data.batch_size / test_batch_size, model.kwargs such as width, subspace.k, szo.chunk, szo.time_chunk)
+    must hold at least, against :func:`memory_budget`. The model is built on the ``meta`` device (shapes,
+    no memory) and run once at T = 1 on one sample for its largest activation; a forward of a batch holds
+    at least that activation for every sample and time step (``szo.time_chunk``: for a chunk of them), the
+    subspace stage at least the basis ``[d, k]``. A setting whose sizes exceed the budget is refused in one
+    line naming it, instead of an allocation of terabytes. A lower bound: what passes may still not fit."""
+    budget = memory_budget(device or cfg.get("device") or "cpu")
+    info = dataset_info(cfg["data"]["name"])
+    m = cfg["model"]
+    T = int(m["T"] or info.default_T)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    d = sum(p.numel() for p in model.parameters())
+    if 4 * d > budget:
+        raise ValueError(f"model {m['name']} with model.kwargs {dict(m['kwargs'])} has {d} parameters ({_gb(4 * d)} "
+                         f"in float32), more than this machine's {_gb(budget)}; lower its width / sizes")
+    largest = [0]
+
+    def seen(mod: torch.nn.Module, inp: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            largest[0] = max(largest[0], out.numel())
+
+    hooks = [mod.register_forward_hook(seen) for mod in model.modules() if not list(mod.children())]
+    shape = (1, 1, info.in_channels, *info.image_size) if info.is_sequence else (1, info.in_channels, *info.image_size)
+    try:
+        model.T = 1
+        model(torch.empty(shape, device="meta"))
+    except Exception:  # noqa: BLE001 - a model whose forward does not run on meta: only its parameters are checked
+        largest[0] = 0
+    finally:
+        for h in hooks:
+            h.remove()
+    per_step = 4 * largest[0]  # bytes of the largest activation, one sample, one time step
+    sz = cfg.get("szo") or {}
+    steps = T if cfg.get("kind") != "subspace" or not sz.get("time_chunk") else min(T, int(sz["time_chunk"]))
+    copies = int(sz.get("chunk") or 1) if cfg.get("kind") == "subspace" and sz.get("engine") == "batched" else 1
+    for key, n in (("data.batch_size", cfg["data"]["batch_size"]), ("data.test_batch_size", cfg["data"]["test_batch_size"])):
+        need = per_step * steps * int(n) * (copies if key == "data.batch_size" else 1)
+        if need > budget:
+            parts = [f"model.T = {T}" + (f" (szo.time_chunk = {steps})" if steps != T else ""), f"{key} = {n}"]
+            if copies > 1 and key == "data.batch_size":
+                parts.append(f"szo.chunk = {copies} probe copies")
+            raise ValueError(f"{' x '.join(parts)} x {per_step} bytes (the model's largest activation per sample and "
+                             f"time step) needs at least {_gb(need)} in one forward, more than this machine's "
+                             f"{_gb(budget)}; lower {' or '.join(p.split(' = ')[0] for p in parts)}")
+    if cfg.get("kind") == "subspace":
+        k = int(cfg["subspace"]["k"])
+        if 4 * d * k > budget:
+            raise ValueError(f"subspace.k = {k} directions of the model's d = {d} parameters is a basis of "
+                             f"{_gb(4 * d * k)} in float32, more than this machine's {_gb(budget)}; lower subspace.k")
 
 
 def load_run_model(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -98,8 +98,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ValueError(f"--set expects key=value, got {item!r}")
+    if not text.strip():  # an empty value is a value left out, not the default (issue 49)
+        raise ValueError(f"--set {key}= has no value; give one (e.g. {key}=VALUE), or {key}=null for the default")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         value = text
     return key, value

@@ -111,7 +111,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _naming(e, path, data) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would survive the rename: a shared store unreadable to others
         with os.fdopen(fd, "wb") as f:
@@ -119,12 +122,22 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # a full disk, a file-size limit: the error names the file it was writing
+            raise _naming(e, path, data) from None
         raise
     fsync_dir(path.parent)
     return hashlib.sha256(data).hexdigest()
+
+
+def _naming(e: OSError, path: Path, data: bytes) -> OSError:
+    """``e`` (same type and errno) naming the file being written and its size: ``[Errno 27] File too
+    large`` alone does not say which of a run's files could not be written."""
+    if e.errno is None:
+        return e
+    return type(e)(e.errno, f"{e.strerror or e} (writing {len(data)} bytes; nothing was replaced)", str(path))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> str:

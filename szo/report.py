@@ -54,12 +54,17 @@ _BPTT_SECTIONS = ("model", "data", "loss", "bptt", "device")
 _RESULT_SETTINGS = ("recipe", "method", "mode", "q", "k", "subspace", "backend", "bn_stats", "activation", "epochs")
 
 
-def _run_dirs(p: Path) -> list[Path]:
+#: what a run directory holds before its results.json is written (a run stopped, failed or still running)
+_RUN_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", ".lock")
+
+
+def _run_dirs(p: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     """``p`` if it holds a results.json, else every directory under it that does (sorted),
-    symlinked directories followed, each real directory once."""
+    symlinked directories followed, each real directory once; and the run directories without a
+    results.json (a run that stopped, failed or is still running), each with what it holds."""
     if os.path.lexists(p / "results.json"):
-        return [p]
-    found, seen = [], set()
+        return [p], []
+    found, unfinished, seen = [], [], set()
     for root, dirs, files in os.walk(p, followlinks=True):
         real = os.path.realpath(root)
         if real in seen:  # reached again through a link (or a link loop): once is enough
@@ -69,7 +74,17 @@ def _run_dirs(p: Path) -> list[Path]:
         dirs.sort()
         if "results.json" in files:
             found.append(Path(root))
-    return sorted(found)
+            continue
+        marks = [m for m in _RUN_MARKS if m in files or m in dirs]
+        if marks and marks != [".lock"]:
+            unfinished.append((Path(root), ", ".join(marks)))
+    return sorted(found), sorted(unfinished)
+
+
+def _unfinished_line(unfinished: Sequence[tuple[Path, str]]) -> str:
+    return (f"left out {len(unfinished)} run(s) without results.json (stopped before its end, failed, or still "
+            "running; `szo recipe ... --resume` finishes one): "
+            + "; ".join(f"{d} (holds {what})" for d, what in unfinished))
 
 
 def _text(path: Path, max_bytes: int, what: str) -> str:
@@ -83,12 +98,19 @@ def collect_runs(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     """Load results.json + metrics.jsonl of every run under ``paths`` (sorted by path)."""
     paths = list(paths)
     found: list[Path] = []
+    unfinished: list[tuple[Path, str]] = []
     for p in map(Path, paths):
         if not p.is_dir():
             raise ValueError(f"run directory {p} does not exist")
-        found += _run_dirs(p)
+        done, left = _run_dirs(p)
+        found += done
+        unfinished += left
     if not found:
-        raise ValueError(f"no results.json under {', '.join(map(str, paths))}; valid: run directories written by szo recipe")
+        more = f"; {_unfinished_line(unfinished)}" if unfinished else ""
+        raise ValueError(f"no results.json under {', '.join(map(str, paths))}; valid: run directories written by szo "
+                         f"recipe{more}")
+    if unfinished:
+        print(f"warning: {_unfinished_line(unfinished)}", file=sys.stderr)
     runs = []
     diverged = []
     unique: dict[str, Path] = {}
@@ -259,7 +281,7 @@ def like_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
 
 def _fmt(vals: Sequence[float], scale: float = 1.0, nd: int = 2, n: bool = False) -> str:
     """``mean ± std`` of the values (just the value for one run); ``n`` appends ``(n=N)``."""
-    vals = [v * scale for v in vals if v is not None]
+    vals = [v * scale for v in vals if _number(v)]  # a figure a run could not give ("n/a") is left out
     if not vals:
         return "-"
     if len(vals) == 1:

@@ -145,6 +145,7 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
     a line on stderr.
     """
     run_dir = Path(run_dir)
+    created = not os.path.lexists(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -157,6 +158,7 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
                           f"{e.strerror}{why}; choose another --out") from None
     path = run_dir / LOCK_NAME
     key = str(path.resolve())
+    before = set(os.listdir(run_dir)) if key not in _held else set()
     if key in _held:  # this process holds it already (recipe -> stage)
         _held[key][1] += 1
         try:
@@ -195,12 +197,39 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
     _held[key] = [fd, 1]
     try:
         yield path
+    except Exception:
+        _forget_refused_run(run_dir, before, created)
+        raise
     finally:
         del _held[key]
         try:
             os.ftruncate(fd, 0)  # a clean exit leaves no holder behind
         finally:
             os.close(fd)  # releases the flock
+
+
+#: what a run writes before its first step: a run that stopped with only these was refused before it trained
+PRE_STEP_FILES = frozenset({LOCK_NAME, "config.yaml"})
+
+
+def _forget_refused_run(run_dir: Path, before: set[str], created: bool) -> None:
+    """A run refused before its first step (its input, its sizes, its data) leaves nothing that would
+    stand in the way of the same command with a corrected input: what it wrote (config.yaml; the
+    directory, if this run created it) is removed when that is all it wrote. A directory that holds
+    anything more (metrics, checkpoints, a stage's folder) is a run that started, and is kept as it is."""
+    try:
+        new = set(os.listdir(run_dir)) - before
+    except OSError:
+        return
+    if not new <= PRE_STEP_FILES:
+        return
+    with contextlib.suppress(OSError):
+        for name in sorted(new - {LOCK_NAME}):
+            os.unlink(run_dir / name)
+        if created and set(os.listdir(run_dir)) <= {LOCK_NAME}:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(run_dir / LOCK_NAME)
+            os.rmdir(run_dir)
 
 
 # ----------------------------------------------------------------------------- resume check

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, Subset
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
-from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for, tt_prepare
+from szo.build import build_model, check_sizes, load_run_model, loaders_for, loss_for, subspace_store_for, tt_prepare
 from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
 from szo.data import make_loader
 from szo.hw import to_fixed
@@ -114,6 +114,7 @@ def preflight(cfg: RecipeConfig) -> SpikingModel | None:
                 raise ValueError(f"subspace.root {root}: {p} is a file, not a directory (the subspace store "
                                  "is a directory of entries); choose another subspace.root")
             break
+    check_sizes(cfg)  # T, batch, width, k, chunk against the machine's memory, before anything is allocated
     model = build_model(cfg)
     if cfg.kind != "subspace":
         return model

@@ -439,3 +439,41 @@ def test_a_float_setting_must_be_finite_in_float32(key, value):
     with pytest.raises(ValueError, match=r"^'mu' must be finite in float32"):
         build_optimizer("zo-rge", torch.nn.Linear(2, 2), mu=1e39)
     assert load_recipe("digits-scratch", ["szo.mu=3e38"]).szo.mu == 3e38  # the largest float32 is allowed
+
+
+@pytest.mark.parametrize("key, value", [("szo.mu", "1e-50"), ("train.lr", "1e-50"), ("train.lr", "1e-39"),
+                                        ("federated.sigma", "-1e-45"), ("tta.lr_reset", "1e-40")])
+def test_a_float_setting_must_not_round_to_zero_in_float32(key, value):
+    """Issue 49: ``--set szo.scale=absolute --set szo.mu=1e-50`` or ``--set train.lr=1e-50`` completed at
+    chance: 0 or subnormal in float32. One line naming the setting, at every door (recipe / --set,
+    build_optimizer, the optimizers' constructors); 0 itself stays a value where the setting allows it."""
+    import torch
+
+    from szo.optim import SZO, build_optimizer
+
+    with pytest.raises(ValueError, match=rf"^'{key}' is 0 or subnormal in float32, the arithmetic runs in it "
+                                         r"\(0 or \|value\| >= 1.175e-38\), got "):
+        load_recipe("digits-c-tta" if key.startswith("tta.") else "digits-scratch",
+                    [f"{key}={value}", "szo.scale=absolute"])
+    model = torch.nn.Linear(2, 2)
+    for kw in ("mu", "lr"):
+        with pytest.raises(ValueError, match=rf"^'{kw}' is 0 or subnormal in float32"):
+            build_optimizer("zo-rge", model, **{kw: 1e-50})
+    sub = type("Sub", (), {"basis": torch.eye(6)[:, :2], "layout": None, "reference": torch.zeros(6),
+                           "eigenvalues": torch.ones(2)})()
+    for kw in ("mu", "lr"):
+        with pytest.raises(ValueError, match=rf"^'{kw}' is 0 or subnormal in float32"):
+            SZO(model, sub, **{kw: 1e-40})
+        with pytest.raises(ValueError, match=rf"^'{kw}' must be finite in float32"):
+            SZO(model, sub, **{kw: 1e39})
+    assert load_recipe("digits-scratch", ["train.lr=0", "szo.mu=1.2e-38"]).train.lr == 0.0
+
+
+@pytest.mark.parametrize("item", ["szo.mu=", "szo.mu=  ", "train.lr="])
+def test_an_empty_value_is_refused(item):
+    """Issue 49: ``--set szo.mu=`` became the default and a full training started."""
+    key = item.split("=")[0]
+    with pytest.raises(ValueError, match=rf"^--set {key}= has no value; give one \(e.g. {key}=VALUE\), or "
+                                         rf"{key}=null for the default$"):
+        load_recipe("digits-scratch", [item])
+    assert load_recipe("digits-scratch", [f"{key}=null"]) == load_recipe("digits-scratch")

@@ -133,3 +133,22 @@ def test_atomic_writes_keep_the_umask_mode(tmp_path):
         assert stat.S_IMODE((tmp_path / "b.txt").stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_write_past_the_file_size_limit_names_the_file(tmp_path):
+    """Issue 49: a disk-full / file-size-limit write said ``[Errno 27] File too large`` without naming
+    the file. The error keeps its type and errno, names the file and its size, and leaves the old file."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "checkpoints" / "last.pt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    code = ("import resource, signal, sys\nfrom szo.io import atomic_write_bytes\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nresource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+            "try:\n    atomic_write_bytes(sys.argv[1], b'x' * 5000)\n"
+            "except OSError as e:\n    print(type(e).__name__, e.errno, e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == (f"OSError 27 [Errno 27] File too large (writing 5000 bytes; nothing was replaced): "
+                                  f"'{target}'"), out.stderr
+    assert target.read_bytes() == b"old" and sorted(p.name for p in target.parent.iterdir()) == ["last.pt"]

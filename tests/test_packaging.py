@@ -2,9 +2,9 @@
 the package list; environment.yml and the Makefile install from it; a wheel built from it works."""
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import tomllib
 import yaml
 from setuptools import find_packages
 
@@ -30,6 +30,34 @@ def test_upper_bounds_where_an_api_is_known_to_break():
                                                    for d in e]
     bounded = {d.split(">")[0].split("[")[0] for d in deps if "<" in d}
     assert {"spikingjelly", "flwr", "nir"} <= bounded
+
+
+def test_requires_python_admits_no_python_a_dependency_refuses():
+    """Issue 49: ``requires-python >=3.10`` while spikingjelly 2.0 and flwr 1.42 need 3.11: on 3.10 the
+    install failed inside the resolver. The lower bound is at least every installed dependency's own
+    (``Requires-Python`` of its metadata), and ruff's target is that version (the Lava runner excepted:
+    a script for Lava's own 3.10 interpreter, which installs lava-nc only)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    ours = SpecifierSet(PYPROJECT["project"]["requires-python"])
+    lowest = min(s.version for s in ours if s.operator == ">=")
+    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["federated"]
+    checked = []
+    for d in deps:
+        name = Requirement(d).name
+        try:
+            theirs = md.metadata(name)["Requires-Python"]
+        except md.PackageNotFoundError:
+            continue
+        if theirs:
+            assert lowest in SpecifierSet(theirs), f"{name} needs Python {theirs}; requires-python says {ours}"
+            checked.append(name)
+    assert {"spikingjelly", "flwr"} <= set(checked)
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == "py" + lowest.replace(".", "")
+    assert PYPROJECT["tool"]["ruff"]["per-file-target-version"] == {"szo/hw/lava/runner.py": "py310"}
 
 
 def test_package_list_is_the_package_tree():

@@ -265,3 +265,34 @@ def test_without_a_bptt_run_there_is_no_target(tmp_path):
     make_run(tmp_path, "s0", [0.5, 0.9])
     assert table_target(collect_runs([tmp_path]))[1] == []
     assert "Passes to a fraction" not in render(collect_runs([tmp_path]))
+
+
+def test_a_run_without_results_is_named_with_what_it_holds(tmp_path, capsys):
+    """Issue 49: ``szo report`` on a directory with an unfinished run (config.yaml, metrics.jsonl, a
+    checkpoint; no results.json) dropped it without a word. It names every run it leaves out and why."""
+    make_run(tmp_path, "done", [0.5, 0.9])
+    left = tmp_path / "stopped"
+    (left / "checkpoints").mkdir(parents=True)
+    write_config(load_recipe("digits-scratch"), left / "config.yaml")
+    (left / "metrics.jsonl").write_text("")
+    runs = collect_runs([tmp_path])
+    assert [r["dir"] for r in runs] == [str(tmp_path / "done")]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: left out 1 run(s) without results.json")
+    assert f"{left} (holds config.yaml, metrics.jsonl, checkpoints)" in err
+    (tmp_path / "done" / "results.json").unlink()
+    with pytest.raises(ValueError, match=r"^no results.json under .*left out 2 run\(s\) without results.json.*"
+                                         r"done \(holds config.yaml, metrics.jsonl\); .*stopped \(holds"):
+        collect_runs([tmp_path])
+
+
+def test_passes_to_target_leave_out_a_figure_that_is_not_a_number(tmp_path):
+    """Issue 49: a metrics row with ``"fp": "n/a"`` crashed the passes-to-target table."""
+    make_run(tmp_path, "bp", [0.9, 0.95], label="BP", mode="bptt")
+    d = make_run(tmp_path, "szo", [0.5, 0.96])
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[1]["fp"] = "n/a"
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    header, table = table_target(collect_runs([tmp_path]))
+    row = dict(zip(header, next(r for r in table if r[1] == "SZO-CGE")))
+    assert row["#FP to 95 % of BP"] == "-" and row["#BP to 95 % of BP"] == "0"

@@ -498,3 +498,53 @@ def test_a_run_name_never_leaves_runs(store, tmp_path, capsys, monkeypatch, name
         line = _one_error_line(capsys)
         assert f"name {name!r} cannot name a run directory in runs/" in line and "pass --out DIR" in line
         assert sorted(p.name for p in tmp_path.rglob("*")) == ["cwd", "mine.yaml"]
+
+
+def test_a_run_refused_before_its_first_step_leaves_nothing_in_the_way(tmp_path):
+    """Issue 49 "retries that work": a run directory whose input was refused before the first step is
+    not left behind (or, when it existed, keeps only what it held), so the same command with a
+    corrected input runs; a run that wrote more than its settings is kept as it is."""
+    from szo.rundir import run_lock
+
+    new = tmp_path / "runs" / "x"
+    with pytest.raises(ValueError, match="refused"):
+        with run_lock(new):
+            (new / "config.yaml").write_text("name: digits-scratch\n")
+            raise ValueError("refused")
+    assert not new.exists() and (tmp_path / "runs").is_dir()
+
+    old = tmp_path / "mine"
+    old.mkdir()
+    (old / "notes.txt").write_text("kept")
+    with pytest.raises(ValueError):
+        with run_lock(old):
+            (old / "config.yaml").write_text("name: digits-scratch\n")
+            raise ValueError("refused")
+    assert sorted(p.name for p in old.iterdir()) == [".lock", "notes.txt"]
+
+    started = tmp_path / "started"
+    with pytest.raises(ValueError):
+        with run_lock(started):
+            (started / "config.yaml").write_text("name: digits-scratch\n")
+            (started / "metrics.jsonl").write_text("{}\n")
+            raise ValueError("diverged")
+    assert sorted(p.name for p in started.iterdir()) == [".lock", "config.yaml", "metrics.jsonl"]
+
+
+def test_the_same_command_with_a_corrected_input_runs(tmp_path, capsys):
+    """The issue's cases through the command line: ``--set model.T=1000000000`` (refused before anything
+    is allocated) and ``--set szo.mu=``; then the corrected command is not stopped by the first one's
+    directory."""
+    from szo.cli import main
+
+    out = tmp_path / "run"
+    for bad in ("model.T=1000000000", "szo.mu=", "bptt.lr=1e-50"):
+        assert main(["recipe", "digits-bp", "--set", bad, "--set", f"subspace.root={tmp_path / 'store'}",
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert not out.exists()
+    assert main(["recipe", "digits-bp", "--set", "bptt.epochs=1", "--set", "bptt.max_steps_per_epoch=1",
+                 "--set", "trajectory.every=1", "--set", "subspace.k=1", "--set", f"subspace.root={tmp_path / 'store'}",
+                 "--out", str(out)]) == 0
+    assert (out / "results.json").is_file()

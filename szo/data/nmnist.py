@@ -57,6 +57,22 @@ def _has_extracted(root: Path, split: str) -> bool:
     return folder.is_dir() and any(folder.glob("*/*.bin"))
 
 
+def _check_label_folders(root: Path, split: str) -> None:
+    """One ValueError naming the folder when recordings sit anywhere but in ``<split folder>/<label>/``
+    with a label 0..9: tonic takes a recording's label from the last character of its folder's path
+    (``Train/five`` gave ``invalid literal for int()``, and ``Train/15`` would be read as label 5)."""
+    folder = root / "NMNIST" / _FOLDERS[split]
+    for where, dirs, files in os.walk(folder):
+        dirs.sort()
+        if not any(f.endswith(".bin") for f in files):
+            continue
+        rel = Path(where).relative_to(folder)
+        if len(rel.parts) != 1 or rel.parts[0] not in CLASSES:
+            raise ValueError(f"N-MNIST {split}: {where} holds .bin recordings but is not a label folder; valid: "
+                             f"{folder}/<label>/<id>.bin with label {', '.join(CLASSES)} (the folder's name is the "
+                             "recording's label)")
+
+
 @functools.lru_cache(maxsize=1)
 def _extracted_nmnist_class() -> type:
     """``tonic.datasets.NMNIST`` whose existence check accepts an extracted folder only."""
@@ -88,6 +104,8 @@ class NMNISTFrames(EventFrames):
         tonic = require_tonic()
         root = Path(data_dir) if data_dir is not None else default_data_dir()
         to_frames = EventsToFrames(sensor_size=SENSOR_SIZE, T=T, size=size, denoise_us=denoise_us, fit=fit)
+        if _has_extracted(root, split):
+            _check_label_folders(root, split)
         events_ds = open_tonic_set(
             _has_extracted(root, split), functools.partial(_extracted_nmnist_class(), save_to=str(root)),
             functools.partial(tonic.datasets.NMNIST, save_to=str(root)), train=split == "train", download=download,

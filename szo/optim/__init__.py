@@ -87,6 +87,11 @@ def _check(spec, model, subspace, o: OptimizerOptions, run: RunOptions) -> None:
         raise ValueError(f"method {m!r} needs a subspace (build one with `szo subspace build`)")
     spec.check_options({key: getattr(o, key) for key in METHOD_OPTIONS})
     spec.check_learner(integer=o.integer is not None, refresh=o.refresh)  # the rules a recipe's hw.learner meets
+    if isinstance(subspace, Refreshed) and ("refresh" not in spec.options or o.integer is not None):
+        takes = ", ".join(n for n in METHODS if "refresh" in get_method(n).options)
+        raise ValueError(f"a Refreshed subspace (a basis redrawn every few steps) is trained by the float learner of "
+                         f"{takes}; method {m!r}{' with the integer learner' if o.integer is not None else ''} "
+                         f"does not redraw a basis: pass Refreshed(...).subspace{'' if spec.subspace else ', or none'}")
 
 
 def _records(options: OptimizerOptions | None, run: RunOptions | None, keywords: dict

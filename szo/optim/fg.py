@@ -238,9 +238,40 @@ class AsyncFGD(ForwardOnlyBase):
         return len(self.stages)
 
     def check_stages(self, section: dict) -> None:
-        if "stages" in section and int(section["stages"]) != self.K:
-            raise ValueError(f"optimizer state is for {int(section['stages'])} AsyncFGD stages, this optimizer has "
-                             f"{self.K}")
+        """The section fits this pipeline: its number of stages, each stage's kept versions (at most its
+        lag, each one tensor per parameter of the stage's shape) and Adam's state (its groups and moments
+        of the parameters' shapes), all checked before anything is loaded."""
+        stages = section.get("stages", self.K)
+        if isinstance(stages, bool) or not isinstance(stages, int):
+            raise ValueError(f"optimizer state: asyncfgd.stages must be an integer, got {type(stages).__name__}")
+        if stages != self.K:
+            raise ValueError(f"optimizer state is for {stages} AsyncFGD stages, this optimizer has {self.K}")
+        history = section.get("history")
+        if history is not None:
+            shapes = [[tuple(p.shape) for p in sp.params] for sp in self._stage_spaces]
+            ok = isinstance(history, (list, tuple)) and len(history) == self.K and all(
+                isinstance(vs, (list, tuple)) and len(vs) <= max(self._lag(k), 0) and all(
+                    isinstance(v, (list, tuple)) and [tuple(t.shape) if isinstance(t, torch.Tensor) else None
+                                                      for t in v] == shapes[k] for v in vs)
+                for k, vs in enumerate(history))
+            if not ok:
+                raise ValueError(f"optimizer state: asyncfgd.history must hold, per stage ({self.K}), up to its lag of "
+                                 "stale versions, each one tensor per parameter of the stage's shape")
+        adam = section.get("adam")
+        if adam is not None and self.adam is not None:
+            mine = self.adam.param_groups
+            groups = adam.get("param_groups") if isinstance(adam, dict) else None
+            state = adam.get("state") if isinstance(adam, dict) else None
+            ok = isinstance(groups, list) and isinstance(state, dict) and len(groups) == len(mine) and all(
+                isinstance(g, dict) and len(g.get("params", ())) == len(m["params"]) for g, m in zip(groups, mine))
+            if ok:
+                params = {i: p for g, m in zip(groups, mine) for i, p in zip(g["params"], m["params"])}
+                ok = all(i in params and isinstance(st, dict) and all(
+                    not isinstance(v, torch.Tensor) or v.dim() == 0 or tuple(v.shape) == tuple(params[i].shape)
+                    for v in st.values()) for i, st in state.items())
+            if not ok:
+                raise ValueError("optimizer state: asyncfgd.adam is not the state of this optimizer's Adam (its "
+                                 "param groups and moments of the parameters' shapes)")
 
     @property
     def forwards_per_step(self) -> int:

@@ -49,7 +49,9 @@ from szo.zo import (
     ProbePath,
     StateCodec,
     SubspaceSpace,
+    basis_fingerprint,
     check_hparams,
+    fingerprint_mismatch,
     gaussian_rows,
     get_estimator,
     heavy_ball_,
@@ -154,12 +156,31 @@ def _eigenvalues(subspace, scale: str) -> torch.Tensor:
                          "pass scale='absolute' (the paper's units, mu / lr 1.0 by default)") from None
 
 
+def point_error(opt, value) -> str | None:
+    """Why ``value`` cannot be the point of ``opt``'s parameters (a float ``[d]`` tensor), or None."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == opt.space.d \
+            and value.is_floating_point():
+        return None
+    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    return (f"optimizer state: the point must be a float [d] = [{opt.space.d}] tensor (the parameters it stands at), "
+            f"got {got}")
+
+
 def check_k(opt, section: dict) -> None:
+    """A subspace optimizer's section fits ``opt``: k coordinates, the point's shape, the basis (and
+    reference point) it was made on (the fingerprint, when the state has one)."""
     c = section.get("c")
     if c is None or section.get("delta") is None:
         raise ValueError("optimizer state of a subspace optimizer needs its coordinates c and momentum delta")
-    if tuple(c.shape) != (opt.k,):
-        raise ValueError(f"optimizer state has k = {c.shape[0]} coordinates, this optimizer has k = {opt.k}")
+    if not isinstance(c, torch.Tensor) or tuple(c.shape) != (opt.k,):
+        got = f"k = {c.shape[0]}" if isinstance(c, torch.Tensor) and c.dim() == 1 else repr(c)[:80]
+        raise ValueError(f"optimizer state has {got} coordinates, this optimizer has k = {opt.k}")
+    if section.get("point") is not None and point_error(opt, section["point"]) is not None:
+        raise ValueError(point_error(opt, section["point"]))
+    why = fingerprint_mismatch(section.get("fingerprint"), opt.basis_fingerprint)
+    if why is not None:
+        raise ValueError(f"optimizer state does not belong to this {type(opt).__name__}'s subspace: {why}; load it into "
+                         "an optimizer built on the subspace it was saved with")
 
 
 COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "subspace_state.delta"),
@@ -168,7 +189,10 @@ COORDS = (Field("c", "float64", "subspace_state.c"), Field("delta", "float64", "
            # where the parameters stand (theta_0 + P c as the steps accumulated it, in the parameters'
            # dtype): a resume puts them there in either order (SubspaceOptimizer.point); checkpoints
            # written before it have none and leave the parameters as they are
-           Field("point", "tensor", "point"))
+           Field("point", "tensor", "point"),
+           # the basis (over the trained rows) and subspace.reference the coordinates are on, as a few numbers
+           # (szo.zo.basis_fingerprint): a state is refused on another basis of the same k and layout
+           Field("fingerprint", "plain", "basis_fingerprint", record_only=True))
 
 
 class SubspaceOptimizer(CodecOptimizer):
@@ -208,6 +232,9 @@ class SubspaceOptimizer(CodecOptimizer):
         self.units = units
         self.space = SubspaceSpace(params, basis, scales=units)
         self.initial_basis = basis  # P over the trained rows ([d, k]): the basis it was built on
+        reference = getattr(subspace, "reference", None)
+        self._reference = reference if isinstance(reference, torch.Tensor) else None
+        self._fingerprint: dict | None = None  # basis_fingerprint, computed at the first state_dict / load
         self.k = self.space.k
         # Optimizer state lives here rather than in self.state: torch casts per-parameter
         # state to the parameter dtype on load, and c / delta are kept in float64.
@@ -255,12 +282,19 @@ class SubspaceOptimizer(CodecOptimizer):
 
     @point.setter
     def point(self, value: torch.Tensor) -> None:
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() != self.space.d \
-                or not value.is_floating_point():
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"optimizer state: the point must be a float [d] = [{self.space.d}] tensor (the "
-                             f"parameters it stands at), got {got}")
+        why = point_error(self, value)
+        if why is not None:
+            raise ValueError(why)
         self.space.load(value.to(device=self.space.device, dtype=self.space.dtype))
+
+    @property
+    def basis_fingerprint(self) -> dict:
+        """The basis it was built on (over the trained rows) and ``subspace.reference``, as
+        :func:`szo.zo.basis_fingerprint` writes them: ``state_dict()`` carries it and
+        ``load_state_dict`` refuses a state made on another basis or reference point."""
+        if self._fingerprint is None:
+            self._fingerprint = basis_fingerprint(self.initial_basis, self._reference)
+        return self._fingerprint
 
     def set_basis(self, basis: torch.Tensor) -> None:
         """The space on ``basis`` (``[d, k]``) in the same units; coordinates and momentum left as they are."""
@@ -484,18 +518,37 @@ class SZO(ForwardOnlyBase, SubspaceOptimizer):
         self.rebase_(self._draw_basis(self.generator))
         self.refresh_state = {"count": self.refresh_state["count"] + 1, "draw_state": state}
 
-    def load_state_dict(self, state_dict):
-        """As ``torch.optim.Optimizer``'s, then (a :class:`Refreshed` subspace) the basis of the saved state: the first one
-        before any redraw, else the last redraw again, from the generator state saved before it."""
-        super().load_state_dict(state_dict)
+    def _prepare_load(self, sections: dict) -> torch.Tensor | None:
+        """A :class:`Refreshed` subspace: the basis of the state being loaded, checked before anything
+        changes -- the first one before any redraw, else the last redraw again, from the generator state
+        saved before it (a corrupt one is refused in one line, nothing loaded)."""
+        refresh = sections.get("subspace", {}).get("refresh")
         if self.refresh_state is None:
-            return
-        saved = self.refresh_state.get("draw_state")
+            if refresh is not None:
+                raise ValueError("optimizer state was saved by an SZO on a Refreshed subspace (a basis redrawn every "
+                                 "few steps); this one keeps its basis: build it on Refreshed(subspace, every=T0)")
+            return None
+        refresh = self.refresh_state if refresh is None else refresh
+        if not isinstance(refresh, dict) or isinstance(refresh.get("count"), bool) or not isinstance(
+                refresh.get("count"), int) or refresh["count"] < 0:
+            raise ValueError("optimizer state: subspace.refresh must be {'count': redraws so far (an int >= 0), "
+                             f"'draw_state': the generator state before the last one}}, got {refresh!r:.200}")
+        saved = refresh.get("draw_state")
         if saved is None:
-            basis = self.initial_basis
-        else:
-            basis = self._draw_basis(torch.Generator().set_state(saved))
-        self.set_basis(basis)  # the saved coordinates and momentum are already in its units
+            return self.initial_basis
+        if not isinstance(saved, torch.Tensor):
+            raise ValueError(f"optimizer state: subspace.refresh.draw_state must be a torch.Generator state (a uint8 "
+                             f"tensor), got {type(saved).__name__}")
+        try:
+            g = torch.Generator().set_state(saved.to(torch.uint8))
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"optimizer state: subspace.refresh.draw_state is not a state of a torch.Generator on "
+                             f"cpu ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        return self._draw_basis(g)
+
+    def _finish_load(self, basis: torch.Tensor | None) -> None:
+        if basis is not None:
+            self.set_basis(basis)  # the saved coordinates and momentum are already in its units
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]

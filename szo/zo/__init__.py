@@ -58,6 +58,8 @@ from .space import (
                     Still,
                     SubspaceSpace,
                     adaptive_perturbation,
+                    basis_fingerprint,
+                    fingerprint_mismatch,
                     frozen,
                     move_to_start,
                     refuse_frozen,
@@ -81,5 +83,5 @@ __all__ = [
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "move_to_start", "one_point_plan", "quantized_zo_update",
     "rademacher_rows", "resolve_model", "unname", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
-    "ProbePath", "ForwardSettings",
+    "ProbePath", "ForwardSettings", "basis_fingerprint", "fingerprint_mismatch",
 ]

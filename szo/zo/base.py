@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -92,25 +92,68 @@ class CodecOptimizer(torch.optim.Optimizer):
         self._hook_sections()
 
     def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        first = _first_key(state_dict.get("param_groups", []))
-        entry = dict(state_dict.get("state", {}).get(first, {}))
+        """torch's ``load_state_dict`` with the sections, all or nothing, in torch's hook order.
+
+        The load pre hooks run first (on a shallow copy, as torch's; one may return a new dict). Then
+        every section is checked (``StateCodec.stage``: shapes, dtypes, generator states, the basis
+        fingerprint; :meth:`_prepare_load` for what an optimizer derives from them) before anything is
+        changed, so a refused load leaves the optimizer and the parameters as they were. Then torch's
+        part (param groups, per-parameter state), the sections and :meth:`_finish_load` are put in
+        place, and only then the post hooks run: they see the loaded state."""
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"{type(self).__name__}.load_state_dict takes a state dict (a mapping with 'state' and "
+                             f"'param_groups'), got {type(state_dict).__name__}")
+        state_dict = dict(state_dict)  # shallow, as torch's
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        missing = [k for k in ("state", "param_groups") if not isinstance(state_dict.get(k), (dict, list))]
+        if missing:
+            raise ValueError(f"optimizer state dict lacks {' and '.join(map(repr, missing))}; it was not written "
+                             f"by state_dict() of a torch optimizer")
+        first = _first_key(state_dict["param_groups"])
+        entry = state_dict["state"].get(first, {})
+        entry = dict(entry) if isinstance(entry, Mapping) else {}
         sections = {}
         for c in self.codecs:
             top, inner = state_dict.pop(c.key, None), entry.pop(c.key, None)
             sections[c.key] = top if top is not None else inner
-        if first in state_dict.get("state", {}):
+        if first in state_dict["state"]:
             state_dict["state"] = {**state_dict["state"], first: entry}
-        super().load_state_dict(state_dict)
+        # phase 1: check everything, change nothing
+        staged = [(c, c.stage(self, dict(sections[c.key]) if isinstance(sections[c.key], Mapping)
+                              else sections[c.key])) for c in self.codecs if sections[c.key]]
+        prepared = self._prepare_load({c.key: sections[c.key] or {} for c in self.codecs})
+        # phase 2: torch's part (it checks the param groups before it changes anything), then the sections
+        hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
         # torch keeps the loaded tensors themselves (Tensor.to without a change returns its input) and a
         # step updates them in place: copies, so the caller's dict stays a checkpoint (a second resume from it)
         for st in self.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[k] = v.clone()
-        for codec in self.codecs:
-            if sections[codec.key]:
-                codec.decode(self, dict(sections[codec.key]))
+            if isinstance(st, dict):  # a hook may keep its own entries (optimizer.state["ran"] = True)
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        st[k] = v.clone()
+        for codec, values in staged:
+            codec.apply(self, values)
+        self._finish_load(prepared)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
+
+    def _prepare_load(self, sections: dict[str, Any]) -> Any:
+        """What an optimizer derives from the sections it is loading (e.g. a refreshed SZO's current basis,
+        redrawn from the saved generator state), computed and checked before anything changes; passed to
+        :meth:`_finish_load`. ``sections``: each codec's key -> the section loaded (empty when absent)."""
+        return None
+
+    def _finish_load(self, prepared: Any) -> None:
+        """After the sections are in place, before the post hooks: what follows from them (the basis,
+        the parameters at the loaded point). Must not refuse: :meth:`_prepare_load` checks."""
 
 
 def _with_sections(opt: CodecOptimizer, sd: dict) -> dict:

@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Callable, Iterator
 
@@ -113,12 +114,23 @@ def resolve_model(params_or_model, model: nn.Module | None, who: str
 
 def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
     """One clear error for a bad optimizer hyperparameter; the ones left at None are not checked. ``lr``
-    may be a one-element tensor, as torch's optimizers take it."""
+    may be a one-element tensor, as torch's optimizers take it. A float lr / mu must be representable in
+    the float32 the arithmetic runs in: finite, and 0 or normal (the rule of a recipe's float settings,
+    ``szo.schema``, at the optimizers' own constructors)."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"lr as a tensor must be one floating-point element (torch's rule), got shape "
                              f"{tuple(lr.shape)} {lr.dtype}")
         lr = float(lr)
+    for name, v in (("lr", lr), ("mu", mu)):
+        if isinstance(v, float) and math.isfinite(v):
+            f32 = torch.finfo(torch.float32)
+            if abs(v) > f32.max:
+                raise ValueError(f"'{name}' must be finite in float32, the arithmetic runs in it (|value| <= "
+                                 f"{f32.max:.4g}), got {v!r}")
+            if v != 0.0 and abs(v) < f32.tiny:
+                raise ValueError(f"'{name}' is 0 or subnormal in float32, the arithmetic runs in it (0 or |value| >= "
+                                 f"{f32.tiny:.4g}), got {v!r}")
     if lr is not None and not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if momentum is not None and not 0.0 <= momentum < 1.0:

@@ -22,7 +22,8 @@ documented at each class: changing it changes results bit for bit (tests/optim/t
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+import math
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from torch import nn
 from ..precision import exact_fp32
 from .plans import Coordinates, Plan
 
-__all__ = ["Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS", "adaptive_perturbation",
+__all__ = ["basis_fingerprint", "fingerprint_mismatch", "Space", "Mover", "ParamSpace", "SubspaceSpace", "NodeSpace", "HostSpace", "Still", "START_POINTS", "adaptive_perturbation",
            "move_to_start", "trainable_layers", "LAYER_TYPES", "frozen", "refuse_frozen",
            "refuse_shared_weights"]
 
@@ -166,6 +167,59 @@ def _locate(i: int, bounds: list[int]) -> tuple[int, int]:
     """(parameter index, offset inside it) of flat coordinate ``i``."""
     t = max(k for k, b in enumerate(bounds) if b <= i)
     return t, i - bounds[t]
+
+
+_SKETCH_SEED = 20260049
+FINGERPRINT_TOL = 1e-3
+"""How far two fingerprints' projections may differ (relative to 1, a projection's scale) and still name
+the same basis / point: float rounding of one basis on another device or CPU moves them by ~1e-6; another
+basis of the same k moves every one by ~1."""
+
+
+@torch.no_grad()
+def basis_fingerprint(basis: torch.Tensor, reference: torch.Tensor | None = None) -> dict[str, Any]:
+    """What an optimizer's state is bound to: the basis ``[d, k]`` (and the reference point ``[d']``) as
+    a few numbers -- ``r^T P / sqrt(d)`` for one fixed pseudo-random ``r`` (k values of order 1 for
+    orthonormal columns), the reference's ``r^T theta / |theta|`` and RMS. Two bases differ in them
+    unless they are the same directions (signs included), to float rounding; unlike a hash of the
+    bytes, the same basis on another device or machine matches (:data:`FINGERPRINT_TOL`)."""
+    d, k = basis.shape
+    r = torch.randn(d, generator=torch.Generator().manual_seed(_SKETCH_SEED)).to(basis.device)
+    out: dict[str, Any] = {"d": int(d), "k": int(k),
+                           "basis": [float(v) for v in (r @ basis.float()).double().cpu() / math.sqrt(d)]}
+    if reference is not None:
+        ref = reference.detach().reshape(-1).float()
+        r = torch.randn(ref.numel(), generator=torch.Generator().manual_seed(_SKETCH_SEED)).to(ref.device)
+        norm = float(ref.double().norm())
+        out["reference"] = [float((r @ ref).double()) / max(norm, 1e-30), norm / math.sqrt(max(ref.numel(), 1))]
+    return out
+
+
+def fingerprint_mismatch(saved: Any, mine: dict[str, Any]) -> str | None:
+    """Why a state's fingerprint (``saved``) is not this optimizer's (``mine``), or None when it is
+    (or the state has none: written before fingerprints)."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("basis"), list):
+        return f"its basis fingerprint is not one ({type(saved).__name__})"
+    if saved.get("d") != mine["d"] or saved.get("k") != mine["k"]:
+        return f"it was made on a basis of d = {saved.get('d')}, k = {saved.get('k')}, this one is {mine['d']} x {mine['k']}"
+    try:
+        far = max(abs(float(a) - b) for a, b in zip(saved["basis"], mine["basis"]))
+    except (TypeError, ValueError):
+        return "its basis fingerprint is not a list of numbers"
+    if len(saved["basis"]) != mine["k"] or far > FINGERPRINT_TOL:
+        return (f"it was made on another basis (same d = {mine['d']} and k = {mine['k']}, other directions: its "
+                f"fingerprint differs by {far:.3g})")
+    ref, mine_ref = saved.get("reference"), mine.get("reference")
+    if ref is not None and mine_ref is not None:
+        try:
+            cos, rms = (float(v) for v in ref)
+        except (TypeError, ValueError):
+            return "its reference-point fingerprint is not two numbers"
+        if abs(cos - mine_ref[0]) > FINGERPRINT_TOL or abs(rms - mine_ref[1]) > FINGERPRINT_TOL * max(rms, mine_ref[1]):
+            return "it was made at another reference point theta_0 (the same basis, another subspace.reference)"
+    return None
 
 
 class SubspaceSpace(ParamSpace):

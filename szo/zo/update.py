@@ -80,18 +80,77 @@ def quantized_zo_update(theta_int: torch.Tensor, grad: torch.Tensor, *, lr: floa
 
 
 # ---------------------------------------------------------------------- state codec
-def _generator_get(g: torch.Generator) -> torch.Tensor:
-    return g.get_state()
+# A section is loaded in two phases (``StateCodec.stage``, then ``StateCodec.apply``): every value is
+# checked and converted first -- tensors against the shape and kind of the value they replace, generator
+# states on a scratch generator -- and only then put in place, so a refused load changes nothing.
+def _refuse(what: str, msg: str) -> ValueError:
+    return ValueError(f"optimizer state: {what} {msg}")
+
+
+def _as_int(v: Any, what: str) -> int:
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point() and not v.is_complex():
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _refuse(what, f"must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _as_float(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _refuse(what, f"must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _as_tensor(old: Any, v: Any, what: str, *, integer: bool = False) -> torch.Tensor:
+    """``v`` checked against the tensor it replaces: a tensor of the same shape, real, floating where
+    ``old`` is (integer where the kind is)."""
+    if not isinstance(v, torch.Tensor):
+        raise _refuse(what, f"must be a tensor, got {type(v).__name__}")
+    if isinstance(old, torch.Tensor) and tuple(v.shape) != tuple(old.shape):
+        raise _refuse(what, f"has shape {tuple(v.shape)}, this optimizer's has {tuple(old.shape)}")
+    if v.is_complex() or v.dtype == torch.bool or (integer and v.is_floating_point()) or (
+            isinstance(old, torch.Tensor) and old.is_floating_point() and not v.is_floating_point()):
+        want = "an integer" if integer or (isinstance(old, torch.Tensor) and not old.is_floating_point()) else "a float"
+        raise _refuse(what, f"is a {str(v.dtype).replace('torch.', '')} tensor, not {want} one")
+    return v
+
+
+def _generator_stage(old: torch.Generator, v: Any, what: str) -> torch.Tensor:
+    if not isinstance(v, torch.Tensor) or v.dtype not in (torch.uint8, torch.int8, torch.int64, torch.int32):
+        raise _refuse(what, f"must be a torch.Generator state (a uint8 tensor), got "
+                            f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}")
+    state = v.to(torch.uint8)
+    try:  # on a scratch generator of the same device: the optimizer's own is set only once all of it is valid
+        torch.Generator(device=old.device).set_state(state)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _refuse(what, f"is not a state of a torch.Generator on {old.device} "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return state
 
 
 def _generator_set(g: torch.Generator, v: torch.Tensor) -> torch.Generator:
-    g.set_state(v.to(torch.uint8))
+    g.set_state(v)
     return g
+
+
+def _xorshift_stage(old: Any, v: Any, what: str) -> int:
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.reshape(-1)[0]
+    state = _as_int(v, what)
+    if not 1 <= state <= 0xFFFFFFFF:
+        raise _refuse(what, f"is {state}, not an XORShift32 state (an integer in [1, 2**32 - 1])")
+    return state
 
 
 def _xorshift_set(g, state: int):
     g.state = state
     return g
+
+
+def _counter_stage(old: Any, v: Any, what: str) -> dict[str, dict[str, int]]:
+    if not isinstance(v, dict) or not all(isinstance(q, dict) for q in v.values()):
+        raise _refuse(what, f"must map layers to {{quantity: count}}, got {type(v).__name__}")
+    return {str(layer): {str(q): _as_int(n, what) for q, n in qs.items()} for layer, qs in v.items()}
 
 
 def _counter_set(counter: SaturationCounter, counts: dict) -> SaturationCounter:
@@ -102,27 +161,55 @@ def _counter_set(counter: SaturationCounter, counts: dict) -> SaturationCounter:
     return counter
 
 
-_KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
-    # kind -> (encode value, decode (old value, stored) -> new value)
-    "int": (int, lambda old, v: int(v)),
-    "float": (float, lambda old, v: float(v)),
-    "plain": (copy.deepcopy, lambda old, v: copy.deepcopy(v)),  # JSON-like values (str, None, lists, dicts)
-    "float64": (lambda t: t.clone(), lambda old, v: v.to(torch.float64, copy=True)),
-    "int64": (lambda t: t.clone(), lambda old, v: v.to(torch.int64, copy=True)),
+def _tensors_stage(old: Any, v: Any, what: str) -> list[torch.Tensor] | None:
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)):
+        raise _refuse(what, f"must be a list of tensors, got {type(v).__name__}")
+    olds = list(old) if isinstance(old, (list, tuple)) and len(old) == len(v) else [None] * len(v)
+    return [_as_tensor(o, t, f"{what}[{i}]").clone() for i, (o, t) in enumerate(zip(olds, v))]
+
+
+def _versions_stage(old: Any, h: Any, what: str) -> list:
+    if not isinstance(h, (list, tuple)) or not all(isinstance(vs, (list, tuple)) and all(
+            isinstance(v, (list, tuple)) for v in vs) for vs in h):
+        raise _refuse(what, "must be a list (per stage) of lists (per version) of tensors")
+    return [[[_as_tensor(None, t, what).clone() for t in v] for v in vs] for vs in h]
+
+
+def _keep(old: Any, v: Any) -> Any:
+    return v
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one kind of value is written (``encode``), checked and converted without side effects
+    (``stage(current value, stored, name) -> staged``) and put in place (``put(current, staged) -> new``)."""
+
+    encode: Callable[[Any], Any]
+    stage: Callable[[Any, Any, str], Any]
+    put: Callable[[Any, Any], Any] = _keep
+
+
+_KINDS: dict[str, _Kind] = {
+    "int": _Kind(int, lambda old, v, what: _as_int(v, what)),
+    "float": _Kind(float, lambda old, v, what: _as_float(v, what)),
+    "plain": _Kind(copy.deepcopy, lambda old, v, what: copy.deepcopy(v)),  # JSON-like values (str, None, lists, dicts)
+    "float64": _Kind(lambda t: t.clone(), lambda old, v, what: _as_tensor(old, v, what).to(torch.float64, copy=True)),
+    "int64": _Kind(lambda t: t.clone(),
+                   lambda old, v, what: _as_tensor(old, v, what, integer=True).to(torch.int64, copy=True)),
     # a tensor kept in its own dtype (e.g. the point the parameters stand at, in their dtype); the
-    # optimizer's setter checks it and puts it in place
-    "tensor": (lambda t: t.clone(), lambda old, v: v.clone()),
-    "generator": (_generator_get, _generator_set),
+    # optimizer's setter puts it in place
+    "tensor": _Kind(lambda t: t.clone(), lambda old, v, what: _as_tensor(old, v, what).clone()),
+    "generator": _Kind(lambda g: g.get_state(), _generator_stage, _generator_set),
     # an XORShift32 generator: its 32-bit state as a one-element int64 tensor
-    "xorshift": (lambda g: torch.tensor([g.state], dtype=torch.int64), lambda g, v: _xorshift_set(g, int(v[0]))),
+    "xorshift": _Kind(lambda g: torch.tensor([g.state], dtype=torch.int64), _xorshift_stage, _xorshift_set),
     # a SaturationCounter: its counts {layer: {quantity: n}}, restored into the same counter
-    "counter": (lambda c: c.as_dict(), _counter_set),
+    "counter": _Kind(lambda c: c.as_dict(), _counter_stage, _counter_set),
     # a list of tensors (or None): e.g. AsyncFGD-Adam's moments, one per parameter
-    "tensors": (lambda ts: None if ts is None else [t.clone() for t in ts],
-                lambda old, v: None if v is None else [t.clone() for t in v]),
+    "tensors": _Kind(lambda ts: None if ts is None else [t.clone() for t in ts], _tensors_stage),
     # a list (per stage) of lists (per version) of tensors: AsyncFGD's stale parameter versions
-    "versions": (lambda h: [[[t.clone() for t in v] for v in vs] for vs in h],
-                 lambda old, h: [[[t.clone() for t in v] for v in vs] for vs in h]),
+    "versions": _Kind(lambda h: [[[t.clone() for t in v] for v in vs] for vs in h], _versions_stage),
 }
 
 
@@ -168,10 +255,11 @@ def _set(obj: Any, path: str, value: Any) -> None:
 class StateCodec:
     """The extra state of a forward-only optimizer under ``state_dict()[key]``.
 
-    ``encode(opt)`` gives the section, ``decode(opt, section)`` puts it back (a ``check`` may
-    refuse a section that does not fit this optimizer, with one ValueError). Sections and key
-    names are the checkpoint format: tests/optim/test_golden.py loads checkpoints written before
-    this codec existed.
+    ``encode(opt)`` gives the section. Loading is two phases: ``stage(opt, section)`` checks all of it
+    (the section's ``check``, which refuses a section that does not fit this optimizer with one
+    ValueError, then every value against the one it replaces) and changes nothing; ``apply(opt,
+    staged)`` puts it in place and cannot be refused. ``decode`` is both. Sections and key names are
+    the checkpoint format: tests/optim/test_golden.py loads checkpoints written before this codec existed.
     """
 
     def __init__(self, key: str, fields: tuple[Field, ...],
@@ -188,17 +276,32 @@ class StateCodec:
             v = _get(opt, f.path or f.key)
             if v is None and f.optional:
                 continue
-            out[f.key] = _KINDS[f.kind][0](v)
+            out[f.key] = _KINDS[f.kind].encode(v)
         return out
 
-    def decode(self, opt: Any, section: dict[str, Any]) -> None:
+    def stage(self, opt: Any, section: Any) -> list[tuple[Field, bool, Any]]:
+        """Every value of ``section`` checked and converted, nothing changed: ``(field, stored, value)``
+        per field to set (``stored`` False: the field's default, for a key the section lacks)."""
+        if not isinstance(section, dict):
+            raise ValueError(f"optimizer state: section {self.key!r} must be a mapping, got {type(section).__name__}")
         if self.check is not None:
             self.check(opt, section)
+        staged = []
         for f in self.fields:
-            path = f.path or f.key
             if f.record_only:
                 continue
             if f.key in section:
-                _set(opt, path, _KINDS[f.kind][1](_get(opt, path), section[f.key]))
+                staged.append((f, True, _KINDS[f.kind].stage(_get(opt, f.path or f.key), section[f.key],
+                                                             f"{self.key}.{f.key}")))
             elif f.default is not None:
-                _set(opt, path, f.default() if callable(f.default) else f.default)
+                staged.append((f, False, f.default() if callable(f.default) else f.default))
+        return staged
+
+    def apply(self, opt: Any, staged: list[tuple[Field, bool, Any]]) -> None:
+        """Put what :meth:`stage` returned in place."""
+        for f, stored, value in staged:
+            path = f.path or f.key
+            _set(opt, path, _KINDS[f.kind].put(_get(opt, path), value) if stored else value)
+
+    def decode(self, opt: Any, section: dict[str, Any]) -> None:
+        self.apply(opt, self.stage(opt, section))

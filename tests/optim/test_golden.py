@@ -107,8 +107,8 @@ def test_golden_checkpoint_continues_bit_exactly(case, tmp_path, device):
 # point, the integer learners' origin and integer graph), the integer learners' chosen plans and clamp
 # counts; and in "state", an entry per parameter, the first holding the codec's sections again; since
 # issue 48 each trained parameter's "step" count (torch's per-parameter state) and tt-zo's per-group sign
-# step (sign_lr, sign_lr_at)
-ADDED = {"point", "origin", "synapses", "plans", "saturations", "step", "sign_lr", "sign_lr_at"}
+# step (sign_lr, sign_lr_at); the basis fingerprint a subspace state is bound to (issue 49)
+ADDED = {"point", "origin", "synapses", "plans", "saturations", "step", "sign_lr", "sign_lr_at", "fingerprint"}
 
 
 def _assert_same(got, want, path: str, rtol: float = 1e-12, sections: frozenset = frozenset(),

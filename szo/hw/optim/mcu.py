@@ -163,9 +163,15 @@ class _AccNodeMover:
 
 
 def _check_state(opt: "MCUZO", section: dict) -> None:
+    # the integer graph and the trained integers, checked before anything is loaded (their setters put them)
+    if section.get("synapses") is not None:
+        opt._checked_graph(section["synapses"])
+    if section.get("integers") is not None:
+        opt._checked_integers(section["integers"])
     paths = section.get("paths")
-    if paths is not None and list(paths) != list(opt.layers):
-        raise ValueError(f"optimizer state trains layers {list(paths)}, this optimizer trains {list(opt.layers)}")
+    if paths is not None and (not isinstance(paths, (list, tuple)) or list(paths) != list(opt.layers)):
+        got = list(paths) if isinstance(paths, (list, tuple)) else type(paths).__name__
+        raise ValueError(f"optimizer state trains layers {got}, this optimizer trains {list(opt.layers)}")
     plans = section.get("plans")
     if plans is not None and (not isinstance(plans, dict) or not set(plans) <= set(opt.layers) or any(
             not isinstance(v, (list, tuple)) or len(v) != 3 or v[0] not in ("weight", "node") for v in plans.values())):
@@ -387,10 +393,9 @@ class MCUZO(LayerwiseBase):
         return 1 + self.q * len(self.layers)
 
     # ------------------------------------------------------------------ the step
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The state; a checkpoint that carries its integer graph is put in place now (the float
+    def _finish_load(self, prepared: Any) -> None:
+        """After the state: a checkpoint that carries its integer graph is put in place now (the float
         parameters follow it as soon as the pooling factors are known)."""
-        super().load_state_dict(state_dict)
         if self.net.int_weights is None and self._pending_graph is not None:
             self._freeze()
 

@@ -41,7 +41,9 @@ from szo.zo import (
     Plan,
     ProbePath,
     StateCodec,
+    basis_fingerprint,
     check_hparams,
+    fingerprint_mismatch,
     get_estimator,
     integer_heavy_ball,
     one_point_plan,
@@ -161,6 +163,10 @@ def _check_coords(opt: "OnChipSZO", section: dict) -> None:
         got = tuple(origin.shape) if isinstance(origin, torch.Tensor) else type(origin).__name__
         raise ValueError(f"optimizer state has an origin theta_ref of shape {got}, this optimizer's parameters "
                          f"are d = {opt.d}")
+    why = fingerprint_mismatch(section.get("fingerprint"), opt.basis_fingerprint)
+    if why is not None:
+        raise ValueError(f"optimizer state does not belong to this OnChipSZO's subspace: {why}; load it into an "
+                         "optimizer built on the subspace it was saved with")
 
 
 class OnChipSZO(ForwardOnlyBase):
@@ -184,7 +190,9 @@ class OnChipSZO(ForwardOnlyBase):
     codecs = (StateCodec("on_chip", (Field("c", "int64"), Field("delta", "int64"), Field("rng_state", "xorshift", "rng"),
                                      Field("forward_passes", "int", default=0), Field("step_count", "int", default=0),
                                      Field("origin", "float64", "theta_ref"),
-                                     Field("saturations", "counter", "counter")),
+                                     Field("saturations", "counter", "counter"),
+                                     # the quantised basis P the coordinates are on (szo.zo.basis_fingerprint)
+                                     Field("fingerprint", "plain", "basis_fingerprint", record_only=True)),
                          check=_check_coords),)
     fixed_space = "every parameter of its network (theta_ref + P c)"
 
@@ -235,6 +243,14 @@ class OnChipSZO(ForwardOnlyBase):
         self._init_forward_only(build_evaluator(ProbePath(freeze_bn=False), model, "OnChipSZO"))
         self.space.load(self.c)
 
+    @property
+    def basis_fingerprint(self) -> dict:
+        """The quantised basis it was built on (:func:`szo.zo.basis_fingerprint`); ``state_dict()`` carries
+        it and ``load_state_dict`` refuses a state made on another basis."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = basis_fingerprint(self.P)
+        return self._fingerprint
+
     def _clip_probe(self, c: torch.Tensor) -> torch.Tensor:
         """A probe's coordinates saturated to ``coord_bits`` (clamps counted)."""
         return saturate(c, self.coord_bits, self.counter, "coords", "probe")
@@ -262,9 +278,8 @@ class OnChipSZO(ForwardOnlyBase):
         each step (a scheduler's momentum, e.g. OneCycleLR's cycle, applies)."""
         return int(round(self.momentum * (1 << MOMENTUM_SHIFT)))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The state, then the parameters put at ``origin + P c`` (the point the state stands at)."""
-        super().load_state_dict(state_dict)
+    def _finish_load(self, prepared: Any) -> None:
+        """After the state: the parameters put at ``origin + P c`` (the point the state stands at)."""
         self.space.load(self.c)
 
     def _quantize_ref(self, model: nn.Module, theta: torch.Tensor) -> torch.Tensor:
