@@ -48,7 +48,7 @@ from szo.report import TARGET_FRACTIONS, first_reaching
 from szo.study.subspaces import subspace_variants
 
 TABLES = ("random", "prefix", "target")
-EXTRA = ("refresh",)
+EXTRA = ("refresh", "lowrank-lr")
 REFRESH_PERIODS = (1, 10, 50)
 PREFIX_EPOCHS = (1, 2, 5)
 REFRESH = 10  # T0: steps between redraws of the refreshed random subspace
@@ -65,6 +65,9 @@ class DataSet:
     bp_sets: tuple = ()     # the BPTT run's settings beyond the recipe's (shared by its cells: the model)
     train: tuple = ()       # every training cell's length
     relu_twin: bool = True  # the network has a ReLU twin (model.activation=relu) for full-space ZO-CGE
+    # SubZero / LOZO (3 forwards a step: one two-point probe + the BN forward) at the PCA cell's forwards
+    # (k = 20: 41 a step; k = 10: 21), evaluated at the PCA cell's forward counts where they divide
+    lowrank_train: tuple = ()
 
     @property
     def model_sets(self) -> tuple:
@@ -72,12 +75,24 @@ class DataSet:
 
 
 SETS = {
-    "digits": DataSet("digits-bp", "digits-scratch", 20, 1, train=("train.epochs=6",)),
+    "digits": DataSet("digits-bp", "digits-scratch", 20, 1, train=("train.epochs=6",),
+                      lowrank_train=("train.epochs=82", "train.eval_every=2")),  # 1,886 steps x 3 = 5,658
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", 10, 3,
-                       train=("train.epochs=3", "train.max_steps_per_epoch=21")),
+                       train=("train.epochs=3", "train.max_steps_per_epoch=21"),
+                       lowrank_train=("train.epochs=21", "train.max_steps_per_epoch=21", "train.eval_every=7")),  # 441 x 3
     "fmnist": DataSet("fmnist-cpu-bp", "fmnist-scratch", 10, 20, bp_sets=("model.kwargs={channels: 8}", "bptt.epochs=6"),
-                      train=("train.epochs=3", "train.max_steps_per_epoch=20"), relu_twin=False),
+                      train=("train.epochs=3", "train.max_steps_per_epoch=20"), relu_twin=False,
+                      lowrank_train=("train.epochs=21", "train.max_steps_per_epoch=20", "train.eval_every=7")),  # 420 x 3
 }
+
+# SubZero / LOZO / LOZO-M as their code runs them (szo.optim.lowrank): rank and T0 / nu their code defaults' where a
+# run is long enough to redraw (SubZero's T0 2000 > every run here: its README's 1000 neither; T0 = 100 gives 4-18
+# redraws), mu 1e-3, constant lr (their runs'), no momentum but LOZO-M's beta 0.9; lr from LOWRANK_LRS (digits sweep)
+LOWRANK_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+LOWRANK = {"subzero": ("method=subzero", "szo.rank=8", "szo.refresh=100", "train.momentum=0"),
+           "lozo": ("method=lozo", "szo.rank=2", "szo.refresh=50", "train.momentum=0"),
+           "lozo-m": ("method=lozo-m", "szo.rank=2", "szo.refresh=50", "train.momentum=0.9")}
+LOWRANK_LR = {"subzero": 1e-3, "lozo": 1e-3, "lozo-m": 1e-3}
 
 
 def root() -> Path:
@@ -134,10 +149,22 @@ def history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def lowrank_sets(name: str, method: str, lr: float) -> tuple:
+    """A SubZero / LOZO cell's settings: the method's, the equal-forwards length, a constant lr."""
+    return (*LOWRANK[method], *SETS[name].lowrank_train, "train.scheduler=constant", f"train.lr={lr:g}")
+
+
 def random_cells(name: str) -> dict[str, tuple]:
-    """label -> (variant, sets): the PCA, the fixed random subspace and the refreshed one (SZO-CGE)."""
+    """label -> (variant, sets): the PCA, the fixed random subspace and the refreshed one (SZO-CGE), and SubZero,
+    LOZO and LOZO-M as published (full space; the variant only gives theta_0, the subspace's reference)."""
     return {"pca": ("whole", ()), "random-fixed": ("random{seed}", ()),
-            f"random-refresh{REFRESH}": ("random{seed}", (f"szo.refresh={REFRESH}",))}
+            f"random-refresh{REFRESH}": ("random{seed}", (f"szo.refresh={REFRESH}",)),
+            **{m: ("whole", lowrank_sets(name, m, LOWRANK_LR[m])) for m in LOWRANK}}
+
+
+def lowrank_lr_cells(name: str) -> dict[str, tuple]:
+    """label -> (variant, sets): SubZero and LOZO at each lr of LOWRANK_LRS (the sweep that set LOWRANK_LR)."""
+    return {f"{m}-lr{lr:g}": ("whole", lowrank_sets(name, m, lr)) for m in ("subzero", "lozo") for lr in LOWRANK_LRS}
 
 
 def refresh_cells(name: str) -> dict[str, tuple]:
@@ -170,8 +197,8 @@ def run_table(table: str, names: list[str], seeds: list[int]) -> None:
     for name in names:
         for seed in seeds:
             bp_run(name, seed)
-            if table in ("random", "refresh"):
-                cells = random_cells(name) if table == "random" else refresh_cells(name)
+            if table in ("random", "refresh", "lowrank-lr"):
+                cells = {"random": random_cells, "refresh": refresh_cells, "lowrank-lr": lowrank_lr_cells}[table](name)
                 for label, (variant, sets) in cells.items():
                     cell(name, seed, label, variant.format(seed=seed), sets)
             elif table == "prefix":
@@ -328,7 +355,12 @@ def table_refresh(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
     return table_random(names, seeds, cells=lambda n: {"pca": None, **refresh_cells(n)})
 
 
-RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target, "refresh": table_refresh}
+def table_lowrank_lr(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
+    return table_random(names, seeds, cells=lowrank_lr_cells)
+
+
+RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target, "refresh": table_refresh,
+          "lowrank-lr": table_lowrank_lr}
 
 FFGAF_SNN = 0.9213
 """The best published forward-only SNN on Fashion-MNIST: FFGAF-SNN, 92.13 % (forward-forward, arXiv 2507.23643)."""

@@ -30,6 +30,7 @@ from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimize
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .fullspace import FullSpaceZO
 from .layerwise import LayerwiseZO
+from .lowrank import LowRankZO
 from .subspace import SZO, BPSubspace, Refreshed, SubspaceOptimizer, check_layout
 from .tt import HybridZO
 
@@ -43,6 +44,7 @@ __all__ = [
     "AsyncFGD",
     "HybridZO",
     "LayerwiseZO",
+    "LowRankZO",
     "OnChipSZO",
     "MCUZO",
     "SubspaceOptimizer",
