@@ -88,7 +88,8 @@ SETS = {
 # SubZero / LOZO / LOZO-M as their code runs them (szo.optim.lowrank): rank and T0 / nu their code defaults' where a
 # run is long enough to redraw (SubZero's T0 2000 > every run here: its README's 1000 neither; T0 = 100 gives 4-18
 # redraws), mu 1e-3, constant lr (their runs'), no momentum but LOZO-M's beta 0.9; lr from LOWRANK_LRS (digits sweep)
-LOWRANK_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+LOWRANK_LRS = (1e-3, 3e-3, 1e-2, 1e-1)
+LOWRANK_SWEEP = ("train.epochs=5", "train.eval_every=5")  # the lr sweep's length: 115 steps (345 forwards)
 LOWRANK = {"subzero": ("method=subzero", "szo.rank=8", "szo.refresh=100", "train.momentum=0"),
            "lozo": ("method=lozo", "szo.rank=2", "szo.refresh=50", "train.momentum=0"),
            "lozo-m": ("method=lozo-m", "szo.rank=2", "szo.refresh=50", "train.momentum=0.9")}
@@ -164,7 +165,8 @@ def random_cells(name: str) -> dict[str, tuple]:
 
 def lowrank_lr_cells(name: str) -> dict[str, tuple]:
     """label -> (variant, sets): SubZero and LOZO at each lr of LOWRANK_LRS (the sweep that set LOWRANK_LR)."""
-    return {f"{m}-lr{lr:g}": ("whole", lowrank_sets(name, m, lr)) for m in ("subzero", "lozo") for lr in LOWRANK_LRS}
+    return {f"{m}-lr{lr:g}-short": ("whole", (*lowrank_sets(name, m, lr), *LOWRANK_SWEEP))
+            for m in ("subzero", "lozo") for lr in LOWRANK_LRS}
 
 
 def refresh_cells(name: str) -> dict[str, tuple]:
@@ -193,14 +195,15 @@ def target_cells(name: str) -> dict[str, tuple]:
     return out
 
 
-def run_table(table: str, names: list[str], seeds: list[int]) -> None:
+def run_table(table: str, names: list[str], seeds: list[int], only: list[str] | None = None) -> None:
     for name in names:
         for seed in seeds:
             bp_run(name, seed)
             if table in ("random", "refresh", "lowrank-lr"):
                 cells = {"random": random_cells, "refresh": refresh_cells, "lowrank-lr": lowrank_lr_cells}[table](name)
                 for label, (variant, sets) in cells.items():
-                    cell(name, seed, label, variant.format(seed=seed), sets)
+                    if only is None or label in only:
+                        cell(name, seed, label, variant.format(seed=seed), sets)
             elif table == "prefix":
                 for label, (variant, sets) in {"pca": ("whole", ()), **prefix_cells(name)}.items():
                     cell(name, seed, label, variant, sets)
@@ -396,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--table-only", action="store_true", help="render the tables from the finished cells, run nothing")
+    ap.add_argument("--only", nargs="+", help="random / refresh / lowrank-lr: run only the cells with these labels "
+                    "(e.g. subzero lozo lozo-m; one process per cell runs them side by side)")
     a = ap.parse_args(argv)
     set_threads(a.threads)
     if a.table == "cost":
@@ -406,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for table in TABLES if a.table == "all" else (a.table,):
         if not a.table_only:
-            run_table(table, a.data, a.seeds)
+            run_table(table, a.data, a.seeds, a.only)
         rows, md = RENDER[table](a.data, a.seeds)
         print(f"\n{table}\n\n{md}\n", flush=True)
         name = f"subspace_questions_{table}"
