@@ -2,7 +2,10 @@
 "The subspace questions with numbers").
 
     python bench/subspace_questions.py random   # (1) PCA of the BPTT trajectory vs a refreshed random subspace
-                                                #     vs one fixed random subspace, equal k and forwards
+                                                #     vs one fixed random subspace vs SubZero, LOZO and LOZO-M
+                                                #     as published, equal k and forwards
+    python bench/subspace_questions.py lowrank-lr --data digits --seeds 0   # SubZero / LOZO's lr sweep (short runs)
+    ... --only subzero lozo lozo-m      # only these cells (one process per cell runs them side by side)
     python bench/subspace_questions.py prefix   # (2) subspaces from the first 1 / 2 / 5 epochs of BPTT and all:
                                                 #     final accuracy vs total cost (BPTT FP + BP, SZO FP) + plot
     python bench/subspace_questions.py target   # (3) forwards to 90 % / 95 % of BP's accuracy, every method
