@@ -37,8 +37,10 @@ from szo.engine import build_evaluator
 from szo.methods import register_builder
 from szo.zo import (
     GENERATOR_COUNTERS,
+    LOWRANK_FORMS,
     Field,
     ForwardOnlyBase,
+    LayerFactors,
     ParamSpace,
     ProbePath,
     StateCodec,
@@ -47,7 +49,6 @@ from szo.zo import (
     heavy_ball_,
     resolve_model,
 )
-from szo.zo.lowrank import LOWRANK_FORMS, LayerFactors
 
 __all__ = ["LowRankZO", "LOWRANK_DEFAULTS"]
 

@@ -6,6 +6,8 @@
   the one place flat <-> tensors happens;
 * **plan** (``szo.zo.plans``) -- which probes a step makes and how their losses combine: CGE,
   RGE, one-point, coordinate one-point; Gaussian and XORShift32 Rademacher directions;
+* **low-rank directions** (``szo.zo.lowrank``) -- :class:`LayerFactors`: SubZero's and LOZO's per-layer
+  ``U S V^T`` / ``U V^T`` perturbations of the matrix parameters, dense Gaussian blocks for the rest;
 * **evaluator** (``szo.zo.evaluate``) -- how the probes run: :class:`LoopEvaluator` (THE loop:
   BN frozen or recomputed, neurons reset, first-step watch, loss check), the batched engine
   (``szo.engine``), torch.distributed (``szo.distributed``), :class:`JVPEvaluator`; which of them
@@ -25,6 +27,7 @@ from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase, 
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
 from .evaluate import EvaluatorBase, JVPEvaluator, LoopEvaluator, ProbeEvaluator, jvp_closure
 from .guard import ProbeGuard, check_hparams, resolve_model
+from .lowrank import LOWRANK_FORMS, LayerFactors
 from .path import ForwardSettings, ProbePath
 from .plans import (
                     ESTIMATORS,
@@ -74,5 +77,5 @@ __all__ = [
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "jvp_closure", "move_to_start", "one_point_plan", "quantized_zo_update",
     "rademacher_rows", "resolve_model", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
-    "ProbePath", "ForwardSettings",
+    "ProbePath", "ForwardSettings", "LOWRANK_FORMS", "LayerFactors",
 ]
