@@ -2,7 +2,10 @@
 "The subspace questions with numbers").
 
     python bench/subspace_questions.py random   # (1) PCA of the BPTT trajectory vs a refreshed random subspace
-                                                #     vs one fixed random subspace, equal k and forwards
+                                                #     vs one fixed random subspace vs SubZero, LOZO and LOZO-M
+                                                #     as published, equal k and forwards
+    python bench/subspace_questions.py lowrank-lr --data digits --seeds 0   # SubZero / LOZO's lr sweep (short runs)
+    ... --only subzero lozo lozo-m      # only these cells (one process per cell runs them side by side)
     python bench/subspace_questions.py prefix   # (2) subspaces from the first 1 / 2 / 5 epochs of BPTT and all:
                                                 #     final accuracy vs total cost (BPTT FP + BP, SZO FP) + plot
     python bench/subspace_questions.py target   # (3) forwards to 90 % / 95 % of BP's accuracy, every method
@@ -48,7 +51,7 @@ from szo.report import TARGET_FRACTIONS, first_reaching
 from szo.study.subspaces import subspace_variants
 
 TABLES = ("random", "prefix", "target")
-EXTRA = ("refresh",)
+EXTRA = ("refresh", "lowrank-lr")
 REFRESH_PERIODS = (1, 10, 50)
 PREFIX_EPOCHS = (1, 2, 5)
 REFRESH = 10  # T0: steps between redraws of the refreshed random subspace
@@ -65,6 +68,9 @@ class DataSet:
     bp_sets: tuple = ()     # the BPTT run's settings beyond the recipe's (shared by its cells: the model)
     train: tuple = ()       # every training cell's length
     relu_twin: bool = True  # the network has a ReLU twin (model.activation=relu) for full-space ZO-CGE
+    # SubZero / LOZO (3 forwards a step: one two-point probe + the BN forward) at the PCA cell's forwards
+    # (k = 20: 41 a step; k = 10: 21), evaluated at the PCA cell's forward counts where they divide
+    lowrank_train: tuple = ()
 
     @property
     def model_sets(self) -> tuple:
@@ -72,12 +78,25 @@ class DataSet:
 
 
 SETS = {
-    "digits": DataSet("digits-bp", "digits-scratch", 20, 1, train=("train.epochs=6",)),
+    "digits": DataSet("digits-bp", "digits-scratch", 20, 1, train=("train.epochs=6",),
+                      lowrank_train=("train.epochs=82", "train.eval_every=2")),  # 1,886 steps x 3 = 5,658
     "mnist5k": DataSet("mnist5k-bp", "mnist5k-scratch", 10, 3,
-                       train=("train.epochs=3", "train.max_steps_per_epoch=21")),
+                       train=("train.epochs=3", "train.max_steps_per_epoch=21"),
+                       lowrank_train=("train.epochs=21", "train.max_steps_per_epoch=21", "train.eval_every=7")),  # 441 x 3
     "fmnist": DataSet("fmnist-cpu-bp", "fmnist-scratch", 10, 20, bp_sets=("model.kwargs={channels: 8}", "bptt.epochs=6"),
-                      train=("train.epochs=3", "train.max_steps_per_epoch=20"), relu_twin=False),
+                      train=("train.epochs=3", "train.max_steps_per_epoch=20"), relu_twin=False,
+                      lowrank_train=("train.epochs=21", "train.max_steps_per_epoch=20", "train.eval_every=7")),  # 420 x 3
 }
+
+# SubZero / LOZO / LOZO-M as their code runs them (szo.optim.lowrank): rank and T0 / nu their code defaults' where a
+# run is long enough to redraw (SubZero's T0 2000 > every run here: its README's 1000 neither; T0 = 100 gives 4-18
+# redraws), mu 1e-3, constant lr (their runs'), no momentum but LOZO-M's beta 0.9; lr from LOWRANK_LRS (digits sweep)
+LOWRANK_LRS = (1e-3, 3e-3, 1e-2, 1e-1)
+LOWRANK_SWEEP = ("train.epochs=5", "train.eval_every=5")  # the lr sweep's length: 115 steps (345 forwards)
+LOWRANK = {"subzero": ("method=subzero", "szo.rank=8", "szo.refresh=100", "train.momentum=0"),
+           "lozo": ("method=lozo", "szo.rank=2", "szo.refresh=50", "train.momentum=0"),
+           "lozo-m": ("method=lozo-m", "szo.rank=2", "szo.refresh=50", "train.momentum=0.9")}
+LOWRANK_LR = {"subzero": 1e-3, "lozo": 1e-3, "lozo-m": 1e-3}
 
 
 def root() -> Path:
@@ -134,10 +153,23 @@ def history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def lowrank_sets(name: str, method: str, lr: float) -> tuple:
+    """A SubZero / LOZO cell's settings: the method's, the equal-forwards length, a constant lr."""
+    return (*LOWRANK[method], *SETS[name].lowrank_train, "train.scheduler=constant", f"train.lr={lr:g}")
+
+
 def random_cells(name: str) -> dict[str, tuple]:
-    """label -> (variant, sets): the PCA, the fixed random subspace and the refreshed one (SZO-CGE)."""
+    """label -> (variant, sets): the PCA, the fixed random subspace and the refreshed one (SZO-CGE), and SubZero,
+    LOZO and LOZO-M as published (full space; the variant only gives theta_0, the subspace's reference)."""
     return {"pca": ("whole", ()), "random-fixed": ("random{seed}", ()),
-            f"random-refresh{REFRESH}": ("random{seed}", (f"szo.refresh={REFRESH}",))}
+            f"random-refresh{REFRESH}": ("random{seed}", (f"szo.refresh={REFRESH}",)),
+            **{m: ("whole", lowrank_sets(name, m, LOWRANK_LR[m])) for m in LOWRANK}}
+
+
+def lowrank_lr_cells(name: str) -> dict[str, tuple]:
+    """label -> (variant, sets): SubZero and LOZO at each lr of LOWRANK_LRS (the sweep that set LOWRANK_LR)."""
+    return {f"{m}-lr{lr:g}-short": ("whole", (*lowrank_sets(name, m, lr), *LOWRANK_SWEEP))
+            for m in ("subzero", "lozo") for lr in LOWRANK_LRS}
 
 
 def refresh_cells(name: str) -> dict[str, tuple]:
@@ -166,14 +198,15 @@ def target_cells(name: str) -> dict[str, tuple]:
     return out
 
 
-def run_table(table: str, names: list[str], seeds: list[int]) -> None:
+def run_table(table: str, names: list[str], seeds: list[int], only: list[str] | None = None) -> None:
     for name in names:
         for seed in seeds:
             bp_run(name, seed)
-            if table in ("random", "refresh"):
-                cells = random_cells(name) if table == "random" else refresh_cells(name)
+            if table in ("random", "refresh", "lowrank-lr"):
+                cells = {"random": random_cells, "refresh": refresh_cells, "lowrank-lr": lowrank_lr_cells}[table](name)
                 for label, (variant, sets) in cells.items():
-                    cell(name, seed, label, variant.format(seed=seed), sets)
+                    if only is None or label in only:
+                        cell(name, seed, label, variant.format(seed=seed), sets)
             elif table == "prefix":
                 for label, (variant, sets) in {"pca": ("whole", ()), **prefix_cells(name)}.items():
                     cell(name, seed, label, variant, sets)
@@ -328,7 +361,12 @@ def table_refresh(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
     return table_random(names, seeds, cells=lambda n: {"pca": None, **refresh_cells(n)})
 
 
-RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target, "refresh": table_refresh}
+def table_lowrank_lr(names: list[str], seeds: list[int]) -> tuple[list[dict], str]:
+    return table_random(names, seeds, cells=lowrank_lr_cells)
+
+
+RENDER = {"random": table_random, "prefix": table_prefix, "target": table_target, "refresh": table_refresh,
+          "lowrank-lr": table_lowrank_lr}
 
 FFGAF_SNN = 0.9213
 """The best published forward-only SNN on Fashion-MNIST: FFGAF-SNN, 92.13 % (forward-forward, arXiv 2507.23643)."""
@@ -364,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--table-only", action="store_true", help="render the tables from the finished cells, run nothing")
+    ap.add_argument("--only", nargs="+", help="random / refresh / lowrank-lr: run only the cells with these labels "
+                    "(e.g. subzero lozo lozo-m; one process per cell runs them side by side)")
     a = ap.parse_args(argv)
     set_threads(a.threads)
     if a.table == "cost":
@@ -374,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for table in TABLES if a.table == "all" else (a.table,):
         if not a.table_only:
-            run_table(table, a.data, a.seeds)
+            run_table(table, a.data, a.seeds, a.only)
         rows, md = RENDER[table](a.data, a.seeds)
         print(f"\n{table}\n\n{md}\n", flush=True)
         name = f"subspace_questions_{table}"

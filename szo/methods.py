@@ -43,6 +43,7 @@ METHOD_OPTIONS: Mapping[str, tuple[Any, str]] = {
     "stages": (None, "pipeline stages"),
     "node_losses": ("per-sample", "node perturbation's loss differences"),
     "refresh": (None, "steps between redraws of a random subspace"),
+    "rank": (None, "rank r of each layer's low-rank perturbation"),
 }
 """The method-specific settings (``szo.*`` keys, ``build_optimizer`` keywords): name -> (the value
 that means "not set", what it is). A method takes those its record lists in ``options``; any
@@ -153,6 +154,8 @@ class MethodSpec:
         1.0 (the paper's App. G, absolute)."""
         if scale != "absolute" and self.relative and "szo.mu" in self.relative:
             return float(self.relative["szo.mu"])
+        if "szo.mu" in self.defaults:  # the method's own paper (SubZero / LOZO: 1e-3)
+            return float(self.defaults["szo.mu"])
         return 1.0
 
     def default_lr(self, scale: str) -> float | None:
@@ -356,6 +359,7 @@ _FO = dict(streaming=True)  # forward-only, single-evaluation probes: the stream
 # measured on digits, mnist5k and Fashion-MNIST (docs/evidence.md, "Scale-free mu and lr"); trajectory is
 # then these methods' default scale (MethodSpec.default_scale)
 _REL = {"szo.mu": 0.3, "train.lr": 0.03}
+LOWRANK_LR = 1.0e-3
 # The one-point estimators take the same setting: no smaller mu carries over (docs/evidence.md, "Scale-free
 # mu and lr", the one-point paragraph)
 for _spec in (
@@ -398,6 +402,15 @@ for _spec in (
                hooks=True, variant="adaptive"),
     MethodSpec("qzo-subspace", "QZO-Subspace", "on-chip", "1 + q", subspace=True, integer=True, fixed_backend=True,
                integer_learner=True, momentum=False, q_labeled=True, variant="eq8", **_FO),
+    # SubZero (Yu et al. 2024) and LOZO / LOZO-M (Chen et al. 2024) as their code runs them: per-layer low-rank
+    # perturbations of every matrix parameter (the rest in the full space), refresh = T0 / nu, one two-point
+    # probe per step (szo.optim.lowrank); mu: their code's zo_eps; lr: measured on digits (docs/evidence.md)
+    MethodSpec("subzero", "SubZero", "full-space-zo", "2 + 1", options=("rank", "refresh"), variant="subzero",
+               defaults={"szo.mu": 1.0e-3, "train.lr": LOWRANK_LR}, **_FO),
+    MethodSpec("lozo", "LOZO", "full-space-zo", "2 + 1", options=("rank", "refresh"), variant="lozo", momentum=False,
+               defaults={"szo.mu": 1.0e-3, "train.lr": LOWRANK_LR}, **_FO),
+    MethodSpec("lozo-m", "LOZO-M", "full-space-zo", "2 + 1", options=("rank", "refresh"), variant="lozo-m",
+               defaults={"szo.mu": 1.0e-3, "train.lr": LOWRANK_LR}, **_FO),
     # seed 004's learner as published: int8 weights of the integer forward, 1-LSB XORShift32 Rademacher
     # probes, layer-wise adaptive weight / node perturbation, eq. 8 (szo.hw.optim.mcu.MCUZO)
     MethodSpec("mcu-zo", "MCU-ZO", "on-chip", "1 + qL", integer=True, fixed_backend=True, integer_learner=True, hooks=True,

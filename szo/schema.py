@@ -261,6 +261,9 @@ class SZOConfig(Section):
     # point (SubZero's lazy subspace refresh, T0; with szo-rge LOZO's fixed-V / fresh-U sampling; szo.optim.SZO,
     # docs/methods.md "A refreshed random subspace"); null: the stored basis for the whole run
     refresh: int | None = _opt(None, min=1)
+    # rank (subzero / lozo / lozo-m): r of each matrix parameter's low-rank perturbation (szo.optim.lowrank);
+    # refresh is then SubZero's T0 / LOZO's nu; null: the method's code default (SubZero 8 / 2000, LOZO 2 / 50)
+    rank: int | None = _opt(None, min=1)
     time_chunk: int | None = _opt(None, min=1, model=True)
     stream_bn: str = _opt("exact", choices=lambda: STREAM_BN_MODES, model=True)
     engine: str = _opt("loop", choices=lambda: ENGINES)

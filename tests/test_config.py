@@ -277,7 +277,7 @@ def test_layerwise_methods_and_sparse_layers():
         load_recipe("digits-scratch", ["method=np_zo"])
 
 
-_SET = {"coords_per_step": "3", "layers": "[fc]", "stages": "2", "node_losses": "batch-mean", "refresh": "5"}
+_SET = {"coords_per_step": "3", "layers": "[fc]", "stages": "2", "node_losses": "batch-mean", "refresh": "5", "rank": "4"}
 
 
 @pytest.mark.parametrize("method", list_methods())

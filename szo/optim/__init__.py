@@ -32,6 +32,7 @@ from szo.zo import BN_UPDATES, START_POINTS, BNStatsFreezer, ForwardOnlyOptimize
 from .fg import AsyncFGD, ForwardGradient, SubspaceForwardGradient
 from .fullspace import FullSpaceZO
 from .layerwise import LayerwiseZO
+from .lowrank import LowRankZO
 from .subspace import SZO, BPSubspace, Kept, Refreshed, SubspaceOptimizer, SubspacePolicy, check_layout
 from .tt import HybridZO
 
@@ -47,6 +48,7 @@ __all__ = [
     "AsyncFGD",
     "HybridZO",
     "LayerwiseZO",
+    "LowRankZO",
     "OnChipSZO",
     "MCUZO",
     "SubspaceOptimizer",

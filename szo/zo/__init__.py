@@ -6,6 +6,8 @@
   the one place flat <-> tensors happens;
 * **plan** (``szo.zo.plans``) -- which probes a step makes and how their losses combine: CGE,
   RGE, one-point, coordinate one-point; Gaussian and XORShift32 Rademacher directions;
+* **low-rank directions** (``szo.zo.lowrank``) -- :class:`LayerFactors`: SubZero's and LOZO's per-layer
+  ``U S V^T`` / ``U V^T`` perturbations of the matrix parameters, dense Gaussian blocks for the rest;
 * **guard** (``szo.zo.guard``) -- what every probe needs around the closure (BN frozen or
   recomputed, neurons reset, first-step watch, loss check); the evaluators that run a step's probes
   (the loop, the batched engine, data- and perturbation-parallel, forward gradients) build on it in
@@ -24,6 +26,7 @@ how the optimizers of ``szo.optim`` compose it and how to add a method.
 from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase, refuse_meta
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
 from .guard import ProbeGuard, check_hparams, resolve_model, unname
+from .lowrank import LOWRANK_FORMS, LayerFactors
 from .path import ForwardSettings, ProbePath
 from .plans import (
                     ESTIMATORS,
@@ -83,5 +86,5 @@ __all__ = [
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "move_to_start", "one_point_plan", "quantized_zo_update",
     "rademacher_rows", "resolve_model", "unname", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
-    "ProbePath", "ForwardSettings", "basis_fingerprint", "fingerprint_mismatch",
+    "ProbePath", "ForwardSettings", "basis_fingerprint", "fingerprint_mismatch", "LOWRANK_FORMS", "LayerFactors",
 ]

@@ -42,7 +42,8 @@ def _build(name: str, device: torch.device = torch.device("cpu")):
         return net, build_optimizer(name, net, lr=0.05, q=2, momentum=0.0)
     if name == "tt-zo":
         tt_parametrize(model, 2, cores=2, min_params=100)
-    kw = dict(lr=0.01, momentum=0.0 if name.startswith("asyncfgd") else 0.9, mu=0.01, q=2, scale="absolute")
+    kw = dict(lr=0.01, momentum=0.0 if name.startswith("asyncfgd") or name == "lozo" else 0.9, mu=0.01, q=2,
+              scale="absolute")
     return model, build_optimizer(name, model, subspace=sub, generator=torch.Generator().manual_seed(2), **kw)
 
 

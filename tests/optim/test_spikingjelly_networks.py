@@ -72,6 +72,10 @@ SETTINGS: dict[str, dict] = {
     "szo-cge-1pt": dict(mu=0.3, lr=0.3),
     "zo-cge": dict(mu=0.05, lr=0.1, coords_per_step=16),
     "zo-rge": dict(mu=0.01, lr=0.005, q=4),
+    # one probe a step (SubZero / LOZO as published), factors redrawn every 2 steps
+    "subzero": dict(mu=0.01, lr=0.001, momentum=0.0, rank=2, refresh=2),
+    "lozo": dict(mu=0.01, lr=0.001, momentum=0.0, rank=2, refresh=2),
+    "lozo-m": dict(mu=0.01, lr=0.001, momentum=0.9, rank=2, refresh=2),
     "fg": dict(lr=0.01, q=2),
     "fg-subspace": dict(lr=0.5, q=2),
     "tt-zo": dict(),
@@ -92,6 +96,8 @@ OVERRIDES: dict[tuple[str, str], dict] = {
     ("seq-plif-dropout", "fg"): dict(lr=0.01, q=4),
     ("seq-plif-dropout", "zo-rge"): dict(mu=0.01, lr=0.01, q=4),
     ("seq-plif-dropout", "asyncfgd"): dict(lr=0.1, momentum=0.0),
+    **{(n, m): dict(mu=0.01, lr=0.015, momentum=0.9 if m == "lozo-m" else 0.0, rank=2, refresh=2)
+       for n in ("seq-plif", "seq-plif-dropout") for m in ("subzero", "lozo", "lozo-m")},
     ("seq-plif-dropout", "asyncfgd-adam"): dict(lr=0.1, momentum=0.0),
 }
 
