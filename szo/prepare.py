@@ -20,18 +20,20 @@ from torch.utils.data import Dataset, Subset
 
 from subspace_store import Subspace
 from szo.build import build_model, loss_for, subspace_store_for, tt_prepare
-from szo.config import RecipeConfig
+from szo.config import IntegerStateConfig, RecipeConfig, StepConfig
 from szo.data import make_loader
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
 from szo.hw.optim.mcu import MCUZO, select_block, split_blocks
 from szo.hw.optim.onchip import basis_error, evaluate_fixed, quantized_subspace
 from szo.io import atomic_write_json, load_weights
+from szo.methods import get_method
 from szo.models.base import SpikingModel
+from szo.optim import IntegerLearnerOptions, OptimizerOptions
 from szo.train import evaluate
 from szo.zo import trainable_layers
 
-__all__ = ["subspace_model", "SubspaceModel", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
+__all__ = ["subspace_model", "SubspaceModel", "optimizer_options", "preflight", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
 
 
 def _source_state(cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor]:
@@ -114,6 +116,53 @@ def subspace_model(cfg: RecipeConfig, test_loader: Any = None, model: SpikingMod
         extra["tt"] = record
     return SubspaceModel(model, net, sub, extra)
 
+
+
+def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
+    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets: its ``szo``
+    section, the update keys of ``train`` (``StepConfig``: lr, momentum, weight_decay), the ``tt``
+    section and, for ``hw.learner: integer``, the hw section's state widths with the run's seed. For the
+    subspace stage and for tools that build the same optimizer outside a run (``bench/methods.py``).
+    OptimizerOptions derives from those sections, so a new SZO hyperparameter is a field of
+    ``SZOConfig`` and its use, nothing here (docs/architecture.md, "Adding a hyperparameter")."""
+    hw = cfg.hw
+    integer = None
+    if hw.learner == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
+        integer = IntegerLearnerOptions(**{**hw.select(IntegerStateConfig), "basis_bits": hw.basis_bits or 16},
+                                        seed=int(cfg.seed) % 0xFFFFFFFF + 1)
+    return OptimizerOptions(**cfg.szo, **cfg.train.select(StepConfig), tt=cfg.tt, integer=integer)
+
+
+def preflight(cfg: RecipeConfig) -> SpikingModel | None:
+    """What the config alone cannot tell, checked before the first forward of a run: the subspace
+    store root is a directory (or can become one), the model builds from ``model.kwargs`` (once,
+    on the CPU), and the subspace stage's method options fit that model and subspace
+    (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs).
+    Returns the model it built (the recipe's, at its seeded initialisation; None for a TTA recipe
+    with a given source) for the first stage to train instead of building it again."""
+    if cfg.kind == "tta" and not cfg.tta.train_source:
+        return None
+    root = subspace_store_for(cfg).root
+    for p in (root, *root.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"subspace.root {root}: {p} is a file, not a directory (the subspace store "
+                                 "is a directory of entries); choose another subspace.root")
+            break
+    model = build_model(cfg)
+    if cfg.kind != "subspace":
+        return model
+    sz, spec = cfg.szo, get_method(cfg.method)
+    if sz["layers"] is not None:
+        trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
+    n = sz["coords_per_step"]
+    if n is not None and "coords_per_step" in spec.options:
+        d = model.num_params()
+        most = min(d, cfg.subspace.k) if spec.subspace else d
+        if n > most:
+            where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
+            raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
+    return model
 
 SELECTION_FILE = "block_selection.json"
 """Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""

@@ -28,18 +28,26 @@ import torch
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
 from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
-from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
+from szo.config import RecipeConfig, source_config, write_config
 from szo.hw.convert import FixedPointNetwork
 from szo.io import save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
-from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, build_optimizer
-from szo.prepare import SELECTION_FILE, SelectionBatches, SubspaceModel, block_selection_stage, subspace_model
+from szo.optim import RunOptions, build_optimizer
+from szo.prepare import (
+    SELECTION_FILE,
+    SelectionBatches,
+    SubspaceModel,
+    block_selection_stage,
+    optimizer_options,
+    preflight,
+    subspace_model,
+)
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
-from szo.zo import ProbePath, ReportsResults, trainable_layers
+from szo.zo import ProbePath, ReportsResults
 
 __all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
            "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
@@ -89,38 +97,6 @@ def run_dir_guard(run_dir: str | os.PathLike, cfg: RecipeConfig, *, resume: bool
 
         D.main_decides(decide)
         yield
-
-
-def preflight(cfg: RecipeConfig) -> SpikingModel | None:
-    """What the config alone cannot tell, checked before the first forward of a run: the subspace
-    store root is a directory (or can become one), the model builds from ``model.kwargs`` (once,
-    on the CPU), and the subspace stage's method options fit that model and subspace
-    (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs).
-    Returns the model it built (the recipe's, at its seeded initialisation; None for a TTA recipe
-    with a given source) for the first stage to train instead of building it again."""
-    if cfg.kind == "tta" and not cfg.tta.train_source:
-        return None
-    root = subspace_store_for(cfg).root
-    for p in (root, *root.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ValueError(f"subspace.root {root}: {p} is a file, not a directory (the subspace store "
-                                 "is a directory of entries); choose another subspace.root")
-            break
-    model = build_model(cfg)
-    if cfg.kind != "subspace":
-        return model
-    sz, spec = cfg.szo, get_method(cfg.method)
-    if sz["layers"] is not None:
-        trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
-    n = sz["coords_per_step"]
-    if n is not None and "coords_per_step" in spec.options:
-        d = model.num_params()
-        most = min(d, cfg.subspace.k) if spec.subspace else d
-        if n > most:
-            where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
-            raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
-    return model
 
 
 def bptt_source(cfg: RecipeConfig) -> RecipeConfig:
@@ -248,21 +224,6 @@ def check_distributed(cfg: RecipeConfig) -> None:
     if cfg.hw.learner == "integer":
         raise ValueError("multi-process (torchrun) runs do not support hw.learner 'integer': use 'float', or run in "
                          "one process")
-
-
-def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
-    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets: its ``szo``
-    section, the update keys of ``train`` (``StepConfig``: lr, momentum, weight_decay), the ``tt``
-    section and, for ``hw.learner: integer``, the hw section's state widths with the run's seed. For the
-    subspace stage and for tools that build the same optimizer outside a run (``bench/methods.py``).
-    OptimizerOptions derives from those sections, so a new SZO hyperparameter is a field of
-    ``SZOConfig`` and its use, nothing here (docs/architecture.md, "Adding a hyperparameter")."""
-    hw = cfg.hw
-    integer = None
-    if hw.learner == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
-        integer = IntegerLearnerOptions(**{**hw.select(IntegerStateConfig), "basis_bits": hw.basis_bits or 16},
-                                        seed=int(cfg.seed) % 0xFFFFFFFF + 1)
-    return OptimizerOptions(**cfg.szo, **cfg.train.select(StepConfig), tt=cfg.tt, integer=integer)
 
 
 def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
