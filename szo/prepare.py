@@ -1,9 +1,14 @@
-"""Preparing a model for a subspace run, apart from the run itself (``szo.stages.subspace_stage``
-orchestrates; this module prepares what it trains):
+"""What a subspace run trains, prepared apart from the run itself (``szo.stages.subspace_stage``
+orchestrates; ``szo.study`` and ``bench/`` prepare the same model outside a run). One function per
+concern, each reading the typed config sections (``szo.config``: ``cfg.hw`` is a ``HWConfig``):
 
-* :func:`subspace_model` -- the model at the subspace's reference point (:class:`SubspaceModel`):
-  the continual load, the BN-buffer load, the fixed-point conversion (after
-  :func:`conversion_check`), the basis quantisation and the tensor-train cores (``szo.build.tt_prepare``);
+* :func:`preflight` -- the recipe's model, built once and checked against the method's options;
+* :func:`subspace_model` -- the model at the subspace's reference point (:class:`SubspaceModel`),
+  composed of: :func:`load_pretrained` (a continual run's pretrained model, :func:`source_state`) or
+  :func:`load_bn_buffers` (``bn_stats: deployed``), :func:`conversion_check` and :func:`fixed_point`
+  (``backend: fixed``), :func:`quantize_basis` (``hw.basis_bits``) and ``szo.build.tt_prepare``
+  (tensor-train methods: TT preparation has that one home);
+* :func:`optimizer_options` -- the ``OptimizerOptions`` the run's optimizer is built with;
 * :func:`block_selection_stage` -- seed 004's BP-free choice of the block ``mcu-zo`` trains (``hw.blocks``).
 """
 from __future__ import annotations
@@ -13,14 +18,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.utils.data import Dataset, Subset
 
 from subspace_store import Subspace
 from szo.build import build_model, loss_for, subspace_store_for, tt_prepare
-from szo.config import IntegerStateConfig, RecipeConfig, StepConfig
+from szo.config import HWConfig, IntegerStateConfig, RecipeConfig, StepConfig
 from szo.data import make_loader
 from szo.hw import to_fixed
 from szo.hw.convert import FixedPointNetwork
@@ -33,10 +38,12 @@ from szo.optim import IntegerLearnerOptions, OptimizerOptions
 from szo.train import evaluate
 from szo.zo import trainable_layers
 
-__all__ = ["subspace_model", "SubspaceModel", "optimizer_options", "preflight", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
+__all__ = ["subspace_model", "SubspaceModel", "source_state", "load_pretrained", "load_bn_buffers", "conversion_check",
+           "fixed_point", "quantize_basis", "optimizer_options", "preflight", "block_selection_stage", "SELECTION_FILE",
+           "SelectionBatches"]
 
 
-def _source_state(cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor]:
+def source_state(cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor]:
     """The pretrained model (parameters + BN buffers) the subspace was built from."""
     src = sub.provenance.get("source_model")
     if not src or not Path(src).is_file():
@@ -46,27 +53,66 @@ def _source_state(cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor]:
     return load_weights(src)
 
 
+def load_pretrained(model: torch.nn.Module, cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor] | None:
+    """The pretrained model (:func:`source_state`) into ``model``: whole for a continual run, only its BN
+    buffers for a scratch run with ``bn_stats: deployed`` (:func:`load_bn_buffers`). Returns the state it
+    read, None for a run that needs none (scratch, batch statistics)."""
+    if cfg.mode != "continual" and cfg.bn_stats != "deployed":
+        return None
+    state = source_state(cfg, sub)
+    if cfg.mode == "continual":
+        model.load_state_dict(state)
+    else:  # scratch with deployed statistics: only the BN buffers of the pretrained model
+        load_bn_buffers(model, state)
+    return state
+
+
+def load_bn_buffers(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """The entries of ``state`` that are not parameters of ``model`` (its BN buffers) into ``model``."""
+    names = {n for n, _ in model.named_parameters()}
+    model.load_state_dict({n: t for n, t in state.items() if n not in names}, strict=False)
+
+
 @torch.no_grad()
-def _conversion_check(model: torch.nn.Module, test_loader, cfg: RecipeConfig) -> dict[str, Any]:
+def conversion_check(model: torch.nn.Module, test_loader, loss_fn: Callable[..., torch.Tensor],
+                     hw: HWConfig) -> dict[str, Any]:
     """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN).
 
     ``fixed_test_acc`` is the configured ``hw.arithmetic`` / ``hw.reset``; ``arithmetics`` has
     both arithmetics with each LIF's own reset and with the standard Loihi LIF's hard reset.
     """
-    hw = cfg.hw
-    _, acc_float = evaluate(model, test_loader, loss_for(cfg))
+    _, acc_float = evaluate(model, test_loader, loss_fn)
     runs = {}
     for arithmetic in ("szo", "loihi"):
         for reset in (None, "zero"):
-            net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=arithmetic, reset=reset)
+            net = to_fixed(model, weight_bits=hw.weight_bits, arithmetic=arithmetic, reset=reset)
             runs[f"{arithmetic}, reset={reset or 'own'}"] = {
                 "test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
-    chosen = runs[f"{hw['arithmetic']}, reset={hw['reset'] or 'own'}"]
-    if hw["reset"] == "subtract":  # not among the four above
-        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset="subtract")
+    chosen = runs[f"{hw.arithmetic}, reset={hw.reset or 'own'}"]
+    if hw.reset == "subtract":  # not among the four above
+        net = to_fixed(model, weight_bits=hw.weight_bits, arithmetic=hw.arithmetic, reset="subtract")
         chosen = {"test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
     return {"float_test_acc": acc_float, "fixed_test_acc": chosen["test_acc"], "saturations": chosen["overflows"],
-            "arithmetic": hw["arithmetic"], "reset": hw["reset"], "arithmetics": runs}
+            "arithmetic": hw.arithmetic, "reset": hw.reset, "arithmetics": runs}
+
+
+def fixed_point(model: torch.nn.Module, hw: HWConfig) -> FixedPointNetwork:
+    """``model``'s fixed-point twin (``szo.hw.to_fixed``, same parameters) at the hw section's weight
+    width, arithmetic and reset."""
+    return to_fixed(model, weight_bits=hw.weight_bits, arithmetic=hw.arithmetic, reset=hw.reset)
+
+
+def quantize_basis(sub: Subspace, hw: HWConfig) -> tuple[Subspace, float | None]:
+    """The subspace a fixed-point run trains in, and the basis's relative error at ``hw.basis_bits``: the
+    float learner trains in the quantised subspace (``quantized_subspace`` records the error in its
+    provenance), the integer learner quantises the basis itself (the subspace stays, the error is
+    measured). ``(sub, None)`` with ``basis_bits`` null (a float basis)."""
+    if hw.basis_bits is None:
+        return sub, None
+    if hw.learner == "float":
+        sub = quantized_subspace(sub, hw.basis_bits)  # records its error in the provenance
+        return sub, sub.provenance["basis_quantization"]["rel_frobenius_error"]
+    return sub, basis_error(sub.basis, hw.basis_bits)  # the integer learner quantises the basis itself
 
 
 @dataclass
@@ -83,39 +129,30 @@ class SubspaceModel:
 
 def subspace_model(cfg: RecipeConfig, test_loader: Any = None, model: SpikingModel | None = None) -> SubspaceModel:
     """The model at the subspace's reference point: a continual run loads the pretrained model,
-    ``bn_stats: deployed`` its BN buffers; ``backend: fixed`` converts it (after comparing the
-    pretrained model's float and fixed-point accuracy on ``test_loader``) and quantises the basis
-    at ``hw.basis_bits``; ``tt-zo`` turns its large weights into TT cores. ``model``: the recipe's
-    model as ``build_model(cfg)`` returns it (``preflight``'s), else built here."""
+    ``bn_stats: deployed`` its BN buffers (:func:`load_pretrained`); ``backend: fixed`` converts it
+    (:func:`fixed_point`, after comparing the pretrained model's float and fixed-point accuracy on
+    ``test_loader``: :func:`conversion_check`) and quantises the basis at ``hw.basis_bits``
+    (:func:`quantize_basis`); ``tt-zo`` turns its large weights into TT cores (``szo.build.tt_prepare``).
+    ``model``: the recipe's model as ``build_model(cfg)`` returns it (``preflight``'s), else built here."""
     model = build_model(cfg) if model is None else model
     sub = subspace_store_for(cfg).load(cfg.subspace.name, model=model)
     extra: dict[str, Any] = {"backend": cfg.backend, "bn_stats": cfg.bn_stats}
-    if cfg.mode == "continual" or cfg.bn_stats == "deployed":
-        state = _source_state(cfg, sub)
-        if cfg.mode == "continual":
-            model.load_state_dict(state)
-        else:  # scratch with deployed statistics: only the BN buffers of the pretrained model
-            names = {n for n, _ in model.named_parameters()}
-            model.load_state_dict({n: t for n, t in state.items() if n not in names}, strict=False)
-        if cfg.backend == "fixed":
-            model.load_state_dict(state)
-            extra["conversion"] = _conversion_check(model, test_loader, cfg)
+    state = load_pretrained(model, cfg, sub)
+    if state is not None and cfg.backend == "fixed":
+        model.load_state_dict(state)
+        extra["conversion"] = conversion_check(model, test_loader, loss_for(cfg), cfg.hw)
     model.load_flat_params(sub.reference)
-    net, hw = model, cfg.hw
+    net = model
     if cfg.backend == "fixed":
-        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset=hw["reset"])
-        extra["hw"] = dict(hw)
-        if hw["basis_bits"] is not None:
-            if hw["learner"] == "float":
-                sub = quantized_subspace(sub, hw["basis_bits"])  # records its error in the provenance
-                extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
-            else:  # the integer learner quantises the basis itself
-                extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
+        net = fixed_point(model, cfg.hw)
+        extra["hw"] = dict(cfg.hw)
+        sub, error = quantize_basis(sub, cfg.hw)
+        if error is not None:
+            extra["basis_rel_error"] = error
     record = tt_prepare(net, cfg)  # TT-SVD of the start point (tensor-train methods)
     if record is not None:
         extra["tt"] = record
     return SubspaceModel(model, net, sub, extra)
-
 
 
 def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
@@ -153,9 +190,9 @@ def preflight(cfg: RecipeConfig) -> SpikingModel | None:
     if cfg.kind != "subspace":
         return model
     sz, spec = cfg.szo, get_method(cfg.method)
-    if sz["layers"] is not None:
-        trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
-    n = sz["coords_per_step"]
+    if sz.layers is not None:
+        trainable_layers(model, list(sz.layers))  # one line naming the valid layers
+    n = sz.coords_per_step
     if n is not None and "coords_per_step" in spec.options:
         d = model.num_params()
         most = min(d, cfg.subspace.k) if spec.subspace else d
@@ -163,6 +200,7 @@ def preflight(cfg: RecipeConfig) -> SpikingModel | None:
             where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
             raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
     return model
+
 
 SELECTION_FILE = "block_selection.json"
 """Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""

@@ -6,9 +6,9 @@ directory, and keeps the run-directory contract (docs/runs.md): the lock, the re
 * :func:`bptt_stage` -- BPTT with the trajectory recorder, the final model as safetensors, then
   (``build``) the subspace in the store (:func:`subspace_build_stage`);
 * :func:`subspace_build_stage` -- the store entry ``cfg.subspace`` from a BPTT run's trajectory;
-* :func:`block_selection_stage` -- seed 004's BP-free choice of the block ``mcu-zo`` trains (``hw.blocks``);
 * :func:`subspace_stage` -- train ``cfg.method`` in the stored subspace (scratch or continual;
-  float or fixed-point backend), :func:`subspace_model` prepares the model it trains;
+  float or fixed-point backend); ``szo.prepare`` prepares what it trains (the model, the optimizer
+  options, ``mcu-zo``'s block selection) and the model a run starts from (``preflight``);
 * :func:`evaluate_stage` -- a run directory's model on the recipe's test set;
 * adaptation and export: ``szo.adapt.stage.tta_stage`` and ``szo.commands.export`` build on these.
 
@@ -34,24 +34,15 @@ from szo.io import save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
 from szo.optim import RunOptions, build_optimizer
-from szo.prepare import (
-    SELECTION_FILE,
-    SelectionBatches,
-    SubspaceModel,
-    block_selection_stage,
-    optimizer_options,
-    preflight,
-    subspace_model,
-)
+from szo.prepare import block_selection_stage, optimizer_options, subspace_model
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
 from szo.zo import ProbePath, ReportsResults
 
-__all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
-           "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
-           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
+__all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "evaluate_stage", "run_dir_guard",
+           "check_store_entry", "check_distributed", "device_for", "parallel_for", "metric_sinks"]
 
 
 def device_for(cfg: RecipeConfig, device: str | None = None) -> str:
