@@ -88,10 +88,11 @@ def conversion_check(model: torch.nn.Module, test_loader, loss_fn: Callable[...,
             net = to_fixed(model, weight_bits=hw.weight_bits, arithmetic=arithmetic, reset=reset)
             runs[f"{arithmetic}, reset={reset or 'own'}"] = {
                 "test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
-    chosen = runs[f"{hw.arithmetic}, reset={hw.reset or 'own'}"]
     if hw.reset == "subtract":  # not among the four above
         net = to_fixed(model, weight_bits=hw.weight_bits, arithmetic=hw.arithmetic, reset="subtract")
         chosen = {"test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
+    else:
+        chosen = runs[f"{hw.arithmetic}, reset={hw.reset or 'own'}"]
     return {"float_test_acc": acc_float, "fixed_test_acc": chosen["test_acc"], "saturations": chosen["overflows"],
             "arithmetic": hw.arithmetic, "reset": hw.reset, "arithmetics": runs}
 
