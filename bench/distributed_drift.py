@@ -31,7 +31,7 @@ from szo.build import build_model, loaders_for, loss_for, subspace_store_for
 from szo.config import load_recipe
 from szo.optim import RunOptions, build_optimizer
 from szo.pipeline import PAPER_UNITS  # SZO-CGE at App. G's mu 1 / lr 1: the settings the drift table was measured with
-from szo.stages import optimizer_options
+from szo.prepare import optimizer_options
 
 
 def _run(sets: list[str], steps: int, dtype: torch.dtype, rank: int = 0, world: int = 1):

@@ -7,7 +7,7 @@ probes, layer-wise adaptive WP/NP, eq. 8); accuracy on the corrupted *test* spli
 after. ``--blocks B``: first the paper's BP-free block selection (Sec. 3.3.1: one epoch of test
 training per block from the same integers, or ``--select-steps`` steps; gain of held-out accuracy on
 the last 10 % of the corrupted train split), then only the chosen block trains (sparse). The recipe
-``digits-c-mcu`` runs the same selection as a stage (``szo.stages.block_selection_stage``). ``--float``: the
+``digits-c-mcu`` runs the same selection as a stage (``szo.prepare.block_selection_stage``). ``--float``: the
 same budget (steps, batch, q, layers) with the float layer-wise learner (``LayerwiseZO``,
 adaptive, Gaussian, momentum 0.9, the recipes' mu 0.1) and with BP (SGD) on the float model.
 

@@ -122,7 +122,7 @@ def step_peak(name: str, root: Path) -> int | None:
     from szo.data import get_dataset
     from szo.methods import QZO_METHODS
     from szo.optim import RunOptions, build_optimizer
-    from szo.stages import optimizer_options
+    from szo.prepare import optimizer_options
 
     row = ROWS[name]
     if "federated" in row or row["method"] in QZO_METHODS:

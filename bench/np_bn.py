@@ -16,7 +16,7 @@ of 32 digits (``conv -> BN -> tanh`` twice, pool, linear; both convolutions pert
 
 ``--train``: ``np-zo`` on the digits ConvNet (the recipe's ``digits-scratch --set method=np-zo``:
 20 epochs, q = 4, mu 0.1, lr 0.01) with each ``node_bn``, built and fitted as the recipe's
-subspace stage does (``szo.stages``); the ``bn-vjp`` row is what ``szo recipe`` runs.
+subspace stage does (``szo.prepare``); the ``bn-vjp`` row is what ``szo recipe`` runs.
 
     OMP_NUM_THREADS=1 python bench/np_bn.py --cosine
     OMP_NUM_THREADS=1 python bench/np_bn.py --train --root RUNS/subspaces --out RUNS/np_bn
@@ -165,7 +165,7 @@ def train(args) -> None:
     from szo.build import loaders_for, loss_for
     from szo.config import load_recipe
     from szo.optim import RunOptions
-    from szo.stages import optimizer_options, subspace_model
+    from szo.prepare import optimizer_options, subspace_model
     from szo.train import fit
 
     rows = {}

@@ -136,7 +136,7 @@ def tt_prepare(model: torch.nn.Module, cfg: Any) -> dict[str, Any] | None:
     """A tensor-train run's model (a subspace recipe whose method is of the tensor-train-zo family):
     its large weights turned into TT cores in place, from the recipe's typed ``tt`` section (rank,
     cores, min_params), TT-SVD of the weights it holds; ``tt_parametrize``'s record, None for any
-    other run. The one place both the run (``szo.stages.subspace_model``: TT-SVD of the start point)
+    other run. The one place both the run (``szo.prepare.subspace_model``: TT-SVD of the start point)
     and a reload of its directory (:func:`load_run_model`: the shapes of the trained cores) do it."""
     if cfg.kind != "subspace" or get_method(cfg.method).family != "tensor-train-zo":
         return None

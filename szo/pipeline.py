@@ -15,7 +15,8 @@
   parameters and BN buffers) and set the parameters to the reference (last sample).
 
 The stages themselves are public functions of ``szo.stages`` (``bptt_stage``,
-``subspace_build_stage``, ``subspace_stage``, ``evaluate_stage``); this module composes them per
+``subspace_build_stage``, ``subspace_stage``, ``evaluate_stage``; what a subspace run trains is
+prepared by ``szo.prepare``); this module composes them per
 recipe kind (``kind: tta`` runs ``szo.adapt.stage.tta_stage``) and holds the digits quickstart.
 
 Every run dir holds config.yaml (resolved), metrics.jsonl, checkpoints/, results.json and
@@ -46,6 +47,7 @@ from szo.adapt.stage import tta_stage
 from szo.build import build_model, load_run_model, subspace_store_for
 from szo.config import RecipeConfig, load_recipe
 from szo.models.base import SpikingModel
+from szo.prepare import optimizer_options, preflight
 from szo.report import collect_runs, render, write_report
 from szo.rundir import check_resume_config, run_lock
 from szo.stages import (
@@ -53,8 +55,6 @@ from szo.stages import (
     bptt_stage,
     check_store_entry,
     device_for,
-    optimizer_options,
-    preflight,
     run_dir_guard,
     subspace_build_stage,
     subspace_stage,

@@ -308,7 +308,7 @@ class HWConfig(IntegerStateConfig):
     arithmetic: HWArithmetic = "szo"
     reset: HWReset | None = None
     # method mcu-zo: seed 004's BP-free block selection (Sec. 3.3.1), a stage before training
-    # (szo.stages.block_selection_stage): the synapses cut into `blocks` contiguous blocks (the paper's
+    # (szo.prepare.block_selection_stage): the synapses cut into `blocks` contiguous blocks (the paper's
     # 4; fewer when there are fewer layers), each test-trained for `select_epochs` epochs from the same
     # integers on the train split less its last `heldout` fraction, the block with the best held-out
     # accuracy gain then trained alone (sparse); null: no selection (szo.layers, or every layer)

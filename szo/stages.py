@@ -6,9 +6,9 @@ directory, and keeps the run-directory contract (docs/runs.md): the lock, the re
 * :func:`bptt_stage` -- BPTT with the trajectory recorder, the final model as safetensors, then
   (``build``) the subspace in the store (:func:`subspace_build_stage`);
 * :func:`subspace_build_stage` -- the store entry ``cfg.subspace`` from a BPTT run's trajectory;
-* :func:`block_selection_stage` -- seed 004's BP-free choice of the block ``mcu-zo`` trains (``hw.blocks``);
 * :func:`subspace_stage` -- train ``cfg.method`` in the stored subspace (scratch or continual;
-  float or fixed-point backend), :func:`subspace_model` prepares the model it trains;
+  float or fixed-point backend); ``szo.prepare`` prepares what it trains (the model, the optimizer
+  options, ``mcu-zo``'s block selection) and the model a run starts from (``preflight``);
 * :func:`evaluate_stage` -- a run directory's model on the recipe's test set;
 * adaptation and export: ``szo.adapt.stage.tta_stage`` and ``szo.commands.export`` build on these.
 
@@ -19,38 +19,30 @@ the run's own ``torch.Generator``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
-from torch.utils.data import Dataset, Subset
 
 from subspace_store import Subspace, build_subspace
 from szo import distributed as D
-from szo.build import build_model, check_sizes, load_run_model, loaders_for, loss_for, subspace_store_for, tt_prepare
-from szo.config import IntegerStateConfig, RecipeConfig, StepConfig, source_config, write_config
-from szo.data import make_loader
-from szo.hw import to_fixed
+from szo.build import build_model, load_run_model, loaders_for, loss_for, subspace_store_for
+from szo.config import RecipeConfig, source_config, write_config
 from szo.hw.convert import FixedPointNetwork
-from szo.hw.optim.mcu import MCUZO, select_block, split_blocks
-from szo.hw.optim.onchip import basis_error, evaluate_fixed, quantized_subspace
-from szo.io import atomic_write_json, load_weights, save_weights
+from szo.io import save_weights
 from szo.methods import get_method, method_label
 from szo.models.base import SpikingModel
-from szo.optim import IntegerLearnerOptions, OptimizerOptions, RunOptions, build_optimizer
+from szo.optim import RunOptions, build_optimizer
+from szo.prepare import block_selection_stage, optimizer_options, subspace_model
 from szo.rundir import check_pins, check_resume_config, run_lock, run_pins
 from szo.train import Callback, TrajectoryCallback, checkpoint_path, evaluate, fit
 from szo.train.callbacks import ResultFields, TensorBoardSink
 from szo.trajectory import Trajectory, TrajectoryRecorder, planned_samples
-from szo.zo import ProbePath, ReportsResults, trainable_layers
+from szo.zo import ProbePath, ReportsResults
 
-__all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "subspace_model", "SubspaceModel", "evaluate_stage",
-           "optimizer_options", "run_dir_guard", "check_store_entry", "check_distributed", "device_for", "parallel_for",
-           "metric_sinks", "preflight", "block_selection_stage", "SELECTION_FILE", "SelectionBatches"]
+__all__ = ["bptt_stage", "bptt_source", "subspace_build_stage", "subspace_stage", "evaluate_stage", "run_dir_guard",
+           "check_store_entry", "check_distributed", "device_for", "parallel_for", "metric_sinks"]
 
 
 def device_for(cfg: RecipeConfig, device: str | None = None) -> str:
@@ -96,39 +88,6 @@ def run_dir_guard(run_dir: str | os.PathLike, cfg: RecipeConfig, *, resume: bool
 
         D.main_decides(decide)
         yield
-
-
-def preflight(cfg: RecipeConfig) -> SpikingModel | None:
-    """What the config alone cannot tell, checked before the first forward of a run: the subspace
-    store root is a directory (or can become one), the model builds from ``model.kwargs`` (once,
-    on the CPU), and the subspace stage's method options fit that model and subspace
-    (``szo.layers`` names its layers, ``szo.coords_per_step`` <= the coordinates it perturbs).
-    Returns the model it built (the recipe's, at its seeded initialisation; None for a TTA recipe
-    with a given source) for the first stage to train instead of building it again."""
-    if cfg.kind == "tta" and not cfg.tta.train_source:
-        return None
-    root = subspace_store_for(cfg).root
-    for p in (root, *root.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ValueError(f"subspace.root {root}: {p} is a file, not a directory (the subspace store "
-                                 "is a directory of entries); choose another subspace.root")
-            break
-    check_sizes(cfg)  # T, batch, width, k, chunk against the machine's memory, before anything is allocated
-    model = build_model(cfg)
-    if cfg.kind != "subspace":
-        return model
-    sz, spec = cfg.szo, get_method(cfg.method)
-    if sz["layers"] is not None:
-        trainable_layers(model, list(sz["layers"]))  # one line naming the valid layers
-    n = sz["coords_per_step"]
-    if n is not None and "coords_per_step" in spec.options:
-        d = model.num_params()
-        most = min(d, cfg.subspace.k) if spec.subspace else d
-        if n > most:
-            where = f"the subspace's k = {most}" if spec.subspace else f"the model's d = {d} parameters"
-            raise ValueError(f"szo.coords_per_step = {n} is more coordinates than {where}; valid: 1..{most}")
-    return model
 
 
 def bptt_source(cfg: RecipeConfig) -> RecipeConfig:
@@ -235,39 +194,6 @@ def _bptt(cfg: RecipeConfig, run_dir: Path, *, device: str, resume: bool, build:
 
 
 # ----------------------------------------------------------------------------- the subspace stage
-def _source_state(cfg: RecipeConfig, sub: Subspace) -> dict[str, torch.Tensor]:
-    """The pretrained model (parameters + BN buffers) the subspace was built from."""
-    src = sub.provenance.get("source_model")
-    if not src or not Path(src).is_file():
-        need = "continual training" if cfg.mode == "continual" else "bn_stats 'deployed'"
-        raise ValueError(f"{need} needs the pretrained model: subspace {cfg.subspace.name!r} "
-                         f"has provenance source_model={src!r}, which is not a file")
-    return load_weights(src)
-
-
-@torch.no_grad()
-def _conversion_check(model: torch.nn.Module, test_loader, cfg: RecipeConfig) -> dict[str, Any]:
-    """Test accuracy of the pretrained model with the float and the fixed-point forward (eval-mode BN).
-
-    ``fixed_test_acc`` is the configured ``hw.arithmetic`` / ``hw.reset``; ``arithmetics`` has
-    both arithmetics with each LIF's own reset and with the standard Loihi LIF's hard reset.
-    """
-    hw = cfg.hw
-    _, acc_float = evaluate(model, test_loader, loss_for(cfg))
-    runs = {}
-    for arithmetic in ("szo", "loihi"):
-        for reset in (None, "zero"):
-            net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=arithmetic, reset=reset)
-            runs[f"{arithmetic}, reset={reset or 'own'}"] = {
-                "test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
-    chosen = runs[f"{hw['arithmetic']}, reset={hw['reset'] or 'own'}"]
-    if hw["reset"] == "subtract":  # not among the four above
-        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset="subtract")
-        chosen = {"test_acc": evaluate_fixed(net, test_loader), "overflows": net.counter.total()}
-    return {"float_test_acc": acc_float, "fixed_test_acc": chosen["test_acc"], "saturations": chosen["overflows"],
-            "arithmetic": hw["arithmetic"], "reset": hw["reset"], "arithmetics": runs}
-
-
 def parallel_for(cfg: RecipeConfig) -> Any:
     """``szo.distributed.Parallel`` for this rank when the process group spans > 1 process, else None."""
     if not D.get_info().enabled:
@@ -289,148 +215,6 @@ def check_distributed(cfg: RecipeConfig) -> None:
     if cfg.hw.learner == "integer":
         raise ValueError("multi-process (torchrun) runs do not support hw.learner 'integer': use 'float', or run in "
                          "one process")
-
-
-def optimizer_options(cfg: RecipeConfig) -> OptimizerOptions:
-    """The :class:`szo.optim.OptimizerOptions` a resolved subspace-recipe config sets: its ``szo``
-    section, the update keys of ``train`` (``StepConfig``: lr, momentum, weight_decay), the ``tt``
-    section and, for ``hw.learner: integer``, the hw section's state widths with the run's seed. For the
-    subspace stage and for tools that build the same optimizer outside a run (``bench/methods.py``).
-    OptimizerOptions derives from those sections, so a new SZO hyperparameter is a field of
-    ``SZOConfig`` and its use, nothing here (docs/architecture.md, "Adding a hyperparameter")."""
-    hw = cfg.hw
-    integer = None
-    if hw.learner == "integer":  # the on-chip learner's state widths, its XORShift32 seed from the run's
-        integer = IntegerLearnerOptions(**{**hw.select(IntegerStateConfig), "basis_bits": hw.basis_bits or 16},
-                                        seed=int(cfg.seed) % 0xFFFFFFFF + 1)
-    return OptimizerOptions(**cfg.szo, **cfg.train.select(StepConfig), tt=cfg.tt, integer=integer)
-
-
-@dataclass
-class SubspaceModel:
-    """What the subspace stage trains: the model (``model``) and the network its probes run
-    (``net``: the model itself, or its fixed-point twin), the subspace (quantised for a
-    fixed-point float learner), and what results.json records about the preparation."""
-
-    model: torch.nn.Module
-    net: torch.nn.Module
-    subspace: Subspace
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def subspace_model(cfg: RecipeConfig, test_loader: Any = None, model: SpikingModel | None = None) -> SubspaceModel:
-    """The model at the subspace's reference point: a continual run loads the pretrained model,
-    ``bn_stats: deployed`` its BN buffers; ``backend: fixed`` converts it (after comparing the
-    pretrained model's float and fixed-point accuracy on ``test_loader``) and quantises the basis
-    at ``hw.basis_bits``; ``tt-zo`` turns its large weights into TT cores. ``model``: the recipe's
-    model as ``build_model(cfg)`` returns it (``preflight``'s), else built here."""
-    model = build_model(cfg) if model is None else model
-    sub = subspace_store_for(cfg).load(cfg.subspace.name, model=model)
-    extra: dict[str, Any] = {"backend": cfg.backend, "bn_stats": cfg.bn_stats}
-    if cfg.mode == "continual" or cfg.bn_stats == "deployed":
-        state = _source_state(cfg, sub)
-        if cfg.mode == "continual":
-            model.load_state_dict(state)
-        else:  # scratch with deployed statistics: only the BN buffers of the pretrained model
-            names = {n for n, _ in model.named_parameters()}
-            model.load_state_dict({n: t for n, t in state.items() if n not in names}, strict=False)
-        if cfg.backend == "fixed":
-            model.load_state_dict(state)
-            extra["conversion"] = _conversion_check(model, test_loader, cfg)
-    model.load_flat_params(sub.reference)
-    net, hw = model, cfg.hw
-    if cfg.backend == "fixed":
-        net = to_fixed(model, weight_bits=hw["weight_bits"], arithmetic=hw["arithmetic"], reset=hw["reset"])
-        extra["hw"] = dict(hw)
-        if hw["basis_bits"] is not None:
-            if hw["learner"] == "float":
-                sub = quantized_subspace(sub, hw["basis_bits"])  # records its error in the provenance
-                extra["basis_rel_error"] = sub.provenance["basis_quantization"]["rel_frobenius_error"]
-            else:  # the integer learner quantises the basis itself
-                extra["basis_rel_error"] = basis_error(sub.basis, hw["basis_bits"])
-    record = tt_prepare(net, cfg)  # TT-SVD of the start point (tensor-train methods)
-    if record is not None:
-        extra["tt"] = record
-    return SubspaceModel(model, net, sub, extra)
-
-
-SELECTION_FILE = "block_selection.json"
-"""Where :func:`block_selection_stage` records its choice in the run directory (a resumed run reads it)."""
-
-
-class SelectionBatches:
-    """The block selection's training batches, streamed as the training loop streams its own: ``epochs``
-    shuffled passes over ``data`` (full batches), drawn from one generator seeded with ``seed`` each time
-    it is iterated, so every block sees the same batches and memory does not grow with ``epochs``
-    (materialised, hw.select_epochs = 1e6 once took every epoch's batches before the first step)."""
-
-    def __init__(self, data: Dataset, batch_size: int, epochs: int, seed: int, device: str | torch.device) -> None:
-        self.data, self.batch_size, self.epochs, self.seed, self.device = data, batch_size, epochs, seed, device
-
-    def __len__(self) -> int:
-        return self.epochs * (len(self.data) // self.batch_size)
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed)
-        for _ in range(self.epochs):
-            for x, y in make_loader(self.data, self.batch_size, shuffle=True, generator=g, drop_last=True):
-                yield x.to(self.device), y.to(self.device)
-
-
-def block_selection_stage(net: FixedPointNetwork, train_set: Dataset, *, blocks: int, epochs: int, heldout: float,
-                          batch_size: int, q: int, lr: float, seed: int, loss_fn: Callable[..., torch.Tensor],
-                          device: str | torch.device = "cpu", run_dir: str | os.PathLike | None = None,
-                          layers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Seed 004 Sec. 3.3.1 as a stage of a run: the network's synapses (``layers``: a subset, in model
-    order) cut into ``blocks`` contiguous blocks (:func:`split_blocks`), each test-trained by
-    :class:`MCUZO` (``q``, ``lr``: the run's) for ``epochs`` epochs of the train split less its last
-    ``heldout`` fraction (batches of ``batch_size``, shuffled by ``seed``; the same batches for every
-    block) from the same integers, its gain of accuracy on that held-out part (:func:`select_block`).
-
-    Freezes the network's weights to integers first (a forward of one training sample gives the
-    pooling factors) and leaves integers and float parameters as it found them. Returns ``{"block", "layers", "blocks", "gains", "baseline", "forwards",
-    "time_s", ...}``; with ``run_dir`` it is written to ``run_dir/block_selection.json`` (atomically)
-    and a later call with the same settings reads it instead of selecting again (a resumed run keeps
-    its block; other settings: one error).
-    """
-    if isinstance(heldout, bool) or not 0.0 < heldout < 1.0:
-        raise ValueError(f"heldout must be a fraction in (0, 1), got {heldout!r}")
-    settings = {"blocks": blocks, "epochs": epochs, "heldout": heldout, "batch_size": batch_size, "q": q,
-                "lr": lr, "seed": seed, "layers": None if layers is None else list(layers)}
-    path = None if run_dir is None else Path(run_dir) / SELECTION_FILE
-    if path is not None and path.is_file():
-        done = json.loads(path.read_text(encoding="utf-8"))
-        if done.get("settings") != settings:
-            raise ValueError(f"{path} records a block selection with settings {done.get('settings')}, this run's are "
-                             f"{settings}; remove the file (or the run directory) to select again")
-        return done
-    n = len(train_set)
-    n_held = max(1, int(round(n * heldout)))
-    if n - n_held < batch_size:
-        raise ValueError(f"block selection: {n - n_held} training samples after holding out {n_held} of {n} "
-                         f"({heldout:.0%}) are fewer than one batch of {batch_size}; lower hw.heldout or the batch size")
-    fit_set, held_set = Subset(train_set, range(n - n_held)), Subset(train_set, range(n - n_held, n))
-    batches = SelectionBatches(fit_set, batch_size, epochs, int(seed), device)
-    held = make_loader(held_set, batch_size, shuffle=False)
-    if net.int_weights is None:
-        if not net.scales_known:
-            with torch.no_grad():
-                net(fit_set[0][0].unsqueeze(0).to(device))
-        net.freeze_weights()
-    names = list(trainable_layers(net, layers))
-    cut = split_blocks(names, blocks)
-    floats = {k: v.clone() for k, v in net.state_dict().items()}
-    t = time.perf_counter()
-    res = select_block(net, cut, batches, lambda: evaluate(net, held, loss_fn, device)[1], loss_fn,
-                       lambda ls: MCUZO(net, layers=ls, q=q, lr=lr, seed=int(seed) % 0xFFFFFFFF + 1))
-    # select_block put the integers back; the float parameters too (its write-back left the tried
-    # blocks dequantised), so a resumed run, which freezes them again, gets the same integers
-    net.load_state_dict(floats)
-    res.update(layers=cut[res["block"]], blocks=cut, time_s=time.perf_counter() - t, steps_per_block=len(batches),
-               heldout_samples=n_held, settings=settings)
-    if path is not None:
-        atomic_write_json(path, res)
-    return res
 
 
 def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,

@@ -371,7 +371,7 @@ def test_optimizer_options_are_the_recipe_sections():
     from szo.config import IntegerStateConfig, StepConfig, SZOConfig, TTConfig
     from szo.models import create
     from szo.optim import IntegerLearnerOptions, OptimizerOptions, TTOptions, build_optimizer
-    from szo.stages import optimizer_options
+    from szo.prepare import optimizer_options
 
     assert issubclass(OptimizerOptions, SZOConfig) and issubclass(OptimizerOptions, StepConfig)
     assert issubclass(IntegerLearnerOptions, IntegerStateConfig)

@@ -384,11 +384,13 @@ def test_the_model_is_built_once_per_model_a_run_trains(tmp_path, monkeypatch):
     """preflight builds the recipe's model to check it, and the first stage trains that one: a BP run
     builds one model, a subspace run that needs its BPTT stage two (the BPTT model and the subspace
     stage's), a subspace run on a stored subspace one."""
+    import szo.prepare as prepare
     import szo.stages as stages
 
     built = []
     real = stages.build_model
-    monkeypatch.setattr(stages, "build_model", lambda cfg: built.append(cfg.kind) or real(cfg))
+    for where in (stages, prepare):  # the stages build the models they train, szo.prepare preflight's and the subspace's
+        monkeypatch.setattr(where, "build_model", lambda cfg: built.append(cfg.kind) or real(cfg))
     sets = TINY + [f"subspace.root={tmp_path / 'store'}", "bptt.epochs=1", "bptt.max_steps_per_epoch=2",
                    "trajectory.every=1", "subspace.k=2", "train.epochs=1", "train.max_steps_per_epoch=1"]
     assert run_recipe(load_recipe("digits-bp", sets + ["subspace.name=bp-only"]), tmp_path / "bp")["status"] == "completed"

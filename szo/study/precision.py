@@ -3,7 +3,7 @@ does a run reach in it? The measurement behind ``precision: auto`` (``szo.precis
 
 A ZO estimate divides a loss difference by mu, and a spike is a threshold: a rounding that a
 BP-trained forward tolerates can flip spikes between the + and the - probe. For a scratch or
-continual subspace recipe, at the model the subspace stage starts from (``szo.stages.subspace_model``:
+continual subspace recipe, at the model the subspace stage starts from (``szo.prepare.subspace_model``:
 the subspace's reference point, the pretrained weights for continual) and one fixed train batch
 (the first ``batch`` images, no augmentation), for every precision and mu:
 
@@ -38,8 +38,9 @@ from szo.functional.diagnostics import cosine
 from szo.io import atomic_write_json, atomic_write_text
 from szo.pipeline import run_or_reuse
 from szo.precision import check_precision, precision_policy
+from szo.prepare import subspace_model
 from szo.rundir import run_lock
-from szo.stages import bptt_stage, device_for, subspace_model
+from szo.stages import bptt_stage, device_for
 from szo.study.diagnose import diagnose_model, run_batch
 from szo.zo import get_estimator
 

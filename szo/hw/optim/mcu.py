@@ -629,7 +629,7 @@ def select_block(net: FixedPointNetwork, blocks: Sequence[Sequence[str]], batche
 
     Each block iterates ``batches`` once: a list, or an iterable that yields the same batches every
     time it is iterated and knows its length, so they need not be held in memory
-    (``szo.stages.block_selection_stage`` streams them); a one-shot iterator is read into a list first.
+    (``szo.prepare.block_selection_stage`` streams them); a one-shot iterator is read into a list first.
     ``make(layers)`` builds the learner of one block (the same settings for every block);
     ``loss_fn(out, y, reduction="none")`` gives the per-sample losses.
     """

@@ -305,7 +305,7 @@ def test_block_selection_stage_records_its_choice_and_a_resume_keeps_it(tmp_path
     best held-out gain chosen; block_selection.json makes a resumed run keep the block."""
     from torch.utils.data import TensorDataset
 
-    from szo.stages import SELECTION_FILE, block_selection_stage
+    from szo.prepare import SELECTION_FILE, block_selection_stage
 
     x, y = _data(40)
     _, net = _net()
@@ -341,7 +341,7 @@ def test_block_selection_streams_its_batches():
     from torch.utils.data import TensorDataset
 
     from szo.data import make_loader
-    from szo.stages import SelectionBatches
+    from szo.prepare import SelectionBatches
 
     x, y = _data(40)
     ds = TensorDataset(x, y)
