@@ -88,18 +88,18 @@ class LowRankZO(ForwardOnlyBase):
             raise ValueError(f"LOZO-M's momentum (beta) must be in [0, 1), got {momentum}")
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1:
             raise ValueError(f"refresh must be an int >= 1 (steps between redraws: SubZero's T0, LOZO's nu), got {refresh!r}")
-        params, model = resolve_model(params, model, "LowRankZO")
-        params = [p for p in params if p.requires_grad]
+        params, model, names = resolve_model(params, model, "LowRankZO")
+
         if form == "lozo" and not lozo_momentum and momentum:
             raise ValueError(f"LOZO takes no momentum (its update is plain ZO-SGD; LOZO-M is form='lozo', "
                              f"lozo_momentum=True); set momentum=0 (got {momentum})")
         # LOZO has no momentum to schedule: param_groups carry none (OneCycleLR refuses it in torch's line)
         defaults = dict(lr=lr, mu=mu) if form == "lozo" and not lozo_momentum else dict(lr=lr, momentum=momentum, mu=mu)
-        super().__init__(params, defaults)
+        # named parameters ((name, tensor) pairs, torch >= 2.6): torch keeps the names as "param_names";
+        # every parameter frozen: steps that move nothing (torch's rule)
+        super().__init__(params if names is None else list(zip(names, params)), defaults)
         self.space = ParamSpace([p for g in self.param_groups for p in g["params"]])
-        if not self.space.d:
-            raise ValueError("LowRankZO: every parameter has requires_grad=False: nothing to train")
-        if len(self.param_groups) != 1:
+        if len(self.param_groups) > 1:
             raise ValueError("LowRankZO takes one parameter group (its lr and momentum)")
         self.d = self.space.d
         self.form, self.rank, self.refresh, self.lozo_momentum = form, rank, refresh, lozo_momentum
@@ -108,10 +108,18 @@ class LowRankZO(ForwardOnlyBase):
         self.estimator, self.q = self.kind.name, 1  # one two-point probe along one direction
         self.model = model
         self.steps = 0
-        if not lozo_momentum:
+        if not lozo_momentum and self.d:
             self.state[self.space.params[0]]["velocity"] = torch.zeros(self.d, dtype=self.space.dtype,
                                                                        device=self.space.device)
         self._init_forward_only(build_evaluator(ProbePath(bn_update=bn_update), model, "LowRankZO"), generator)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with frozen parameters (``requires_grad=False``) left out: never probed nor moved."""
+        group = dict(param_group)
+        ps = group.get("params")
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
+        group["params"] = [p for p in ps if (p[1] if isinstance(p, tuple) else p).requires_grad]
+        super().add_param_group(group)
 
     @property
     def forwards_per_step(self) -> int:
@@ -148,6 +156,8 @@ class LowRankZO(ForwardOnlyBase):
     def step(self, closure: Callable[[], torch.Tensor] | None = None, *,  # type: ignore[override]
              batch: Batch | None = None) -> torch.Tensor:
         closure = self.check_closure(closure, batch)
+        if not self.d:
+            return self.idle_step(closure)
         group = self.param_groups[0]
         bases, cores, z = self.draw()
         plan = self.kind.plan(mu=group["mu"], z=z[None], interleaved=True, accumulate="sequential")
@@ -180,7 +190,7 @@ class LowRankZO(ForwardOnlyBase):
                 st["momentum"].lerp_(fresh, 1 - beta)
             N = st["momentum"]
             blocks.append((N if base is None else N @ base[1].t()).reshape(-1))
-        self.space.add_(torch.cat(blocks), alpha=-group["lr"])
+        self.space.add_(torch.cat(blocks), alpha=-float(group["lr"]))  # a one-element tensor lr: its number
 
 
 @register_builder("subzero", "lozo", "lozo-m")

@@ -191,7 +191,7 @@ def test_build_optimizer_passes_refresh_and_refuses_it_elsewhere():
     opt = build_optimizer("szo-rge", model, subspace=sub, scale="absolute", refresh=5, start="current")
     assert opt.refresh == 5
     with pytest.raises(ValueError, match="'refresh' .* applies to methods 'szo-cge', 'szo-rge', 'szo-1pt', "
-                                         "'szo-cge-1pt'; method 'bp-subspace' does not use it"):
+                                         "'szo-cge-1pt', 'subzero', 'lozo', 'lozo-m'; method 'bp-subspace' does not use it"):
         build_optimizer("bp-subspace", model, subspace=sub, scale="absolute", refresh=5, start="current")
 
 

@@ -17,7 +17,7 @@ tolerances are listed in :data:`TORCH_ONLY` with the reason none of them can app
 The bodies are written here, not copied (PyTorch's file is BSD-licensed; this project keeps other
 projects' code out of its tree): they follow PyTorch's as published. A body that fails for a method is
 a defect of that method (issue 48 lists those fixed), not a changed body. The pairs another change of
-issue 48 fixes (load_state_dict hooks) are marked xfail in :data:`OWNED_ELSEWHERE`, not strict.
+issue 48 fixes would be marked xfail in :data:`OWNED_ELSEWHERE` (empty: all of them landed).
 """
 from __future__ import annotations
 
@@ -94,11 +94,9 @@ NOT_APPLICABLE[("non_empty_state", "asyncfgd")] = NOT_APPLICABLE[("non_empty_sta
 
 # (body, method) -> the issue-48 item another helper fixes: run, and expected to fail until that fix is merged
 # (not strict: they pass once it is)
-OWNED_ELSEWHERE: dict[tuple[str, str], str] = {
-    ("load_state_dict_post_hooks", m): "issue 48 item 5 (helper 'harden'): load_state_dict post hooks run before the "
-                                       "optimizer's own sections are decoded, and one that writes optimizer.state "
-                                       "crashes the load"
-    for m in METHODS if m not in ("bp",) and m in FLOAT_PARAMS}
+#: pairs whose fix belongs to other work, run as xfail (not strict); empty since issue 48 item 5 (the
+#: load_state_dict hook order) landed: every body runs and must pass
+OWNED_ELSEWHERE: dict[tuple[str, str], str] = {}
 
 TORCH_ONLY = {
     "test_optim_infos_do_not_specify_global_cliquey_kwargs": "checks torch's own optim_db entries (no foreach / fused / "

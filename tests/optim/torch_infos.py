@@ -95,6 +95,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "wp-zo": dict(lr=1e-3, mu=1e-3, momentum=0.0),
     "awp-zo": dict(lr=1e-3, mu=1e-3, momentum=0.0),
 }
+for _m in ("subzero", "lozo", "lozo-m"):  # LOZO takes no momentum; LOZO-M's beta 0: its plain form
+    SETTINGS[_m] = dict(lr=1e-3, mu=1e-3, momentum=0.0)
 for _m in ("szo-cge", "szo-rge", "szo-1pt", "szo-cge-1pt"):
     SETTINGS[_m] = dict(lr=1e-3, mu=1e-3, momentum=0.0, q=4, scale="absolute")
 
@@ -130,12 +132,15 @@ def holder_of(tensors: list[torch.Tensor]) -> nn.Module:
 
 
 def random_subspace(model: nn.Module, k: int = K) -> SimpleNamespace:
-    """An orthonormal ``[d, min(k, d)]`` basis over the model's parameters, its reference where they are."""
+    """An orthonormal ``[d, min(k, d)]`` basis over the model's parameters, through the origin: the same
+    subspace for every optimizer over equal shapes (a state is bound to its basis and reference point,
+    issue 49; the bodies build a second optimizer over equal parameters and load the first one's state),
+    the parameters kept where they are (``start="current"``)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
     g = torch.Generator().manual_seed(1)
     k = max(1, min(k, flat.numel()))
     basis = torch.linalg.qr(torch.randn(flat.numel(), k, generator=g, dtype=torch.float64))[0].float()
-    return SimpleNamespace(basis=basis, layout=None, reference=flat.clone(), eigenvalues=torch.ones(k))
+    return SimpleNamespace(basis=basis, layout=None, reference=torch.zeros_like(flat), eigenvalues=torch.ones(k))
 
 
 class Registered:
