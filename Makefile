@@ -42,11 +42,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check szo subspace_store tests bench examples
 
+# one torch thread per test process (tiny tensors; tests/conftest.py does the same when OMP_NUM_THREADS is unset)
+TEST_THREADS ?= 1
+
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 quick: lint
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

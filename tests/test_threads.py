@@ -1,0 +1,131 @@
+"""The thread policy (szo.threads): torch's default, the user's explicit count, the measured choice,
+its record in a run's results and its reuse on resume; fit puts the process's count back."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+
+import szo.threads as T
+from szo.config import load_recipe
+from szo.losses import tet_loss
+from szo.models import create
+from szo.rundir import config_differences
+from szo.train import fit
+
+
+@pytest.fixture
+def threads_back():
+    n = torch.get_num_threads()
+    yield n
+    torch.set_num_threads(n)
+
+
+def test_default_threads_is_what_torch_starts_with():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    code = "import torch, szo.threads as t; print(torch.get_num_threads(), t.default_threads())"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    torch_n, ours = map(int, got.stdout.split())
+    assert ours == torch_n
+
+
+def test_explicit_counts_are_respected(monkeypatch, threads_back):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    assert T.explicit_threads() == (1, "OMP_NUM_THREADS")
+    c = T.choose_threads("auto", lambda: pytest.fail("an explicit count is not measured"))
+    assert (c.threads, c.source) == (1, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    torch.set_num_threads(T.default_threads() + 1)
+    assert T.explicit_threads() == (T.default_threads() + 1, "torch.set_num_threads")
+    torch.set_num_threads(T.default_threads())
+    assert T.explicit_threads() is None
+    c = T.choose_threads(3, lambda: pytest.fail("a set count is not measured"))
+    assert (c.threads, c.source, c.setting) == (3, "setting", 3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "many", 1.5, True])
+def test_bad_setting_is_one_value_error(bad):
+    with pytest.raises(ValueError, match="threads must be 'auto' or a positive int"):
+        T.choose_threads(bad, None)
+    with pytest.raises(ValueError, match="threads"):
+        load_recipe("digits-bp", [("threads", bad)])
+
+
+def test_candidates_and_pick():
+    assert T.candidate_threads(1) == [1]
+    assert T.candidate_threads(2) == [1, 2]
+    assert T.candidate_threads(6) == [1, 2, 4, 6]
+    assert T._pick({1: 1.0, 2: 0.97}) == 1  # within the margin: fewer threads
+    assert T._pick({1: 1.0, 2: 0.5, 4: 0.49}) == 2
+    assert T._pick({1: 0.2, 2: 0.5}) == 1
+
+
+def test_measured_choice_times_every_candidate_and_restores(monkeypatch, threads_back):
+    monkeypatch.setattr(T, "explicit_threads", lambda: None)
+    seen = []
+
+    def work():  # fastest at 2 threads, by construction
+        seen.append(torch.get_num_threads())
+        if torch.get_num_threads() != 2:
+            sum(range(200_000))
+
+    torch.set_num_threads(1)
+    c = T.choose_threads("auto", work, candidates=[1, 2, 3], rounds=3)
+    assert torch.get_num_threads() == 1  # measuring leaves the process's count
+    assert (c.threads, c.source) == (2, "measured")
+    assert sorted(set(seen)) == [1, 2, 3] and len(seen) == 3 * 4  # warm-up + 3 rounds per count
+    assert set(c.record()["timings_ms"]) == {"1", "2", "3"}
+    with c.scope():
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
+
+
+def test_threads_is_harmless_on_resume():
+    a = load_recipe("digits-bp").to_dict()
+    b = load_recipe("digits-bp", ["threads=1"]).to_dict()
+    assert config_differences(a, b) == []
+
+
+def _digits_run(tmp_path, resume=False, threads="auto"):
+    d = load_digits()
+    x = torch.tensor(d.images[:64], dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target[:64], dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    train = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=g)
+    test = DataLoader(TensorDataset(x, y), batch_size=64)
+    torch.manual_seed(0)  # test-only: a fixed initial model
+    model = create("spike_convnet", T=2, width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return fit(model, train, test, opt, epochs=1, loss_fn=tet_loss, run_dir=tmp_path, generator=g, progress=False,
+               plot=False, resume=resume, threads=threads)
+
+
+def test_fit_records_the_choice_and_a_resume_reuses_it(tmp_path, monkeypatch, threads_back):
+    monkeypatch.setattr(T, "explicit_threads", lambda: None)
+    monkeypatch.setattr(T, "candidate_threads", lambda cores=None: [1, 2])
+    torch.set_num_threads(1)
+    summary = _digits_run(tmp_path)
+    rec = summary["threads"]
+    assert rec["source"] == "measured" and rec["threads"] in (1, 2) and set(rec["timings_ms"]) == {"1", "2"}
+    assert json.loads((tmp_path / "results.json").read_text())["threads"] == rec
+    assert json.loads((tmp_path / T.THREADS_FILE).read_text()) == rec
+    assert torch.get_num_threads() == 1  # fit puts the caller's count back
+    # a resumed run reads the recorded count instead of measuring again (here: a count it would not pick)
+    (tmp_path / T.THREADS_FILE).write_text(json.dumps({**rec, "threads": 3}))
+    monkeypatch.setattr(T, "time_threads", lambda *a, **k: pytest.fail("a resumed run does not measure"))
+    again = _digits_run(tmp_path, resume=True)
+    assert again["threads"]["threads"] == 3 and again["threads"]["source"] == "resumed"
+    assert torch.get_num_threads() == 1
+
+
+def test_fit_with_an_explicit_count(tmp_path, threads_back):
+    torch.set_num_threads(1)
+    summary = _digits_run(tmp_path, threads=2)
+    assert summary["threads"] == {"threads": 2, "source": "setting", "setting": 2, "cores": T.physical_cores()}
+    assert torch.get_num_threads() == 1
