@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--scale", default=None,
                     help="szo.scale of the subspace runs (default: the recipes', trajectory); absolute: the paper's "
                          "units with the hand-tuned digits values (mu 1 / lr 1, SZO-RGE mu 0.3 / lr 0.02 or 0.3)")
+    dd.add_argument("--workers", type=int, default=None,
+                    help="processes for the subspace runs after BPTT, one torch thread each (default: one per physical "
+                         "core on the CPU; 1: one process, threads chosen by measurement)")
     dd.set_defaults(func=Run("szo.commands.demo:run_digits"))
 
     rp = sub.add_parser("report", help="paper-style tables and plots from run directories")

@@ -42,11 +42,15 @@ from szo.io import atomic_write_json
 from szo.schema import check_threads  # the setting's value rule, next to the setting
 
 __all__ = ["MARGIN", "ThreadChoice", "check_threads", "default_threads", "physical_cores", "explicit_threads",
-           "candidate_threads", "time_threads", "choose_threads", "recommend", "THREADS_FILE"]
+           "candidate_threads", "time_threads", "DROP", "choose_threads", "recommend", "THREADS_FILE"]
 
 MARGIN = 0.05
 """A larger thread count is chosen only when its median time is more than this fraction below the best
 smaller count's (ties go to fewer threads: the cores left idle serve other jobs)."""
+
+DROP = 3.0
+"""A candidate count whose warm-up forward took more than this many times the fastest one is not timed
+again (:func:`time_threads`)."""
 
 THREADS_FILE = "threads.json"
 """Where a run directory records its thread choice (a resumed run reads it back)."""
@@ -115,23 +119,27 @@ def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int 
                  budget_s: float = 10.0) -> dict[int, float]:
     """Median seconds of one ``work()`` call at each thread count: one warm-up call per count, then
     ``rounds`` rounds that visit every count once (alternating, so each count sees the same machine
-    load), fewer rounds (at least 2) when the warm-up says ``budget_s`` would be exceeded. The
-    process's thread count is put back afterwards."""
-    times: dict[int, list[float]] = {n: [] for n in candidates}
-    warm = 0.0
+    load), fewer rounds (at least 2) when the warm-up says ``budget_s`` would be exceeded. A count whose
+    warm-up took more than :data:`DROP` times the fastest warm-up is not timed again (its warm-up is
+    its time: on a loaded machine one 2-thread forward can take 20x a 1-thread one). The process's
+    thread count is put back afterwards."""
+    warm: dict[int, float] = {}
     for n in candidates:
         with _threads(n):
             t = time.perf_counter()
             work()
-            warm += time.perf_counter() - t
-    rounds = max(2, min(rounds, int(budget_s / max(warm, 1e-9))))
+            warm[n] = time.perf_counter() - t
+    fastest = min(warm.values())
+    timed = [n for n in candidates if warm[n] <= DROP * fastest]
+    times: dict[int, list[float]] = {n: [] for n in timed}
+    rounds = max(2, min(rounds, int(budget_s / max(sum(warm[n] for n in timed), 1e-9))))
     for _ in range(rounds):
-        for n in candidates:
+        for n in timed:
             with _threads(n):
                 t = time.perf_counter()
                 work()
                 times[n].append(time.perf_counter() - t)
-    return {n: statistics.median(v) for n, v in times.items()}
+    return {n: statistics.median(times[n]) if n in times else warm[n] for n in candidates}
 
 
 def _pick(timings: Mapping[int, float]) -> int:

@@ -70,10 +70,9 @@ def test_measured_choice_times_every_candidate_and_restores(monkeypatch, threads
     monkeypatch.setattr(T, "explicit_threads", lambda: None)
     seen = []
 
-    def work():  # fastest at 2 threads, by construction
+    def work():  # fastest at 2 threads, by construction (within DROP of the others: all are timed)
         seen.append(torch.get_num_threads())
-        if torch.get_num_threads() != 2:
-            sum(range(200_000))
+        sum(range(100_000 if torch.get_num_threads() == 2 else 200_000))
 
     torch.set_num_threads(1)
     c = T.choose_threads("auto", work, candidates=[1, 2, 3], rounds=3)
@@ -84,6 +83,18 @@ def test_measured_choice_times_every_candidate_and_restores(monkeypatch, threads
     with c.scope():
         assert torch.get_num_threads() == 2
     assert torch.get_num_threads() == 1
+
+
+def test_a_far_slower_count_is_timed_once(monkeypatch, threads_back):
+    seen = []
+
+    def work():
+        seen.append(torch.get_num_threads())
+        sum(range(400_000 if torch.get_num_threads() == 2 else 10_000))
+
+    got = T.time_threads(work, [1, 2], rounds=3)
+    assert seen.count(2) == 1 and seen.count(1) == 4
+    assert got[2] > T.DROP * got[1]
 
 
 def test_threads_is_harmless_on_resume():
