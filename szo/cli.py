@@ -158,6 +158,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("study", "evidence studies (szo study subspaces BP_RUN | q RECIPE | precision RECIPE | shift BP_RUN)",
             "szo.study.cli:add_study_arguments"),
     Command("subspace", "build / list / show / remove trajectory subspaces", "subspace_store.cli:add_subcommands"),
+    Command("threads", "the fastest torch thread count for a recipe's model on this machine, and how to set it",
+            "szo.commands.threads:add_arguments"),
 )
 """szo's own subcommands besides ``recipe``, ``demo`` and ``report`` (built in :func:`build_parser`)."""
 DEMOS: tuple[Command, ...] = (

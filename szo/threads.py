@@ -23,7 +23,7 @@ measures it:
 :meth:`ThreadChoice.scope` sets the count for a block and puts the process's count back afterwards, so
 ``fit`` leaves the caller's process as it found it. The library's optimizers (``szo.SZO`` in someone
 else's loop) never touch the thread count; :func:`recommend` prints the advice for a model and a batch
-(``python -m szo.threads RECIPE``).
+(``szo threads RECIPE``).
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,11 +12,15 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 import szo.threads as T
+from szo.cli import main
 from szo.config import load_recipe
+from szo.engine import BatchedProbeEvaluator, batch_closure
 from szo.losses import tet_loss
 from szo.models import create
+from szo.optim import SZO
 from szo.rundir import config_differences
 from szo.train import fit
+from szo.zo import ProbePath
 
 
 @pytest.fixture
@@ -140,3 +145,35 @@ def test_fit_with_an_explicit_count(tmp_path, threads_back):
     summary = _digits_run(tmp_path, threads=2)
     assert summary["threads"] == {"threads": 2, "source": "setting", "setting": 2, "cores": T.physical_cores()}
     assert torch.get_num_threads() == 1
+
+
+def test_szo_threads_command_prints_the_advice(capsys, threads_back):
+    assert main(["threads", "digits-bp", "--set", "data.batch_size=8", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest:" in out and "torch.set_num_threads(" in out
+    assert "1: " in out  # one thread is always a candidate
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_probes_folded_into_the_batch_equal_the_loop(threads, threads_back):
+    """The probe-parallel path on the CPU (the batched engine: a step's probes folded into one forward, so
+    intra-op threads have a wide tensor to share) gives the sequential loop's probe losses (one thread),
+    to float rounding: grouped convolutions sum in another order (docs/performance.md, "Threads")."""
+    torch.manual_seed(0)  # test-only: a fixed model and batch
+    model = create("spike_convnet", T=4, width=16).train()
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(model.num_params(), 20, generator=g))[0]
+    opt = SZO(model.parameters(), SimpleNamespace(basis=basis, layout=None), mu=0.05, model=model, estimator="cge",
+              generator=torch.Generator().manual_seed(0), probes=ProbePath(bn_update="probe-mean"))
+    x, y = torch.rand(64, 1, 8, 8, generator=g) * 2, torch.randint(0, 10, (64,), generator=g)
+    plan = opt.plan()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.set_num_threads(1)
+    loop = opt.evaluate(lambda: tet_loss(model(x), y), plan)
+    model.load_state_dict(start)
+    torch.set_num_threads(threads)
+    ev = BatchedProbeEvaluator(opt.guard, model)
+    with ev.session():
+        folded = ev.run(batch_closure(model, tet_loss, x, y), opt.space, plan)
+    assert folded.shape == loop.shape == (40,) and loop.unique().numel() > 1
+    torch.testing.assert_close(folded, loop, rtol=1e-5, atol=0.0)
