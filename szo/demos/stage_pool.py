@@ -35,7 +35,6 @@ def default_workers(jobs: int, device: str) -> int:
 
 
 def _init_worker(threads: int) -> None:
-    os.environ["TQDM_DISABLE"] = "1"  # tqdm >= 4.66 reads it: no interleaved progress bars
     torch.set_num_threads(threads)
 
 
@@ -48,8 +47,23 @@ def run_stages(jobs: Sequence[tuple[str, Callable[..., Any], tuple, dict]], work
     directories resume later)."""
     user = explicit_threads()
     threads = user[0] if user is not None else 1
-    results: dict[str, Any] = {}
     ctx = mp.get_context("spawn")
+    # tqdm (>= 4.66) reads TQDM_DISABLE when it is imported, before a worker's initializer runs: the
+    # workers inherit it from this process's environment while the pool starts them (no interleaved bars)
+    saved = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        return _run(jobs, workers, done, threads, ctx)
+    finally:
+        if saved is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved
+
+
+def _run(jobs: Sequence[tuple[str, Callable[..., Any], tuple, dict]], workers: int,
+         done: Callable[[str, Any], None] | None, threads: int, ctx: Any) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                 initargs=(threads,)) as pool:
         futures = {pool.submit(fn, *args, **kwargs): name for name, fn, args, kwargs in jobs}
