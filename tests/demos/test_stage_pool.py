@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from szo.demos.stage_pool import default_workers, run_stages
 from szo.losses import tet_loss
 from szo.models import create
+from szo.pipeline import run_demo_digits
 from szo.threads import physical_cores
 from szo.train import fit, read_metrics
 
@@ -55,3 +56,9 @@ def test_default_workers():
     assert default_workers(7, "cpu") == min(physical_cores(), 7)
     assert default_workers(1, "cpu") == 1
     assert default_workers(7, "cuda") == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_demo_workers_must_be_positive(tmp_path, bad):
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        run_demo_digits(tmp_path, progress=False, workers=bad)
