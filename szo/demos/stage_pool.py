@@ -9,14 +9,13 @@ the process it runs in: a stage's result equals the same stage run alone with on
 (tests/demos/test_stage_pool.py).
 
 The user's explicit thread count (``OMP_NUM_THREADS``, ``torch.set_num_threads``) is each worker's count
-instead of one. Progress bars are off in the workers (several bars on one terminal interleave); each
-stage prints its one-line summary when it ends, in the order the stages end.
+instead of one. Each stage prints its one-line summary when it ends, in the order the stages end; the
+stages' own progress bars (their ``progress`` setting) share the terminal and overwrite each other.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
-import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,17 +47,7 @@ def run_stages(jobs: Sequence[tuple[str, Callable[..., Any], tuple, dict]], work
     user = explicit_threads()
     threads = user[0] if user is not None else 1
     ctx = mp.get_context("spawn")
-    # tqdm (>= 4.66) reads TQDM_DISABLE when it is imported, before a worker's initializer runs: the
-    # workers inherit it from this process's environment while the pool starts them (no interleaved bars)
-    saved = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        return _run(jobs, workers, done, threads, ctx)
-    finally:
-        if saved is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = saved
+    return _run(jobs, workers, done, threads, ctx)
 
 
 def _run(jobs: Sequence[tuple[str, Callable[..., Any], tuple, dict]], workers: int,
