@@ -53,11 +53,14 @@ test-kernels: $(STAMP)
 	@for cap in $$($(KERNEL_CAPS)); do echo "make test-kernels: ATEN_CPU_CAPABILITY=$$cap"; \
 	ATEN_CPU_CAPABILITY=$$cap OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m kernels tests || exit 1; done
 
+# one torch thread per test process (tiny tensors; tests/conftest.py does the same when OMP_NUM_THREADS is unset)
+TEST_THREADS ?= 1
+
 test: lint test-kernels
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 quick: lint
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

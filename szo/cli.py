@@ -158,6 +158,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("study", "evidence studies (szo study subspaces BP_RUN | q RECIPE | precision RECIPE | shift BP_RUN)",
             "szo.study.cli:add_study_arguments"),
     Command("subspace", "build / list / show / remove trajectory subspaces", "subspace_store.cli:add_subcommands"),
+    Command("threads", "the fastest torch thread count for a recipe's model on this machine, and how to set it",
+            "szo.commands.threads:add_arguments"),
 )
 """szo's own subcommands besides ``recipe``, ``demo`` and ``report`` (built in :func:`build_parser`)."""
 DEMOS: tuple[Command, ...] = (
@@ -244,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--scale", default=None,
                     help="szo.scale of the subspace runs (default: the recipes', trajectory); absolute: the paper's "
                          "units with the hand-tuned digits values (mu 1 / lr 1, SZO-RGE mu 0.3 / lr 0.02 or 0.3)")
+    dd.add_argument("--workers", type=int, default=None,
+                    help="processes for the subspace runs after BPTT, one torch thread each (default: one per physical "
+                         "core on the CPU; 1: one process, threads chosen by measurement)")
     dd.set_defaults(func=Run("szo.commands.demo:run_digits"))
 
     rp = sub.add_parser("report", help="paper-style tables and plots from run directories")

@@ -209,7 +209,7 @@ def _check_method_options(full: RecipeConfig) -> None:
 
 
 SOURCE_SECTIONS: tuple[str, ...] = ("model", "bptt", "trajectory", "subspace", "seed", "device", "progress",
-                                     "precision", "compile", "cuda_graphs")
+                                     "precision", "compile", "cuda_graphs", "threads")
 """What a subspace recipe hands its ``source``'s BPTT stage: the same model, BPTT stage, trajectory,
 store entry and run settings; the source gives its data and loss (an adaptation recipe's clean pretraining)."""
 

@@ -46,6 +46,7 @@ from szo import distributed as D
 from szo.adapt.stage import tta_stage
 from szo.build import build_model, load_run_model, subspace_store_for
 from szo.config import RecipeConfig, load_recipe
+from szo.demos.stage_pool import default_workers, run_stages
 from szo.models.base import SpikingModel
 from szo.prepare import optimizer_options, preflight
 from szo.report import collect_runs, render, write_report
@@ -143,7 +144,8 @@ DIGITS_RGE_QK2_UNITS = ("szo.scale=absolute", "szo.mu=0.3", "train.lr=0.3")
 
 
 def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "cpu", full_space: bool = True,
-                    progress: bool = True, seed: int = 0, scale: str | None = None) -> dict[str, Any]:
+                    progress: bool = True, seed: int = 0, scale: str | None = None,
+                    workers: int | None = None) -> dict[str, Any]:
     """The digits quickstart (``make demo``): BPTT with trajectory -> k=20 subspace -> BP-Subspace,
     SZO-CGE, SZO-RGE(q=1), SZO-RGE(q=k/2) from scratch, a continual SZO-CGE run in a last-epochs
     subspace, optionally full-space ZO-CGE (SNN and its ReLU ANN twin, same 2k forwards per step),
@@ -152,12 +154,17 @@ def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "
     ``trajectory`` with its mu / lr; ``"absolute"``: the paper's units, :data:`PAPER_UNITS` and the
     hand-tuned SZO-RGE values). Every stage's config is loaded (and so checked) before any work.
     Re-running continues: finished runs are kept (a run directory trained with other settings is
-    refused in one line), interrupted ones resume from their checkpoints. Returns {run name: summary}."""
+    refused in one line), interrupted ones resume from their checkpoints. Returns {run name: summary}.
+    ``workers``: processes for the subspace runs after the BPTT stage, one torch thread each
+    (``szo.demos.stage_pool``; None: one per physical core on the CPU, 1: all in this process with
+    the run's own thread policy)."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be a positive int (processes for the demo's subspace runs) or None, got {workers!r}")
     out = Path(out_dir)
     stages = _demo_configs(out, device, full_space, progress, seed, scale)
     out.mkdir(parents=True, exist_ok=True)
     with run_lock(out):  # the demo's directory; every stage in it holds its own
-        return _demo_digits(out, device, progress, stages)
+        return _demo_digits(out, device, progress, stages, workers)
 
 
 def _demo_configs(out: Path, device: str, full_space: bool, progress: bool, seed: int,
@@ -184,9 +191,16 @@ def _demo_configs(out: Path, device: str, full_space: bool, progress: bool, seed
             ("continual-szo-cge", load_recipe("digits-continual", [*base, *units(PAPER_UNITS)]))]
 
 
-def _demo_digits(out: Path, device: str, progress: bool, stages: list[tuple[str, RecipeConfig]]) -> dict[str, Any]:
+def _demo_digits(out: Path, device: str, progress: bool, stages: list[tuple[str, RecipeConfig]],
+                 workers: int | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     summaries: dict[str, Any] = {}
+
+    def report(name: str, s: Mapping[str, Any]) -> None:
+        print(f"[demo] {name}: max test acc {100 * s['best_test_acc']:.2f}% (epoch {s['converged_epoch']}), "
+              f"#FP {s['fp']}, #BP {s['bp']}, {time.perf_counter() - t0:.0f} s elapsed", flush=True)
+
+    jobs: list[tuple[str, RecipeConfig]] = []  # the subspace runs still to do: independent of each other
     for name, cfg in stages:
         res = out / name / "results.json"
         kind = "bptt" if cfg["kind"] == "bp" else "subspace"
@@ -201,14 +215,23 @@ def _demo_digits(out: Path, device: str, progress: bool, stages: list[tuple[str,
         if kind == "bptt":
             print(f"[demo] {name} ...", flush=True)
             summaries[name] = run_recipe(cfg, out / name, device=device, resume=True)
-        else:
-            if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):  # the continual window subspace
-                subspace_build_stage(cfg, out / "bp", progress=progress)  # of the same BPTT run
+            report(name, summaries[name])
+            continue
+        if not subspace_store_for(cfg).exists(cfg["subspace"]["name"]):  # the continual window subspace
+            subspace_build_stage(cfg, out / "bp", progress=progress)  # of the same BPTT run
+        jobs.append((name, cfg))
+    n = default_workers(len(jobs), device) if workers is None else workers
+    if n > 1:  # cores spent across runs, one thread each (szo.demos.stage_pool)
+        print(f"[demo] {', '.join(name for name, _ in jobs)} ... ({n} worker processes, one torch thread each)",
+              flush=True)
+        summaries.update(run_stages([(name, subspace_stage, (cfg, out / name), {"device": device, "resume": True})
+                                     for name, cfg in jobs], n, done=report))
+    else:
+        for name, cfg in jobs:
             print(f"[demo] {name} ...", flush=True)
             summaries[name] = subspace_stage(cfg, out / name, device=device, resume=True)
-        s = summaries[name]
-        print(f"[demo] {name}: max test acc {100 * s['best_test_acc']:.2f}% (epoch {s['converged_epoch']}), "
-              f"#FP {s['fp']}, #BP {s['bp']}, {time.perf_counter() - t0:.0f} s elapsed", flush=True)
+            report(name, summaries[name])
+    summaries = {name: summaries[name] for name, _ in stages}
     runs_found = collect_runs([out / n for n in summaries])
     md = render(runs_found)
     write_report(runs_found, out)

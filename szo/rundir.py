@@ -41,7 +41,7 @@ HARMLESS_KEYS = (
     "description", "progress", "device", "data.data_dir", "data.download", "data.num_workers",
     "data.test_batch_size", "bptt.eval_every", "train.eval_every", "bptt.checkpoint_every_steps",
     "train.checkpoint_every_steps", "subspace.root", "distributed.timeout_s", "log.tensorboard",
-    "federated.eval_every", "federated.round_timeout_s", "federated.startup_timeout_s",
+    "federated.eval_every", "federated.round_timeout_s", "federated.startup_timeout_s", "threads",
 )
 def _node_losses(flat: Mapping[str, Any]) -> str:
     """szo.node_losses of a run written before it existed: node perturbation weighed every node by the

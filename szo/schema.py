@@ -57,6 +57,13 @@ FEDERATED_SPACES: tuple[str, ...] = typing.get_args(FederatedSpace)
 FEDERATED_OPTIMIZERS: tuple[str, ...] = typing.get_args(FederatedOptimizer)
 
 
+def check_threads(value: Any) -> None:
+    """The ``threads`` setting (``szo.threads``): ``auto`` or a positive int; one ValueError otherwise."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise ValueError(f"threads must be 'auto' or a positive int (torch's intra-op threads), got {value!r}")
+
+
 # ----------------------------------------------------------------------------- the schema
 def _free() -> dict[str, Any]:
     return {}
@@ -477,6 +484,10 @@ class RecipeConfig(Section):
     # szo.precision.AUTO: fp32 for BPTT and for forward-only probes, docs/evidence.md "Precision");
     # PyTorch's own defaults are never used
     precision: Precision = "auto"
+    # torch's intra-op CPU threads in every stage (szo.threads): auto (a few forwards timed at 1 ... cores
+    # threads when the stage starts; the choice and its timings go into results.json, and a resumed run
+    # reuses it) | N. An explicit OMP_NUM_THREADS or torch.set_num_threads in the process wins over auto
+    threads: int | str = _opt("auto", check=lambda: check_threads)
     # replay the no-grad forwards (every SZO probe, the BN forward, evaluation) as captured CUDA graphs
     # (szo.models.graphed): same result, fewer kernel launches; CUDA only (CPU forwards stay eager)
     cuda_graphs: bool = False

@@ -184,7 +184,7 @@ def _bptt(cfg: RecipeConfig, run_dir: Path, *, device: str, resume: bool, build:
                   device=device, run_dir=run_dir, callbacks=[TrajectoryCallback(rec), *metric_sinks(cfg, run_dir)],
                   generator=g, resume=resume, eval_every=st["eval_every"], progress=cfg.progress,
                   max_steps_per_epoch=st["max_steps_per_epoch"], checkpoint_every_steps=st["checkpoint_every_steps"],
-                  info=_info(cfg, "bp", "bptt"), pins=run_pins(cfg), precision=cfg.precision,
+                  info=_info(cfg, "bp", "bptt"), pins=run_pins(cfg), precision=cfg.precision, threads=cfg.threads,
                   check_pins=lambda saved: check_pins(run_dir, saved, cfg, "bptt"))
     save_weights(run_dir / "model.safetensors", model.state_dict(),
                  {"model": cfg.model.name, "fingerprint": model.fingerprint()})
@@ -262,7 +262,7 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
                    device=device, run_dir=run_dir, generator=g, resume=resume, eval_every=tr["eval_every"],
                    progress=cfg.progress, max_steps_per_epoch=tr["max_steps_per_epoch"],
                    checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg.bn_stats,
-                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks], precision=cfg.precision,
+                   parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks], precision=cfg.precision, threads=cfg.threads,
                    pins=run_pins(cfg, digest), check_pins=lambda saved: check_pins(run_dir, saved, cfg, "subspace", digest))
 
 

@@ -35,9 +35,18 @@ def _test_device(config) -> str:
 
 
 def pytest_configure(config):
-    """A device asked for and not there stops the session in one line (no silent CPU run)."""
+    """A device asked for and not there stops the session in one line (no silent CPU run).
+
+    One torch thread per test process unless OMP_NUM_THREADS says otherwise: the tests' tensors are
+    tiny, so more threads only spin against each other and against the other jobs of a shared
+    machine (docs/performance.md, "Threads"); it also makes ``threads: auto`` in the tests' runs see
+    an explicit count and not time anything. A test that needs another count sets and restores it."""
+    import os
+
     import torch
 
+    if not os.environ.get("OMP_NUM_THREADS", "").strip():
+        torch.set_num_threads(1)
     dev = _test_device(config)
     valid = dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())
     if not valid:

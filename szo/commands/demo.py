@@ -1,4 +1,4 @@
-"""``szo demo digits [--out DIR] [--device D] [--no-full-space] [--seed S] [--scale absolute]``: the digits quickstart
+"""``szo demo digits [--out DIR] [--device D] [--no-full-space] [--seed S] [--scale absolute] [--workers N]``: the digits quickstart
 (``szo.pipeline.run_demo_digits``: BPTT -> subspace -> BP-Subspace / SZO-CGE / SZO-RGE + table)."""
 from __future__ import annotations
 
@@ -11,5 +11,5 @@ __all__ = ["run_digits"]
 
 def run_digits(args: argparse.Namespace) -> int:
     run_demo_digits(args.out, device=args.device, full_space=not args.no_full_space, seed=args.seed,
-                    scale=args.scale)
+                    scale=args.scale, workers=args.workers)
     return 0

@@ -35,6 +35,7 @@ writes metrics.jsonl, checkpoints, results.json and the plot, and shows progress
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -59,6 +60,7 @@ from szo.io import atomic_write_json
 from szo.methods import current_name
 from szo.plots import plot_training_curve
 from szo.precision import check_precision, precision_policy
+from szo.threads import ThreadChoice, check_threads, choose_threads, fit_workload
 from szo.train.callbacks import Callback, MetricsLogger
 from szo.train.checkpoint import checkpoint_from_bytes, checkpoint_path, read_checkpoint_bytes, save_checkpoint
 from szo.zo import Batch, HasSubspace, bn_layers, is_forward_only
@@ -152,10 +154,12 @@ class FitOptions:
     pins: Mapping[str, Any] | None = None
     check_pins: Callable[[Mapping[str, Any]], None] | None = None
     precision: str = "auto"
+    threads: Any = "auto"
 
     def check(self, train_loader: Any) -> None:
         """One ValueError for a bad setting, before anything runs."""
         check_precision(self.precision)
+        check_threads(self.threads)
         if self.bn_stats not in ("batch", "deployed"):
             raise ValueError(f"unknown bn_stats {self.bn_stats!r}; valid: batch, deployed")
         positive_int("epochs", self.epochs)
@@ -326,10 +330,12 @@ class Trainer:
         self.state = RunState(epoch=options.start_epoch)
         self.ckpt_sha: str | None = None
         self.t_wall0 = time.perf_counter()
+        self.threads: ThreadChoice | None = None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
-        with self.precision.scope():  # the run's arithmetic (szo.precision), PyTorch's flags put back after
+        with self.precision.scope(), contextlib.ExitStack() as scopes:  # PyTorch's flags put back after
+            self._scopes = scopes  # the thread count's scope enters once the resume is known (szo.threads)
             return self._run()
 
     def _run(self) -> dict[str, Any]:
@@ -339,6 +345,7 @@ class Trainer:
         logger = MetricsLogger(self.run_dir / "metrics.jsonl") if self.main else None
         self.model.to(o.device)
         resumed = self._resume()
+        self._set_threads()
         s = self.state  # the checkpoint's, when resumed
         if self.par is not None:
             self.par.broadcast_model(self.model)  # once; afterwards identical updates keep the ranks in sync
@@ -377,6 +384,19 @@ class Trainer:
             print(f"resuming {self.run_dir} after step {s.step}: {where}"
                   f"{f' (method {self.method})' if self.method else ''}", flush=True)
         return True
+
+    def _set_threads(self) -> None:
+        """The run's intra-op thread count (``threads``: szo.threads), held until the run ends and
+        recorded in ``run_dir/threads.json`` for a resumed run."""
+        o = self.o
+        why = ("multi-process run" if self.par is not None
+               else f"device {o.device}" if torch.device(o.device).type != "cpu" else None)
+        work = None if why is not None or o.threads != "auto" else fit_workload(
+            self.model, self.train_loader, o.device, backward=not self.steps.forward_only)
+        self.threads = choose_threads(o.threads, work, run_dir=self.run_dir, resume=o.resume, not_measured=why)
+        self._scopes.enter_context(self.threads.scope())
+        if self.main:
+            self.threads.save(self.run_dir)
 
     # ------------------------------------------------------------------ one epoch
     def _start_epoch(self) -> tuple[_Epoch, Any, Any]:
@@ -535,6 +555,8 @@ class Trainer:
     def _summary(self) -> dict[str, Any]:
         summary = summarize(self.state.history, model=self.model, optimizer=self.optimizer, info=self.o.info)
         summary["precision"] = self.precision.record()
+        if self.threads is not None:
+            summary["threads"] = self.threads.record()
         for cb in self.cbs:
             summary.update(cb.results())
         return summary
@@ -581,7 +603,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     Keywords (:class:`FitOptions`): ``epochs``, ``loss_fn``, ``run_dir``, ``generator`` (required);
     ``scheduler``, ``device``, ``callbacks``, ``resume``, ``start_epoch``, ``eval_every``,
     ``progress``, ``max_steps_per_epoch``, ``checkpoint_every_steps``, ``info``, ``plot``,
-    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``, ``precision``.
+    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``, ``precision``, ``threads``.
 
     Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
     results.json (the summary, with what the callbacks' ``results()`` add) and
@@ -597,7 +619,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     trained with, whatever happened to the files around it. ``precision`` (``szo.precision``:
     ``auto`` | ``fp32`` | ``tf32`` | ``bf16``) is the arithmetic of the whole run (forwards,
     backwards, probes, evaluation), set by the package whatever PyTorch's defaults are, and
-    recorded in results.json; ``auto`` picks by whether the optimizer is forward-only.
+    recorded in results.json; ``auto`` picks by whether the optimizer is forward-only. ``threads``
+    (``szo.threads``: ``auto`` | N) is torch's intra-op thread count for the run, put back when it
+    ends; ``auto`` times a few forwards at 1 ... cores threads at the start (a resumed run reuses
+    ``run_dir/threads.json``), and an explicit ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` wins.
 
     Divergence (a non-finite loss or parameter, or a loss above ``diverge_factor`` times
     ``max(|first loss|, 1)``; ``None`` checks finiteness only) stops the run with one
