@@ -68,8 +68,6 @@ Each BN layer must run once per time step (no module reuse within a step).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as Fn
 from spikingjelly.activation_based import functional, layer
@@ -77,9 +75,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from szo.vocab import BN_TIMES, STREAM_BN_MODES
-
-if TYPE_CHECKING:  # pragma: no cover
-    from szo.models.base import SpikingModel
 
 __all__ = ["STREAM_BN_MODES", "BN_TIMES", "bn_time_of", "check_bn_time", "BatchNorm2d", "BNStream", "check_time_chunk", "check_stream_bn",
            "chunked_forward", "batch_stat_bn_layers", "bn_momentum"]
@@ -258,9 +253,10 @@ def batch_stat_bn_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
             and getattr(m, "bn_time", "shared") != "per-step"]
 
 
-def chunked_forward(model: SpikingModel, x: torch.Tensor, *, static: bool, T: int, chunk: int,
+def chunked_forward(model: nn.Module, x: torch.Tensor, *, static: bool, T: int, chunk: int,
                     stream_bn: str, persistent: bool) -> torch.Tensor:
-    """``model.forward_seq`` over chunks of ``chunk`` steps; see the module docstring.
+    """``model.forward_seq`` over chunks of ``chunk`` steps (``model``: a ``szo.models.SpikingModel``, which
+    imports this module); see the module docstring.
 
     ``x``: ``[N, C, H, W]`` (``static``: the same image at every step) or ``[T, N, ...]``.
     Neuron state is not reset at the end (the caller does that); it is reset between the
