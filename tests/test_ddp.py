@@ -33,7 +33,7 @@ def _ddp_worker(rank, world, init_file, out_dir, threads):
     try:
         model = make_model(bn=True)
         ddp = DistributedDataParallel(model)
-        opt = SZO(ddp, make_subspace(model), mu=0.1, lr=0.5, estimator="rge", q=3,
+        opt = SZO(ddp, make_subspace(model), mu=0.1, lr=0.5, estimator="rge", q=3, scale="absolute",
                   generator=torch.Generator().manual_seed(3), start="current",
                   probes=ProbePath(bn_update="recompute"))
         assert opt.distributed == "data"
@@ -62,7 +62,7 @@ def _refusal_worker(rank, world, init_file, out_dir):
     try:
         model = make_model(bn=False)
         try:
-            SZO(model, make_subspace(model), start="current")
+            SZO(model, make_subspace(model), start="current", scale="absolute")
         except ValueError as e:
             with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
                 fh.write(str(e))
@@ -116,7 +116,7 @@ def _lightning_data():
 
 
 def _szo(model, mode):
-    return SZO(model, make_subspace(model), mu=0.1, lr=0.5, estimator="rge", q=3, start="current",
+    return SZO(model, make_subspace(model), mu=0.1, lr=0.5, estimator="rge", q=3, start="current", scale="absolute",
                generator=torch.Generator().manual_seed(3), probes=ProbePath(distributed=mode))
 
 

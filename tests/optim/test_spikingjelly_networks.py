@@ -216,7 +216,7 @@ def test_every_method_trains_spikingjelly_networks_or_refuses_in_one_line(net, m
     # one two-point probe a step (SubZero / LOZO as published) sees one random direction: more steps, and
     # its loss need only go below the start somewhere on them (measured: flat PLIF losses did not descend
     # on average in 5 steps at any mu / lr tried)
-    one_probe = opt.forwards_per_step <= 3 and not spec.backprop
+    one_probe = not spec.backprop and opt.forwards_per_step <= 3
     for _ in range(20 if one_probe else 5):
         step(opt)
         losses.append(_eval_loss(model, x, y))

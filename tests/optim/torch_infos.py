@@ -131,16 +131,18 @@ def holder_of(tensors: list[torch.Tensor]) -> nn.Module:
     return holder
 
 
-def random_subspace(model: nn.Module, k: int = K) -> SimpleNamespace:
-    """An orthonormal ``[d, min(k, d)]`` basis over the model's parameters, through the origin: the same
-    subspace for every optimizer over equal shapes (a state is bound to its basis and reference point,
-    issue 49; the bodies build a second optimizer over equal parameters and load the first one's state),
-    the parameters kept where they are (``start="current"``)."""
+def random_subspace(model: nn.Module, k: int = K, *, through_origin: bool = False) -> SimpleNamespace:
+    """An orthonormal ``[d, min(k, d)]`` basis over the model's parameters, its reference where they are;
+    ``through_origin``: the reference 0, so every optimizer over equal shapes gets the same subspace (a
+    state is bound to its basis and reference point, issue 49; the bodies build a second optimizer over
+    equal parameters and load the first one's state; they keep the parameters where they are,
+    ``start="current"``)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
     g = torch.Generator().manual_seed(1)
     k = max(1, min(k, flat.numel()))
     basis = torch.linalg.qr(torch.randn(flat.numel(), k, generator=g, dtype=torch.float64))[0].float()
-    return SimpleNamespace(basis=basis, layout=None, reference=torch.zeros_like(flat), eigenvalues=torch.ones(k))
+    reference = torch.zeros_like(flat) if through_origin else flat.clone()
+    return SimpleNamespace(basis=basis, layout=None, reference=reference, eigenvalues=torch.ones(k))
 
 
 class Registered:
@@ -166,7 +168,8 @@ class Registered:
         if self.method == "bp":  # torch's SGD: the foreach kernels refuse a tensor lr; keep the loop
             kw["foreach"] = False
             return torch.optim.SGD(model.parameters(), **{k: v for k, v in kw.items() if k != "generator"})
-        return build_optimizer(self.method, model, subspace=random_subspace(model) if self.spec.subspace else None,
+        return build_optimizer(self.method, model,
+                               subspace=random_subspace(model, through_origin=True) if self.spec.subspace else None,
                                **kw)
 
     def __call__(self, params: Any, **kwargs) -> torch.optim.Optimizer:
