@@ -242,7 +242,7 @@ def test_tensor_lr(method):
         torch.manual_seed(0)
         weight, bias, inpt = Parameter(torch.randn(10, 5)), Parameter(torch.randn(10)), torch.randn(5)
         weight_c, bias_c = Parameter(weight.detach().clone()), Parameter(bias.detach().clone())
-        kwargs = {**inp.kwargs, "lr": 1e-3}
+        kwargs = {**inp.kwargs, "lr": 2.0 ** -10}  # exact in float32: the tensor lr is the same number
         opt_r = oi.optim_cls([weight, bias], **kwargs)
         opt = oi.optim_cls([weight_c, bias_c], **kwargs)
         for g in opt.param_groups:
