@@ -24,10 +24,16 @@ T = 2
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _fresh_dynamo():
+def _fresh_dynamo(tmp_path_factory):
+    # inductor's C++ cache is keyed without ATEN_CPU_CAPABILITY: kernels another run compiled with AVX2
+    # vectors fail to build against the generic kernels' headers (make test-kernels' capability), so this
+    # module compiles into a cache of its own
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()  # do not leave this module's graphs (and recompile budget) to other tests
+    mp.undo()
 
 
 def _model(seed: int = 0):
