@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from szo.recipes import deep_merge
-from szo.vocab import ACTIVATIONS, BN_TIMES, BN_UPDATES, ENGINES, MEMORY_FORMATS, SCALES, STREAM_BN_MODES
+from szo.vocab import (
+    ACTIVATIONS,
+    BN_TIMES,
+    BN_UPDATES,
+    ENGINES,
+    MEMORY_FORMATS,
+    SCALES,
+    STREAM_BN_MODES,
+    check_float32,
+)
 
 Kind = Literal["bp", "subspace", "tta"]
 Mode = Literal["scratch", "continual"]
@@ -588,26 +597,11 @@ def _check_value(key: str, v: Any, hint: Any, meta: Mapping[str, Any]) -> Any:
     return v
 
 
-FLOAT32_MAX = 3.4028234663852886e38
-"""The largest finite float32: a float setting beyond it is finite in Python's float64 but not in the
-float32 the model's forwards, probes and updates compute in (mu = 1e39 would overflow at the first probe)."""
-
-
-FLOAT32_TINY = 1.1754943508222875e-38
-"""The smallest normal float32: a nonzero float setting below it in magnitude is 0 or subnormal in the
-float32 the arithmetic runs in (lr = 1e-50 trains nothing, and reports a completed run at chance)."""
-
-
 def _check_range(key: str, v: float, meta: Mapping[str, Any]) -> None:
     lo, hi, gt, below = meta.get("min"), meta.get("max"), meta.get("gt"), meta.get("below")
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"'{key}' must be a finite number, got {v!r}")
-    if isinstance(v, float) and abs(v) > FLOAT32_MAX:
-        raise ValueError(f"'{key}' must be finite in float32, the arithmetic runs in it (|value| <= "
-                         f"{FLOAT32_MAX:.4g}), got {v!r}")
-    if isinstance(v, float) and v != 0.0 and abs(v) < FLOAT32_TINY:
-        raise ValueError(f"'{key}' is 0 or subnormal in float32, the arithmetic runs in it (0 or |value| >= "
-                         f"{FLOAT32_TINY:.4g}), got {v!r}")
+    check_float32(key, v)
     if lo is not None and v < lo:
         raise ValueError(f"'{key}' must be >= {lo}, got {v!r}")
     if gt is not None and not v > gt:

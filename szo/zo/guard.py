@@ -39,7 +39,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from typing import Callable, Iterator
 
@@ -54,6 +53,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..functional import zo as F
 from ..precision import fresh_casts
+from ..vocab import check_float32
 from .bn import BNStatsFreezer, check_bn_update
 
 __all__ = ["resolve_model", "unname", "ProbeGuard", "RandomReplay", "check_hparams", "FORWARD_ONLY_CLOSURE", "train_mode_dropout"]
@@ -123,14 +123,7 @@ def check_hparams(*, lr=None, momentum=None, mu=None, q=None) -> None:
                              f"{tuple(lr.shape)} {lr.dtype}")
         lr = float(lr)
     for name, v in (("lr", lr), ("mu", mu)):
-        if isinstance(v, float) and math.isfinite(v):
-            f32 = torch.finfo(torch.float32)
-            if abs(v) > f32.max:
-                raise ValueError(f"'{name}' must be finite in float32, the arithmetic runs in it (|value| <= "
-                                 f"{f32.max:.4g}), got {v!r}")
-            if v != 0.0 and abs(v) < f32.tiny:
-                raise ValueError(f"'{name}' is 0 or subnormal in float32, the arithmetic runs in it (0 or |value| >= "
-                                 f"{f32.tiny:.4g}), got {v!r}")
+        check_float32(name, v)  # the one home of the rule (szo.vocab): the schema's words at every door
     if lr is not None and not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if momentum is not None and not 0.0 <= momentum < 1.0:
