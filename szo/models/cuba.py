@@ -49,10 +49,28 @@ import numpy as np
 import torch
 from spikingjelly.activation_based import base
 
-__all__ = ["CUBA_FIELDS", "NIRCubaLIFNode", "CubaLIFNode"]
+__all__ = ["CUBA_FIELDS", "NIRCubaLIFNode", "CubaLIFNode", "register_fields"]
 
 CUBA_FIELDS: tuple[str, ...] = ("tau_syn", "tau_mem", "r", "v_leak", "v_threshold", "v_reset", "w_in")
 """The per-neuron arrays of ``nir.CubaLIF``, in seconds (time constants) and NIR's units."""
+
+
+def register_fields(module: torch.nn.Module, kind: str, names: tuple[str, ...], values: dict[str, Any],
+                    dt: float) -> None:
+    """A NIR neuron's per-neuron arrays ``names`` (float32 buffers of one shape) and ``dt`` (seconds) on
+    ``module``; one ValueError naming ``kind`` for a missing field, mismatched shapes or a bad dt."""
+    missing = [k for k in names if k not in values]
+    if missing:
+        raise ValueError(f"{kind} needs the fields {list(names)}; missing {missing}")
+    arrays = {k: torch.from_numpy(np.asarray(values[k], dtype=np.float64)).float() for k in names}
+    shapes = {tuple(a.shape) for a in arrays.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"{kind} fields must share one shape, got {sorted(shapes)}")
+    if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
+        raise ValueError(f"dt must be a positive number of seconds, got {dt!r}")
+    for k, a in arrays.items():
+        module.register_buffer(k, a)
+    module.dt = float(dt)
 
 
 class NIRCubaLIFNode(base.MemoryModule):
@@ -64,18 +82,7 @@ class NIRCubaLIFNode(base.MemoryModule):
 
     def __init__(self, fields: dict[str, Any], dt: float) -> None:
         super().__init__()
-        missing = [k for k in CUBA_FIELDS if k not in fields]
-        if missing:
-            raise ValueError(f"NIRCubaLIFNode needs the fields {list(CUBA_FIELDS)}; missing {missing}")
-        arrays = {k: torch.from_numpy(np.asarray(fields[k], dtype=np.float64)).float() for k in CUBA_FIELDS}
-        shapes = {tuple(a.shape) for a in arrays.values()}
-        if len(shapes) != 1:
-            raise ValueError(f"CubaLIF fields must share one shape, got {sorted(shapes)}")
-        if not (isinstance(dt, (int, float)) and not isinstance(dt, bool) and dt > 0):
-            raise ValueError(f"dt must be a positive number of seconds, got {dt!r}")
-        for k, a in arrays.items():
-            self.register_buffer(k, a)
-        self.dt = float(dt)
+        register_fields(self, "NIRCubaLIFNode", CUBA_FIELDS, fields, dt)
         self.register_memory("i", None)
         self.register_memory("v", None)
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from spikingjelly.activation_based import base
+
+from szo.models.cuba import register_fields
 
 __all__ = ["CUBA_LI_FIELDS", "CubaLINode", "INode", "LI_FIELDS", "LINode", "cuba_li_step", "integrator_step",
            "li_step"]
@@ -61,21 +62,6 @@ def integrator_step(v: torch.Tensor, x: torch.Tensor, *, gain: torch.Tensor) -> 
     return v + gain * x
 
 
-def _buffers(module: torch.nn.Module, kind: str, fields: tuple[str, ...], values: dict[str, Any], dt: float) -> None:
-    missing = [k for k in fields if k not in values]
-    if missing:
-        raise ValueError(f"{kind} needs the fields {list(fields)}; missing {missing}")
-    arrays = {k: torch.from_numpy(np.asarray(values[k], dtype=np.float64)).float() for k in fields}
-    shapes = {tuple(a.shape) for a in arrays.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"{kind} fields must share one shape, got {sorted(shapes)}")
-    if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
-        raise ValueError(f"dt must be a positive number of seconds, got {dt!r}")
-    for k, a in arrays.items():
-        module.register_buffer(k, a)
-    module.dt = float(dt)
-
-
 class _Membrane(base.MemoryModule):
     """Shared by the three nodes: ``fields`` and ``dt`` as buffers, ``shape``, ``extra_repr``."""
 
@@ -83,7 +69,7 @@ class _Membrane(base.MemoryModule):
 
     def __init__(self, fields: dict[str, Any], dt: float) -> None:
         super().__init__()
-        _buffers(self, type(self).__name__, self.FIELDS, fields, dt)
+        register_fields(self, type(self).__name__, self.FIELDS, fields, dt)
 
     @property
     def shape(self) -> tuple[int, ...]:
