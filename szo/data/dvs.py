@@ -71,6 +71,7 @@ __all__ = [
     "open_event_file",
     "supported_formats",
     "segment_labels_at",
+    "stream_window_starts",
     "window_frames",
     "DVSGestureFrames",
     "EventFrames",
@@ -282,11 +283,11 @@ class EventsToFrames:
 
 
 # --------------------------------------------------------------------------- streams
-def segment_labels_at(segments: np.ndarray, t_us: np.ndarray | int) -> np.ndarray:
+def segment_labels_at(segments: np.ndarray | None, t_us: np.ndarray | int) -> np.ndarray:
     """Label of the segment (``start_us``, ``end_us``, ``label``; sorted) containing each time
-    ``t_us`` (-1 outside every segment)."""
+    ``t_us`` (-1 outside every segment, and everywhere for an unlabelled stream: ``segments`` None)."""
     t = np.asarray(t_us, dtype=np.int64)
-    if len(segments) == 0:
+    if segments is None or len(segments) == 0:
         return np.full(t.shape, -1, dtype=np.int64)
     idx = np.searchsorted(segments["start_us"], t, side="right") - 1
     inside = (idx >= 0) & (t < segments["end_us"][np.clip(idx, 0, None)])
@@ -317,6 +318,19 @@ def window_frames(events: np.ndarray, t0: int, t1: int, bins: int, sensor_size: 
     return np.asarray(frames, dtype=np.float32)
 
 
+def stream_window_starts(segments: np.ndarray | None, t_first: int | None, t_last: int | None, window_us: int,
+                         what: str) -> np.ndarray:
+    """Start times of the ``window_us`` windows of a stream: over its labelled segments, else over its
+    events' time range ``[t_first, t_last]`` (None: no events); one ValueError naming ``what`` if none."""
+    labelled = segments is not None and len(segments) > 0
+    t0 = int(segments["start_us"][0]) if labelled else t_first if t_first is not None else 0
+    t1 = max(t_last + 1 if t_last is not None else t0, int(segments["end_us"][-1]) if labelled else t0)
+    starts = np.arange(t0, t1, window_us, dtype=np.int64)
+    if len(starts) == 0:
+        raise ValueError(f"{what} holds no complete window (no events / empty time range)")
+    return starts
+
+
 @dataclass(frozen=True)
 class EventStream:
     """A continuous event stream: valid, time-sorted ``events`` (x, y, t, p; t in microseconds)
@@ -334,19 +348,12 @@ class EventStream:
 
     def window_starts(self, window_us: int) -> np.ndarray:
         """Start times of the ``window_us`` windows covering the segments (else the events)."""
-        ev, seg = self.events, self.segments
-        labelled = seg is not None and len(seg) > 0
-        t0 = int(seg["start_us"][0]) if labelled else int(ev["t"][0]) if len(ev) else 0
-        t1 = max(int(ev["t"][-1]) + 1 if len(ev) else t0, int(seg["end_us"][-1]) if labelled else t0)
-        starts = np.arange(t0, t1, window_us, dtype=np.int64)
-        if len(starts) == 0:
-            raise ValueError("the stream holds no complete window (no events / empty time range)")
-        return starts
+        t = self.events["t"]
+        return stream_window_starts(self.segments, int(t[0]) if len(t) else None, int(t[-1]) if len(t) else None,
+                                    window_us, "the stream")
 
     def labels_at(self, t_us: np.ndarray) -> np.ndarray:
         """The segment label at each time (-1: unlabelled)."""
-        if self.segments is None:
-            return np.full(np.shape(t_us), -1, dtype=np.int64)
         return segment_labels_at(self.segments, t_us)
 
     def frames(self, t0: int, t1: int, bins: int, downsample: int = 1) -> torch.Tensor:
@@ -512,18 +519,9 @@ class FileEventStream:
         self.n_cropped = self.n_late = 0
 
     def window_starts(self, window_us: int) -> np.ndarray:
-        seg, (t_first, t_last) = self.segments, self._t_range
-        labelled = seg is not None and len(seg) > 0
-        t0 = int(seg["start_us"][0]) if labelled else t_first if t_first is not None else 0
-        t1 = max(t_last + 1 if t_last is not None else t0, int(seg["end_us"][-1]) if labelled else t0)
-        starts = np.arange(t0, t1, window_us, dtype=np.int64)
-        if len(starts) == 0:
-            raise ValueError(f"{self.file.path} holds no complete window (no valid events / empty time range)")
-        return starts
+        return stream_window_starts(self.segments, *self._t_range, window_us, str(self.file.path))
 
     def labels_at(self, t_us: np.ndarray) -> np.ndarray:
-        if self.segments is None:
-            return np.full(np.shape(t_us), -1, dtype=np.int64)
         return segment_labels_at(self.segments, t_us)
 
     def frames(self, t0: int, t1: int, bins: int, downsample: int = 1) -> torch.Tensor:
