@@ -33,6 +33,7 @@ from szo.zo import (
     get_estimator,
     heavy_ball_,
     resolve_model,
+    without_frozen,
 )
 
 __all__ = ["FullSpaceZO"]
@@ -84,11 +85,7 @@ class FullSpaceZO(ForwardOnlyBase):
         """A group's parameters join the flat vector (their velocity 0; ``lr`` and ``momentum`` of its
         own, ``mu`` the optimizer's); a frozen parameter (``requires_grad=False``) is left out, never
         probed nor moved."""
-        group = dict(param_group)
-        ps = group.get("params")
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
-        # named parameters ((name, tensor) pairs, torch >= 2.6): torch keeps the names as "param_names"
-        group["params"] = [p for p in ps if (p[1] if isinstance(p, tuple) else p).requires_grad]
+        group = without_frozen(param_group)
         if group.get("mu", self.defaults["mu"]) != self.defaults["mu"]:
             raise ValueError(f"FullSpaceZO probes every coordinate with one mu (the optimizer's, "
                              f"{self.defaults['mu']}); a param group may set its own lr and momentum, not mu")

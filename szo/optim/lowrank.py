@@ -49,6 +49,7 @@ from szo.zo import (
     get_estimator,
     heavy_ball_,
     resolve_model,
+    without_frozen,
 )
 
 __all__ = ["LowRankZO", "LOWRANK_DEFAULTS"]
@@ -115,11 +116,7 @@ class LowRankZO(ForwardOnlyBase):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with frozen parameters (``requires_grad=False``) left out: never probed nor moved."""
-        group = dict(param_group)
-        ps = group.get("params")
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
-        group["params"] = [p for p in ps if (p[1] if isinstance(p, tuple) else p).requires_grad]
-        super().add_param_group(group)
+        super().add_param_group(without_frozen(param_group))
 
     @property
     def forwards_per_step(self) -> int:

@@ -23,7 +23,7 @@ The core depends on torch, SpikingJelly, ``szo.functional``, the method registry
 ``szo.precision`` (autocast's weight cache, ``fresh_casts``) only. docs/architecture.md shows
 how the optimizers of ``szo.optim`` compose it and how to add a method.
 """
-from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase, refuse_meta
+from .base import CleanForward, CodecOptimizer, ForwardOnlyBase, LayerwiseBase, refuse_meta, without_frozen
 from .bn import BN_UPDATES, BNStatsFreezer, bn_layers, check_bn_update
 from .guard import ProbeGuard, check_hparams, resolve_model, unname
 from .lowrank import LOWRANK_FORMS, LayerFactors
@@ -85,6 +85,6 @@ __all__ = [
     "ProbeGuard", "START_POINTS", "Space", "StateCodec", "Still", "StepInfo", "SubspaceSpace", "bn_layers", "cge_plan",
     "check_bn_update", "check_hparams", "coord_one_point_plan", "gaussian_rows", "heavy_ball_",
     "integer_heavy_ball", "move_to_start", "one_point_plan", "quantized_zo_update",
-    "rademacher_rows", "resolve_model", "unname", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
+    "rademacher_rows", "resolve_model", "unname", "rge_plan", "frozen", "refuse_frozen", "refuse_meta", "without_frozen", "refuse_shared_weights", "sign_descent_", "trainable_layers", "adaptive_perturbation", "LAYER_TYPES",
     "ProbePath", "ForwardSettings", "basis_fingerprint", "fingerprint_mismatch", "LOWRANK_FORMS", "LayerFactors",
 ]

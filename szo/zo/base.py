@@ -18,7 +18,8 @@ import torch
 from .protocol import Batch, StepInfo
 from .update import StateCodec
 
-__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_complex", "refuse_meta", "refuse_sparse"]
+__all__ = ["CodecOptimizer", "ForwardOnlyBase", "LayerwiseBase", "CleanForward", "refuse_complex", "refuse_meta", "refuse_sparse",
+           "without_frozen"]
 
 
 class CodecOptimizer(torch.optim.Optimizer):
@@ -173,6 +174,16 @@ def _first_key(param_groups: list[dict]) -> Any:
     """The key of the first parameter in a state dict's ``state`` (its index, or a name under
     ``torch.distributed.checkpoint``), None without parameters."""
     return next((k for g in param_groups for k in g["params"]), None)
+
+
+def without_frozen(param_group: dict) -> dict:
+    """A copy of torch's ``param_group`` without its frozen parameters (``requires_grad=False``: never
+    probed nor moved), plain tensors or ``(name, tensor)`` pairs (named parameters, torch >= 2.6)."""
+    group = dict(param_group)
+    ps = group.get("params")
+    ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
+    group["params"] = [p for p in ps if (p[1] if isinstance(p, tuple) else p).requires_grad]
+    return group
 
 
 def refuse_meta(params: list[torch.Tensor], who: str) -> None:
