@@ -73,6 +73,7 @@ from szo.models.cuba import CUBA_FIELDS, CubaLIFNode
 from szo.models.foreign import ForeignModel
 from szo.models.neurons import LIFNode, make_neuron
 from szo.models.nir_dynamics import CUBA_LI_FIELDS, LI_FIELDS, CubaLINode, INode, LINode
+from szo.models.pooling import AdaptiveAvgPool2d
 
 __all__ = ["to_nir", "write_nir"]
 
@@ -307,6 +308,7 @@ class _Mapper:
         return {nn.Conv2d: self.conv2d, layer.Conv2d: self.conv2d, nn.Linear: self.linear,
                 layer.Linear: self.linear, nn.AvgPool2d: self.avgpool, layer.AvgPool2d: self.avgpool,
                 nn.AdaptiveAvgPool2d: self.adaptive_avgpool, layer.AdaptiveAvgPool2d: self.adaptive_avgpool,
+                AdaptiveAvgPool2d: self.adaptive_avgpool,
                 nn.MaxPool2d: self.maxpool, layer.MaxPool2d: self.maxpool, nn.Flatten: self.flatten,
                 layer.Flatten: self.flatten, sj_neuron.LIFNode: self.lif, LIFNode: self.lif, SumPool2d: self.sumpool,
                 sj_neuron.IFNode: self.if_node, Threshold: self.threshold, CubaLIFNode: self.cuba_lif,

@@ -7,6 +7,7 @@ from spikingjelly.activation_based import layer
 
 from szo.models.base import SpikingModel, positive_int
 from szo.models.neurons import make_neuron
+from szo.models.pooling import AdaptiveAvgPool2d
 from szo.models.registry import register_model
 from szo.models.streaming import BatchNorm2d
 
@@ -43,7 +44,7 @@ class SpikeConvNet(SpikingModel):
         self.conv2 = layer.Conv2d(width, width, 3, padding=1, bias=False, step_mode="m")
         self.bn2 = _norm(norm, width, groups)
         self.sn2 = make_neuron(activation)
-        self.pool = layer.AdaptiveAvgPool2d((4, 4), step_mode="m")
+        self.pool = AdaptiveAvgPool2d((4, 4), step_mode="m")  # its 2x2 windows as slices (szo.models.pooling)
         self.flatten = layer.Flatten(step_mode="m")
         self.fc = layer.Linear(width * 16, num_classes, step_mode="m")
 
