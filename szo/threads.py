@@ -117,12 +117,16 @@ def _threads(n: int) -> Iterator[None]:
 
 def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int = 5,
                  budget_s: float = 10.0) -> dict[int, float]:
-    """Median seconds of one ``work()`` call at each thread count: one warm-up call per count, then
+    """Median seconds of one ``work()`` call at each thread count: one untimed call first (the one-time
+    costs of a first forward: lazy initialisation, the allocator's first blocks; timed, they made the first
+    candidate look 50x slower and dropped it), one warm-up call per count, then
     ``rounds`` rounds that visit every count once (alternating, so each count sees the same machine
     load), fewer rounds (at least 2) when the warm-up says ``budget_s`` would be exceeded. A count whose
     warm-up took more than :data:`DROP` times the fastest warm-up is not timed again (its warm-up is
     its time: on a loaded machine one 2-thread forward can take 20x a 1-thread one). The process's
     thread count is put back afterwards."""
+    with _threads(candidates[0]):
+        work()
     warm: dict[int, float] = {}
     for n in candidates:
         with _threads(n):
