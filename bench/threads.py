@@ -107,8 +107,8 @@ def bench_net(net: str, quick: bool, rounds: int, engines: list[str], budget_s: 
     for engine in engines:
         opt = SZO(model.parameters(), sub, mu=1e-3, lr=0.0, momentum=0.0, estimator="cge", model=model, scale="absolute",
                   generator=torch.Generator().manual_seed(0), probes=ProbePath(engine=engine))
-        batch = Batch(x, y, tet_loss)
-        fns[f"step_{engine}"] = (lambda o=opt, b=batch: o.step(b.closure(model), batch=b))
+        probe_batch = Batch(x, y, tet_loss)  # not `batch`: that is the batch size the cell records
+        fns[f"step_{engine}"] = (lambda o=opt, b=probe_batch: o.step(b.closure(model), batch=b))
     load0 = os.getloadavg()[0]
     times = _median_by_count(fns, candidate_threads(), rounds, budget_s)
     model.load_state_dict(state)
