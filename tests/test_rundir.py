@@ -280,12 +280,13 @@ def test_demo_refuses_a_finished_stage_of_other_settings(tmp_path):
     """A demo directory of the paper's units (--scale absolute) is not shown as the default scale's
     results: the stage's config.yaml is checked, one line; an unknown scale is one line too."""
     from szo.config import write_config
-    from szo.pipeline import PAPER_UNITS, run_demo_digits
+    from szo.pipeline import DEMO_EPOCHS, PAPER_UNITS, run_demo_digits
 
     base = [f"subspace.root={(tmp_path / 'subspaces').resolve()}", "progress=false", "device=cpu", "seed=0"]
     done = json.dumps({"status": "completed", "best_test_acc": 0.9, "converged_epoch": 1, "fp": 1, "bp": 1})
     for name, cfg in (("bp", load_recipe("digits-bp", base)),
-                      ("bp-subspace", load_recipe("digits-scratch", base + ["method=bp-subspace", *PAPER_UNITS]))):
+                      ("bp-subspace", load_recipe("digits-scratch", base + ["method=bp-subspace", f"train.epochs={DEMO_EPOCHS}",
+                                                                           *PAPER_UNITS]))):
         write_config(cfg, tmp_path / name / "config.yaml")
         (tmp_path / name / "results.json").write_text(done)
     with pytest.raises(ResumeMismatchError, match="szo.scale is 'absolute' in its config.yaml but 'trajectory' now .and 1 more: train.lr.; .* another --out"):

@@ -62,3 +62,33 @@ def test_default_workers():
 def test_demo_workers_must_be_positive(tmp_path, bad):
     with pytest.raises(ValueError, match="workers must be a positive int"):
         run_demo_digits(tmp_path, progress=False, workers=bad)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_demo_hands_the_pool_its_runs_longest_first(tmp_path, monkeypatch):
+    """The demo's seven subspace runs reach the pool in order of their forwards (the three runs at SZO-CGE's
+    budget, then SZO-RGE(q=10), SZO-RGE(q=1), the continual run, BP-Subspace), each at the demo's epochs."""
+    import szo.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "run_recipe", lambda cfg, out, **kw: {"best_test_acc": 0.9, "converged_epoch": 1,
+                                                                      "fp": 1, "bp": 1})
+    monkeypatch.setattr(pipeline, "subspace_build_stage", lambda *a, **kw: None)
+    seen = {}
+
+    def pool(jobs, workers, done=None):
+        seen.update(order=[name for name, *_ in jobs], epochs={name: args[0]["train"]["epochs"]
+                                                             for name, _, args, _ in jobs}, workers=workers)
+        raise _Stop
+
+    monkeypatch.setattr(pipeline, "run_stages", pool)
+    with pytest.raises(_Stop):
+        run_demo_digits(tmp_path, progress=False, workers=2)
+    assert seen["order"] == ["szo-cge", "zo-cge", "zo-cge-ann", "szo-rge-q10", "szo-rge-q1", "continual-szo-cge",
+                             "bp-subspace"]
+    e = pipeline.DEMO_EPOCHS
+    assert seen["epochs"] == {"szo-cge": e, "zo-cge": e, "zo-cge-ann": e, "szo-rge-q10": e, "szo-rge-q1": 60,
+                              "continual-szo-cge": 2, "bp-subspace": e}
+    assert seen["workers"] == 2
