@@ -240,12 +240,13 @@ def _demo_digits(out: Path, device: str, progress: bool, stages: list[tuple[str,
     if n > 1:  # cores spent across runs, one thread each (szo.demos.stage_pool)
         print(f"[demo] {', '.join(name for name, *_ in jobs)} ... ({n} worker processes, one torch thread each)",
               flush=True)
-        summaries.update(run_stages([(name, subspace_stage, (cfg, out / name), {"device": device, "resume": True})
+        summaries.update(run_stages([(name, subspace_stage, (cfg, out / name),
+                                      {"device": device, "resume": True, "log_prefix": f"[{name}] "})
                                      for name, cfg, _ in jobs], n, done=report))
     else:
         for name, cfg, _ in jobs:
             print(f"[demo] {name} ...", flush=True)
-            summaries[name] = subspace_stage(cfg, out / name, device=device, resume=True)
+            summaries[name] = subspace_stage(cfg, out / name, device=device, resume=True, log_prefix=f"[{name}] ")
             report(name, summaries[name])
     summaries = {name: summaries[name] for name, *_ in stages}
     runs_found = collect_runs([out / n for n in summaries])

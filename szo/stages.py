@@ -218,12 +218,14 @@ def check_distributed(cfg: RecipeConfig) -> None:
 
 
 def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str = "cpu", resume: bool = False,
-                   callbacks: Sequence[Callback] = (), model: SpikingModel | None = None) -> dict[str, Any]:
+                   callbacks: Sequence[Callback] = (), model: SpikingModel | None = None,
+                   log_prefix: str = "") -> dict[str, Any]:
     """Train ``cfg.method`` in the stored subspace ``cfg.subspace.name`` (scratch or continual),
     holding the run directory's lock (a resume first checks the config against its config.yaml);
     on every rank of a multi-process run (only rank 0 writes ``run_dir``). ``callbacks``: extra
     ``szo.train.Callback`` objects for the training loop; ``model``: the recipe's model as
-    ``build_model(cfg)`` returns it (``preflight``'s), else built here.
+    ``build_model(cfg)`` returns it (``preflight``'s), else built here. ``log_prefix``: the prefix of
+    its progress lines (``szo.train.fit``).
 
     ``backend: fixed`` trains through the Loihi-style integer forward (``szo.hw.to_fixed``, same
     parameters); ``hw.learner: integer`` trains with the integer on-chip learner
@@ -263,7 +265,7 @@ def subspace_stage(cfg: RecipeConfig, run_dir: str | os.PathLike, *, device: str
                    progress=cfg.progress, max_steps_per_epoch=tr["max_steps_per_epoch"],
                    checkpoint_every_steps=tr["checkpoint_every_steps"], info=info, bn_stats=cfg.bn_stats,
                    parallel=par, callbacks=[late, *metric_sinks(cfg, run_dir), *callbacks], precision=cfg.precision, threads=cfg.threads,
-                   pins=run_pins(cfg, digest), check_pins=lambda saved: check_pins(run_dir, saved, cfg, "subspace", digest))
+                   log_prefix=log_prefix, pins=run_pins(cfg, digest), check_pins=lambda saved: check_pins(run_dir, saved, cfg, "subspace", digest))
 
 
 def _late_results(net: torch.nn.Module, opt: Any, extra: Mapping[str, Any]) -> dict[str, Any]:

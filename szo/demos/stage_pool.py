@@ -10,7 +10,8 @@ the process it runs in: a stage's result equals the same stage run alone with on
 
 The user's explicit thread count (``OMP_NUM_THREADS``, ``torch.set_num_threads``) is each worker's count
 instead of one. Each stage prints its one-line summary when it ends, in the order the stages end; the
-stages' own progress bars (their ``progress`` setting) share the terminal and overwrite each other.
+stages' own progress bars and epoch lines (their ``progress`` setting) share the terminal, each line
+prefixed with its stage's name (the demo passes ``log_prefix``).
 """
 from __future__ import annotations
 

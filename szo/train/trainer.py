@@ -155,11 +155,14 @@ class FitOptions:
     check_pins: Callable[[Mapping[str, Any]], None] | None = None
     precision: str = "auto"
     threads: Any = "auto"
+    log_prefix: str = ""
 
     def check(self, train_loader: Any) -> None:
         """One ValueError for a bad setting, before anything runs."""
         check_precision(self.precision)
         check_threads(self.threads)
+        if not isinstance(self.log_prefix, str):
+            raise ValueError(f"log_prefix must be a str (the prefix of the progress lines), got {self.log_prefix!r}")
         if self.bn_stats not in ("batch", "deployed"):
             raise ValueError(f"unknown bn_stats {self.bn_stats!r}; valid: batch, deployed")
         positive_int("epochs", self.epochs)
@@ -432,7 +435,7 @@ class Trainer:
         if o.bn_stats == "deployed":
             for m in bn_layers(self.model):
                 m.eval()
-        self.bar = tqdm(total=len(ep.batches), initial=ep.done, desc=f"epoch {s.epoch + 1}/{o.epochs}", leave=False,
+        self.bar = tqdm(total=len(ep.batches), initial=ep.done, desc=f"{o.log_prefix}epoch {s.epoch + 1}/{o.epochs}", leave=False,
                         disable=not self.progress, dynamic_ncols=True)
         t_last = time.perf_counter()
         for (x, y), global_batch in it:
@@ -519,7 +522,7 @@ class Trainer:
             record.update(_comm_stats(self.optimizer.bytes_communicated, s.step))
         s.history.append(record)
         if self.progress:
-            tqdm.write(f"epoch {s.epoch}/{o.epochs}: train loss {record['train_loss']:.4f}"
+            tqdm.write(f"{o.log_prefix}epoch {s.epoch}/{o.epochs}: train loss {record['train_loss']:.4f}"
                        + (f" acc {record['train_acc']:.4f}" if known else "")
                        + (f" | test acc {test_acc:.4f}" if test_acc is not None else "")
                        + f" | lr {lr:.4g} | #FP {s.fp} #BP {s.bp}")
@@ -603,7 +606,9 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: Iterable | None
     Keywords (:class:`FitOptions`): ``epochs``, ``loss_fn``, ``run_dir``, ``generator`` (required);
     ``scheduler``, ``device``, ``callbacks``, ``resume``, ``start_epoch``, ``eval_every``,
     ``progress``, ``max_steps_per_epoch``, ``checkpoint_every_steps``, ``info``, ``plot``,
-    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``, ``precision``, ``threads``.
+    ``bn_stats``, ``parallel``, ``diverge_factor``, ``pins``, ``check_pins``, ``precision``, ``threads``,
+    ``log_prefix`` (the prefix of the progress bar and the per-epoch lines: runs that share a terminal, like
+    the demo's worker processes, tell their lines apart).
 
     Writes to ``run_dir``: metrics.jsonl (one line per epoch), checkpoints/last.pt,
     results.json (the summary, with what the callbacks' ``results()`` add) and

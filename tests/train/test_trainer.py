@@ -221,3 +221,18 @@ def test_per_sample_optimizer_refuses_a_loss_without_reduction_before_any_forwar
     closure = StepStrategy(model, opt, broken).closure(torch.rand(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]), 1.0)
     with pytest.raises(TypeError, match="a bug inside the loss"):
         closure()
+
+
+def test_log_prefix_marks_every_progress_line(tmp_path, data, model0, capsys):
+    """Runs that share a terminal (the demo's worker processes) tell their lines apart by the prefix."""
+    model = copy.deepcopy(model0)
+    g = torch.Generator().manual_seed(1)
+    train, test = _loaders(data, g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, train, test, opt, epochs=2, loss_fn=tet_loss, run_dir=tmp_path, generator=g, plot=False,
+        log_prefix="[szo-cge] ")
+    err = capsys.readouterr()
+    epoch_lines = [ln for ln in (err.out + err.err).replace("\r", "\n").splitlines() if "epoch " in ln]
+    assert epoch_lines and all(ln.lstrip().startswith("[szo-cge] epoch ") for ln in epoch_lines), epoch_lines
+    with pytest.raises(ValueError, match="log_prefix must be a str"):
+        fit(model, train, test, opt, epochs=1, loss_fn=tet_loss, run_dir=tmp_path / "b", generator=g, log_prefix=3)
