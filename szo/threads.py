@@ -45,7 +45,7 @@ __all__ = ["MARGIN", "ThreadChoice", "check_threads", "default_threads", "physic
            "candidate_threads", "time_threads", "DROP", "choose_threads", "recommend", "THREADS_FILE"]
 
 MARGIN = 0.05
-"""A larger thread count is chosen only when its median time is more than this fraction below the best
+"""A larger thread count is chosen only when its mean time is more than this fraction below the best
 smaller count's (ties go to fewer threads: the cores left idle serve other jobs)."""
 
 DROP = 3.0
@@ -117,7 +117,9 @@ def _threads(n: int) -> Iterator[None]:
 
 def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int = 5,
                  budget_s: float = 10.0) -> dict[int, float]:
-    """Median seconds of one ``work()`` call at each thread count: one untimed call first (the one-time
+    """Mean seconds of one ``work()`` call at each thread count (the mean, not the median: beside busy
+    processes a multi-thread forward is fast most of the time and 30x slower now and then, and those calls
+    are what a run pays; tests/test_threads.py): one untimed call first (the one-time
     costs of a first forward: lazy initialisation, the allocator's first blocks; timed, they made the first
     candidate look 50x slower and dropped it), one warm-up call per count, then
     ``rounds`` rounds that visit every count once (alternating, so each count sees the same machine
@@ -143,7 +145,7 @@ def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int 
                 t = time.perf_counter()
                 work()
                 times[n].append(time.perf_counter() - t)
-    return {n: statistics.median(times[n]) if n in times else warm[n] for n in candidates}
+    return {n: statistics.fmean(times[n]) if n in times else warm[n] for n in candidates}
 
 
 def _pick(timings: Mapping[int, float]) -> int:
@@ -158,7 +160,7 @@ def _pick(timings: Mapping[int, float]) -> int:
 class ThreadChoice:
     """The intra-op thread count of a run and why (``source``): ``setting`` (``threads: N``),
     ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` (the user's), ``measured`` (``auto``: ``timings_s``
-    holds the median seconds of one forward per count), ``resumed`` (the run directory's earlier
+    holds the mean seconds of one forward per count), ``resumed`` (the run directory's earlier
     choice), ``not measured: ...`` (CUDA, multi-process: the process's count)."""
 
     threads: int
@@ -238,7 +240,7 @@ def recommend(model: torch.nn.Module, x: torch.Tensor, *, rounds: int = 5) -> st
         model.train(was)
     best = _pick(timings)
     cells = ", ".join(f"{n}: {1e3 * t:.2f} ms" for n, t in sorted(timings.items()))
-    return (f"one forward at each intra-op thread count (median of {rounds}): {cells}; fastest: {best} "
+    return (f"one forward at each intra-op thread count (mean of {rounds}): {cells}; fastest: {best} "
             f"(torch's default here: {default_threads()}; now: {torch.get_num_threads()}). In your own loop call "
             f"torch.set_num_threads({best}) once (szo never changes it); szo runs choose it themselves "
             f"(threads: auto, recorded in results.json).")

@@ -193,3 +193,20 @@ def test_probes_folded_into_the_batch_equal_the_loop(threads, threads_back):
         folded = ev.run(b.closure(model), opt.space, plan, batch=b)
     assert folded.shape == loop.shape == (40,) and loop.unique().numel() > 1
     torch.testing.assert_close(folded, loop, rtol=1e-5, atol=0.0)
+
+
+def test_a_count_that_is_slow_now_and_then_loses(threads_back):
+    """Beside busy processes two threads are fast in most calls and far slower in some: the policy weighs
+    what a run pays (the mean), so one slow call in five makes the count lose; the median would have
+    chosen it."""
+    calls = {1: 0, 2: 0}
+
+    def work():
+        n = torch.get_num_threads()
+        calls[n] += 1
+        slow = n == 2 and calls[n] == 4  # the third of its timed rounds (after the warm-up)
+        sum(range(2_000_000 if slow else (10_000 if n == 2 else 14_000)))
+
+    got = T.time_threads(work, [1, 2], rounds=5)
+    assert got[2] > got[1]
+    assert T._pick(got) == 1
