@@ -10,7 +10,12 @@ measures it:
 * ``auto`` (the default of every run: recipes, ``szo demo``, ``szo.train.fit``): at the start of the run,
   a few forwards of the run's own model on one batch at each candidate count (1, 2, 4, ... up to the
   physical cores), timed in alternating rounds, and the fastest count wins (a larger count only when it is
-  more than :data:`MARGIN` faster). The choice and its timings go into results.json (``"threads"``) and
+  more than :data:`MARGIN` faster). Only counts that fit in the cores other processes leave free are
+  candidates (:func:`busy_threads`): beside busy processes a short timing can see two threads win (39 vs
+  28 ms on Spike-ResNet8 beside two busy loops) and the run then pay 28x (1,097 ms per forward), because
+  OpenMP's threads wait at every barrier for a core a busy process holds; how often that happens varies
+  from second to second, so a timing cannot be trusted to see it, and the count of running threads can.
+  The choice and its timings go into results.json (``"threads"``) and
   into ``run_dir/threads.json``, which a resumed run reads back: it continues with the same count (a
   thread count changes the float summation order of CPU kernels, so the same count is what makes a
   resumed run continue as the uninterrupted one would have).
@@ -42,10 +47,11 @@ from szo.io import atomic_write_json
 from szo.schema import check_threads  # the setting's value rule, next to the setting
 
 __all__ = ["MARGIN", "ThreadChoice", "check_threads", "default_threads", "physical_cores", "explicit_threads",
-           "candidate_threads", "time_threads", "DROP", "choose_threads", "recommend", "THREADS_FILE"]
+           "candidate_threads", "busy_threads", "free_cores", "time_threads", "DROP", "choose_threads", "recommend",
+           "THREADS_FILE"]
 
 MARGIN = 0.05
-"""A larger thread count is chosen only when its mean time is more than this fraction below the best
+"""A larger thread count is chosen only when its median time is more than this fraction below the best
 smaller count's (ties go to fewer threads: the cores left idle serve other jobs)."""
 
 DROP = 3.0
@@ -105,6 +111,45 @@ def candidate_threads(cores: int | None = None) -> list[int]:
     return out + [cores]
 
 
+def _own_running() -> int:
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        n += stat.rsplit(")", 1)[1].split()[0] == "R"
+    return n
+
+
+def busy_threads(samples: int = 9, interval_s: float = 0.005) -> int | None:
+    """Threads of other processes running or ready to run now: ``/proc/loadavg``'s count of runnable
+    threads minus this process's own (its OpenMP workers may still be spinning), the median of
+    ``samples`` readings ``interval_s`` apart. None where ``/proc`` is not readable (not Linux)."""
+    counts = []
+    try:
+        for i in range(samples):
+            if i:
+                time.sleep(interval_s)
+            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            counts.append(max(0, running - _own_running()))
+    except (OSError, ValueError, IndexError):
+        return None
+    return int(statistics.median(counts))
+
+
+def free_cores(busy: int | None = None) -> int:
+    """The physical cores a run may use without waiting on other processes: :func:`physical_cores`, less
+    what the CPUs other processes keep busy take from them (``busy``: :func:`busy_threads`, measured
+    when None; the machine's CPUs are ``os.cpu_count()``, so in a container that sees the whole host's
+    load the host's CPUs count too); at least 1."""
+    busy = busy_threads() if busy is None else busy
+    cores = physical_cores()
+    if busy is None:
+        return cores
+    return max(1, min(cores, (os.cpu_count() or cores) - busy))
+
+
 @contextlib.contextmanager
 def _threads(n: int) -> Iterator[None]:
     prev = torch.get_num_threads()
@@ -117,9 +162,9 @@ def _threads(n: int) -> Iterator[None]:
 
 def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int = 5,
                  budget_s: float = 10.0) -> dict[int, float]:
-    """Mean seconds of one ``work()`` call at each thread count (the mean, not the median: beside busy
-    processes a multi-thread forward is fast most of the time and 30x slower now and then, and those calls
-    are what a run pays; tests/test_threads.py): one untimed call first (the one-time
+    """Median seconds of one ``work()`` call at each thread count (the median: one slow call of a quiet
+    machine, 40 ms among 6 ms ones, made the mean choose one thread where two were 1.16x faster; what
+    busy processes do to more threads is :func:`free_cores`' business, not the timing's): one untimed call first (the one-time
     costs of a first forward: lazy initialisation, the allocator's first blocks; timed, they made the first
     candidate look 50x slower and dropped it), one warm-up call per count, then
     ``rounds`` rounds that visit every count once (alternating, so each count sees the same machine
@@ -145,7 +190,7 @@ def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int 
                 t = time.perf_counter()
                 work()
                 times[n].append(time.perf_counter() - t)
-    return {n: statistics.fmean(times[n]) if n in times else warm[n] for n in candidates}
+    return {n: statistics.median(times[n]) if n in times else warm[n] for n in candidates}
 
 
 def _pick(timings: Mapping[int, float]) -> int:
@@ -160,13 +205,15 @@ def _pick(timings: Mapping[int, float]) -> int:
 class ThreadChoice:
     """The intra-op thread count of a run and why (``source``): ``setting`` (``threads: N``),
     ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` (the user's), ``measured`` (``auto``: ``timings_s``
-    holds the mean seconds of one forward per count), ``resumed`` (the run directory's earlier
+    holds the median seconds of one forward per count), ``resumed`` (the run directory's earlier
     choice), ``not measured: ...`` (CUDA, multi-process: the process's count)."""
 
     threads: int
     source: str
     setting: Any = "auto"
     timings_s: dict[int, float] = field(default_factory=dict)
+    busy: int | None = None
+    """Threads of other processes that were running when ``auto`` chose (:func:`busy_threads`)."""
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -180,6 +227,8 @@ class ThreadChoice:
                                "cores": physical_cores()}
         if self.timings_s:
             out["timings_ms"] = {str(n): round(1e3 * t, 4) for n, t in sorted(self.timings_s.items())}
+        if self.busy is not None:
+            out["busy_threads"] = self.busy
         return out
 
     def save(self, run_dir: str | os.PathLike) -> None:
@@ -199,7 +248,9 @@ def _recorded(run_dir: str | os.PathLike | None) -> ThreadChoice | None:
     if n < 1:
         return None
     timings = {int(k): float(v) / 1e3 for k, v in (rec.get("timings_ms") or {}).items()}
-    return ThreadChoice(n, "resumed", rec.get("setting", "auto"), timings)
+    busy = rec.get("busy_threads")
+    return ThreadChoice(n, "resumed", rec.get("setting", "auto"), timings,
+                        busy=busy if isinstance(busy, int) and not isinstance(busy, bool) else None)
 
 
 def choose_threads(setting: Any, work: Callable[[], Any] | None, *, run_dir: str | os.PathLike | None = None,
@@ -221,11 +272,17 @@ def choose_threads(setting: Any, work: Callable[[], Any] | None, *, run_dir: str
             return rec
     if not_measured is not None or work is None:
         return ThreadChoice(torch.get_num_threads(), f"not measured: {not_measured or 'nothing to time'}", setting)
-    cands = candidate_threads() if candidates is None else candidates
+    busy = None
+    if candidates is None:
+        busy = busy_threads()
+        cands = candidate_threads(free_cores(busy))
+    else:
+        cands = candidates
     if len(cands) == 1:
-        return ThreadChoice(cands[0], "measured", setting)
+        why = "measured" if busy is None or free_cores(busy) == physical_cores() else "measured: 1 core free"
+        return ThreadChoice(cands[0], why, setting, busy=busy)
     timings = time_threads(work, cands, rounds=rounds)
-    return ThreadChoice(_pick(timings), "measured", setting, timings)
+    return ThreadChoice(_pick(timings), "measured", setting, timings, busy=busy)
 
 
 def recommend(model: torch.nn.Module, x: torch.Tensor, *, rounds: int = 5) -> str:
@@ -238,9 +295,13 @@ def recommend(model: torch.nn.Module, x: torch.Tensor, *, rounds: int = 5) -> st
             timings = time_threads(lambda: model(x), candidate_threads(), rounds=rounds)
     finally:
         model.train(was)
-    best = _pick(timings)
+    busy = busy_threads()
+    free = free_cores(busy)
+    best = _pick({n: t for n, t in timings.items() if n <= free})
     cells = ", ".join(f"{n}: {1e3 * t:.2f} ms" for n, t in sorted(timings.items()))
-    return (f"one forward at each intra-op thread count (mean of {rounds}): {cells}; fastest: {best} "
+    crowd = "" if free == physical_cores() else (f"; other processes keep {busy} threads running now, so only "
+                                                f"counts up to {free} are advised (more wait on their cores)")
+    return (f"one forward at each intra-op thread count (median of {rounds}): {cells}{crowd}; best: {best} "
             f"(torch's default here: {default_threads()}; now: {torch.get_num_threads()}). In your own loop call "
             f"torch.set_num_threads({best}) once (szo never changes it); szo runs choose it themselves "
             f"(threads: auto, recorded in results.json).")
