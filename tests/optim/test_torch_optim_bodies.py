@@ -185,6 +185,20 @@ def test_errors(method):
             oi.optim_cls(params, **inp.kwargs)
 
 
+def _descends(opt, schedulers, weight, bias, inpt, method):
+    """The bodies' check: 20 steps (each scheduler stepped after each, ReduceLROnPlateau with the loss)
+    lower the quadratic loss."""
+    closure = closure_for(opt, quadratic(weight, bias, inpt), method)
+    with torch.no_grad():
+        initial = float(quadratic(weight, bias, inpt)())
+    for _ in range(20):
+        loss = step(opt, closure)
+        for s in schedulers:
+            s.step(loss) if isinstance(s, ReduceLROnPlateau) else s.step()
+    with torch.no_grad():
+        assert float(quadratic(weight, bias, inpt)()) < initial
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("with_lrsched", [True, False])
 @case("goes_right_direction")
@@ -200,16 +214,7 @@ def test_forloop_goes_right_direction(method, contiguous, with_lrsched):
                 weight, bias = Parameter(torch.randn(10, 5, 2)[..., 0]), Parameter(torch.randn(10, 2)[..., 0])
             inpt = torch.randn(5)
             opt = oi.optim_cls([weight, bias], **inp.kwargs)
-            schedulers = [s(opt) for s in (scheds or [])]
-            closure = closure_for(opt, quadratic(weight, bias, inpt), method)
-            with torch.no_grad():
-                initial = float(quadratic(weight, bias, inpt)())
-            for _ in range(20):
-                loss = step(opt, closure)
-                for s in schedulers:
-                    s.step(loss) if isinstance(s, ReduceLROnPlateau) else s.step()
-            with torch.no_grad():
-                assert float(quadratic(weight, bias, inpt)()) < initial
+            _descends(opt, [s(opt) for s in (scheds or [])], weight, bias, inpt, method)
 
 
 @case("param_group_with_lrscheduler_goes_right_direction")
@@ -220,16 +225,7 @@ def test_param_group_with_lrscheduler_goes_right_direction(method):
         torch.manual_seed(0)
         weight, bias, inpt = Parameter(torch.randn(10, 5)), Parameter(torch.randn(10)), torch.randn(5)
         opt = oi.optim_cls([{"params": [weight]}, {"params": [bias], "lr": 0.01}])
-        schedulers = [s(opt) for s in scheds]
-        closure = closure_for(opt, quadratic(weight, bias, inpt), method)
-        with torch.no_grad():
-            initial = float(quadratic(weight, bias, inpt)())
-        for _ in range(20):
-            loss = step(opt, closure)
-            for s in schedulers:
-                s.step(loss) if isinstance(s, ReduceLROnPlateau) else s.step()
-        with torch.no_grad():
-            assert float(quadratic(weight, bias, inpt)()) < initial
+        _descends(opt, [s(opt) for s in scheds], weight, bias, inpt, method)
 
 
 @case("tensor_lr")
