@@ -39,7 +39,8 @@ def test_slice_path_is_taken_and_order_matters():
     assert torch.equal(adaptive_avg_pool2d(x, 2), F.adaptive_avg_pool2d(x, 2))
 
 
-@pytest.mark.parametrize("case", ["global", "non-uniform", "too-large", "channels-last", "grad", "int"])
+@pytest.mark.parametrize("case", ["global", "non-uniform", "too-large", "channels-last", "grad", "int", "bfloat16",
+                                  "float16"])
 def test_fallbacks_give_pytorch(case, monkeypatch):
     x = torch.randn(4, 3, 8, 8)
     out = (4, 4)
@@ -54,6 +55,8 @@ def test_fallbacks_give_pytorch(case, monkeypatch):
         x = x.contiguous(memory_format=torch.channels_last)
     elif case == "grad":
         x.requires_grad_(True)
+    elif case in ("bfloat16", "float16"):  # PyTorch sums these in float32: slices in their dtype would not
+        x = x.to(getattr(torch, case))
     calls = []
     stock = F.adaptive_avg_pool2d
     monkeypatch.setattr(F, "adaptive_avg_pool2d", lambda *a, **k: calls.append(1) or stock(*a, **k))
