@@ -149,8 +149,8 @@ def run_demo_digits(out_dir: str | os.PathLike = "runs/demo", *, device: str = "
     """The digits quickstart (``make demo``): BPTT with trajectory -> k=20 subspace -> BP-Subspace,
     SZO-CGE, SZO-RGE(q=1), SZO-RGE(q=k/2) from scratch, a continual SZO-CGE run in a last-epochs
     subspace, optionally full-space ZO-CGE (SNN and its ReLU ANN twin, same 2k forwards per step),
-    then the Table 1/3-style report. The runs at SZO-CGE's budget take :data:`DEMO_EPOCHS` epochs. ``seed`` seeds every stage (the BPTT run, hence the subspace,
-    and each SZO run). ``scale``: the subspace runs' ``szo.scale`` (None: the recipes' default,
+    then the Table 1/3-style report. The runs at SZO-CGE's budget take :data:`DEMO_EPOCHS` epochs.
+    ``seed`` seeds every stage (the BPTT run, hence the subspace, and each SZO run). ``scale``: the subspace runs' ``szo.scale`` (None: the recipes' default,
     ``trajectory`` with its mu / lr; ``"absolute"``: the paper's units, :data:`PAPER_UNITS` and the
     hand-tuned SZO-RGE values). Every stage's config is loaded (and so checked) before any work.
     Re-running continues: finished runs are kept (a run directory trained with other settings is
@@ -178,8 +178,8 @@ DEMO_EPOCHS = 10
 
 def _demo_configs(out: Path, device: str, full_space: bool, progress: bool, seed: int,
                   scale: str | None) -> list[tuple[str, RecipeConfig, int]]:
-    """(stage name, config, forwards per epoch: what orders the pool's jobs, longest first) of every demo
-    stage, in the report's order: BPTT, the scratch runs, the continual run."""
+    """(stage name, config, its forwards: forwards per step x epochs, what orders the pool's jobs, longest
+    first) of every demo stage, in the report's order: BPTT, the scratch runs, the continual run."""
     base = [f"subspace.root={(out / 'subspaces').resolve()}", f"progress={str(progress).lower()}", f"device={device}",
             f"seed={seed}"]
 

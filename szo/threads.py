@@ -164,9 +164,9 @@ def time_threads(work: Callable[[], Any], candidates: list[int], *, rounds: int 
                  budget_s: float = 10.0) -> dict[int, float]:
     """Median seconds of one ``work()`` call at each thread count (the median: one slow call of a quiet
     machine, 40 ms among 6 ms ones, made the mean choose one thread where two were 1.16x faster; what
-    busy processes do to more threads is :func:`free_cores`' business, not the timing's): one untimed call first (the one-time
-    costs of a first forward: lazy initialisation, the allocator's first blocks; timed, they made the first
-    candidate look 50x slower and dropped it), one warm-up call per count, then
+    busy processes do to more threads is :func:`free_cores`' business, not the timing's): one untimed
+    call first (a first forward's one-time costs, lazy initialisation and the allocator's first blocks,
+    made the first candidate look 50x slower and dropped it), one warm-up call per count, then
     ``rounds`` rounds that visit every count once (alternating, so each count sees the same machine
     load), fewer rounds (at least 2) when the warm-up says ``budget_s`` would be exceeded. A count whose
     warm-up took more than :data:`DROP` times the fastest warm-up is not timed again (its warm-up is
@@ -259,7 +259,8 @@ def choose_threads(setting: Any, work: Callable[[], Any] | None, *, run_dir: str
     """The run's thread count. ``setting``: ``auto`` or N. ``work``: one forward (or forward and
     backward) of the run's model on one batch, timed at each candidate count when ``auto`` must
     measure. ``resume``: reuse ``run_dir/threads.json`` when the run directory has one. ``not_measured``:
-    why ``auto`` keeps the process's count (a CUDA run, a multi-process run)."""
+    why ``auto`` keeps the process's count (a CUDA run, a multi-process run). ``candidates``: the counts to
+    time (default: 1, 2, 4, ... up to the cores other processes leave free, :func:`free_cores`)."""
     check_threads(setting)
     if setting != "auto":
         return ThreadChoice(int(setting), "setting", setting)
@@ -272,14 +273,12 @@ def choose_threads(setting: Any, work: Callable[[], Any] | None, *, run_dir: str
             return rec
     if not_measured is not None or work is None:
         return ThreadChoice(torch.get_num_threads(), f"not measured: {not_measured or 'nothing to time'}", setting)
-    busy = None
-    if candidates is None:
+    busy, cands = None, candidates
+    if cands is None:
         busy = busy_threads()
         cands = candidate_threads(free_cores(busy))
-    else:
-        cands = candidates
-    if len(cands) == 1:
-        why = "measured" if busy is None or free_cores(busy) == physical_cores() else "measured: 1 core free"
+    if len(cands) == 1:  # nothing to time: one core, or one left free by other processes
+        why = "measured: 1 core free" if busy is not None and cands[0] < physical_cores() else "measured"
         return ThreadChoice(cands[0], why, setting, busy=busy)
     timings = time_threads(work, cands, rounds=rounds)
     return ThreadChoice(_pick(timings), "measured", setting, timings, busy=busy)
