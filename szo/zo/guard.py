@@ -140,12 +140,10 @@ def _compiled(mod: nn.Module) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) else None
 
 
-def _grad_marks(model: nn.Module | None) -> list:
+def _grad_marks(params: list[torch.Tensor]) -> list:
     """Each parameter's ``.grad`` and its version counter (autograd's count of in-place writes): a
     closure that ran ``backward`` changes one."""
-    if model is None:
-        return []
-    return [None if p.grad is None else (p.grad, p.grad._version) for p in model.parameters()]
+    return [None if p.grad is None else (p.grad, p.grad._version) for p in params]
 
 
 def _same_marks(a: list, b: list) -> bool:
@@ -212,12 +210,18 @@ class ProbeGuard:
         self.bn = BNStatsFreezer(model if freeze_bn else None)
         self.random = RandomReplay(model)
         self._watched = False  # the first step's probes were checked
+        self._params: list[torch.Tensor] | None = None  # the model's parameters, listed once per step
 
     # ------------------------------------------------------------------ state
     def begin_step(self) -> None:
-        """At the start of a step's probes: the BN statistics and the random state its forwards start from."""
+        """At the start of a step's probes: the BN statistics and the random state its forwards start from,
+        and the model's parameters (whose ``.grad`` every forward of the step checks), listed once."""
         self.bn.snapshot()
         self.random.snapshot()
+        self._params = self._model_params()
+
+    def _model_params(self) -> list[torch.Tensor]:
+        return [] if self.model is None else list(self.model.parameters())
 
     def reset(self) -> None:
         """Neuron state of the model back to its initial value (SpikingJelly ``reset_net``)."""
@@ -274,14 +278,15 @@ class ProbeGuard:
         """``closure()``, refused in one line (:data:`FORWARD_ONLY_CLOSURE`) if it runs ``backward``:
         under the step's no_grad autograd raises, and with grad enabled inside the closure (Lightning's
         automatic optimization) the model's ``.grad`` change."""
-        before = _grad_marks(self.model)
+        params = self._params if self._params is not None else self._model_params()
+        before = _grad_marks(params)
         try:
             out = closure()
         except RuntimeError as e:
             if _NO_GRAPH in str(e):
                 raise ValueError(FORWARD_ONLY_CLOSURE.format(who=self.who)) from None
             raise
-        if not _same_marks(before, _grad_marks(self.model)):
+        if not _same_marks(before, _grad_marks(params)):
             raise ValueError(FORWARD_ONLY_CLOSURE.format(who=self.who))
         return out
 
